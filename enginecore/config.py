@@ -1,0 +1,99 @@
+"""The one configuration object of a tern server, built by the CLI and passed down to every process.
+
+Frozen dataclasses, validated in __post_init__. Environment variables are read once, here. Per-rank
+copies are made with dataclasses.replace. The model's own shape (layers, heads) is not here: workers
+read it from config.json; the engine core only needs the number of KV-cache blocks, which workers report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def tern_home() -> Path:
+    """Cache directory of converted models and compiled artefacts (TERN_HOME, default ~/.cache/tern)."""
+    return Path(os.environ.get("TERN_HOME") or Path.home() / ".cache" / "tern")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # None: min(model's max_position_embeddings, 32768)
+    served_model_name: str = ""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("--max-model-len must be positive")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_gib: float = 1.0
+    enable_prefix_caching: bool = True
+    # Overrides the count derived from kv_cache_memory_gib (tests use it to force preemption).
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("--block-size must be a power of two")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError("--kv-cache-memory must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("--max-num-seqs must be positive")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-batched-tokens must be positive")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_backend: str | None = None  # None: nccl on GPU, gloo on CPU
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    # Directory of this instance's IPC sockets: unique per server so that instances never collide.
+    ipc_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="tern-"))
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # Seconds a child process has to acknowledge it is ready (model loading included).
+    startup_timeout_s: float = float(os.environ.get("TERN_STARTUP_TIMEOUT", "300"))
+
+    def ipc_path(self, name: str) -> str:
+        return f"ipc://{self.ipc_dir}/{name}"
+
+    def replace(self, **changes: object) -> Config:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,213 @@
+"""Every message that crosses a process boundary in tern, as msgspec structs (msgpack on the wire).
+
+Three links:
+- frontend <-> engine core (ZMQ): a one-byte `RequestType` frame followed by the encoded body going
+  in; `EngineCoreOutputs` coming back.
+- engine core -> workers (shared-memory broadcast, ZMQ fallback for large messages): `WorkerCall`.
+- workers -> engine core (ZMQ): `WorkerReply`.
+
+The engine core and the workers speak token ids only: text, chat templates and stop strings live in
+the frontend. No pickle on any link.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Union
+
+import msgspec
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id, or (decided by the frontend) a stop string
+    LENGTH = "length"  # max_tokens or the context length reached
+    ABORT = "abort"  # the client went away or asked to abort
+    ERROR = "error"  # the engine failed while serving the request
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    """What the engine core and the workers need to know to sample one request's tokens."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: all tokens
+    min_p: float = 0.0
+    # Seeds make sampling reproducible: the noise of output token i depends only on (seed, i), never
+    # on the batch a request shares. Requests without a seed get a random one in the engine core.
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    eos_token_ids: list[int] = []  # from generation_config.json, filled in by the frontend
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 1e-5 or self.top_k == 1
+
+
+# --------------------------------------------------------------------------- frontend <-> core
+
+
+class RequestType(bytes, enum.Enum):
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+
+
+class EngineCoreAbort(msgspec.Struct):
+    request_ids: list[str]
+
+
+class UtilityMethod(str, enum.Enum):
+    """Engine-core calls that are not generation. Replies come back as a `UtilityResult`."""
+
+    GET_STATS = "get_stats"
+
+
+class UtilityCall(msgspec.Struct):
+    call_id: int
+    method: UtilityMethod
+    args: dict[str, Any] = {}
+
+
+class UtilityResult(msgspec.Struct, omit_defaults=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct):
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_preempted_total: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of which found cached
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    utility_results: list[UtilityResult] = []
+    timestamp: float = 0.0
+    # Set when the engine core can no longer serve: the frontend fails everything and reports unhealthy.
+    engine_dead: str | None = None
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    """The engine core's first message to the frontend once its workers are up."""
+
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    model_summary: str
+
+
+class EngineStartupFailed(msgspec.Struct, tag="failed"):
+    """The engine core's first message when it could not start (the process then exits non-zero)."""
+
+    error: str
+
+
+EngineStartup = Union[EngineReady, EngineStartupFailed]
+
+
+# --------------------------------------------------------------------------- core -> workers
+
+
+class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request's share of a step. The worker keeps each request's block table between steps."""
+
+    req_id: str
+    token_ids: list[int]  # the tokens computed this step (a prefill chunk, or one decode token)
+    start_pos: int  # position of token_ids[0] == tokens of this request already in the KV cache
+    new_block_ids: list[int]  # appended to the request's block table
+    # Index of the output token sampled at the end of this step; -1 when a prefill chunk ends before
+    # the prompt does (nothing sampled).
+    sample_index: int
+    # Present the first time a request is scheduled and when it resumes after preemption: the worker
+    # then starts a new block table from new_block_ids.
+    sampling_params: SamplingParams | None = None
+
+
+class SchedulerOutput(msgspec.Struct, omit_defaults=True):
+    step_id: int
+    requests: list[ScheduledRequest] = []
+    finished_req_ids: list[str] = []  # the worker forgets these (finished, aborted or preempted)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+
+class ExecuteModel(msgspec.Struct, tag="execute"):
+    step: SchedulerOutput
+
+
+class InitKVCache(msgspec.Struct, tag="init_kv_cache"):
+    num_blocks: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+WorkerCall = Union[ExecuteModel, InitKVCache, Shutdown]
+
+
+# --------------------------------------------------------------------------- workers -> core
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True):
+    step_id: int
+    req_ids: list[str]  # the requests that sampled this step, in batch order
+    sampled_token_ids: list[int]
+
+
+class WorkerReady(msgspec.Struct, tag="ready"):
+    rank: int
+    num_kv_blocks: int  # blocks that fit in --kv-cache-memory on this rank
+    max_model_len: int
+    vocab_size: int
+    model_summary: str
+
+
+class WorkerResult(msgspec.Struct, tag="result", omit_defaults=True):
+    rank: int
+    output: ModelRunnerOutput | None = None
+    error: str | None = None
+
+
+WorkerReply = Union[WorkerReady, WorkerResult]
+
+
+class Codec:
+    """msgpack encoder/decoder pair for one message type (decoders are typed, so input is validated)."""
+
+    def __init__(self, typ: Any) -> None:
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(typ)
+
+    def encode(self, msg: Any) -> bytes:
+        return self.encoder.encode(msg)
+
+    def decode(self, data: bytes | memoryview) -> Any:
+        return self.decoder.decode(data)

@@ -1,0 +1,65 @@
+"""A request as the engine core sees it: token ids in, token ids out, and how far the KV cache has got.
+
+There is no prefill or decode phase: `num_computed_tokens` catches up to `num_tokens` (prompt plus
+outputs so far). A request whose computed tokens reach the end samples one new token per step.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from enginecore.messages import FinishReason, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens found in the prefix cache at first schedule
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_preemptions = 0
+        # Set when the worker must (re)start this request's state from scratch: first schedule, or resume
+        # after preemption.
+        self.needs_new_state = True
+        # Block hashes of the full blocks of all_token_ids, extended as tokens arrive (prefix caching).
+        self.block_hashes: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

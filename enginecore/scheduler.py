@@ -1,0 +1,209 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recomputation.
+
+Each step: running requests first (decodes and unfinished prefill chunks, oldest first), then waiting
+requests in arrival order (preempted ones at the front), within --max-num-batched-tokens tokens and
+--max-num-seqs sequences. When the pool runs out of blocks, the newest running request is preempted:
+its blocks are freed and it later recomputes prompt + outputs (mostly from the prefix cache), so its
+output is the same as if it had never been interrupted.
+
+The scheduler knows token ids and blocks only; it never sees text or tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from enginecore.config import Config
+from enginecore.kv_cache_manager import KVCacheManager
+from enginecore.messages import (
+    EngineCoreOutput,
+    FinishReason,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from enginecore.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: Config, num_kv_blocks: int, max_model_len: int) -> None:
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_size = config.cache.block_size
+        self.kv = KVCacheManager(
+            num_kv_blocks, self.block_size, config.cache.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_req_ids: list[str] = []  # to tell the workers at the next step
+        self._step_id = 0
+        self.num_preempted_total = 0
+
+    # ----------------------------------------------------------------------------- requests in and out
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # already finished: its output is on its way
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, FinishReason.ABORT)
+            outputs.append(EngineCoreOutput(request_id, [], FinishReason.ABORT))
+        return outputs
+
+    def fail_all(self, error: str) -> list[EngineCoreOutput]:
+        """Ends every request with an error (the workers can no longer serve)."""
+        outputs = []
+        for request in list(self.requests.values()):
+            self._finish(request, FinishReason.ERROR)
+            outputs.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=error))
+        self.running.clear()
+        self.waiting.clear()
+        return outputs
+
+    @property
+    def has_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ----------------------------------------------------------------------------- one step
+
+    def schedule(self) -> SchedulerOutput:
+        self._step_id += 1
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, request.request_id
+            while (new_block_ids := self.kv.allocate_slots(request, num_new)) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                break  # request preempted itself: everything after it is gone too
+            scheduled.append(self._schedule_chunk(request, num_new, new_block_ids))
+            budget -= num_new
+            i += 1
+
+        # A step that had to preempt admits nobody new: the pool is the bottleneck.
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            request = self.waiting[0]
+            cached_blocks, num_cached = self.kv.find_cached_prefix(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            new_block_ids = self.kv.allocate_slots(request, num_new, cached_blocks)
+            if new_block_ids is None:
+                break
+            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            self.running.append(request)
+            scheduled.append(self._schedule_chunk(request, num_new, new_block_ids))
+            budget -= num_new
+
+        finished, self._finished_req_ids = self._finished_req_ids, []
+        return SchedulerOutput(self._step_id, scheduled, finished)
+
+    def _schedule_chunk(self, request: Request, num_new: int, new_block_ids: list[int]) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        request.num_computed_tokens = end
+        is_new = request.needs_new_state
+        request.needs_new_state = False
+        return ScheduledRequest(
+            req_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_pos=start,
+            new_block_ids=new_block_ids,
+            sample_index=request.num_output_tokens if end == request.num_tokens else -1,
+            sampling_params=request.sampling_params if is_new else None,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.needs_new_state = True
+        request.num_preemptions += 1
+        self.num_preempted_total += 1
+        self._finished_req_ids.append(request.request_id)  # the worker drops its stale block table
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, step: SchedulerOutput, output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Appends sampled tokens, finishes requests that stop, and returns what the frontend must see."""
+        assert output.step_id == step.step_id, (output.step_id, step.step_id)
+        outputs = []
+        for request_id, token_id in zip(output.req_ids, output.sampled_token_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            request.append_output_token(token_id)
+            finish_reason = self._check_stop(request, token_id)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id, [token_id], finish_reason, num_cached_tokens=request.num_cached_tokens
+                )
+            )
+            if finish_reason is not None:
+                self.running.remove(request)
+                self._finish(request, finish_reason)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in params.eos_token_ids:
+                return FinishReason.STOP
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if not request.needs_new_state:  # the worker holds state for it
+            self._finished_req_ids.append(request.request_id)
+
+    # ----------------------------------------------------------------------------- introspection
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_preempted_total=self.num_preempted_total,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_total_blocks,
+            block_size=self.block_size,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+        )

@@ -1,0 +1,223 @@
+"""Scheduler, KV-cache manager and block pool against a simulated paged model.
+
+`PagedToyModel` behaves like a worker: it writes every fed token into its block (by the block table the
+scheduler sent) and derives the next token from the context it *reads back from the blocks*. So a wrong
+block table, a reused block with the wrong content, or a token fed twice changes the output — which must
+be identical with prefix caching on/off, with preemption, and with every prefill chunked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+
+from enginecore.config import CacheConfig, Config, ModelConfig, SchedulerConfig
+from enginecore.messages import (
+    FinishReason,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+)
+from enginecore.request import Request
+from enginecore.scheduler import Scheduler
+
+VOCAB = 1000
+
+
+class PagedToyModel:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.tables: dict[str, list[int]] = {}
+
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in step.finished_req_ids:
+            self.tables.pop(req_id, None)
+        # Write every token of the batch first (as each attention layer does), then read.
+        for r in step.requests:
+            if r.sampling_params is not None:
+                self.tables[r.req_id] = []
+            self.tables[r.req_id].extend(r.new_block_ids)
+            table = self.tables[r.req_id]
+            for i, tok in enumerate(r.token_ids):
+                pos = r.start_pos + i
+                self.slots[table[pos // self.block_size]][pos % self.block_size] = tok
+        req_ids, sampled = [], []
+        for r in step.requests:
+            if r.sample_index < 0:
+                continue
+            end = r.start_pos + len(r.token_ids)
+            table = self.tables[r.req_id]
+            context = [self.slots[table[p // self.block_size]][p % self.block_size] for p in range(end)]
+            assert None not in context
+            digest = hashlib.sha256(repr(context).encode()).digest()
+            req_ids.append(r.req_id)
+            sampled.append(int.from_bytes(digest[:4], "little") % VOCAB)
+        return ModelRunnerOutput(step.step_id, req_ids, sampled)
+
+
+def make_config(**sched: int) -> tuple[Config, int]:
+    num_blocks = sched.pop("num_blocks", 256)
+    caching = bool(sched.pop("prefix_caching", 1))
+    cfg = Config(
+        model=ModelConfig(path="unused"),
+        cache=CacheConfig(block_size=4, enable_prefix_caching=caching),
+        scheduler=SchedulerConfig(**sched),
+    )
+    return cfg, num_blocks
+
+
+def run(prompts: list[list[int]], max_tokens: int = 12, max_steps: int = 5000, **kw: int):
+    cfg, num_blocks = make_config(**kw)
+    sched = Scheduler(cfg, num_blocks, max_model_len=num_blocks * 4)
+    model = PagedToyModel(num_blocks, 4)
+    for i, p in enumerate(prompts):
+        params = SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True)
+        sched.add_request(Request(f"r{i}", p, params))
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    finish: dict[str, FinishReason] = {}
+    cached: dict[str, int] = {}
+    for _ in range(max_steps):
+        if not sched.has_requests:
+            break
+        step = sched.schedule()
+        assert step.num_tokens <= cfg.scheduler.max_num_batched_tokens
+        assert len(step.requests) <= cfg.scheduler.max_num_seqs
+        for out in sched.update_from_output(step, model.execute(step)):
+            outputs[out.request_id] += out.new_token_ids
+            cached[out.request_id] = out.num_cached_tokens
+            if out.finish_reason is not None:
+                finish[out.request_id] = out.finish_reason
+    assert not sched.has_requests, "requests did not finish"
+    assert sched.kv.num_free_blocks == num_blocks
+    return outputs, finish, cached, sched
+
+
+def prompts_of(n: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(VOCAB) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+def test_outputs_are_independent_of_scheduling_choices():
+    prompts = prompts_of(8, shared_prefix=9)
+    ref, finish, _, _ = run(prompts, prefix_caching=0)
+    assert all(f == FinishReason.LENGTH for f in finish.values())
+    assert all(len(v) == 12 for v in ref.values())
+    assert run(prompts, prefix_caching=1)[0] == ref
+    assert run(prompts, max_num_batched_tokens=5)[0] == ref  # every prefill chunked
+    assert run(prompts, max_num_seqs=2)[0] == ref
+    out, _, _, sched = run(prompts, num_blocks=16)  # 64 token slots for 8 x up to 61 tokens
+    assert sched.num_preempted_total > 0
+    assert out == ref
+    out, _, _, sched = run(prompts, num_blocks=16, max_num_batched_tokens=7, prefix_caching=0)
+    assert sched.num_preempted_total > 0
+    assert out == ref
+
+
+def test_repeated_prompt_hits_prefix_cache():
+    cfg, num_blocks = make_config()
+    sched = Scheduler(cfg, num_blocks, max_model_len=1024)
+    model = PagedToyModel(num_blocks, 4)
+    prompt = list(range(1, 19))  # 18 tokens: 4 full blocks
+    results = []
+    for i in range(2):
+        sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=3, seed=0)))
+        tokens, cached = [], None
+        while sched.has_requests:
+            step = sched.schedule()
+            for out in sched.update_from_output(step, model.execute(step)):
+                tokens += out.new_token_ids
+                cached = out.num_cached_tokens
+        results.append((tokens, cached))
+    assert results[0][1] == 0
+    assert results[1][1] == 16
+    assert results[0][0] == results[1][0]
+    stats = sched.stats()
+    assert stats.prefix_cache_queries == 36 and stats.prefix_cache_hits == 16
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    cfg, num_blocks = make_config()
+    sched = Scheduler(cfg, num_blocks, max_model_len=1024)
+    model = PagedToyModel(num_blocks, 4)
+    prompt = list(range(1, 17))  # exactly 4 blocks
+    for i in range(2):
+        sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=2, seed=0)))
+        while sched.has_requests:
+            step = sched.schedule()
+            if i == 1 and step.requests and step.requests[0].sampling_params is not None:
+                assert step.requests[0].start_pos == 12
+                assert step.requests[0].token_ids == [13, 14, 15, 16]
+            sched.update_from_output(step, model.execute(step))
+
+
+def test_abort_frees_blocks_at_once():
+    cfg, num_blocks = make_config()
+    sched = Scheduler(cfg, num_blocks, max_model_len=1024)
+    model = PagedToyModel(num_blocks, 4)
+    for i, p in enumerate(prompts_of(4)):
+        sched.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=50, seed=i)))
+    step = sched.schedule()
+    sched.update_from_output(step, model.execute(step))
+    assert sched.kv.num_free_blocks < num_blocks
+    outs = sched.abort_requests(["r0", "r1", "r2", "r3", "unknown"])
+    assert [o.finish_reason for o in outs] == [FinishReason.ABORT] * 4
+    assert sched.kv.num_free_blocks == num_blocks
+    assert not sched.has_requests
+    assert sorted(sched.schedule().finished_req_ids) == ["r0", "r1", "r2", "r3"]
+
+
+@pytest.mark.parametrize("stop", ["eos", "stop_token", "max_tokens", "context"])
+def test_stop_conditions(stop: str):
+    cfg, num_blocks = make_config()
+    prompt = [5, 6, 7]
+    ref, _, _, _ = run([prompt], max_tokens=20)
+    first = ref["r0"][3]
+    params = SamplingParams(max_tokens=20, seed=0)
+    max_model_len = 1024
+    if stop == "eos":
+        params.eos_token_ids = [first]
+    elif stop == "stop_token":
+        params.stop_token_ids = [first]
+    elif stop == "max_tokens":
+        params.max_tokens = 4
+    else:
+        max_model_len = len(prompt) + 4
+    sched = Scheduler(cfg, num_blocks, max_model_len=max_model_len)
+    model = PagedToyModel(num_blocks, 4)
+    sched.add_request(Request("r0", prompt, params))
+    tokens, reason = [], None
+    while sched.has_requests:
+        step = sched.schedule()
+        for out in sched.update_from_output(step, model.execute(step)):
+            tokens += out.new_token_ids
+            reason = out.finish_reason
+    assert tokens == ref["r0"][:4]
+    expected = FinishReason.STOP if stop in ("eos", "stop_token") else FinishReason.LENGTH
+    assert reason == expected
+
+
+def test_ignore_eos_and_min_tokens():
+    prompt = [5, 6, 7]
+    ref, _, _, _ = run([prompt], max_tokens=8)
+    first = ref["r0"][0]
+    cfg, num_blocks = make_config()
+    ignore = SamplingParams(max_tokens=8, seed=0, eos_token_ids=[first], ignore_eos=True)
+    min_tokens = SamplingParams(max_tokens=8, seed=0, stop_token_ids=[first], min_tokens=2)
+    for params in (ignore, min_tokens):
+        sched = Scheduler(cfg, num_blocks, max_model_len=1024)
+        model = PagedToyModel(num_blocks, 4)
+        sched.add_request(Request("r0", prompt, params))
+        tokens = []
+        while sched.has_requests:
+            step = sched.schedule()
+            for out in sched.update_from_output(step, model.execute(step)):
+                tokens += out.new_token_ids
+        # The toy model's text does not depend on stop settings, so only the length can differ.
+        expected_len = 8 if params is ignore else next(
+            (i + 1 for i, t in enumerate(ref["r0"]) if t == first and i + 1 >= 2), 8
+        )
+        assert tokens == ref["r0"][:expected_len]
