@@ -13,7 +13,7 @@ the frontend. No pickle on any link.
 from __future__ import annotations
 
 import enum
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -127,7 +127,7 @@ class EngineStartupFailed(msgspec.Struct, tag="failed"):
     error: str
 
 
-EngineStartup = Union[EngineReady, EngineStartupFailed]
+EngineStartup = EngineReady | EngineStartupFailed
 
 
 # --------------------------------------------------------------------------- core -> workers
@@ -170,7 +170,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-WorkerCall = Union[ExecuteModel, InitKVCache, Shutdown]
+WorkerCall = ExecuteModel | InitKVCache | Shutdown
 
 
 # --------------------------------------------------------------------------- workers -> core
@@ -196,7 +196,7 @@ class WorkerResult(msgspec.Struct, tag="result", omit_defaults=True):
     error: str | None = None
 
 
-WorkerReply = Union[WorkerReady, WorkerResult]
+WorkerReply = WorkerReady | WorkerResult
 
 
 class Codec:

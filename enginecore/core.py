@@ -1,0 +1,74 @@
+"""EngineCore: one scheduling step at a time, with no sockets (core_proc.py is the process around it).
+
+step() = schedule -> execute on the workers -> update request state. Used directly by tests and
+scripts/bench_step.py with an in-process executor.
+"""
+
+from __future__ import annotations
+
+import random
+
+from enginecore.config import Config
+from enginecore.executor import Executor
+from enginecore.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
+from enginecore.request import Request
+from enginecore.scheduler import Scheduler
+
+
+class EngineCore:
+    def __init__(self, config: Config, executor: Executor) -> None:
+        self.config = config
+        self.executor = executor
+        self.max_model_len = executor.max_model_len
+        self.scheduler = Scheduler(config, executor.num_kv_blocks, self.max_model_len)
+        self._rng = random.Random()
+
+    def add_request(self, req: EngineCoreRequest) -> list[EngineCoreOutput]:
+        """Queues a request. Returns an error output at once for a request that cannot be served."""
+        error = self._validate(req)
+        if error is not None:
+            return [EngineCoreOutput(req.request_id, [], FinishReason.ERROR, error=error)]
+        params = req.sampling_params
+        if params.seed is None:
+            params.seed = self._rng.getrandbits(63)
+        request = Request(req.request_id, req.prompt_token_ids, params, req.arrival_time or None)
+        self.scheduler.add_request(request)
+        return []
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_requests:
+            return []
+        step = self.scheduler.schedule()
+        if not step.requests:
+            return []
+        output = self.executor.execute_model(step)
+        return self.scheduler.update_from_output(step, output)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def _validate(self, req: EngineCoreRequest) -> str | None:
+        if req.request_id in self.scheduler.requests:
+            return f"duplicate request id {req.request_id!r}"
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.max_model_len:
+            return f"the prompt has {n} tokens; the context length is {self.max_model_len}"
+        if req.sampling_params.max_tokens < 1:
+            return "max_tokens must be at least 1"
+        vocab = self.executor.vocab_size
+        if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
+            return f"prompt token ids must be in [0, {vocab})"
+        return None

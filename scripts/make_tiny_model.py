@@ -1,0 +1,148 @@
+"""Build a tiny random-weight Hugging Face checkpoint for tests: `make_tiny_model(arch, out_dir)`.
+
+Three flavours, each exercising a different path of the worker's model code:
+- "llama": tied embeddings, llama3 rope scaling, config.json in transformers-5 style
+  (`rope_parameters`);
+- "qwen2": untied embeddings, bias on q/k/v, linear rope scaling, config.json rewritten in
+  transformers-4 style (`rope_theta` + `rope_scaling`);
+- "qwen3": q/k RMSNorm, head_dim (32) != hidden_size / heads (16).
+All have hidden size 64, 4 heads / 2 KV heads, and vocab 49152 with the tokenizer files of
+`tokenizer_dir` copied in, else vocab 512 and no tokenizer.
+
+CLI: python scripts/make_tiny_model.py ARCH OUT_DIR [--tokenizer-dir DIR] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "added_tokens.json",
+)
+ARCHS = ("llama", "qwen2", "qwen3")
+# Random weights of the usual scale (0.02) give near-uniform logits whose argmax ties break
+# differently in any two implementations; larger weights give decisive, varied greedy outputs.
+INIT_STD = 0.25
+
+
+def _config_kwargs(arch: str, vocab_size: int) -> dict[str, Any]:
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": INIT_STD,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    if arch == "llama":
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        return {
+            **common,
+            "num_hidden_layers": 3,
+            "tie_word_embeddings": True,
+            "rope_parameters": rope,
+        }
+    if arch == "qwen2":
+        return {
+            **common,
+            "num_hidden_layers": 2,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+        }
+    if arch == "qwen3":
+        return {
+            **common,
+            "num_hidden_layers": 4,
+            "head_dim": 32,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        }
+    raise ValueError(f"unknown tiny architecture {arch!r} (one of {ARCHS})")
+
+
+def _to_transformers4_style(config_path: Path) -> None:
+    """Rewrite rope_parameters as top-level rope_theta plus rope_scaling {type, factor}."""
+    cfg = json.loads(config_path.read_text())
+    rope = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    rope_type = rope.pop("rope_type")
+    cfg["rope_scaling"] = None if rope_type == "default" else {"type": rope_type, **rope}
+    config_path.write_text(json.dumps(cfg, indent=2))
+
+
+def make_tiny_model(
+    arch: str, out_dir: Path, tokenizer_dir: Path | None = None, seed: int = 0
+) -> Path:
+    """Write a random tiny `arch` checkpoint to out_dir (created) and return out_dir."""
+    import torch
+    import transformers
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab_size = 49152 if tokenizer_dir is not None else 512
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }.get(arch, (None, None))
+    if config_class is None:
+        raise ValueError(f"unknown tiny architecture {arch!r} (one of {ARCHS})")
+    config = config_class(**_config_kwargs(arch, vocab_size))
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.float32)
+    with torch.no_grad():  # norms start at 1.0: perturb them so a wrong norm weight shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, INIT_STD)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if arch == "qwen2":
+        _to_transformers4_style(out_dir / "config.json")
+
+    generation_config = {"bos_token_id": 1, "eos_token_id": 2}
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy(Path(tokenizer_dir) / name, out_dir / name)
+        source = Path(tokenizer_dir) / "generation_config.json"
+        if source.is_file():
+            generation_config = json.loads(source.read_text())
+    (out_dir / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("arch", choices=ARCHS)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--tokenizer-dir", type=Path, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(make_tiny_model(args.arch, args.out_dir, args.tokenizer_dir, args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Shared pytest fixtures: tiny random-weight checkpoints of each supported architecture.
+
+The checkpoints borrow the default model's tokenizer (vocab 49152) when that model has been
+prepared, so tests that go through text can use them; otherwise they have a 512-token vocabulary
+and no tokenizer. Torch runs on few threads: the machine's cores are shared.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+torch.set_num_threads(1)
+
+
+def _load_make_tiny_model():
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_model", ROOT / "scripts/make_tiny_model.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_tiny_model
+
+
+make_tiny_model = _load_make_tiny_model()
+
+
+def _prepared_tokenizer_dir() -> Path | None:
+    """The default model's directory when it is prepared (it holds the tokenizer), else None."""
+    try:
+        from frontend.model_prep import default_model_dir, is_complete
+    except ImportError:
+        return None
+    model_dir = Path(default_model_dir())
+    return model_dir if is_complete(model_dir) else None
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path | None:
+    return _prepared_tokenizer_dir()
+
+
+def _tiny(arch: str, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
+    return make_tiny_model(arch, tmp_path_factory.mktemp(f"tiny_{arch}"), tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
+    """Llama: tied embeddings, llama3 rope scaling, transformers-5 style config.json."""
+    return _tiny("llama", tmp_path_factory, tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
+    """Qwen2: untied embeddings, q/k/v bias, linear rope scaling, transformers-4 style config.json."""
+    return _tiny("qwen2", tmp_path_factory, tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
+    """Qwen3: q/k norm, head_dim from config.json."""
+    return _tiny("qwen3", tmp_path_factory, tokenizer_dir)

@@ -1,0 +1,185 @@
+"""Causal attention with grouped KV heads over the paged KV cache.
+
+Each step the model runner builds one `AttentionMetadata` for the whole batch (prefill chunks and
+decodes mixed) and passes it into `forward`. Every attention layer then
+1. writes this step's K/V into its cache at `slot_mapping` (slot = block * block_size + offset), and
+2. attends each sequence's queries over that sequence's whole context, gathered from the cache
+   through its block table.
+Step 2 is batched: sequences are split into at most two groups (single-token decodes and the rest)
+and each group is padded to (G, max_q) queries x (G, max_ctx) keys with a boolean mask, so one
+`scaled_dot_product_attention` call serves a group. Gather indices and masks are computed once per
+step in `build_attention_metadata` and shared by all layers. The cache layout of one layer is
+(2, num_blocks, block_size, num_kv_heads, head_dim).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended by one padded SDPA call."""
+
+    q_gather: torch.Tensor  # (G * max_q,) flat token index of each padded query row (pads -> 0)
+    q_rows: torch.Tensor  # (N,) padded rows that hold real queries ...
+    q_tokens: torch.Tensor  # (N,) ... and the flat token each of them is
+    kv_slots: torch.Tensor  # (G, max_ctx) cache slot of each context position (pads -> 0)
+    mask: torch.Tensor  # (G, 1, max_q, max_ctx) True where the query may attend the key
+    max_q: int
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one step's batch; built by the model runner."""
+
+    positions: torch.Tensor  # (T,) position of each token in its sequence
+    slot_mapping: torch.Tensor  # (T,) cache slot where each token's K/V is written
+    query_start_loc: torch.Tensor  # (B + 1,) offsets of each sequence's tokens in the flat batch
+    context_lens: torch.Tensor  # (B,) tokens in the cache after this step, per sequence
+    block_tables: torch.Tensor  # (B, max_blocks) int32, padded with 0
+    groups: list[AttentionGroup]
+
+
+def build_attention_metadata(
+    start_pos: list[int],
+    query_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Positions, slots, and per-group gather indices and masks for one step."""
+    num_seqs = len(query_lens)
+    context_lens = [s + q for s, q in zip(start_pos, query_lens)]
+    max_blocks = max(len(bt) for bt in block_tables)
+    tables = torch.tensor(
+        [bt + [0] * (max_blocks - len(bt)) for bt in block_tables], dtype=torch.int64
+    )  # (B, max_blocks)
+    q_lens = torch.tensor(query_lens, dtype=torch.int64)
+    starts = torch.tensor(start_pos, dtype=torch.int64)
+    query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int64)
+    torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # (T,)
+    positions = (
+        starts[seq_of_token]
+        + torch.arange(int(query_start_loc[-1]))
+        - (query_start_loc[seq_of_token])
+    )
+    slot_mapping = _slots(tables[seq_of_token], positions.unsqueeze(-1), block_size).squeeze(-1)
+
+    is_decode = [q == 1 for q in query_lens]
+    groups = []
+    for want_decode in (True, False):
+        seqs = [i for i in range(num_seqs) if is_decode[i] == want_decode]
+        if seqs:
+            groups.append(
+                _build_group(
+                    seqs, query_lens, context_lens, tables, starts, query_start_loc, block_size
+                )
+            )
+    return AttentionMetadata(
+        positions=positions.to(device),
+        slot_mapping=slot_mapping.to(device),
+        query_start_loc=query_start_loc.to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int64, device=device),
+        block_tables=tables.to(device=device, dtype=torch.int32),
+        groups=[_to_device(g, device) for g in groups],
+    )
+
+
+def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots (R, n) of positions (R, n), each row read through block table row (R, blocks)."""
+    blocks = tables.gather(-1, positions // block_size)
+    return blocks * block_size + positions % block_size
+
+
+def _build_group(
+    seqs: list[int],
+    query_lens: list[int],
+    context_lens: list[int],
+    tables: torch.Tensor,
+    starts: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+) -> AttentionGroup:
+    idx = torch.tensor(seqs, dtype=torch.int64)
+    max_q = max(query_lens[i] for i in seqs)
+    max_ctx = max(context_lens[i] for i in seqs)
+    q_len = torch.tensor([query_lens[i] for i in seqs], dtype=torch.int64)  # (G,)
+    ctx_len = torch.tensor([context_lens[i] for i in seqs], dtype=torch.int64)
+    q_off = torch.arange(max_q)  # (max_q,)
+    q_valid = q_off[None, :] < q_len[:, None]  # (G, max_q)
+    q_tok = query_start_loc[idx][:, None] + q_off[None, :]
+    q_gather = torch.where(q_valid, q_tok, 0).flatten()
+    q_rows = q_valid.flatten().nonzero().squeeze(-1)
+
+    kv_pos = torch.arange(max_ctx)  # (max_ctx,)
+    kv_valid = kv_pos[None, :] < ctx_len[:, None]  # (G, max_ctx)
+    group_tables = tables[idx]  # (G, max_blocks)
+    kv_pos_clamped = torch.minimum(kv_pos[None, :], ctx_len[:, None] - 1)
+    kv_slots = torch.where(kv_valid, _slots(group_tables, kv_pos_clamped, block_size), 0)
+    # Query i of a sequence sits at position start + i and sees keys 0..start + i (causal).
+    q_pos = starts[idx][:, None] + q_off[None, :]  # (G, max_q)
+    mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # (G, max_q, max_ctx)
+    mask &= kv_valid[:, None, :]
+    # Padded query rows must not be fully masked (SDPA would produce NaN); they are discarded.
+    mask[:, :, 0] |= ~q_valid
+    return AttentionGroup(
+        q_gather=q_gather,
+        q_rows=q_rows,
+        q_tokens=q_gather[q_rows],
+        kv_slots=kv_slots,
+        mask=mask.unsqueeze(1),
+        max_q=max_q,
+    )
+
+
+def _to_device(g: AttentionGroup, device: torch.device) -> AttentionGroup:
+    return AttentionGroup(
+        q_gather=g.q_gather.to(device),
+        q_rows=g.q_rows.to(device),
+        q_tokens=g.q_tokens.to(device),
+        kv_slots=g.kv_slots.to(device),
+        mask=g.mask.to(device),
+        max_q=g.max_q,
+    )
+
+
+class Attention(nn.Module):
+    """Paged causal attention of one layer; `kv_cache` is assigned by the model runner."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.kv_cache = torch.empty(0)  # (2, num_blocks, block_size, Hkv, D) once allocated
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q (T, H, D), k and v (T, Hkv, D) -> (T, H, D)."""
+        if self.kv_cache.numel() == 0:
+            raise RuntimeError("the KV cache is not allocated: call init_kv_cache first")
+        k_cache = self.kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)  # (slots, Hkv, D)
+        v_cache = self.kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        for g in meta.groups:  # at most two: decodes, then prefill chunks
+            num = g.mask.size(0)
+            qg = q[g.q_gather].view(num, g.max_q, self.num_heads, self.head_dim).transpose(1, 2)
+            kg = k_cache[g.kv_slots].transpose(1, 2)  # (G, Hkv, max_ctx, D)
+            vg = v_cache[g.kv_slots].transpose(1, 2)
+            og = F.scaled_dot_product_attention(
+                qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True
+            )  # (G, H, max_q, D)
+            og = og.transpose(1, 2).reshape(num * g.max_q, self.num_heads, self.head_dim)
+            out[g.q_tokens] = og[g.q_rows]
+        return out

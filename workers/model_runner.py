@@ -1,0 +1,265 @@
+"""Runs the model for one scheduler step: flat batch in, one forward pass, sampled tokens out.
+
+The model runner owns the model, the paged KV cache and, per request, the block table and sampling
+parameters the engine core sent when it scheduled the request. It knows nothing about scheduling,
+stop conditions or text. Each step it
+1. forgets finished requests, starts or extends the block tables of the scheduled ones;
+2. flattens every scheduled token (prefill chunks and decodes mixed) into one batch and builds the
+   attention metadata (positions, cache slots, block tables, gather indices) for it;
+3. runs the model once and the LM head only on the last token of the requests that sample;
+4. samples those rows and returns the tokens in batch order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from enginecore.config import Config
+from enginecore.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from workers.distributed import ParallelContext
+from workers.layers.attention import Attention, build_attention_metadata
+from workers.layers.sampler import Sampler, SamplingTensors
+from workers.models.registry import build_model, load_model_args
+from workers.weight_loader import load_checkpoint
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULT_MAX_MODEL_LEN = 32768
+
+
+def default_device(rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """ "auto" is bfloat16 where the device computes it fast, else float32."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        fast_bf16 = torch.cuda.is_bf16_supported()
+    else:
+        fast_bf16 = device.type == "cpu" and _cpu_has_fast_bf16()
+    return torch.bfloat16 if fast_bf16 else torch.float32
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@dataclass
+class _RequestState:
+    block_table: list[int]
+    sampling_params: SamplingParams
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: Config,
+        rank: int = 0,
+        device: torch.device | None = None,
+        parallel: ParallelContext | None = None,
+    ) -> None:
+        if parallel is None:
+            if config.parallel.world_size > 1:
+                raise ValueError("a multi-rank ModelRunner needs its ParallelContext")
+            parallel = ParallelContext.single()
+        self.config = config
+        self.rank = rank
+        self.parallel = parallel
+        self.device = device or default_device(rank)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.block_size = config.cache.block_size
+        self.args = load_model_args(config.model.path)
+        self.model: torch.nn.Module | None = None
+        self.attn_layers: list[Attention] = []
+        self.kv_cache: torch.Tensor | None = None
+        self.num_kv_blocks = 0
+        self.requests: dict[str, _RequestState] = {}
+        self.sampler = Sampler()
+
+    # ------------------------------------------------------------------ set-up
+
+    def load_model(self) -> None:
+        with _default_dtype(self.dtype), self.device:
+            model = build_model(self.args, self.parallel)
+        load_checkpoint(model, self.config.model.path)
+        self.model = model.eval()
+        self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        logger.info("loaded %s", self.model_summary)
+
+    def _kv_heads_per_rank(self) -> int:
+        return (
+            self.attn_layers[0].num_kv_heads
+            if self.attn_layers
+            else max(1, self.args.num_key_value_heads // self.parallel.tp_size)
+        )
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """K and V of one block over all layers of this rank's KV heads."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = 2 * self.block_size * self._kv_heads_per_rank() * self.args.head_dim * elem
+        return per_layer * self.args.num_hidden_layers
+
+    def num_kv_blocks_for_memory(self) -> int:
+        if self.config.cache.num_gpu_blocks_override is not None:
+            return self.config.cache.num_gpu_blocks_override
+        budget = int(self.config.cache.kv_cache_memory_gib * (1 << 30))
+        return budget // self.kv_cache_bytes_per_block()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate (layers, 2, num_blocks, block_size, Hkv, D) and hand each layer its slice."""
+        if self.model is None:
+            raise RuntimeError("load_model must run before init_kv_cache")
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, not {num_blocks}")
+        shape = (
+            len(self.attn_layers),
+            2,
+            num_blocks,
+            self.block_size,
+            self._kv_heads_per_rank(),
+            self.args.head_dim,
+        )
+        # NOTE: zeros, not empty: masked-out keys are still multiplied, and NaN * 0 is NaN.
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
+            layer.kv_cache = self.kv_cache[i]
+        self.num_kv_blocks = num_blocks
+        self.requests.clear()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def max_model_len(self) -> int:
+        limit = self.config.model.max_model_len or _DEFAULT_MAX_MODEL_LEN
+        return min(self.args.max_position_embeddings, limit)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
+    @property
+    def model_summary(self) -> str:
+        a = self.args
+        params = ""
+        if self.model is not None:
+            num = sum(p.numel() for p in self.model.parameters())
+            scope = "" if self.parallel.tp_size == 1 else " on this rank"
+            params = f", {num / 1e6:.1f}M params{scope}"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"{a.architecture}: {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
+            f"{a.num_attention_heads} heads / {a.num_key_value_heads} KV heads{params}, {dtype}"
+        )
+
+    # ------------------------------------------------------------------ the step
+
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        output, _ = self._execute(step, want_logprobs=False)
+        return output
+
+    def execute_model_with_logprobs(
+        self, step: SchedulerOutput
+    ) -> tuple[ModelRunnerOutput, torch.Tensor]:
+        """Also returns log_softmax of the raw logits (before temperature) of the rows that sampled,
+        (N, vocab) float32 on the CPU, in the order of `req_ids`."""
+        output, logprobs = self._execute(step, want_logprobs=True)
+        assert logprobs is not None
+        return output, logprobs
+
+    def _update_states(self, step: SchedulerOutput) -> None:
+        for req_id in step.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for r in step.requests:
+            if r.sampling_params is not None:  # first schedule, or resumed after preemption
+                self.requests[r.req_id] = _RequestState(list(r.new_block_ids), r.sampling_params)
+            elif r.req_id in self.requests:
+                self.requests[r.req_id].block_table.extend(r.new_block_ids)
+            else:
+                raise ValueError(
+                    f"request {r.req_id!r} scheduled without sampling params, "
+                    "but the worker has no state for it"
+                )
+
+    def _validate(self, step: SchedulerOutput) -> None:
+        for r in step.requests:
+            table = self.requests[r.req_id].block_table
+            end = r.start_pos + len(r.token_ids)
+            if not r.token_ids:
+                raise ValueError(f"request {r.req_id!r} scheduled with no tokens")
+            if end > self.max_model_len:
+                raise ValueError(
+                    f"request {r.req_id!r} reaches {end} tokens, beyond "
+                    f"max_model_len {self.max_model_len}"
+                )
+            if end > len(table) * self.block_size:
+                raise ValueError(
+                    f"request {r.req_id!r} needs {end} slots, its block table has "
+                    f"{len(table)} blocks of {self.block_size}"
+                )
+            if any(not 0 <= b < self.num_kv_blocks for b in r.new_block_ids):
+                raise ValueError(f"request {r.req_id!r} has a block id outside the KV cache")
+
+    @torch.inference_mode()
+    def _execute(
+        self, step: SchedulerOutput, want_logprobs: bool
+    ) -> tuple[ModelRunnerOutput, torch.Tensor | None]:
+        if self.model is None or self.kv_cache is None:
+            raise RuntimeError("the model and the KV cache must be initialised before a step")
+        self._update_states(step)
+        reqs = step.requests
+        if not reqs:
+            return ModelRunnerOutput(step.step_id, [], []), None
+        self._validate(step)
+
+        input_ids = torch.tensor(
+            [t for r in reqs for t in r.token_ids], dtype=torch.int64, device=self.device
+        )
+        meta = build_attention_metadata(
+            [r.start_pos for r in reqs],
+            [len(r.token_ids) for r in reqs],
+            [self.requests[r.req_id].block_table for r in reqs],
+            self.block_size,
+            self.device,
+        )
+        hidden = self.model(input_ids, meta)  # (T, hidden)
+
+        sampling = [i for i, r in enumerate(reqs) if r.sample_index >= 0]
+        if not sampling:
+            return ModelRunnerOutput(step.step_id, [], []), None
+        last_rows = meta.query_start_loc[1:][sampling] - 1
+        logits = self.model.compute_logits(hidden[last_rows]).float()  # (N, vocab)
+        tensors = SamplingTensors.from_params(
+            [self.requests[reqs[i].req_id].sampling_params for i in sampling],
+            [reqs[i].sample_index for i in sampling],
+            logits.size(-1),
+            self.device,
+        )
+        tokens = self.sampler(logits, tensors).tolist()
+        output = ModelRunnerOutput(step.step_id, [reqs[i].req_id for i in sampling], tokens)
+        logprobs = logits.log_softmax(dim=-1).cpu() if want_logprobs else None
+        return output, logprobs

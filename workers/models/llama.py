@@ -1,0 +1,148 @@
+"""Llama decoder (LlamaForCausalLM) in plain torch, built from the tensor-parallel layers.
+
+The same blocks serve Qwen2 (bias on q/k/v) and Qwen3 (per-head RMSNorm on q and k): the variants
+are constructor arguments, chosen by each architecture's `__init__`. Module names mirror Hugging Face
+(`model.layers.N.self_attn.qkv_proj`, ...) so the weight loader only has to map q/k/v and gate/up.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.distributed import ParallelContext
+from workers.layers.activation import SiluAndMul
+from workers.layers.attention import Attention, AttentionMetadata
+from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from workers.layers.norm import RMSNorm
+from workers.layers.rotary import RotaryEmbedding
+from workers.models.registry import ModelArgs
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, args: ModelArgs, ctx: ParallelContext, *, qkv_bias: bool, o_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        head_dim = args.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            args.hidden_size,
+            head_dim,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            bias=qkv_bias,
+            ctx=ctx,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(
+            args.num_attention_heads * head_dim, args.hidden_size, bias=o_bias, ctx=ctx
+        )
+        self.rotary_emb = RotaryEmbedding(head_dim, args.max_position_embeddings, args.rope)
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, args.rms_norm_eps)
+        self.qk_norm = qk_norm
+
+    def forward(self, hidden_states: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)  # (T, (H + 2 Hkv) D)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(meta.positions, q, k)
+        o = self.attn(q, k, v, meta)  # (T, H, D)
+        return self.o_proj(o.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, args: ModelArgs, ctx: ParallelContext) -> None:
+        super().__init__()
+        inter = args.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(args.hidden_size, [inter, inter], ctx=ctx)
+        self.down_proj = RowParallelLinear(inter, args.hidden_size, ctx=ctx)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, args: ModelArgs, ctx: ParallelContext, *, qkv_bias: bool, o_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(
+            args, ctx, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm
+        )
+        self.mlp = LlamaMLP(args, ctx)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, args: ModelArgs, ctx: ParallelContext, *, qkv_bias: bool, o_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, ctx=ctx)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(args, ctx, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
+            for _ in range(args.num_hidden_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self,
+        args: ModelArgs,
+        ctx: ParallelContext,
+        *,
+        qkv_bias: bool | None = None,
+        o_bias: bool | None = None,
+        qk_norm: bool = False,
+    ) -> None:
+        """The bias and norm switches are for the variants; Llama reads `attention_bias`."""
+        super().__init__()
+        if args.mlp_bias:
+            raise ValueError("mlp_bias=true is not supported")
+        qkv_bias = args.attention_bias if qkv_bias is None else qkv_bias
+        o_bias = args.attention_bias if o_bias is None else o_bias
+        self.args = args
+        self.model = LlamaModel(args, ctx, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
+        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, ctx=ctx)
+        if args.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Token ids (T,) -> final hidden states (T, hidden); positions come from `meta`."""
+        return self.model(input_ids, meta)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the rows that sample (N, hidden) -> logits (N, vocab)."""
+        return self.lm_head(hidden_states)

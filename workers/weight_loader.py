@@ -1,0 +1,95 @@
+"""Loads Hugging Face checkpoint tensors into a tern model through each parameter's weight_loader.
+
+`load_weights(model, weights)` is the one loop, used at start-up and for weight updates: it maps
+Hugging Face names onto tern's fused parameters (q/k/v_proj -> qkv_proj shards "q"/"k"/"v",
+gate/up_proj -> gate_up_proj shards 0/1) and lets the parameter copy in its tensor-parallel shard.
+`load_checkpoint` feeds it every tensor of the *.safetensors files, one at a time, and then checks
+that nothing is missing. Unknown names, missing weights and shape mismatches raise ValueError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# Hugging Face projection name -> (tern's fused parameter, shard id).
+_PACKED: dict[str, tuple[str, object]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# Checkpoint tensors that carry no parameter (RoPE tables some exporters save).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint's *.safetensors files, one at a time."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                yield name, f.get_tensor(name)
+
+
+def _is_tied(model: nn.Module) -> bool:
+    args = getattr(model, "args", None)
+    return bool(getattr(args, "tie_word_embeddings", False))
+
+
+def _map_name(name: str) -> tuple[str, object]:
+    """Hugging Face name -> (tern parameter name, shard id or None)."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _PACKED:
+        fused, shard_id = _PACKED[parts[-2]]
+        return ".".join(parts[:-2] + [fused, parts[-1]]), shard_id
+    return name, None
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Copy (Hugging Face name, full tensor) pairs into `model`; returns the names loaded."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = _is_tied(model)
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name.startswith("lm_head.")):
+            continue
+        param_name, shard_id = _map_name(name)
+        param = params.get(param_name)
+        if param is None:
+            raise ValueError(f"checkpoint weight {name!r} matches no parameter of the model")
+        try:
+            param.weight_loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"cannot load {name!r}: {e}") from None
+        loaded.add(name)
+    return loaded
+
+
+def expected_weight_names(model: nn.Module) -> set[str]:
+    """The Hugging Face names a full checkpoint of `model` must contain."""
+    inverse: dict[str, list[str]] = {}
+    for hf_proj, (fused, _) in _PACKED.items():
+        inverse.setdefault(fused, []).append(hf_proj)
+    names = set()
+    for name, _ in model.named_parameters():  # tied weights appear once, as the embedding
+        parts = name.split(".")
+        for proj in inverse.get(parts[-2], [parts[-2]]) if len(parts) >= 2 else [None]:
+            names.add(".".join(parts[:-2] + [proj, parts[-1]]) if proj else name)
+    return names
+
+
+def load_checkpoint(model: nn.Module, model_dir: str | Path) -> None:
+    """Load a whole safetensors checkpoint; every parameter must be covered."""
+    loaded = load_weights(model, iter_safetensors(model_dir))
+    missing = expected_weight_names(model) - loaded
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks weights: {sorted(missing)[:8]}")
