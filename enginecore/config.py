@@ -30,7 +30,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+            raise ValueError(
+                f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be positive")
 

@@ -61,7 +61,9 @@ class InProcExecutor:
         self.runner.load_model()
         self.num_kv_blocks = self.runner.num_kv_blocks_for_memory()
         self.runner.init_kv_cache(self.num_kv_blocks)
-        self.max_model_len = min(self.runner.max_model_len, self.num_kv_blocks * config.cache.block_size)
+        self.max_model_len = min(
+            self.runner.max_model_len, self.num_kv_blocks * config.cache.block_size
+        )
         self.vocab_size = self.runner.vocab_size
         self.model_summary = self.runner.model_summary
 

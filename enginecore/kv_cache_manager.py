@@ -29,7 +29,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._req_blocks: dict[str, list[KVBlock]] = {}
-        self._num_hashed_blocks: dict[str, int] = {}  # leading blocks of each request already cached
+        # How many leading blocks of each request are registered in the prefix cache.
+        self._num_hashed_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 

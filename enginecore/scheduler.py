@@ -32,9 +32,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
-        self.kv = KVCacheManager(
-            num_kv_blocks, self.block_size, config.cache.enable_prefix_caching
-        )
+        self.kv = KVCacheManager(num_kv_blocks, self.block_size, config.cache.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -68,7 +66,9 @@ class Scheduler:
         outputs = []
         for request in list(self.requests.values()):
             self._finish(request, FinishReason.ERROR)
-            outputs.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=error))
+            outputs.append(
+                EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=error)
+            )
         self.running.clear()
         self.waiting.clear()
         return outputs
@@ -125,7 +125,9 @@ class Scheduler:
         finished, self._finished_req_ids = self._finished_req_ids, []
         return SchedulerOutput(self._step_id, scheduled, finished)
 
-    def _schedule_chunk(self, request: Request, num_new: int, new_block_ids: list[int]) -> ScheduledRequest:
+    def _schedule_chunk(
+        self, request: Request, num_new: int, new_block_ids: list[int]
+    ) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
         request.num_computed_tokens = end
@@ -165,7 +167,10 @@ class Scheduler:
             finish_reason = self._check_stop(request, token_id)
             outputs.append(
                 EngineCoreOutput(
-                    request_id, [token_id], finish_reason, num_cached_tokens=request.num_cached_tokens
+                    request_id,
+                    [token_id],
+                    finish_reason,
+                    num_cached_tokens=request.num_cached_tokens,
                 )
             )
             if finish_reason is not None:

@@ -1,7 +1,9 @@
 """Benchmark of enginecore.shm_broadcast: round-trip latency and throughput to N reader processes.
 
 Latency: the writer enqueues a 64-byte message, every reader dequeues it and answers on a ZMQ PUSH
-socket; one sample is the time until all answers are in. "hot" sends the next message at once
+socket; one round-trip sample is the time until all answers are in. Readers also answer with the
+time.perf_counter() (CLOCK_MONOTONIC, shared by all processes) at which dequeue returned, which
+gives the one-way latency to the last reader without the ZMQ reply hop. "hot" sends the next message at once
 (readers are still in their spin phase or just past it); "idle" waits 2 ms between messages so
 readers are asleep in zmq poll and must be woken by the writer's notification.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
+import struct
 import tempfile
 import time
 import uuid
@@ -38,11 +41,12 @@ def _reader(handle, rank: int, reply_addr: str) -> None:
         mq.wait_until_ready(timeout=60)
         while True:
             data = mq.dequeue(timeout=120)
+            t_got = time.perf_counter()
             kind = data[:1]
             if kind == STOP:
                 break
             if kind in (PING, BATCH_END):
-                reply.send(bytes([rank]))
+                reply.send(struct.pack("<d", t_got))
     finally:
         reply.close(linger=0)
         ctx.term()
@@ -68,25 +72,31 @@ class Bench:
             p.start()
         self.mq.wait_until_ready(timeout=120)
 
-    def gather(self) -> None:
+    def gather(self) -> float:
+        """Waits for every reader's answer; returns the latest time a reader got the message."""
+        t_last = 0.0
         for _ in range(self.n):
             if not self.replies.poll(60_000):
                 raise TimeoutError("a reader did not answer")
-            self.replies.recv()
+            t_last = max(t_last, struct.unpack("<d", self.replies.recv())[0])
+        return t_last
 
-    def latency_us(self, n_iters: int, gap_s: float) -> tuple[float, float]:
+    def latency_us(self, n_iters: int, gap_s: float) -> tuple[float, float, float]:
+        """Median and p99 round trip, and median one-way latency, in microseconds."""
         msg = PING * 64
-        samples = []
+        samples, one_way = [], []
         for i in range(n_iters + n_iters // 10):  # the first tenth warms up
             if gap_s:
                 time.sleep(gap_s)
             t0 = time.perf_counter()
             self.mq.enqueue(msg, timeout=60)
-            self.gather()
+            t_got = self.gather()
             if i >= n_iters // 10:
                 samples.append((time.perf_counter() - t0) * 1e6)
+                one_way.append((t_got - t0) * 1e6)
         samples.sort()
-        return statistics.median(samples), samples[int(0.99 * (len(samples) - 1))]
+        p99 = samples[int(0.99 * (len(samples) - 1))]
+        return statistics.median(samples), p99, statistics.median(one_way)
 
     def throughput(self, size: int, max_batch: int) -> tuple[float, float]:
         n_msgs = max(10, min(max_batch, BATCH_BYTES // size))
@@ -123,7 +133,10 @@ def main() -> None:
 
     path = "remote TCP" if args.remote else "shared memory"
     print(f"MessageQueue broadcast ({path}), {mp.cpu_count()} CPUs")
-    header = f"{'readers':>7} | {'test':<22} | {'median':>10} | {'p99 / rate':>12} | {'MB/s':>8}"
+    header = (
+        f"{'readers':>7} | {'test':<23} | {'rtt median':>10} | {'p99 / rate':>12} | "
+        f"{'one-way':>8} | {'MB/s':>6}"
+    )
     print(header)
     print("-" * len(header))
     for n in args.readers:
@@ -131,12 +144,15 @@ def main() -> None:
         try:
             for label, gap in (("latency hot", 0.0), ("latency idle (2 ms gap)", 0.002)):
                 n_iters = args.iters if gap == 0 else max(100, args.iters // 4)
-                med, p99 = bench.latency_us(n_iters, gap)
-                print(f"{n:>7} | {label:<22} | {med:>8.1f}us | {p99:>10.1f}us | {'':>8}")
+                med, p99, one_way = bench.latency_us(n_iters, gap)
+                print(
+                    f"{n:>7} | {label:<23} | {med:>8.0f}us | {p99:>10.0f}us | "
+                    f"{one_way:>6.0f}us | {'':>6}"
+                )
             for label, size in SIZES.items():
                 rate, mbps = bench.throughput(size, args.max_batch)
                 row = f"throughput {label}"
-                print(f"{n:>7} | {row:<22} | {'':>10} | {rate:>8.0f}/s   | {mbps:>8.0f}")
+                print(f"{n:>7} | {row:<23} | {'':>10} | {rate:>10.0f}/s | {'':>8} | {mbps:>6.0f}")
         finally:
             bench.close()
 

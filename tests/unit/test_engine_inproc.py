@@ -73,7 +73,9 @@ def run_to_end(core: EngineCore, requests: dict[str, tuple[list[int], SamplingPa
     return outs, reasons
 
 
-def run_greedy(model_dir: Path, prompts: list[list[int]], **kw) -> tuple[list[list[int]], EngineCore]:
+def run_greedy(
+    model_dir: Path, prompts: list[list[int]], **kw
+) -> tuple[list[list[int]], EngineCore]:
     core = make_core(model_dir, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs, reasons = run_to_end(core, {f"r{i}": (p, params) for i, p in enumerate(prompts)})
@@ -148,7 +150,9 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny_llama: Path):
         reqs = {
             f"{tag}{i}": (
                 prompts[i],
-                SamplingParams(temperature=1.0, top_p=0.9, seed=1234 + i, max_tokens=12, ignore_eos=True),
+                SamplingParams(
+                    temperature=1.0, top_p=0.9, seed=1234 + i, max_tokens=12, ignore_eos=True
+                ),
             )
             for i in batch
         }

@@ -50,7 +50,9 @@ class PagedToyModel:
                 continue
             end = r.start_pos + len(r.token_ids)
             table = self.tables[r.req_id]
-            context = [self.slots[table[p // self.block_size]][p % self.block_size] for p in range(end)]
+            context = [
+                self.slots[table[p // self.block_size]][p % self.block_size] for p in range(end)
+            ]
             assert None not in context
             digest = hashlib.sha256(repr(context).encode()).digest()
             req_ids.append(r.req_id)
@@ -217,7 +219,9 @@ def test_ignore_eos_and_min_tokens():
             for out in sched.update_from_output(step, model.execute(step)):
                 tokens += out.new_token_ids
         # The toy model's text does not depend on stop settings, so only the length can differ.
-        expected_len = 8 if params is ignore else next(
-            (i + 1 for i, t in enumerate(ref["r0"]) if t == first and i + 1 >= 2), 8
+        expected_len = (
+            8
+            if params is ignore
+            else next((i + 1 for i, t in enumerate(ref["r0"]) if t == first and i + 1 >= 2), 8)
         )
         assert tokens == ref["r0"][:expected_len]

@@ -1,0 +1,182 @@
+"""The engine-core process: the busy loop around EngineCore, its sockets, and its workers' lifetime.
+
+Frontend -> core: 2-frame messages [RequestType byte, msgpack body] on a PULL socket.
+Core -> frontend: one `EngineStartup` message, then `EngineCoreOutputs` on a PUSH socket.
+
+The loop blocks on its input socket while there is nothing to run (no busy-spinning: this process
+shares two cores with the workers), and runs one step after another while there is.
+A worker that dies, or a step that fails, ends every request with an error, tells the frontend
+(`engine_dead`) and exits non-zero after stopping the remaining workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from enginecore.config import Config
+from enginecore.core import EngineCore
+from enginecore.executor import MultiprocExecutor
+from enginecore.messages import (
+    Codec,
+    EngineCoreAbort,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineReady,
+    EngineStartupFailed,
+    RequestType,
+    UtilityCall,
+    UtilityMethod,
+    UtilityResult,
+)
+
+logger = logging.getLogger("tern.engine")
+
+IDLE_POLL_MS = 500
+
+
+class EngineCoreProc:
+    def __init__(self, config: Config, ctx: zmq.Context) -> None:
+        self.config = config
+        self.input = ctx.socket(zmq.PULL)
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.input.connect(config.ipc_path("engine_input"))
+        self.output = ctx.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.LINGER, 2000)
+        self.output.connect(config.ipc_path("engine_output"))
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoders = {
+            RequestType.ADD.value: msgspec.msgpack.Decoder(EngineCoreRequest),
+            RequestType.ABORT.value: msgspec.msgpack.Decoder(EngineCoreAbort),
+            RequestType.UTILITY.value: msgspec.msgpack.Decoder(UtilityCall),
+        }
+        self.should_stop = False
+        self.core: EngineCore | None = None
+        self.parent_pid = os.getppid()
+
+    def start(self) -> None:
+        executor = MultiprocExecutor(self.config)
+        self.core = EngineCore(self.config, executor)
+        block_size = self.config.cache.block_size
+        logger.info(
+            "engine core ready: %s; KV cache %d blocks x %d = %d tokens; max_model_len %d",
+            executor.model_summary,
+            executor.num_kv_blocks,
+            block_size,
+            executor.num_kv_blocks * block_size,
+            executor.max_model_len,
+        )
+        ready = EngineReady(
+            num_kv_blocks=executor.num_kv_blocks,
+            block_size=block_size,
+            max_model_len=executor.max_model_len,
+            vocab_size=executor.vocab_size,
+            model_summary=executor.model_summary,
+        )
+        self.output.send(Codec(EngineReady).encode(ready))
+
+    def run(self) -> None:
+        assert self.core is not None
+        core = self.core
+        while not self.should_stop:
+            busy = core.scheduler.has_requests
+            outputs: list[EngineCoreOutput] = []
+            results: list[UtilityResult] = []
+            if self.input.poll(0 if busy else IDLE_POLL_MS):
+                self._drain_inputs(outputs, results)
+            elif not busy:
+                self._check_liveness()
+                continue
+            outputs.extend(core.step())
+            if outputs or results:
+                msg = EngineCoreOutputs(outputs, results, timestamp=time.time())
+                self.output.send(self.encoder.encode(msg))
+
+    def _drain_inputs(self, outputs: list[EngineCoreOutput], results: list[UtilityResult]) -> None:
+        assert self.core is not None
+        while True:
+            try:
+                kind, body = self.input.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            decoder = self.decoders.get(kind)
+            if decoder is None:
+                logger.error("dropping a message of unknown type %r", kind)
+                continue
+            msg = decoder.decode(body)
+            if isinstance(msg, EngineCoreRequest):
+                outputs.extend(self.core.add_request(msg))
+            elif isinstance(msg, EngineCoreAbort):
+                outputs.extend(self.core.abort_requests(msg.request_ids))
+            else:
+                results.append(self._run_utility(msg))
+
+    def _run_utility(self, call: UtilityCall) -> UtilityResult:
+        assert self.core is not None
+        try:
+            if call.method == UtilityMethod.GET_STATS:
+                return UtilityResult(call.call_id, msgspec.to_builtins(self.core.stats()))
+            raise ValueError(f"unknown utility method {call.method}")
+        except Exception as e:
+            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+
+    def _check_liveness(self) -> None:
+        assert self.core is not None
+        self.core.executor.check_health()
+        if os.getppid() != self.parent_pid:
+            logger.error("frontend is gone; engine core exits")
+            self.should_stop = True
+
+    def fail(self, error: str) -> None:
+        """Ends every request with an error and tells the frontend the engine is dead."""
+        outputs = self.core.scheduler.fail_all(error) if self.core is not None else []
+        msg = EngineCoreOutputs(outputs, timestamp=time.time(), engine_dead=error)
+        try:
+            self.output.send(self.encoder.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def shutdown(self) -> None:
+        if self.core is not None:
+            self.core.shutdown()
+
+
+def run_engine_core(config: Config) -> None:
+    """Process entry point (spawned by the frontend's EngineClient)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
+    ctx = zmq.Context()
+    proc = EngineCoreProc(config, ctx)
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        proc.should_stop = True
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the frontend, which stops us
+    exit_code = 0
+    started = False
+    try:
+        proc.start()
+        started = True
+        proc.run()
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+        logger.error("engine core failed:\n%s", traceback.format_exc())
+        if started:
+            proc.fail(error)
+        else:
+            proc.output.send(Codec(EngineStartupFailed).encode(EngineStartupFailed(error)))
+        exit_code = 1
+    finally:
+        proc.shutdown()
+        proc.input.close()
+        proc.output.close()
+        ctx.term()
+    sys.exit(exit_code)
