@@ -1,0 +1,193 @@
+"""`tern launch`: the frontend process. Loads the tokenizer, starts the engine core, serves HTTP.
+
+Start-up order: arguments -> Config -> tokenizer -> listening socket (a taken port fails before
+the model loads) -> engine core (waits for EngineReady) -> uvicorn. Shutdown (SIGTERM, Ctrl-C, or
+the engine dying): uvicorn stops, requests in flight end, the engine core is stopped, IPC files
+are removed. Exit code: 0 after a requested shutdown, 1 when the engine failed, 2 for bad arguments.
+
+NOTE: spawned engine processes re-import this module: transformers is imported lazily.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+import uvloop
+
+from enginecore.config import Config
+from frontend.api_server import build_app
+from frontend.args import config_from_args, make_parser
+from frontend.engine_client import EngineClient, EngineStartupError
+from frontend.serving import OpenAIServing
+
+if TYPE_CHECKING:
+    from frontend.tokenizer import Tokenizer
+
+logger = logging.getLogger("tern.frontend")
+
+ENGINE_DEAD_GRACE_S = 1.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = config_from_args(args)
+    except (ValueError, OSError) as e:
+        print(f"tern: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return uvloop.run(Launcher(config).run())
+    finally:
+        shutil.rmtree(config.ipc_dir, ignore_errors=True)
+
+
+class Launcher:
+    """Owns the server's lifetime: start-up, signals, and an orderly shutdown."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.engine = EngineClient(config)
+        self.server: Server | None = None
+        self.is_stop_requested = False
+        self._main_task: asyncio.Task[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def run(self) -> int:
+        self._loop = asyncio.get_running_loop()
+        self._main_task = asyncio.current_task()
+        # NOTE: plain signal.signal handlers: uvicorn restores them after serving and re-raises the
+        # signal it caught, which then lands here instead of killing the process before cleanup.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            return await self._run()
+        except (EngineStartupError, ValueError, OSError) as e:
+            # Start-up failures the user can act on (engine error, bad model files, taken port).
+            print(f"tern: error: {e}", file=sys.stderr)
+            return 1
+        except asyncio.CancelledError:
+            if not self.is_stop_requested:
+                raise
+            asyncio.current_task().uncancel()
+            logger.info("start-up interrupted")
+            return 0
+        finally:
+            await self.engine.shutdown()
+            logger.info("tern stopped")
+
+    async def _run(self) -> int:
+        from frontend.tokenizer import Tokenizer  # noqa: F811 (imports transformers: seconds)
+
+        config = self.config
+        tokenizer = Tokenizer(config.model.path)
+        sock = _listen(config.server.host, config.server.port)
+        try:
+            return await self._serve(sock, tokenizer)
+        finally:
+            sock.close()
+
+    async def _serve(self, sock: socket.socket, tokenizer: Tokenizer) -> int:
+        config = self.config
+        ready = await self.engine.start()
+        logger.info("model: %s", ready.model_summary)
+        logger.info(
+            "KV cache: %d blocks x %d = %d tokens; max_model_len %d",
+            ready.num_kv_blocks,
+            ready.block_size,
+            ready.num_kv_blocks * ready.block_size,
+            ready.max_model_len,
+        )
+        serving = OpenAIServing(
+            self.engine,
+            tokenizer,
+            config.model.served_model_name,
+            ready.max_model_len,
+            ready.vocab_size,
+        )
+        app = build_app(config, self.engine, serving)
+        uv_config = uvicorn.Config(
+            app,
+            loop="uvloop",
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+            timeout_keep_alive=5,
+        )
+        self.server = Server(uv_config, on_shutdown=self._fail_requests)
+        self.engine.on_dead.append(self._on_engine_dead)
+        if self.is_stop_requested or self.engine.is_dead:
+            return 1 if self.engine.is_dead else 0
+        host, port = sock.getsockname()[:2]
+        logger.info("serving %r at %s", serving.model_name, _url(host, port))
+        await self.server.serve(sockets=[sock])
+        return 1 if self.engine.is_dead else 0
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.is_stop_requested = True
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop)
+
+    def _stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+        elif self._main_task is not None and not self._main_task.cancelling():
+            self._main_task.cancel()  # once: a second Ctrl-C must not interrupt the cleanup
+
+    def _on_engine_dead(self, reason: str) -> None:
+        # Requests in flight have failed already; /health answers 503 for a moment (so that
+        # health checkers see why) before the port closes and tern exits with code 1.
+        assert self._loop is not None
+        self._loop.call_later(ENGINE_DEAD_GRACE_S, self._stop)
+
+    def _fail_requests(self) -> None:
+        self.engine.fail_all_requests("the server is shutting down")
+
+
+class Server(uvicorn.Server):
+    """uvicorn.Server that first ends the requests in flight, so that shutdown takes seconds."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_shutdown = on_shutdown
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._on_shutdown()
+        await super().shutdown(sockets=sockets)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Binds the HTTP socket before the model loads, so a taken port fails fast."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, addr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""OpenAI-style errors: one exception type for every client-visible failure, and its JSON body.
+
+Every error the server returns has the shape `{"error": {"message", "type", "param", "code"}}`, the
+one the OpenAI clients parse. Client mistakes are 4xx with `param` naming the offending field; only
+server faults are 5xx.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error answered to the client as an OpenAI error body with `status`."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+
+    def to_response(self) -> ErrorResponse:
+        err_type = _TYPES.get(
+            self.status, "server_error" if self.status >= 500 else "invalid_request_error"
+        )
+        return ErrorResponse(ErrorInfo(self.message, err_type, self.param, self.code))
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(message, 400, param)
+
+
+def engine_dead_error(reason: str | None) -> APIError:
+    return APIError(
+        f"the engine is not running: {reason or 'unknown reason'}", 503, None, "engine_dead"
+    )

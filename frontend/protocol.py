@@ -1,0 +1,454 @@
+"""The OpenAI-compatible HTTP schemas, as msgspec structs: requests are decoded and validated here.
+
+Request field names and types mirror vLLM's ChatCompletionRequest / CompletionRequest, so a client
+written for vLLM works unchanged. Fields we implement are typed; every other field that OpenAI or
+vLLM define is declared too, so that a request using one with a non-default value gets a 400 naming
+it instead of being silently ignored. Fields no client sends are rejected by msgspec
+(forbid_unknown_fields). This module knows nothing about tokenizers or the engine.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+from msgspec import UNSET
+
+from frontend.errors import bad_request
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+_INT32_MAX = 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+# Known fields we do not implement -> the values that mean "not used" (anything else is a 400).
+_COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1),
+    "early_stopping": (None, False),
+    "min_tokens": (None, 0),
+    "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
+    "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None,),
+    "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structural_tag": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "priority": (None, 0),
+    "request_id": (None,),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "mm_processor_kwargs": (None,),
+    "media_io_kwargs": (None,),
+    "metadata": (None,),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+    "prediction": (None,),
+    "echo": (None, False),
+}
+_CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    **_COMMON_UNSUPPORTED,
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None,),
+    "function_call": (None, "none"),
+    "documents": (None,),
+    "chat_template": (None,),
+    "reasoning_effort": (None,),
+    "include_reasoning": (None, True),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "web_search_options": (None,),
+    "verbosity": (None,),
+}
+_COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    **_COMMON_UNSUPPORTED,
+    "logprobs": (None,),
+    "suffix": (None, ""),
+    "prompt_embeds": (None,),
+}
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool | None = True  # vLLM's default: `stream_options: {}` asks for usage
+    continuous_usage_stats: bool | None = False
+
+
+class _RequestBase(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    user: str | None = None  # accepted and ignored, as OpenAI and vLLM do
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Routing / abuse-detection hints with no effect on the output.
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    # Known but unsupported (see _COMMON_UNSUPPORTED): typed loosely, rejected when used.
+    frequency_penalty: Any = UNSET
+    presence_penalty: Any = UNSET
+    repetition_penalty: Any = UNSET
+    logit_bias: Any = UNSET
+    best_of: Any = UNSET
+    use_beam_search: Any = UNSET
+    length_penalty: Any = UNSET
+    early_stopping: Any = UNSET
+    min_tokens: Any = UNSET
+    spaces_between_special_tokens: Any = UNSET
+    truncate_prompt_tokens: Any = UNSET
+    prompt_logprobs: Any = UNSET
+    allowed_token_ids: Any = UNSET
+    bad_words: Any = UNSET
+    logits_processors: Any = UNSET
+    response_format: Any = UNSET
+    structured_outputs: Any = UNSET
+    guided_json: Any = UNSET
+    guided_regex: Any = UNSET
+    guided_choice: Any = UNSET
+    guided_grammar: Any = UNSET
+    structural_tag: Any = UNSET
+    guided_decoding_backend: Any = UNSET
+    guided_whitespace_pattern: Any = UNSET
+    priority: Any = UNSET
+    request_id: Any = UNSET
+    cache_salt: Any = UNSET
+    kv_transfer_params: Any = UNSET
+    vllm_xargs: Any = UNSET
+    return_tokens_as_token_ids: Any = UNSET
+    return_token_ids: Any = UNSET
+    mm_processor_kwargs: Any = UNSET
+    media_io_kwargs: Any = UNSET
+    metadata: Any = UNSET
+    store: Any = UNSET
+    service_tier: Any = UNSET
+    prediction: Any = UNSET
+    echo: Any = UNSET
+    logprobs: Any = UNSET
+
+    _unsupported = _COMMON_UNSUPPORTED
+
+    @property
+    def is_stream(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def validate(self) -> None:
+        """Raises APIError (400) for unsupported fields and out-of-range values."""
+        for name, allowed in self._unsupported.items():
+            value = getattr(self, name)
+            if value is not UNSET and not _is_allowed(value, allowed):
+                raise bad_request(f"'{name}' is not supported by this server", name)
+        if self.n is not None and self.n != 1:
+            raise bad_request("only n=1 is supported", "n")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request(
+                "stream_options can only be set when stream is true", "stream_options"
+            )
+        max_tokens = self.requested_max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            param = "max_tokens" if self.max_tokens is not None else "max_completion_tokens"
+            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param)
+        if self.temperature is not None and not 0.0 <= self.temperature < float("inf"):
+            raise bad_request(
+                f"temperature must be non-negative, got {self.temperature}", "temperature"
+            )
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise bad_request(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k is not None and not -1 <= self.top_k <= _INT32_MAX:
+            raise bad_request(
+                f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}", "top_k"
+            )
+        if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
+            raise bad_request("seed must fit in a signed 64-bit integer", "seed")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise bad_request(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if any(s == "" for s in self.stop_strings):
+            raise bad_request("stop strings must not be empty", "stop")
+
+
+class ChatCompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    top_logprobs: Any = UNSET
+    tools: Any = UNSET
+    tool_choice: Any = UNSET
+    functions: Any = UNSET
+    function_call: Any = UNSET
+    documents: Any = UNSET
+    chat_template: Any = UNSET
+    reasoning_effort: Any = UNSET
+    include_reasoning: Any = UNSET
+    modalities: Any = UNSET
+    audio: Any = UNSET
+    web_search_options: Any = UNSET
+    verbosity: Any = UNSET
+
+    _unsupported = _CHAT_UNSUPPORTED
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        # vLLM: max_completion_tokens (the newer name) wins over the deprecated max_tokens.
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def validate(self) -> None:
+        super().validate()
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                "continue_final_message",
+            )
+
+    def normalized_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template expects them: text-part lists joined into strings."""
+        if not self.messages:
+            raise bad_request("messages must not be empty", "messages")
+        return [_normalize_message(i, m) for i, m in enumerate(self.messages)]
+
+
+class CompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=True):
+    prompt: str | list[Any]
+    add_special_tokens: bool = True
+
+    suffix: Any = UNSET
+    prompt_embeds: Any = UNSET
+
+    _unsupported = _COMPLETION_UNSUPPORTED
+
+    def normalized_prompt(self) -> str | list[int]:
+        """The prompt as a string or a list of token ids (a batch of one is unwrapped)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        if all(_is_int(t) for t in prompt):
+            return list(prompt)
+        if len(prompt) == 1:
+            (only,) = prompt
+            if isinstance(only, str):
+                return only
+            if isinstance(only, list) and only and all(_is_int(t) for t in only):
+                return list(only)
+        if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+            raise bad_request(
+                f"batched prompts (a list of {len(prompt)} prompts) are not supported; "
+                "send one prompt per request",
+                "prompt",
+            )
+        raise bad_request(
+            "prompt must be a string, a list of token ids, or a list of one of those", "prompt"
+        )
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_allowed(value: Any, allowed: tuple[Any, ...]) -> bool:
+    # NOTE: type-checked equality, so that `1` does not pass for `True` nor `0` for `False`.
+    for a in allowed:
+        strict = value is None or a is None or isinstance(a, bool) or isinstance(value, bool)
+        if (value is a) if strict else (value == a):
+            return True
+    return False
+
+
+def _normalize_message(i: int, message: dict[str, Any]) -> dict[str, Any]:
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise bad_request("each message needs a string 'role'", f"messages[{i}].role")
+    if role not in CHAT_ROLES:
+        raise bad_request(
+            f"unsupported role {role!r}; expected one of {', '.join(CHAT_ROLES)}",
+            f"messages[{i}].role",
+        )
+    content = message.get("content")
+    if content is None:
+        if role != "assistant":
+            raise bad_request(f"a {role} message needs 'content'", f"messages[{i}].content")
+    elif isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            param = f"messages[{i}].content[{j}]"
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad_request(f"content part type {kind!r} is not supported (text only)", param)
+            if not isinstance(part.get("text"), str):
+                raise bad_request("a text content part needs a string 'text'", param)
+            texts.append(part["text"])
+        # vLLM joins the text parts of a message with newlines for string-content templates.
+        message = {**message, "content": "\n".join(texts)}
+    elif not isinstance(content, str):
+        raise bad_request("content must be a string or a list of parts", f"messages[{i}].content")
+    return message
+
+
+# --------------------------------------------------------------------------- request decoding
+
+_PARAM_RE = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+_FIELD_RE = re.compile(r"field `([A-Za-z_][A-Za-z0-9_]*)`")
+
+_decoders = {
+    ChatCompletionRequest: msgspec.json.Decoder(ChatCompletionRequest),
+    CompletionRequest: msgspec.json.Decoder(CompletionRequest),
+}
+
+
+def decode_request(body: bytes, typ: type[_RequestBase]) -> Any:
+    """Decodes and validates a request body; raises APIError(400) with `param` set when known."""
+    try:
+        req = _decoders[typ].decode(body)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = _PARAM_RE.search(msg) or _FIELD_RE.search(msg)
+        raise bad_request(msg, m.group(1) if m else None) from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"malformed JSON body: {e}") from None
+    req.validate()
+    return req
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | None
+    tool_calls: list[Any] = []
+
+
+class ChatCompletionResponseChoice(msgspec.Struct):
+    index: int
+    message: ChatMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(msgspec.Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionResponseChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "tern"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"

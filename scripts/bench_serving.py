@@ -1,0 +1,289 @@
+"""Load generator for any OpenAI-compatible server (tern, vLLM, ...): latency and throughput.
+
+Sends --num-prompts streaming requests of random-token prompts of exactly --input-len tokens
+(random ids decoded, re-encoded and fixed up, like vLLM's random dataset), each asking for
+--output-len tokens with ignore_eos and temperature 0, either --concurrency at a time or arriving
+as a Poisson process of --request-rate per second. Measures per request TTFT (first chunk with
+text), TPOT ((e2e - ttft) / (n_out - 1)), ITL (gaps between text chunks) and end-to-end latency;
+prints a table and writes the summary as JSON (--result-file). Output tokens come from the usage
+of the last chunk (stream_options.include_usage), else from the number of text chunks.
+
+    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --concurrency 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import tokenizers
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def default_tokenizer_dir() -> Path:
+    sys.path.insert(0, str(ROOT))
+    from frontend.model_prep import default_model_dir
+
+    return Path(default_model_dir())
+
+
+def random_prompts(
+    tok: tokenizers.Tokenizer, num: int, input_len: int, seed: int
+) -> list[tuple[str, int]]:
+    """`num` texts of exactly `input_len` tokens where possible, with their token counts."""
+    rng = random.Random(seed)
+    specials = set(tok.get_added_tokens_decoder())
+    normal = [i for i in range(tok.get_vocab_size()) if i not in specials]
+    prompts = []
+    for _ in range(num):
+        ids = [rng.choice(normal) for _ in range(input_len)]
+        for _ in range(10):  # decode -> re-encode may merge or split tokens: fix up and retry
+            text = tok.decode(ids)
+            ids = tok.encode(text, add_special_tokens=False).ids
+            if len(ids) == input_len:
+                break
+            ids = ids[:input_len] + [rng.choice(normal) for _ in range(input_len - len(ids))]
+        text = tok.decode(ids)
+        prompts.append((text, len(tok.encode(text, add_special_tokens=False).ids)))
+    return prompts
+
+
+def request_body(args: argparse.Namespace, model: str, prompt: str) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": args.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+def chunk_text(endpoint: str, chunk: dict[str, Any]) -> str:
+    choice = chunk["choices"][0]
+    if endpoint == "chat":
+        return choice.get("delta", {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], endpoint: str, prompt_len: int
+) -> RequestResult:
+    res = RequestResult(prompt_len=prompt_len)
+    n_chunks = 0
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = str(chunk["error"].get("message", chunk["error"]))
+                    return res
+                now = time.perf_counter()
+                if chunk.get("choices") and chunk_text(endpoint, chunk):
+                    if n_chunks == 0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    n_chunks += 1
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+        res.e2e = time.perf_counter() - start
+        res.output_tokens = res.output_tokens or n_chunks
+        res.ok = n_chunks > 0
+        if not res.ok:
+            res.error = "no text in the response"
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run(args: argparse.Namespace, model: str, prompts: list[tuple[str, int]]) -> dict:
+    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+    url = args.base_url.rstrip("/") + path
+    limit = args.concurrency or len(prompts)
+    sem = asyncio.Semaphore(limit)
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    rng = np.random.default_rng(args.seed)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+
+        async def limited(prompt: str, n: int) -> RequestResult:
+            async with sem:
+                return await one_request(
+                    client, url, request_body(args, model, prompt), args.endpoint, n
+                )
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt, n in prompts:
+            tasks.append(asyncio.create_task(limited(prompt, n)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(args, model, results, duration)
+
+
+def _stats_ms(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
+    a = np.asarray(values) * 1000.0
+    return {
+        "mean": float(a.mean()),
+        "p50": float(np.percentile(a, 50)),
+        "p99": float(np.percentile(a, 99)),
+    }
+
+
+def summarize(
+    args: argparse.Namespace, model: str, results: list[RequestResult], duration: float
+) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    n_in = sum(r.prompt_len for r in ok)
+    n_out = sum(r.output_tokens for r in ok)
+    errors = sorted({r.error for r in results if not r.ok})
+    return {
+        "base_url": args.base_url,
+        "model": model,
+        "endpoint": args.endpoint,
+        "num_prompts": len(results),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "concurrency": args.concurrency,
+        "request_rate": args.request_rate,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors[:5],
+        "duration_s": duration,
+        "total_input_tokens": n_in,
+        "total_output_tokens": n_out,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": n_out / duration,
+        "total_token_throughput": (n_in + n_out) / duration,
+        "ttft_ms": _stats_ms([r.ttft for r in ok]),
+        "tpot_ms": _stats_ms([t for r in ok if (t := r.tpot) is not None]),
+        "itl_ms": _stats_ms([x for r in ok for x in r.itl]),
+        "e2e_ms": _stats_ms([r.e2e for r in ok]),
+    }
+
+
+def print_table(s: dict[str, Any]) -> None:
+    rows = [
+        ("Model", s["model"]),
+        ("Endpoint", s["endpoint"]),
+        ("Successful requests", s["completed"]),
+        ("Failed requests", s["failed"]),
+        ("Duration (s)", f"{s['duration_s']:.2f}"),
+        ("Total input tokens", s["total_input_tokens"]),
+        ("Total output tokens", s["total_output_tokens"]),
+        ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{s['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}"),
+    ]
+    for key, name in (
+        ("ttft_ms", "TTFT"),
+        ("tpot_ms", "TPOT"),
+        ("itl_ms", "ITL"),
+        ("e2e_ms", "E2E"),
+    ):
+        for stat in ("mean", "p50", "p99"):
+            rows.append((f"{stat.capitalize()} {name} (ms)", f"{s[key][stat]:.2f}"))
+    width = max(len(k) for k, _ in rows) + 2
+    vwidth = max(16, *(len(str(v)) for _, v in rows))
+    print("=" * (width + vwidth))
+    for k, v in rows:
+        print(f"{k:<{width}}{v!s:>{vwidth}}")
+    print("=" * (width + vwidth))
+    for e in s["errors"]:
+        print(f"error: {e}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="default: the first of /v1/models")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals per second (default: all at once)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", type=Path, default=None, help="HF model dir with tokenizer.json")
+    p.add_argument("--timeout", type=float, default=1800.0, help="per request, in seconds")
+    p.add_argument("--result-file", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.concurrency is not None and args.concurrency < 1:
+        p.error("--concurrency must be positive")
+    if args.request_rate <= 0:
+        p.error("--request-rate must be positive")
+    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
+        p.error("--num-prompts, --input-len and --output-len must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tok_dir = args.tokenizer or default_tokenizer_dir()
+    tok = tokenizers.Tokenizer.from_file(str(Path(tok_dir) / "tokenizer.json"))
+    model = args.model
+    if model is None:
+        r = httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=30)
+        r.raise_for_status()
+        model = r.json()["data"][0]["id"]
+    prompts = random_prompts(tok, args.num_prompts, args.input_len, args.seed)
+    summary = asyncio.run(run(args, model, prompts))
+    print_table(summary)
+    if args.result_file is not None:
+        args.result_file.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if summary["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

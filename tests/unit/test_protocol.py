@@ -1,0 +1,313 @@
+"""Request validation of the OpenAI endpoints: what is accepted, and the 400s (with `param`) for the
+rest. Also the request -> SamplingParams mapping (context-length checks, defaults)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+import pytest
+
+from frontend.errors import APIError
+from frontend.protocol import ChatCompletionRequest, CompletionRequest, decode_request
+from frontend.serving import OpenAIServing
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    return decode_request(json.dumps({"messages": USER, **fields}).encode(), ChatCompletionRequest)
+
+
+def completion(**fields: Any) -> CompletionRequest:
+    return decode_request(json.dumps({"prompt": "hi", **fields}).encode(), CompletionRequest)
+
+
+def rejects(fn: Any, param: str | None, **fields: Any) -> APIError:
+    with pytest.raises(APIError) as info:
+        fn(**fields)
+    assert info.value.status == 400
+    assert info.value.param == param, info.value.message
+    return info.value
+
+
+def test_minimal_and_full_chat_requests_are_accepted() -> None:
+    req = chat()
+    assert req.model is None and not req.is_stream and req.requested_max_tokens is None
+    req = chat(
+        model="m",
+        max_tokens=5,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        seed=7,
+        stop=["a", "b"],
+        stop_token_ids=[3],
+        ignore_eos=True,
+        stream=True,
+        stream_options={"include_usage": True},
+        n=1,
+        user="u",
+        add_generation_prompt=False,
+        chat_template_kwargs={"enable_thinking": False},
+    )
+    assert req.stop_strings == ["a", "b"] and req.is_stream and req.requested_max_tokens == 5
+    assert req.stream_options is not None and req.stream_options.include_usage
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    assert chat(max_tokens=5, max_completion_tokens=9).requested_max_tokens == 9
+    rejects(chat, "max_completion_tokens", max_completion_tokens=0)
+
+
+def test_stop_may_be_a_string() -> None:
+    assert completion(stop="\n").stop_strings == ["\n"]
+    assert completion().stop_strings == []
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{", None),
+        (b"not json", None),
+        (b"[]", None),
+        (b'{"messages": "hi"}', "messages"),
+        (b'{"model": "m"}', "messages"),
+        (b'{"messages": [], "temperature": "hot"}', "temperature"),
+        (b'{"messages": [], "max_tokens": 1.5}', "max_tokens"),
+        (b'{"messages": [], "stream": "yes"}', "stream"),
+        (b'{"messages": [], "stop": 3}', "stop"),
+        (b'{"messages": [], "no_such_field": 1}', "no_such_field"),
+        (b'{"messages": [], "stream": true, "stream_options": {"x": 1}}', "stream_options"),
+    ],
+)
+def test_malformed_or_mistyped_bodies_are_400(body: bytes, param: str | None) -> None:
+    with pytest.raises(APIError) as info:
+        decode_request(body, ChatCompletionRequest)
+    assert info.value.status == 400
+    assert info.value.param == param, info.value.message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", -1),
+        ("max_tokens", 0),
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("seed", 2**63),
+        ("stop", ["ok", ""]),
+        ("n", 2),
+        ("n", 0),
+    ],
+)
+def test_out_of_range_values_are_400(field: str, value: Any) -> None:
+    rejects(chat, field, **{field: value})
+    rejects(completion, field, **{field: value})
+
+
+def test_stream_options_need_stream() -> None:
+    rejects(chat, "stream_options", stream_options={"include_usage": True})
+    assert chat(stream=True, stream_options={}).stream_options.include_usage  # vLLM's default
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("logprobs", True),
+        ("top_logprobs", 2),
+        ("frequency_penalty", 0.5),
+        ("presence_penalty", -1),
+        ("repetition_penalty", 1.2),
+        ("logit_bias", {"5": 10}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "auto"),
+        ("response_format", {"type": "json_object"}),
+        ("use_beam_search", True),
+        ("min_tokens", 3),
+        ("echo", True),
+        ("guided_choice", ["a", "b"]),
+        ("chat_template", "{{ messages }}"),
+        ("best_of", 2),
+        ("prompt_logprobs", 1),
+    ],
+)
+def test_known_unsupported_fields_are_400_when_used(field: str, value: Any) -> None:
+    err = rejects(chat, field, **{field: value})
+    assert field in err.message and "not supported" in err.message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("logprobs", False),
+        ("logprobs", None),
+        ("top_logprobs", 0),
+        ("frequency_penalty", 0),
+        ("presence_penalty", 0.0),
+        ("repetition_penalty", 1.0),
+        ("logit_bias", {}),
+        ("tools", []),
+        ("tool_choice", "none"),
+        ("response_format", {"type": "text"}),
+        ("echo", False),
+        ("best_of", 1),
+    ],
+)
+def test_known_unsupported_fields_pass_at_their_default(field: str, value: Any) -> None:
+    chat(**{field: value})
+
+
+def test_default_checks_do_not_confuse_bools_and_ints() -> None:
+    rejects(chat, "use_beam_search", use_beam_search=0)
+    rejects(chat, "best_of", best_of=True)
+
+
+def test_completion_only_fields() -> None:
+    rejects(completion, "logprobs", logprobs=0)  # 0 asks for the sampled token's logprob
+    rejects(completion, "suffix", suffix="end")
+    completion(suffix="", logprobs=None)
+
+
+def test_chat_messages_are_normalized() -> None:
+    req = chat(
+        messages=[
+            {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {"role": "assistant", "content": None, "tool_calls": []},
+            {"role": "tool", "content": "42", "tool_call_id": "x"},
+        ]
+    )
+    msgs = req.normalized_messages()
+    assert msgs[0]["content"] == "be brief" and msgs[1]["content"] == "a\nb"
+    assert msgs[2]["tool_calls"] == [] and msgs[3]["tool_call_id"] == "x"
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([], "messages"),
+        ([{"content": "hi"}], "messages[0].role"),
+        ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            "messages[0].content[0]",
+        ),
+        ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0]"),
+    ],
+)
+def test_bad_messages_are_400(messages: list[Any], param: str) -> None:
+    with pytest.raises(APIError) as info:
+        chat(messages=messages).normalized_messages()
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_continue_final_message_excludes_generation_prompt() -> None:
+    rejects(chat, "continue_final_message", continue_final_message=True)
+    chat(continue_final_message=True, add_generation_prompt=False)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [("text", "text"), ([1, 2, 3], [1, 2, 3]), (["text"], "text"), ([[4, 5]], [4, 5])],
+)
+def test_prompt_forms(prompt: Any, expected: Any) -> None:
+    assert completion(prompt=prompt).normalized_prompt() == expected
+
+
+@pytest.mark.parametrize("prompt", [[], ["a", "b"], [[1], [2]], [1, "a"], [True, 2], [[]]])
+def test_unsupported_prompt_forms_are_400(prompt: Any) -> None:
+    with pytest.raises(APIError) as info:
+        completion(prompt=prompt).normalized_prompt()
+    assert info.value.status == 400 and info.value.param == "prompt"
+
+
+def test_error_body_has_the_openai_shape() -> None:
+    err = APIError("nope", 404, "model", "model_not_found")
+    body = json.loads(msgspec.json.encode(err.to_response()))
+    assert body == {
+        "error": {
+            "message": "nope",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+
+
+# --------------------------------------------------------------------------- request -> params
+
+
+class _StubTokenizer:
+    def __init__(self) -> None:
+        self.eos_token_ids = [2, 7]
+        self.generation_defaults = {"temperature": 0.6, "top_k": 20}
+
+
+def serving(max_model_len: int = 100) -> OpenAIServing:
+    return OpenAIServing(None, _StubTokenizer(), "tiny", max_model_len, vocab_size=50)  # type: ignore[arg-type]
+
+
+def test_sampling_params_defaults() -> None:
+    params = serving()._sampling_params(completion(), [1] * 30, "prompt")
+    assert params.max_tokens == 70  # max_model_len - prompt_len
+    assert params.temperature == 0.6 and params.top_k == 20  # generation_config.json defaults
+    assert params.top_p == 1.0 and params.min_p == 0.0 and params.seed is None
+    assert params.eos_token_ids == [2, 7] and params.stop_token_ids == []
+
+
+def test_sampling_params_from_request() -> None:
+    req = completion(
+        temperature=0,
+        top_p=0.5,
+        top_k=-1,
+        min_p=0.1,
+        seed=3,
+        max_tokens=4,
+        stop_token_ids=[9],
+        ignore_eos=True,
+    )
+    params = serving()._sampling_params(req, [1, 2], "prompt")
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.0, 0.5, 0, 0.1)
+    assert params.seed == 3 and params.max_tokens == 4 and params.stop_token_ids == [9]
+    assert params.ignore_eos and params.is_greedy
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "max_tokens", "param"),
+    [(0, None, "prompt"), (100, None, "prompt"), (120, 1, "prompt"), (90, 11, "max_tokens")],
+)
+def test_context_length_is_enforced(prompt_len: int, max_tokens: int | None, param: str) -> None:
+    with pytest.raises(APIError) as info:
+        serving()._sampling_params(completion(max_tokens=max_tokens), [1] * prompt_len, "prompt")
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_prompt_plus_max_tokens_may_fill_the_context() -> None:
+    assert (
+        serving()._sampling_params(completion(max_tokens=10), [1] * 90, "prompt").max_tokens == 10
+    )
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_400() -> None:
+    with pytest.raises(APIError) as info:
+        serving()._sampling_params(completion(stop_token_ids=[50]), [1], "prompt")
+    assert info.value.param == "stop_token_ids"
+
+
+def test_unknown_model_is_404() -> None:
+    with pytest.raises(APIError) as info:
+        serving()._check_model("gpt-4")
+    assert info.value.status == 404 and info.value.code == "model_not_found"
+    serving()._check_model("tiny")
+    serving()._check_model(None)
