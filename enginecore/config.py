@@ -66,13 +66,64 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """Ranks are laid out TP-major: rank = pp_rank * tensor_parallel_size + tp_rank.
+
+    Node n runs ranks [n * world_size / nnodes, (n + 1) * world_size / nnodes); node 0 also runs
+    the engine core.
+    """
+
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_backend: str | None = None  # None: nccl on GPU, gloo on CPU
+    # Every collective (and the rendezvous) fails after this long instead of hanging forever.
+    distributed_timeout_s: float = float(os.environ.get("TERN_DIST_TIMEOUT", "60"))
+    # host:port of torch.distributed's TCP store. None on one node: the executor picks a free port
+    # on 127.0.0.1 and fills it in; with several nodes it must be given (node 0's address).
+    dist_init_addr: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size and --pipeline-parallel-size must be >= 1")
+        if self.distributed_backend not in (None, "gloo", "nccl"):
+            raise ValueError(
+                f"--distributed-backend must be gloo or nccl, not {self.distributed_backend!r}"
+            )
+        if self.distributed_timeout_s <= 0:
+            raise ValueError("the distributed timeout must be positive")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} must be in [0, --nnodes {self.nnodes})")
+        if self.world_size % self.nnodes:
+            raise ValueError(
+                f"tp x pp = {self.world_size} workers do not split evenly over {self.nnodes} nodes"
+            )
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--dist-init-addr must be host:port, not {self.dist_init_addr!r}")
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The global ranks this node runs."""
+        return range(
+            self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node
+        )
+
+    @property
+    def driver_rank(self) -> int:
+        """The rank that samples and answers each step: TP rank 0 of the last pipeline stage."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,9 @@ Core -> frontend: one `EngineStartup` message, then `EngineCoreOutputs` on a PUS
 
 The loop blocks on its input socket while there is nothing to run (no busy-spinning: this process
 shares two cores with the workers), and runs one step after another while there is.
+SchedulerStats ride along with the outputs at most every STATS_INTERVAL_S, and always on the message
+that leaves the engine idle (so the frontend's gauges come back to zero). While busy, one log line
+every LOG_INTERVAL_S gives throughput, queue lengths, KV-cache usage and prefix-cache hit rate.
 A worker that dies, or a step that fails, ends every request with an error, tells the frontend
 (`engine_dead`) and exits non-zero after stopping the remaining workers.
 """
@@ -17,6 +20,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -33,6 +37,7 @@ from enginecore.messages import (
     EngineReady,
     EngineStartupFailed,
     RequestType,
+    SchedulerStats,
     UtilityCall,
     UtilityMethod,
     UtilityResult,
@@ -41,6 +46,8 @@ from enginecore.messages import (
 logger = logging.getLogger("tern.engine")
 
 IDLE_POLL_MS = 500
+STATS_INTERVAL_S = 0.5
+LOG_INTERVAL_S = 5.0
 
 
 class EngineCoreProc:
@@ -61,6 +68,8 @@ class EngineCoreProc:
         self.should_stop = False
         self.core: EngineCore | None = None
         self.parent_pid = os.getppid()
+        self._last_stats_time = 0.0
+        self._stats_logger = StatsLogger()
 
     def start(self) -> None:
         executor = MultiprocExecutor(self.config)
@@ -94,11 +103,25 @@ class EngineCoreProc:
                 self._drain_inputs(outputs, results)
             elif not busy:
                 self._check_liveness()
+                self._stats_logger.maybe_log(core.stats)
                 continue
             outputs.extend(core.step())
             if outputs or results:
-                msg = EngineCoreOutputs(outputs, results, timestamp=time.time())
+                msg = EngineCoreOutputs(
+                    outputs, results, timestamp=time.time(), scheduler_stats=self._stats_to_send()
+                )
                 self.output.send(self.encoder.encode(msg))
+            if busy:
+                self._stats_logger.maybe_log(core.stats)
+
+    def _stats_to_send(self) -> SchedulerStats | None:
+        assert self.core is not None
+        now = time.monotonic()
+        is_idle = not self.core.scheduler.has_requests
+        if not is_idle and now - self._last_stats_time < STATS_INTERVAL_S:
+            return None
+        self._last_stats_time = now
+        return self.core.stats()
 
     def _drain_inputs(self, outputs: list[EngineCoreOutput], results: list[UtilityResult]) -> None:
         assert self.core is not None
@@ -147,6 +170,41 @@ class EngineCoreProc:
     def shutdown(self) -> None:
         if self.core is not None:
             self.core.shutdown()
+
+
+class StatsLogger:
+    """One line every LOG_INTERVAL_S while there is work: rates over the interval since the last."""
+
+    def __init__(self, interval_s: float = LOG_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._last_time = time.monotonic()
+        self._last = SchedulerStats(0, 0, 0, 0, 0, 0, 0, 0)  # the totals start at zero
+
+    def maybe_log(self, get_stats: Callable[[], SchedulerStats]) -> str | None:
+        """Logs (and returns) the line when an interval with work has passed."""
+        now = time.monotonic()
+        elapsed = now - self._last_time
+        if elapsed < self.interval_s:
+            return None
+        stats = get_stats()
+        last, self._last, self._last_time = self._last, stats, now
+        num_prefill = stats.num_prefill_tokens_total - last.num_prefill_tokens_total
+        num_generated = stats.num_generated_tokens_total - last.num_generated_tokens_total
+        is_busy = stats.num_running_reqs or stats.num_waiting_reqs
+        if not (is_busy or num_prefill or num_generated):
+            return None  # idle for the whole interval: stay quiet
+        queries = stats.prefix_cache_queries - last.prefix_cache_queries
+        hits = stats.prefix_cache_hits - last.prefix_cache_hits
+        usage = 1.0 - stats.num_free_blocks / max(stats.num_total_blocks, 1)
+        line = (
+            f"prompt throughput: {num_prefill / elapsed:.1f} tokens/s, "
+            f"generation throughput: {num_generated / elapsed:.1f} tokens/s, "
+            f"running: {stats.num_running_reqs} reqs, waiting: {stats.num_waiting_reqs} reqs, "
+            f"KV cache usage: {100 * usage:.1f}%, "
+            f"prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
+        )
+        logger.info(line)
+        return line
 
 
 def run_engine_core(config: Config) -> None:

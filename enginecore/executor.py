@@ -1,29 +1,47 @@
 """Executors run scheduler steps on the workers.
 
 - `InProcExecutor`: the model runner in the calling process (tests, scripts/bench_step.py).
-- `MultiprocExecutor`: one spawned worker process per rank. Each step goes out once through the
-  shared-memory broadcast (every rank reads it); replies come back on one ZMQ PULL socket. Worker
-  processes are watched: a dead worker fails the step with `WorkerDied` within a poll interval.
+- `MultiprocExecutor`: one spawned worker process per rank (tp x pp of them). Each step goes out
+  once through the shared-memory broadcast (every rank reads it); replies come back on one ZMQ PULL
+  socket, from the driver rank only for steps. Worker processes are watched: a dead worker fails
+  the step with `WorkerDied` within a poll interval, an error reply with `WorkerFailed`.
+  With --nnodes > 1 it starts node 0's ranks only; each other node's worker launcher
+  (workers.worker_proc.run_worker_node) joins through `NodeMonitor`, its workers read the broadcast
+  over ZMQ (remote readers) and reply over TCP.
 
 The engine core imports no torch: only workers use torch threads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
+import socket
+import threading
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Protocol
 
+import msgspec
 import zmq
 
-from enginecore.config import Config
+from enginecore.config import Config, ParallelConfig
 from enginecore.messages import (
     Codec,
+    CoreToNode,
     ExecuteModel,
     InitKVCache,
     ModelRunnerOutput,
+    NodeAck,
+    NodeBootstrap,
+    NodeHeartbeat,
+    NodeHello,
+    NodeStop,
+    NodeToCore,
+    NodeWorkerExited,
     SchedulerOutput,
     Shutdown,
     WorkerCall,
@@ -36,10 +54,18 @@ from enginecore.shm_broadcast import MessageQueue
 logger = logging.getLogger("tern.executor")
 
 POLL_INTERVAL_MS = 200
+# How long an error reply waits for a killed peer to show up as dead (see _raise_if_peer_killed).
+KILLED_PEER_GRACE_S = 1.0
+# A node whose launcher sends no heartbeat for this long counts as dead (and node 0, to the others).
+NODE_TIMEOUT_S = 5.0
 
 
 class WorkerDied(RuntimeError):
-    pass
+    """A worker process exited while the engine needed it."""
+
+
+class WorkerFailed(RuntimeError):
+    """A worker reported an exception (start-up error, failed step, failed collective)."""
 
 
 class Executor(Protocol):
@@ -75,28 +101,68 @@ class InProcExecutor:
 
 
 class MultiprocExecutor:
+    """tp x pp worker processes on this node; the step goes out once, the driver rank answers it.
+
+    Rank r is TP rank r % tp of pipeline stage r // tp. The workers join one torch.distributed world
+    through a TCP store at a free port picked here (unique per instance) on 127.0.0.1, or with
+    several nodes on --dist-init-addr's host, whose own port is then the nodes' meeting point.
+    Replies come from every rank for `InitKVCache` and from the driver only (TP rank 0 of the last
+    stage, on the last node) for `ExecuteModel`; an error reply from any rank fails the engine.
+    """
+
     def __init__(self, config: Config) -> None:
         from workers.worker_proc import run_worker
 
-        self.config = config
-        self.world_size = config.parallel.world_size
+        parallel = config.parallel
+        if parallel.node_rank != 0:
+            raise ValueError("the engine core runs on node 0; other nodes only run workers")
+        if not (Path(config.model.path) / "config.json").is_file():
+            raise ValueError(f"model directory {config.model.path} has no config.json")
+        self.world_size = parallel.world_size
+        self.driver_rank = parallel.driver_rank
         self._call_codec = Codec(WorkerCall)
         self._reply_codec = Codec(WorkerReply)
+        self._failed = False
+        self._nodes: NodeMonitor | None = None
+        self.procs: list[BaseProcess] = []
         self._ctx = zmq.Context()
         self._replies = self._ctx.socket(zmq.PULL)
         self._replies.setsockopt(zmq.LINGER, 0)
-        self._replies.bind(config.ipc_path("worker_output"))
-        self._mq = MessageQueue(n_reader=self.world_size, n_local_reader=self.world_size)
-        handle = self._mq.export_handle()
-        mp = multiprocessing.get_context("spawn")
-        self.procs: list[BaseProcess] = []
+        reply_addr = config.ipc_path("worker_output")
+        self._replies.bind(reply_addr)
+        # With several nodes, everything other nodes reach listens on --dist-init-addr's host.
+        host = "127.0.0.1"
+        if parallel.nnodes > 1:
+            assert parallel.dist_init_addr is not None
+            host = socket.gethostbyname(parallel.dist_init_addr.rpartition(":")[0])
+        self._mq = MessageQueue(
+            n_reader=self.world_size, n_local_reader=parallel.ranks_per_node, connect_ip=host
+        )
         try:
-            for rank in range(self.world_size):
+            store_addr = parallel.dist_init_addr
+            if parallel.nnodes > 1 or store_addr is None:
+                store_addr = f"{host}:{free_port(host)}"
+            config = config.replace(
+                parallel=dataclasses.replace(parallel, dist_init_addr=store_addr)
+            )
+            if parallel.nnodes > 1:
+                remote_reply_port = self._replies.bind_to_random_port(f"tcp://{host}")
+                bootstrap = NodeBootstrap(
+                    self._mq.export_handle(), f"tcp://{host}:{remote_reply_port}", store_addr
+                )
+                self._nodes = NodeMonitor(self._ctx, parallel, bootstrap)
+            self.config = config
+            mp = multiprocessing.get_context("spawn")
+            for rank in parallel.node_ranks:
                 proc = mp.Process(
-                    target=run_worker, args=(config, rank, handle), name=f"tern-worker-{rank}"
+                    target=run_worker,
+                    args=(config, rank, self._mq.export_handle(), reply_addr),
+                    name=f"tern-worker-{rank}",
                 )
                 proc.start()
                 self.procs.append(proc)
+            if self._nodes is not None:
+                self._nodes.wait_for_nodes(config.startup_timeout_s, self.check_health)
             self._mq.wait_until_ready(timeout=config.startup_timeout_s)
             readies = self._gather(WorkerReady, config.startup_timeout_s)
             self.num_kv_blocks = min(r.num_kv_blocks for r in readies)
@@ -105,23 +171,29 @@ class MultiprocExecutor:
             self._broadcast(InitKVCache(self.num_kv_blocks))
             self._gather(WorkerResult, config.startup_timeout_s)
         except BaseException:
+            self._failed = True
             self.shutdown()
             raise
         kv_tokens = self.num_kv_blocks * config.cache.block_size
-        self.max_model_len = min(readies[0].max_model_len, kv_tokens)
-        self.vocab_size = readies[0].vocab_size
-        self.model_summary = readies[0].model_summary
+        driver = readies[self.driver_rank]
+        self.max_model_len = min(driver.max_model_len, kv_tokens)
+        self.vocab_size = driver.vocab_size
+        self.model_summary = driver.model_summary
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         self._broadcast(ExecuteModel(step))
         (result,) = self._gather(WorkerResult, timeout=None, ranks=1)
-        assert result.output is not None
+        assert result.rank == self.driver_rank and result.output is not None, result
         return result.output
 
     def check_health(self) -> None:
         for proc in self.procs:
             if not proc.is_alive():
+                self._failed = True
                 raise WorkerDied(f"worker {proc.name} died (exit code {proc.exitcode})")
+        if self._nodes is not None and self._nodes.error is not None:
+            self._failed = True
+            raise WorkerDied(self._nodes.error)
 
     def _broadcast(self, call: WorkerCall) -> None:
         self._mq.enqueue(self._call_codec.encode(call))
@@ -135,7 +207,9 @@ class MultiprocExecutor:
             if self._replies.poll(POLL_INTERVAL_MS):
                 reply = self._reply_codec.decode(self._replies.recv())
                 if isinstance(reply, WorkerResult) and reply.error is not None:
-                    raise RuntimeError(f"worker {reply.rank} failed: {reply.error}")
+                    self._failed = True
+                    self._raise_if_peer_killed(reply.rank)
+                    raise WorkerFailed(f"worker {reply.rank} failed: {reply.error}")
                 assert isinstance(reply, typ), reply
                 replies.append(reply)
                 continue
@@ -144,27 +218,160 @@ class MultiprocExecutor:
                 raise TimeoutError(f"workers did not answer within {timeout:.0f} s")
         return sorted(replies, key=lambda r: r.rank)
 
+    def _raise_if_peer_killed(self, reporter: int) -> None:
+        """A failed collective is usually the echo of a peer killed mid-step (its sockets close
+        before its parent can reap it): name that peer rather than the rank that reported."""
+        deadline = time.monotonic() + KILLED_PEER_GRACE_S
+        while True:
+            for rank, proc in enumerate(self.procs):
+                # NOTE: exit code 1 is a worker's own error exit, which it reports itself.
+                if rank != reporter and proc.exitcode not in (None, 0, 1):
+                    raise WorkerDied(f"worker {proc.name} died (exit code {proc.exitcode})")
+            if self._nodes is not None and self._nodes.killed is not None:
+                raise WorkerDied(self._nodes.killed)
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+
     def shutdown(self) -> None:
-        """Asks workers to stop, then terminates and finally kills the ones that do not."""
+        """Stops the workers: asks them when all are well, else (or if they do not go) terminates
+        and finally kills them. After a failure, a surviving rank may be blocked in a collective
+        with the dead one and cannot run its SIGTERM handler, so the waits are short."""
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        if any(p.is_alive() for p in self.procs):
+        if not self._failed and all(p.is_alive() for p in self.procs):
             try:
                 self._mq.enqueue(self._call_codec.encode(Shutdown()), timeout=1.0)
+                deadline = time.monotonic() + 3.0
+                for proc in self.procs:
+                    proc.join(timeout=max(0.0, deadline - time.monotonic()))
             except Exception:  # ring full or readers gone: terminate below
                 pass
-        deadline = time.monotonic() + 3.0
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + 1.0
         for proc in self.procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for proc in self.procs:
             if proc.is_alive():
-                proc.terminate()
-        for proc in self.procs:
-            proc.join(timeout=2.0)
-            if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=1.0)
+        if self._nodes is not None:
+            self._nodes.close()  # tells the other nodes to stop their workers
         self._mq.close()
         self._replies.close(linger=0)
         self._ctx.term()
+
+
+class NodeMonitor:
+    """Node 0's end of the other nodes' worker launchers (--nnodes > 1), on a thread of its own so
+    that heartbeats are answered while a step runs.
+
+    Binds a ROUTER socket at --dist-init-addr, answers each node's `NodeHello` with the bootstrap,
+    acknowledges heartbeats, and records what went wrong for `check_health` to raise: a node's
+    worker exited, or a node fell silent for NODE_TIMEOUT_S. On close it tells every node to stop.
+    """
+
+    def __init__(
+        self, ctx: zmq.Context, parallel: ParallelConfig, bootstrap: NodeBootstrap
+    ) -> None:
+        assert parallel.dist_init_addr is not None
+        self.parallel = parallel
+        self.bootstrap = bootstrap
+        self.error: str | None = None  # the first failure of another node
+        self.killed: str | None = None  # the same, when a worker died of a signal
+        self.num_joined = 0
+        self._last_seen: dict[int, float] = {}  # node rank -> monotonic time of its last message
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        host, _, port = parallel.dist_init_addr.rpartition(":")
+        try:
+            self._sock.bind(f"tcp://{socket.gethostbyname(host)}:{port}")
+        except zmq.ZMQError as e:
+            self._sock.close(linger=0)
+            raise ValueError(f"--dist-init-addr {parallel.dist_init_addr}: {e}") from None
+        self._in = Codec(NodeToCore)
+        self._out = Codec(CoreToNode)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tern-node-monitor", daemon=True)
+        self._thread.start()
+
+    def wait_for_nodes(self, timeout: float, check_health: Callable[[], None]) -> None:
+        deadline = time.monotonic() + timeout
+        while self.num_joined < self.parallel.nnodes - 1:
+            check_health()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.num_joined} of {self.parallel.nnodes - 1} other nodes joined within "
+                    f"{timeout:.0f} s (is `--node-rank N --dist-init-addr "
+                    f"{self.parallel.dist_init_addr}` running on each?)"
+                )
+            time.sleep(0.05)
+
+    def _fail(self, error: str, killed: bool = False) -> None:
+        if self.error is None:
+            logger.error("%s", error)
+            self.error = error
+        if killed and self.killed is None:
+            self.killed = error
+
+    def _handle(self, ident: bytes, msg: object, peers: dict[int, bytes]) -> None:
+        if isinstance(msg, NodeHello):
+            error = None
+            if msg.world_size != self.parallel.world_size:
+                error = f"node {msg.node_rank} runs tp x pp = {msg.world_size}, node 0 runs {self.parallel.world_size}"
+            elif not 0 < msg.node_rank < self.parallel.nnodes or msg.node_rank in peers:
+                error = f"unexpected or duplicate --node-rank {msg.node_rank}"
+            reply = (
+                self.bootstrap
+                if error is None
+                else msgspec.structs.replace(self.bootstrap, error=error)
+            )
+            self._sock.send_multipart([ident, self._out.encode(reply)])
+            if error is None:
+                peers[msg.node_rank] = ident
+                self._last_seen[msg.node_rank] = time.monotonic()
+                self.num_joined = len(peers)
+            else:
+                self._fail(error)
+        elif isinstance(msg, NodeHeartbeat):
+            self._last_seen[msg.node_rank] = time.monotonic()
+            self._sock.send_multipart([ident, self._out.encode(NodeAck())])
+        elif isinstance(msg, NodeWorkerExited):
+            self._fail(
+                f"worker tern-worker-{msg.rank} on node {msg.node_rank} died "
+                f"(exit code {msg.exitcode})",
+                killed=msg.exitcode not in (0, 1),
+            )
+
+    def _run(self) -> None:
+        peers: dict[int, bytes] = {}
+        try:
+            while not self._stop.is_set():
+                if self._sock.poll(100):
+                    ident, data = self._sock.recv_multipart()
+                    try:
+                        self._handle(ident, self._in.decode(data), peers)
+                    except msgspec.ValidationError as e:
+                        logger.error("dropping a malformed node message: %s", e)
+                now = time.monotonic()
+                for node, seen in self._last_seen.items():
+                    if now - seen > NODE_TIMEOUT_S:
+                        self._fail(f"node {node} sent no heartbeat for {NODE_TIMEOUT_S:.0f} s")
+            for ident in peers.values():
+                self._sock.send_multipart([ident, self._out.encode(NodeStop())])
+        finally:
+            self._sock.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now (another process may still take it before it is bound)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -1,10 +1,12 @@
 """Every message that crosses a process boundary in tern, as msgspec structs (msgpack on the wire).
 
-Three links:
+Four links:
 - frontend <-> engine core (ZMQ): a one-byte `RequestType` frame followed by the encoded body going
   in; `EngineCoreOutputs` coming back.
 - engine core -> workers (shared-memory broadcast, ZMQ fallback for large messages): `WorkerCall`.
 - workers -> engine core (ZMQ): `WorkerReply`.
+- other nodes' worker launchers <-> engine core (ZMQ over TCP, --nnodes > 1): `NodeToCore`,
+  `CoreToNode`.
 
 The engine core and the workers speak token ids only: text, chat templates and stop strings live in
 the frontend. No pickle on any link.
@@ -16,6 +18,8 @@ import enum
 from typing import Any
 
 import msgspec
+
+from enginecore.shm_broadcast import Handle
 
 
 class FinishReason(str, enum.Enum):
@@ -90,6 +94,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
+    # Set on a request's first output only (wall-clock time.time() of the engine core): when the
+    # request entered the waiting queue and when it was first scheduled (queue time = difference).
+    queued_time: float | None = None
+    first_scheduled_time: float | None = None
 
 
 class SchedulerStats(msgspec.Struct):
@@ -101,6 +109,8 @@ class SchedulerStats(msgspec.Struct):
     block_size: int
     prefix_cache_queries: int  # prompt tokens looked up
     prefix_cache_hits: int  # of which found cached
+    num_prefill_tokens_total: int = 0  # tokens computed in prefill chunks (recomputation included)
+    num_generated_tokens_total: int = 0  # tokens sampled
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
@@ -109,6 +119,8 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     timestamp: float = 0.0
     # Set when the engine core can no longer serve: the frontend fails everything and reports unhealthy.
     engine_dead: str | None = None
+    # Attached at most every STATS_INTERVAL_S while busy, and to the message that leaves it idle.
+    scheduler_stats: SchedulerStats | None = None
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
@@ -197,6 +209,51 @@ class WorkerResult(msgspec.Struct, tag="result", omit_defaults=True):
 
 
 WorkerReply = WorkerReady | WorkerResult
+
+
+# --------------------------------------------------------------------------- nodes <-> core
+# With --nnodes > 1, the worker launcher of every other node talks to node 0's executor over one
+# ZMQ DEALER/ROUTER connection at --dist-init-addr: hello -> bootstrap, then heartbeats both ways.
+
+
+class NodeHello(msgspec.Struct, tag="hello"):
+    node_rank: int
+    world_size: int  # tp x pp as this node was launched: must match node 0's
+
+
+class NodeHeartbeat(msgspec.Struct, tag="heartbeat"):
+    node_rank: int
+
+
+class NodeWorkerExited(msgspec.Struct, tag="worker_exited"):
+    """A worker of this node is gone: the engine must fail (its peers may hang in a collective)."""
+
+    node_rank: int
+    rank: int
+    exitcode: int
+
+
+NodeToCore = NodeHello | NodeHeartbeat | NodeWorkerExited
+
+
+class NodeBootstrap(msgspec.Struct, tag="bootstrap", omit_defaults=True):
+    """What a node's workers need to join: the step broadcast, the reply socket, the TCP store."""
+
+    mq_handle: Handle
+    reply_addr: str
+    store_addr: str  # host:port of torch.distributed's TCP store
+    error: str | None = None  # set instead when the node cannot join (mismatched launch)
+
+
+class NodeAck(msgspec.Struct, tag="ack"):
+    pass
+
+
+class NodeStop(msgspec.Struct, tag="stop"):
+    pass
+
+
+CoreToNode = NodeBootstrap | NodeAck | NodeStop
 
 
 class Codec:

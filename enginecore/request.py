@@ -38,6 +38,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
+        # Wall-clock times for the frontend's queue-time metric, sent with the first output.
+        self.queued_time = time.time()
+        self.first_scheduled_time: float | None = None
         # Set when the worker must (re)start this request's state from scratch: first schedule, or resume
         # after preemption.
         self.needs_new_state = True

@@ -11,6 +11,7 @@ The scheduler knows token ids and blocks only; it never sees text or tensors.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from enginecore.config import Config
@@ -39,6 +40,8 @@ class Scheduler:
         self._finished_req_ids: list[str] = []  # to tell the workers at the next step
         self._step_id = 0
         self.num_preempted_total = 0
+        self.num_prefill_tokens_total = 0  # tokens computed by prefill chunks (recompute included)
+        self.num_generated_tokens_total = 0
 
     # ----------------------------------------------------------------------------- requests in and out
 
@@ -116,6 +119,8 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             self.running.append(request)
@@ -133,6 +138,9 @@ class Scheduler:
         request.num_computed_tokens = end
         is_new = request.needs_new_state
         request.needs_new_state = False
+        # A decode step computes the last sampled token; everything else is prefill work.
+        if not (request.num_output_tokens > 0 and start == request.num_tokens - 1):
+            self.num_prefill_tokens_total += num_new
         return ScheduledRequest(
             req_id=request.request_id,
             token_ids=request.all_token_ids[start:end],
@@ -164,15 +172,15 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             request.append_output_token(token_id)
+            self.num_generated_tokens_total += 1
             finish_reason = self._check_stop(request, token_id)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id,
-                    [token_id],
-                    finish_reason,
-                    num_cached_tokens=request.num_cached_tokens,
-                )
+            out = EngineCoreOutput(
+                request_id, [token_id], finish_reason, num_cached_tokens=request.num_cached_tokens
             )
+            if request.num_output_tokens == 1:
+                out.queued_time = request.queued_time
+                out.first_scheduled_time = request.first_scheduled_time
+            outputs.append(out)
             if finish_reason is not None:
                 self.running.remove(request)
                 self._finish(request, finish_reason)
@@ -211,4 +219,6 @@ class Scheduler:
             block_size=self.block_size,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_prefill_tokens_total=self.num_prefill_tokens_total,
+            num_generated_tokens_total=self.num_generated_tokens_total,
         )

@@ -25,8 +25,9 @@ import uvloop
 
 from enginecore.config import Config
 from frontend.api_server import build_app
-from frontend.args import config_from_args, make_parser
+from frontend.args import FrontendConfig, config_from_args, frontend_config_from_args, make_parser
 from frontend.engine_client import EngineClient, EngineStartupError
+from frontend.metrics import Metrics
 from frontend.serving import OpenAIServing
 
 if TYPE_CHECKING:
@@ -44,11 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         config = config_from_args(args)
+        frontend_config = frontend_config_from_args(args, config)
     except (ValueError, OSError) as e:
         print(f"tern: error: {e}", file=sys.stderr)
         return 2
+    if config.parallel.node_rank > 0:  # other nodes run only their workers
+        from workers.worker_proc import run_worker_node
+
+        return run_worker_node(config)
     try:
-        return uvloop.run(Launcher(config).run())
+        return uvloop.run(Launcher(config, frontend_config).run())
     finally:
         shutil.rmtree(config.ipc_dir, ignore_errors=True)
 
@@ -56,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
 class Launcher:
     """Owns the server's lifetime: start-up, signals, and an orderly shutdown."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, frontend_config: FrontendConfig) -> None:
         self.config = config
+        self.frontend_config = frontend_config
         self.engine = EngineClient(config)
         self.server: Server | None = None
         self.is_stop_requested = False
@@ -91,7 +98,7 @@ class Launcher:
         from frontend.tokenizer import Tokenizer  # noqa: F811 (imports transformers: seconds)
 
         config = self.config
-        tokenizer = Tokenizer(config.model.path)
+        tokenizer = Tokenizer(config.model.path, self.frontend_config.chat_template)
         sock = _listen(config.server.host, config.server.port)
         try:
             return await self._serve(sock, tokenizer)
@@ -109,14 +116,13 @@ class Launcher:
             ready.num_kv_blocks * ready.block_size,
             ready.max_model_len,
         )
+        names = self.frontend_config.served_model_names
+        engine = self.engine
+        metrics = Metrics(names[0], lambda: engine.latest_stats)
         serving = OpenAIServing(
-            self.engine,
-            tokenizer,
-            config.model.served_model_name,
-            ready.max_model_len,
-            ready.vocab_size,
+            engine, tokenizer, names, ready.max_model_len, ready.vocab_size, metrics
         )
-        app = build_app(config, self.engine, serving)
+        app = build_app(config, self.frontend_config, engine, serving)
         uv_config = uvicorn.Config(
             app,
             loop="uvloop",

@@ -1,66 +1,87 @@
-"""The HTTP routes (starlette) of a tern server.
+"""The HTTP routes (starlette) of a tern server, and the middleware around them.
 
-Generation routes live in serving.py; this module maps URLs to them, serves the small informational
-routes (/v1/models, /health, /version, /server_info), and turns every exception into an OpenAI-style
-error body.
+Generating routes live in serving.py (chat, completions), serving_responses.py (/v1/responses) and
+serving_native.py (/generate, /abort_request, /tokenize, /detokenize); this module maps URLs to
+them, serves the small informational routes (/v1/models, /health, /ping, /version, /server_info,
+/metrics), and turns every exception into an OpenAI-style error body.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import platform
 import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from enginecore.config import Config
+from frontend.args import FrontendConfig
 from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.errors import APIError, engine_dead_error
+from frontend.metrics import CONTENT_TYPE_LATEST
+from frontend.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from frontend.protocol import ModelCard, ModelList
 from frontend.serving import OpenAIServing, error_response, json_response
+from frontend.serving_native import NativeServing
+from frontend.serving_responses import ResponsesServing
 
 logger = logging.getLogger("tern.frontend")
 
+_VERSIONED_PACKAGES = ("tern", "torch", "transformers", "tokenizers", "msgspec", "starlette")
 
-def tern_version() -> str:
+
+def package_version(name: str) -> str:
     try:
-        return version("tern")
+        return version(name)
     except PackageNotFoundError:
         return "unknown"
 
 
-def build_app(config: Config, engine: EngineClient, serving: OpenAIServing) -> Starlette:
+def tern_version() -> str:
+    return package_version("tern")
+
+
+def build_app(
+    config: Config, frontend: FrontendConfig, engine: EngineClient, serving: OpenAIServing
+) -> Starlette:
     """The ASGI app. `engine` must be started (its EngineReady describes the model)."""
     assert engine.ready is not None
     ready = engine.ready
     started = int(time.time())
+    responses = ResponsesServing(serving)
+    native = NativeServing(serving)
 
-    async def chat_completions(request: Request) -> Response:
-        return await serving.chat(request)
-
-    async def completions(request: Request) -> Response:
-        return await serving.completion(request)
+    def card(name: str) -> ModelCard:
+        return ModelCard(
+            id=name, created=started, root=config.model.path, max_model_len=ready.max_model_len
+        )
 
     async def models(request: Request) -> Response:
-        card = ModelCard(
-            id=serving.model_name,
-            created=started,
-            root=config.model.path,
-            max_model_len=ready.max_model_len,
-        )
-        return json_response(ModelList([card]))
+        return json_response(ModelList([card(name) for name in serving.model_names]))
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["model"]
+        serving.check_model(name)
+        return json_response(card(name))
 
     async def health(request: Request) -> Response:
         return Response(status_code=503 if engine.is_dead else 200)
 
     async def server_version(request: Request) -> Response:
         return json_response({"version": tern_version()})
+
+    async def metrics(request: Request) -> Response:
+        assert serving.metrics is not None
+        return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def server_info(request: Request) -> Response:
         try:
@@ -69,8 +90,14 @@ def build_app(config: Config, engine: EngineClient, serving: OpenAIServing) -> S
             raise engine_dead_error(str(e)) from e
         info: dict[str, Any] = {
             "version": tern_version(),
+            "versions": {
+                "python": platform.python_version(),
+                **{name: package_version(name) for name in _VERSIONED_PACKAGES},
+            },
             "served_model_name": serving.model_name,
+            "served_model_names": serving.model_names,
             "config": dataclasses.asdict(config),
+            "frontend": frontend.public_dict(),
             "engine": {
                 "model_summary": ready.model_summary,
                 "num_kv_blocks": ready.num_kv_blocks,
@@ -79,21 +106,55 @@ def build_app(config: Config, engine: EngineClient, serving: OpenAIServing) -> S
                 "vocab_size": ready.vocab_size,
                 "engine_core_pid": engine.pid,
             },
+            "kv_cache": {
+                "num_blocks": ready.num_kv_blocks,
+                "block_size": ready.block_size,
+                "num_tokens": ready.num_kv_blocks * ready.block_size,
+                "memory_gib": config.cache.kv_cache_memory_gib,
+            },
             "num_requests_in_flight": engine.num_in_flight,
             "scheduler_stats": stats,
         }
         return json_response(info)
 
     routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", serving.chat, methods=["POST"]),
+        Route("/v1/completions", serving.completion, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
+        Route("/generate", native.generate, methods=["POST"]),
+        Route("/abort_request", native.abort_request, methods=["POST"]),
+        Route("/tokenize", native.tokenize, methods=["POST"]),
+        Route("/detokenize", native.detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),
         Route("/version", server_version, methods=["GET"]),
         Route("/server_info", server_info, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ]
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
-    return Starlette(routes=routes, exception_handlers=handlers)
+    return Starlette(routes=routes, exception_handlers=handlers, middleware=_middleware(frontend))
+
+
+def _middleware(frontend: FrontendConfig) -> list[Middleware]:
+    """Outermost first: CORS answers preflights before the key is checked (browsers send none)."""
+    stack = []
+    if frontend.allowed_origins:
+        stack.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(frontend.allowed_origins),
+                allow_methods=["*"],
+                allow_headers=["*"],
+                expose_headers=["X-Request-Id"],
+            )
+        )
+    if frontend.api_key is not None:
+        stack.append(Middleware(ApiKeyMiddleware, api_key=frontend.api_key))
+    stack.append(Middleware(BodyLimitMiddleware, max_bytes=frontend.max_request_body_bytes))
+    stack.append(Middleware(RequestIdMiddleware))
+    return stack
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

@@ -1,14 +1,66 @@
-"""Command-line arguments of `tern launch`, and the one Config they build.
+"""Command-line arguments of `tern launch`, and the configuration they build: the one Config that
+every process gets, plus the FrontendConfig (HTTP-only settings: names, access, limits, template).
 
-Names follow `vllm serve` where the two overlap, so that scripts carry over.
+Names follow `vllm serve` where the two overlap, so that scripts carry over. TERN_API_KEY is read
+here, once.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from enginecore.config import CacheConfig, Config, ModelConfig, SchedulerConfig, ServerConfig
+import jinja2
+
+from enginecore.config import (
+    CacheConfig,
+    Config,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
+
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """Settings only the HTTP frontend uses (the engine core and workers never see them)."""
+
+    served_model_names: tuple[str, ...]
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    chat_template: str | None = None  # the template's text
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names or not all(self.served_model_names):
+            raise ValueError("--served-model-name needs at least one non-empty name")
+        if len(set(self.served_model_names)) != len(self.served_model_names):
+            raise ValueError("--served-model-name lists a name twice")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("--max-request-body-bytes must be positive")
+
+    @property
+    def model_name(self) -> str:
+        """The name responses carry (vLLM: the first served name)."""
+        return self.served_model_names[0]
+
+    def public_dict(self) -> dict[str, object]:
+        """For /server_info: everything but the API key's value."""
+        return {
+            "served_model_names": list(self.served_model_names),
+            "api_key_required": self.api_key is not None,
+            "allowed_origins": list(self.allowed_origins),
+            "max_request_body_bytes": self.max_request_body_bytes,
+            "chat_template": self.chat_template,
+        }
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -51,10 +103,61 @@ def make_parser() -> argparse.ArgumentParser:
     )
     launch.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model name clients use (default: --model as given)",
+        help="the model name(s) clients use; the first is the one responses carry "
+        "(default: --model as given)",
+    )
+    launch.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on every route but /health, /metrics, "
+        "/version and /ping (default: $TERN_API_KEY)",
+    )
+    launch.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        help="origins allowed by CORS: a JSON list as for vllm serve, or plain origins; '*' for "
+        "any (default: no CORS headers, so browsers deny other origins)",
+    )
+    launch.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies get 413 (default: 16 MiB)",
+    )
+    launch.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file, or the template itself, replacing the model's",
     )
     launch.add_argument("--seed", type=int, default=0)
+    parallel = launch.add_argument_group("parallelism")
+    parallel.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tp")
+    parallel.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1, dest="pp")
+    parallel.add_argument(
+        "--distributed-backend",
+        choices=["gloo", "nccl"],
+        default=None,
+        help="torch.distributed backend (default: nccl on GPU, gloo on CPU)",
+    )
+    parallel.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=None,
+        help="seconds after which a stuck collective fails (default: 60, or TERN_DIST_TIMEOUT)",
+    )
+    parallel.add_argument("--nnodes", type=int, default=1)
+    parallel.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this host's index; nodes other than 0 only run their workers",
+    )
+    parallel.add_argument(
+        "--dist-init-addr", default=None, help="host:port of node 0 (needed with --nnodes > 1)"
+    )
     launch.add_argument("--num-gpu-blocks-override", type=int, default=None, help=argparse.SUPPRESS)
     return parser
 
@@ -70,12 +173,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
         from frontend.model_prep import MODEL_NAME, ensure_default_model
 
         model_path = ensure_default_model()
-        served_name = args.served_model_name or MODEL_NAME
+        served_name = args.served_model_name[0] if args.served_model_name else MODEL_NAME
     else:
         model_path = Path(args.model).expanduser()
         if not (model_path / "config.json").is_file():
             raise ValueError(f"--model {args.model}: not a model directory (no config.json)")
-        served_name = args.served_model_name or args.model
+        served_name = args.served_model_name[0] if args.served_model_name else args.model
     if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 1:
         raise ValueError("--num-gpu-blocks-override must be positive")
     return Config(
@@ -96,5 +199,71 @@ def config_from_args(args: argparse.Namespace) -> Config:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
         ),
+        parallel=parallel_config_from_args(args),
         server=ServerConfig(host=args.host, port=args.port),
     )
+
+
+def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
+    timeout = (
+        {}
+        if args.distributed_timeout is None
+        else {"distributed_timeout_s": args.distributed_timeout}
+    )
+    return ParallelConfig(
+        tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
+        distributed_backend=args.distributed_backend,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
+        **timeout,
+    )
+
+
+def frontend_config_from_args(args: argparse.Namespace, config: Config) -> FrontendConfig:
+    """The frontend's settings; raises ValueError with a message for the user."""
+    names = tuple(args.served_model_name or [config.model.served_model_name])
+    api_key = args.api_key if args.api_key is not None else os.environ.get("TERN_API_KEY") or None
+    return FrontendConfig(
+        served_model_names=names,
+        api_key=api_key,
+        allowed_origins=parse_origins(args.allowed_origins or []),
+        max_request_body_bytes=args.max_request_body_bytes,
+        chat_template=load_chat_template(args.chat_template),
+    )
+
+
+def parse_origins(values: list[str]) -> tuple[str, ...]:
+    """`--allowed-origins '["a", "b"]'` (vLLM's JSON form) or `--allowed-origins a b`."""
+    origins: list[str] = []
+    for value in values:
+        if value.lstrip().startswith("["):
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--allowed-origins: bad JSON list {value!r}: {e}") from None
+            if not isinstance(parsed, list) or not all(isinstance(o, str) for o in parsed):
+                raise ValueError(f"--allowed-origins: expected a JSON list of strings: {value!r}")
+            origins += parsed
+        else:
+            origins.append(value)
+    return tuple(origins)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A template file's text, or the argument itself when it is a template; checked for syntax."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        template = path.read_text()
+    elif any(c in value for c in "{}\n"):
+        template = value
+    else:
+        raise ValueError(f"--chat-template {value}: no such file, and not a Jinja template")
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: template syntax error (line {e.lineno}): {e}") from None
+    return template

@@ -36,6 +36,7 @@ from enginecore.messages import (
     EngineStartup,
     EngineStartupFailed,
     RequestType,
+    SchedulerStats,
     UtilityCall,
     UtilityMethod,
 )
@@ -93,6 +94,8 @@ def _merge(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
         b.finish_reason,
         max(a.num_cached_tokens, b.num_cached_tokens),
         b.error,
+        a.queued_time if a.queued_time is not None else b.queued_time,
+        a.first_scheduled_time if a.first_scheduled_time is not None else b.first_scheduled_time,
     )
 
 
@@ -101,6 +104,8 @@ class EngineClient:
         self.config = config
         self.ready: EngineReady | None = None
         self.dead_reason: str | None = None
+        # The engine core's last SchedulerStats (sent every ~0.5 s while busy, and when it idles).
+        self.latest_stats: SchedulerStats | None = None
         self.on_dead: list[Callable[[str], None]] = []
         self._ctx = zmq.asyncio.Context()
         self._input: zmq.asyncio.Socket | None = None
@@ -234,10 +239,23 @@ class EngineClient:
         return stream
 
     def abort(self, request_ids: list[str]) -> None:
-        """Ends requests still in flight (client gone, stop string found); frees their KV blocks."""
+        """Ends requests still in flight (client gone, stop string found); frees their KV blocks.
+
+        Their streams are dropped at once: nothing more is read from them.
+        """
         ids = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
         if ids and not self.is_dead:
             self._send(RequestType.ABORT, EngineCoreAbort(ids))
+
+    def cancel(self, request_ids: list[str]) -> None:
+        """Asks the engine core to stop requests; each stream still ends with its last output
+        (finish reason ABORT, or the one it finished with if the engine got there first)."""
+        ids = [rid for rid in request_ids if rid in self._streams]
+        if ids and not self.is_dead:
+            self._send(RequestType.ABORT, EngineCoreAbort(ids))
+
+    def is_in_flight(self, request_id: str) -> bool:
+        return request_id in self._streams
 
     async def call_utility(self, method: UtilityMethod, timeout: float = 10.0, **args: Any) -> Any:
         if self.is_dead:
@@ -280,6 +298,9 @@ class EngineClient:
             self._mark_dead(f"cannot read engine outputs: {type(e).__name__}: {e}")
 
     def _dispatch(self, msg: EngineCoreOutputs) -> None:
+        # NOTE: stats first: a client answered from these outputs then sees gauges at least as new.
+        if msg.scheduler_stats is not None:
+            self.latest_stats = msg.scheduler_stats
         for out in msg.outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:

@@ -10,12 +10,14 @@ it instead of being silently ignored. Fields no client sends are rejected by msg
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from msgspec import UNSET
 
 from frontend.errors import bad_request
+
+T = TypeVar("T")
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 _INT32_MAX = 2**31 - 1
@@ -48,7 +50,6 @@ _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
     "priority": (None, 0),
-    "request_id": (None,),
     "cache_salt": (None,),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
@@ -107,6 +108,8 @@ class _RequestBase(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream_options: StreamOptions | None = None
     n: int | None = 1
     user: str | None = None  # accepted and ignored, as OpenAI and vLLM do
+    # vLLM: the request id's base when there is no X-Request-Id header.
+    request_id: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Routing / abuse-detection hints with no effect on the output.
@@ -140,7 +143,6 @@ class _RequestBase(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_decoding_backend: Any = UNSET
     guided_whitespace_pattern: Any = UNSET
     priority: Any = UNSET
-    request_id: Any = UNSET
     cache_salt: Any = UNSET
     kv_transfer_params: Any = UNSET
     vllm_xargs: Any = UNSET
@@ -166,6 +168,10 @@ class _RequestBase(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return self.max_tokens
 
     @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    @property
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -173,10 +179,7 @@ class _RequestBase(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def validate(self) -> None:
         """Raises APIError (400) for unsupported fields and out-of-range values."""
-        for name, allowed in self._unsupported.items():
-            value = getattr(self, name)
-            if value is not UNSET and not _is_allowed(value, allowed):
-                raise bad_request(f"'{name}' is not supported by this server", name)
+        check_unsupported(self, self._unsupported)
         if self.n is not None and self.n != 1:
             raise bad_request("only n=1 is supported", "n")
         if self.stream_options is not None and not self.stream:
@@ -185,8 +188,9 @@ class _RequestBase(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         max_tokens = self.requested_max_tokens
         if max_tokens is not None and max_tokens < 1:
-            param = "max_tokens" if self.max_tokens is not None else "max_completion_tokens"
-            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param)
+            raise bad_request(
+                f"max_tokens must be at least 1, got {max_tokens}", self.max_tokens_param
+            )
         if self.temperature is not None and not 0.0 <= self.temperature < float("inf"):
             raise bad_request(
                 f"temperature must be non-negative, got {self.temperature}", "temperature"
@@ -236,6 +240,10 @@ class ChatCompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=Tr
             return self.max_completion_tokens
         return self.max_tokens
 
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def validate(self) -> None:
         super().validate()
         if self.continue_final_message and self.add_generation_prompt:
@@ -246,9 +254,7 @@ class ChatCompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=Tr
 
     def normalized_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template expects them: text-part lists joined into strings."""
-        if not self.messages:
-            raise bad_request("messages must not be empty", "messages")
-        return [_normalize_message(i, m) for i, m in enumerate(self.messages)]
+        return normalize_messages(self.messages)
 
 
 class CompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=True):
@@ -260,29 +266,32 @@ class CompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=True):
 
     _unsupported = _COMPLETION_UNSUPPORTED
 
-    def normalized_prompt(self) -> str | list[int]:
-        """The prompt as a string or a list of token ids (a batch of one is unwrapped)."""
+    def normalized_prompts(self) -> list[str | list[int]]:
+        """The prompts, in order: each a string or a list of token ids.
+
+        `prompt` may be one prompt (a string, a list of token ids) or a batch of them (a list of
+        strings, a list of token-id lists), as in OpenAI's API; a batch may not mix the two.
+        """
         prompt = self.prompt
         if isinstance(prompt, str):
-            return prompt
+            return [prompt]
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
         if all(_is_int(t) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, str) for p in prompt):
             return list(prompt)
-        if len(prompt) == 1:
-            (only,) = prompt
-            if isinstance(only, str):
-                return only
-            if isinstance(only, list) and only and all(_is_int(t) for t in only):
-                return list(only)
-        if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
-            raise bad_request(
-                f"batched prompts (a list of {len(prompt)} prompts) are not supported; "
-                "send one prompt per request",
-                "prompt",
-            )
+        if all(isinstance(p, list) for p in prompt):
+            for i, ids in enumerate(prompt):
+                if not ids or not all(_is_int(t) for t in ids):
+                    raise bad_request(
+                        f"prompt[{i}] must be a non-empty list of token ids", "prompt"
+                    )
+            return [list(p) for p in prompt]
         raise bad_request(
-            "prompt must be a string, a list of token ids, or a list of one of those", "prompt"
+            "prompt must be a string, a list of token ids, or a list of either "
+            "(strings, or lists of token ids)",
+            "prompt",
         )
 
 
@@ -297,6 +306,16 @@ def _is_allowed(value: Any, allowed: tuple[Any, ...]) -> bool:
         if (value is a) if strict else (value == a):
             return True
     return False
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages as the chat template expects them: text-part lists joined into strings.
+
+    Raises APIError (400, param messages[i]...) for a missing or unknown role, or non-text content.
+    """
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    return [_normalize_message(i, m) for i, m in enumerate(messages)]
 
 
 def _normalize_message(i: int, message: dict[str, Any]) -> dict[str, Any]:
@@ -334,24 +353,37 @@ def _normalize_message(i: int, message: dict[str, Any]) -> dict[str, Any]:
 _PARAM_RE = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
 _FIELD_RE = re.compile(r"field `([A-Za-z_][A-Za-z0-9_]*)`")
 
-_decoders = {
-    ChatCompletionRequest: msgspec.json.Decoder(ChatCompletionRequest),
-    CompletionRequest: msgspec.json.Decoder(CompletionRequest),
-}
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
 
 
-def decode_request(body: bytes, typ: type[_RequestBase]) -> Any:
-    """Decodes and validates a request body; raises APIError(400) with `param` set when known."""
+def decode_request(body: bytes, typ: type[T]) -> T:
+    """Decodes a request body into `typ` and runs its validate() if it has one.
+
+    Raises APIError(400) with `param` set when the offending field is known.
+    """
+    decoder = _decoders.get(typ)
+    if decoder is None:
+        decoder = _decoders[typ] = msgspec.json.Decoder(typ)
     try:
-        req = _decoders[typ].decode(body)
+        req = decoder.decode(body)
     except msgspec.ValidationError as e:
         msg = str(e)
         m = _PARAM_RE.search(msg) or _FIELD_RE.search(msg)
         raise bad_request(msg, m.group(1) if m else None) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"malformed JSON body: {e}") from None
-    req.validate()
+    validate = getattr(req, "validate", None)
+    if validate is not None:
+        validate()
     return req
+
+
+def check_unsupported(req: Any, unsupported: dict[str, tuple[Any, ...]]) -> None:
+    """400 naming the first field of `unsupported` set to a value other than its "not used" ones."""
+    for name, allowed in unsupported.items():
+        value = getattr(req, name)
+        if value is not UNSET and not _is_allowed(value, allowed):
+            raise bad_request(f"'{name}' is not supported by this server", name)
 
 
 # --------------------------------------------------------------------------- responses

@@ -1,27 +1,36 @@
-"""OpenAI requests to engine requests and back: prompts, sampling parameters, SSE framing.
+"""OpenAI chat and completions: requests to engine requests, responses and SSE streams back.
 
-One `Generation` per request turns the engine's token ids into released text (detokenizer, stop
-strings) and knows when and why the request finished. Every request ends in an answer: a response,
-a final chunk, or an OpenAI error (4xx for the client's mistakes, 503 when the engine is gone).
-A client that goes away aborts its request in the engine core, which frees its KV-cache blocks.
+OpenAIServing also holds what every generating route shares (responses.py and native.py use it):
+model-name checks, request ids (X-Request-Id), prompt encoding, request -> SamplingParams, and
+starting a RequestGroup registered for POST /abort_request. Every request ends in an answer: a
+response, a final chunk, or an OpenAI error (4xx for the client's mistakes, 503 when the engine is
+gone). A client that goes away aborts its requests in the engine core, which frees their KV blocks.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
-from enginecore.messages import EngineCoreRequest, FinishReason, SamplingParams
+from enginecore.messages import SamplingParams
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.errors import APIError, bad_request, engine_dead_error
+from frontend.generation import (
+    Generation,
+    InflightRequests,
+    RequestFailedError,
+    RequestGroup,
+    stream_and_close,
+    unique_ids,
+)
 from frontend.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -34,126 +43,84 @@ from frontend.protocol import (
     CompletionResponseChoice,
     CompletionStreamResponse,
     DeltaMessage,
-    PromptTokensDetails,
-    UsageInfo,
     decode_request,
 )
 
 if TYPE_CHECKING:
+    from frontend.metrics import Metrics
     from frontend.tokenizer import Tokenizer
 
 _json = msgspec.json.Encoder()
 _DONE = b"data: [DONE]\n\n"
+REQUEST_ID_HEADER = "X-Request-Id"
 
 
-class RequestFailedError(RuntimeError):
-    """The engine ended one request with an error while staying up."""
+class SamplingRequest(Protocol):
+    """What every generating route's request offers for SamplingParams and the detokenizer."""
+
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    seed: int | None
+    stop_token_ids: list[int] | None
+    ignore_eos: bool | None
+    skip_special_tokens: bool | None
+    include_stop_str_in_output: bool | None
+
+    @property
+    def requested_max_tokens(self) -> int | None: ...
+
+    @property
+    def max_tokens_param(self) -> str: ...
+
+    @property
+    def stop_strings(self) -> list[str]: ...
 
 
 def sse(obj: Any) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
 
 
-def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(_json.encode(obj), status, media_type="application/json")
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_json.encode(obj), status, headers=headers, media_type="application/json")
 
 
 def error_response(err: APIError) -> Response:
     return json_response(err.to_response(), err.status)
 
 
-class Generation:
-    """One request in flight: engine outputs in, released text out, and why it finished."""
-
-    def __init__(
-        self,
-        engine: EngineClient,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        detokenizer: IncrementalDetokenizer,
-    ) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.num_prompt_tokens = len(prompt_token_ids)
-        self.user_stop_token_ids = set(params.stop_token_ids)
-        self.detokenizer = detokenizer
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.num_cached_tokens = 0
-        self.stream = engine.add_request(
-            EngineCoreRequest(request_id, prompt_token_ids, params, arrival_time=time.time())
-        )
-
-    @property
-    def is_finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self.detokenizer.num_tokens
-
-    def usage(self) -> UsageInfo:
-        n_in, n_out = self.num_prompt_tokens, self.num_output_tokens
-        return UsageInfo(n_in, n_in + n_out, n_out, PromptTokensDetails(self.num_cached_tokens))
-
-    async def next_text(self) -> str:
-        """Waits for the engine's next tokens; returns the text they release (may be empty).
-
-        Raises EngineDeadError or RequestFailedError. Sets finish_reason on the last call.
-        """
-        out = await self.stream.next()
-        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
-        if out.finish_reason == FinishReason.ERROR:
-            self.finish_reason = "error"
-            raise RequestFailedError(out.error or "the engine failed to serve this request")
-        by_stop_token = out.finish_reason == FinishReason.STOP and bool(out.new_token_ids)
-        self.detokenizer.update(out.new_token_ids, ends_with_stop_token=by_stop_token)
-        if self.detokenizer.is_stopped:
-            self.finish_reason = FinishReason.STOP.value
-            self.stop_reason = self.detokenizer.stop_reason
-            self.abort()  # the engine would go on generating: a stop string is ours to find
-        elif out.finish_reason is not None:
-            self.finish_reason = out.finish_reason.value
-            if by_stop_token and out.new_token_ids[-1] in self.user_stop_token_ids:
-                self.stop_reason = out.new_token_ids[-1]  # vLLM: the stop token id; None for EOS
-        return self.detokenizer.take_new_text(final=self.is_finished)
-
-    async def collect(self) -> str:
-        parts = []
-        while not self.is_finished:
-            parts.append(await self.next_text())
-        return "".join(parts)
-
-    def abort(self) -> None:
-        """Stops the request in the engine if it is still running there (no-op otherwise)."""
-        self.engine.abort([self.request_id])
-
-
 class OpenAIServing:
-    """The handlers behind /v1/chat/completions and /v1/completions."""
+    """The handlers behind /v1/chat/completions and /v1/completions, and their shared parts."""
 
     def __init__(
         self,
         engine: EngineClient,
         tokenizer: Tokenizer,
-        model_name: str,
+        model_names: Sequence[str],
         max_model_len: int,
         vocab_size: int,
+        metrics: Metrics | None = None,
     ) -> None:
+        assert model_names, "at least one served model name"
         self.engine = engine
         self.tokenizer = tokenizer
-        self.model_name = model_name
+        self.model_names = list(model_names)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.metrics = metrics
+        self.inflight = InflightRequests()
+
+    @property
+    def model_name(self) -> str:
+        """The name responses carry: the first served name (as vLLM)."""
+        return self.model_names[0]
 
     # ------------------------------------------------------------------ chat
 
     async def chat(self, http_request: Request) -> Response:
-        req: ChatCompletionRequest = decode_request(
-            await http_request.body(), ChatCompletionRequest
-        )
-        self._check_model(req.model)
+        req = decode_request(await http_request.body(), ChatCompletionRequest)
+        self.check_model(req.model)
         prompt_ids = self.tokenizer.apply_chat_template(
             req.normalized_messages(),
             add_generation_prompt=req.add_generation_prompt,
@@ -161,154 +128,176 @@ class OpenAIServing:
             add_special_tokens=req.add_special_tokens,
             chat_template_kwargs=req.chat_template_kwargs,
         )
-        gen = self._start(f"chatcmpl-{uuid.uuid4().hex}", req, prompt_ids, "messages")
+        request_id, keys, headers = self.request_ids(http_request, "chatcmpl-", req.request_id)
+        group = self.start(request_id, keys, req, [prompt_ids], "messages")
         created = int(time.time())
         if req.is_stream:
-            return _streaming_response(self._chat_stream(gen, req, created), gen)
-        text = await _collect_unless_disconnected(gen, http_request)
-        if text is None:
+            return self.sse_response(self._chat_stream(group, req, created), group, headers)
+        texts = await group.collect_unless_disconnected(http_request)
+        if texts is None:
             return Response(status_code=499)
-        choice = ChatCompletionResponseChoice(
-            0, ChatMessage("assistant", text), None, gen.finish_reason, gen.stop_reason
+        gen = group.gens[0]
+        message = ChatMessage("assistant", texts[0])
+        choice = ChatCompletionResponseChoice(0, message, None, gen.finish_reason, gen.stop_reason)
+        response = ChatCompletionResponse(
+            request_id, "chat.completion", created, self.model_name, [choice], group.usage()
         )
-        return json_response(
-            ChatCompletionResponse(
-                gen.request_id, "chat.completion", created, self.model_name, [choice], gen.usage()
-            )
-        )
+        return json_response(response, headers=headers)
 
     async def _chat_stream(
-        self, gen: Generation, req: ChatCompletionRequest, created: int
+        self, group: RequestGroup, req: ChatCompletionRequest, created: int
     ) -> AsyncIterator[bytes]:
-        def chunk(delta: DeltaMessage, finish: str | None = None) -> bytes:
+        request_id = group.keys[0]
+
+        def chunk(gen: Generation, delta: DeltaMessage, finish: str | None = None) -> bytes:
             choice = ChatCompletionResponseStreamChoice(0, delta, None, finish, gen.stop_reason)
+            usage = gen.usage() if continuous_usage else None
             return sse(
                 ChatCompletionStreamResponse(
-                    gen.request_id,
-                    "chat.completion.chunk",
-                    created,
-                    self.model_name,
-                    [choice],
-                    gen.usage() if continuous_usage else None,
+                    request_id, "chat.completion.chunk", created, self.model_name, [choice], usage
                 )
             )
 
         include_usage, continuous_usage = _usage_options(req)
         is_first = True
-        async for text in _texts(gen):
+        async for i, text in group.merged():
+            gen = group.gens[i]
             if is_first:
                 # NOTE: sent with the first output, not before: clients (and vLLM's benchmark)
                 # take the first chunk's arrival as the time to first token.
-                yield chunk(DeltaMessage(role="assistant", content=""))
+                yield chunk(gen, DeltaMessage(role="assistant", content=""))
                 is_first = False
             if gen.is_finished:
-                yield chunk(DeltaMessage(content=text or None), gen.finish_reason)
+                yield chunk(gen, DeltaMessage(content=text or None), gen.finish_reason)
             elif text:
-                yield chunk(DeltaMessage(content=text))
+                yield chunk(gen, DeltaMessage(content=text))
         if include_usage:
             yield sse(
                 ChatCompletionStreamResponse(
-                    gen.request_id,
-                    "chat.completion.chunk",
-                    created,
-                    self.model_name,
-                    [],
-                    gen.usage(),
+                    request_id, "chat.completion.chunk", created, self.model_name, [],
+                    group.usage(),
                 )
-            )
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ completions
 
     async def completion(self, http_request: Request) -> Response:
-        req: CompletionRequest = decode_request(await http_request.body(), CompletionRequest)
-        self._check_model(req.model)
-        prompt = req.normalized_prompt()
-        if isinstance(prompt, str):
-            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
-        else:
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise bad_request(
-                    f"prompt token ids must be in [0, {self.vocab_size}); got {bad[0]}", "prompt"
-                )
-            prompt_ids = prompt
-        gen = self._start(f"cmpl-{uuid.uuid4().hex}", req, prompt_ids, "prompt")
+        req = decode_request(await http_request.body(), CompletionRequest)
+        self.check_model(req.model)
+        prompts = [
+            self.encode_prompt(p, req.add_special_tokens, "prompt")
+            for p in req.normalized_prompts()
+        ]
+        request_id, keys, headers = self.request_ids(http_request, "cmpl-", req.request_id)
+        group = self.start(request_id, keys, req, prompts, "prompt")
         created = int(time.time())
         if req.is_stream:
-            return _streaming_response(self._completion_stream(gen, req, created), gen)
-        text = await _collect_unless_disconnected(gen, http_request)
-        if text is None:
+            return self.sse_response(self._completion_stream(group, req, created), group, headers)
+        texts = await group.collect_unless_disconnected(http_request)
+        if texts is None:
             return Response(status_code=499)
-        choice = CompletionResponseChoice(0, text, None, gen.finish_reason, gen.stop_reason)
-        return json_response(
-            CompletionResponse(
-                gen.request_id, "text_completion", created, self.model_name, [choice], gen.usage()
-            )
+        choices = [
+            CompletionResponseChoice(i, text, None, gen.finish_reason, gen.stop_reason)
+            for i, (text, gen) in enumerate(zip(texts, group.gens))
+        ]
+        response = CompletionResponse(
+            request_id, "text_completion", created, self.model_name, choices, group.usage()
         )
+        return json_response(response, headers=headers)
 
     async def _completion_stream(
-        self, gen: Generation, req: CompletionRequest, created: int
+        self, group: RequestGroup, req: CompletionRequest, created: int
     ) -> AsyncIterator[bytes]:
+        request_id = group.keys[0]
         include_usage, continuous_usage = _usage_options(req)
-        async for text in _texts(gen):
+        async for i, text in group.merged():
+            gen = group.gens[i]
             if not text and not gen.is_finished:
                 continue
-            choice = CompletionResponseChoice(0, text, None, gen.finish_reason, gen.stop_reason)
+            choice = CompletionResponseChoice(i, text, None, gen.finish_reason, gen.stop_reason)
             yield sse(
                 CompletionStreamResponse(
-                    gen.request_id,
-                    "text_completion",
-                    created,
-                    self.model_name,
-                    [choice],
+                    request_id, "text_completion", created, self.model_name, [choice],
                     gen.usage() if continuous_usage else None,
                 )
-            )
+            )  # fmt: skip
         if include_usage:
             yield sse(
                 CompletionStreamResponse(
-                    gen.request_id, "text_completion", created, self.model_name, [], gen.usage()
+                    request_id, "text_completion", created, self.model_name, [], group.usage()
                 )
             )
 
     # ------------------------------------------------------------------ shared
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            served = ", ".join(f"`{m}`" for m in self.model_names)
             raise APIError(
-                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                f"The model `{model}` does not exist. This server serves {served}.",
                 404,
                 "model",
                 "model_not_found",
             )
 
-    def _start(
+    def request_ids(
+        self, http_request: Request, prefix: str, body_request_id: str | None = None
+    ) -> tuple[str, list[str], dict[str, str]]:
+        """(response id, ids the request can be aborted by, response headers).
+
+        As vLLM: the X-Request-Id header, else the body's request_id, else a random id, is the
+        base of the response id; the header is echoed (or carries the response id).
+        """
+        client_id = http_request.headers.get(REQUEST_ID_HEADER) or body_request_id
+        request_id = prefix + (client_id or uuid.uuid4().hex)
+        keys = [request_id] if client_id in (None, request_id) else [request_id, client_id]
+        return request_id, keys, {REQUEST_ID_HEADER: client_id or request_id}
+
+    def encode_prompt(
+        self, prompt: str | list[int], add_special_tokens: bool, param: str
+    ) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(
+                f"prompt token ids must be in [0, {self.vocab_size}); got {bad[0]}", param
+            )
+        return list(prompt)
+
+    def start(
         self,
         request_id: str,
-        req: ChatCompletionRequest | CompletionRequest,
-        prompt_ids: list[int],
+        keys: list[str],
+        req: SamplingRequest,
+        prompts: list[list[int]],
         prompt_param: str,
-    ) -> Generation:
-        params = self._sampling_params(req, prompt_ids, prompt_param)
+        session_id: int | None = None,
+    ) -> RequestGroup:
+        """Checks every prompt, then starts one engine request per prompt (all or none)."""
+        params = [self.sampling_params(req, ids, prompt_param) for ids in prompts]
         if self.engine.is_dead:
             raise engine_dead_error(self.engine.dead_reason)
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer.backend,
-            prompt_ids,
-            skip_special_tokens=req.skip_special_tokens,
-            stop=req.stop_strings,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-        )
+        engine_ids = unique_ids(request_id, len(prompts), self.engine.is_in_flight)
+        gens: list[Generation] = []
         try:
-            return Generation(self.engine, request_id, prompt_ids, params, detokenizer)
+            for engine_id, prompt_ids, p in zip(engine_ids, prompts, params):
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer.backend,
+                    prompt_ids,
+                    skip_special_tokens=req.skip_special_tokens is not False,
+                    stop=req.stop_strings,
+                    include_stop_str_in_output=bool(req.include_stop_str_in_output),
+                )
+                gens.append(
+                    Generation(self.engine, engine_id, prompt_ids, p, detokenizer, self.metrics)
+                )
         except EngineDeadError as e:
             raise engine_dead_error(str(e)) from e
+        return RequestGroup(keys, gens, self.inflight, session_id)
 
-    def _sampling_params(
-        self,
-        req: ChatCompletionRequest | CompletionRequest,
-        prompt_ids: list[int],
-        prompt_param: str,
+    def sampling_params(
+        self, req: SamplingRequest, prompt_ids: list[int], prompt_param: str
     ) -> SamplingParams:
         n_prompt, limit = len(prompt_ids), self.max_model_len
         if n_prompt == 0:
@@ -323,16 +312,11 @@ class OpenAIServing:
         if max_tokens is None:
             max_tokens = limit - n_prompt
         elif n_prompt + max_tokens > limit:
-            param = (
-                "max_completion_tokens"
-                if max_tokens == getattr(req, "max_completion_tokens", None)
-                else "max_tokens"
-            )
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{n_prompt + max_tokens} tokens ({n_prompt} in the {prompt_param}, {max_tokens} "
                 "in the completion). Please reduce the length of the prompt or completion.",
-                param,
+                req.max_tokens_param,
             )
         stop_token_ids = list(req.stop_token_ids or [])
         bad = [t for t in stop_token_ids if not 0 <= t < self.vocab_size]
@@ -351,8 +335,39 @@ class OpenAIServing:
             max_tokens=max_tokens,
             stop_token_ids=stop_token_ids,
             eos_token_ids=list(self.tokenizer.eos_token_ids),
-            ignore_eos=req.ignore_eos,
+            ignore_eos=bool(req.ignore_eos),
         )
+
+    def sse_response(
+        self, body: AsyncIterator[bytes], group: RequestGroup, headers: dict[str, str]
+    ) -> StreamingResponse:
+        """An OpenAI-style SSE stream: engine failures become an error event, then [DONE]."""
+        return streaming_response(_openai_framed(body), group, headers)
+
+
+def streaming_response(
+    body: AsyncIterator[bytes], group: RequestGroup, headers: dict[str, str]
+) -> StreamingResponse:
+    """An SSE response that closes `group` however it ends."""
+    return _GroupStreamingResponse(body, group, headers)
+
+
+class _GroupStreamingResponse(StreamingResponse):
+    def __init__(
+        self, body: AsyncIterator[bytes], group: RequestGroup, headers: dict[str, str]
+    ) -> None:
+        super().__init__(
+            stream_and_close(body, group), media_type="text/event-stream", headers=headers
+        )
+        self.group = group
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # NOTE: the stream's own `finally` never runs if the client left before it started
+            # (a generator never started is not run when closed): this one always does.
+            self.group.close()
 
 
 def _pick(value: float | None, defaults: dict[str, Any], key: str, fallback: float) -> float:
@@ -366,53 +381,13 @@ def _usage_options(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool
     return bool(opts.include_usage), bool(opts.include_usage and opts.continuous_usage_stats)
 
 
-async def _texts(gen: Generation) -> AsyncIterator[str]:
-    while not gen.is_finished:
-        yield await gen.next_text()
-
-
-def _streaming_response(body: AsyncIterator[bytes], gen: Generation) -> StreamingResponse:
-    return StreamingResponse(_framed(body, gen), media_type="text/event-stream")
-
-
-async def _framed(body: AsyncIterator[bytes], gen: Generation) -> AsyncIterator[bytes]:
+async def _openai_framed(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Ends every stream with [DONE]; engine failures become an error event first."""
     try:
-        try:
-            async for chunk in body:
-                yield chunk
-        except EngineDeadError as e:
-            yield sse(engine_dead_error(str(e)).to_response())
-        except RequestFailedError as e:
-            yield sse(APIError(str(e), 500, None, "engine_error").to_response())
-        yield _DONE
-    finally:
-        # NOTE: runs when the client disconnects too (starlette cancels the stream task).
-        gen.abort()
-
-
-async def _collect_unless_disconnected(gen: Generation, http_request: Request) -> str | None:
-    """The whole output, or None if the client went away first (the request is then aborted)."""
-    collect = asyncio.ensure_future(gen.collect())
-    disconnect = asyncio.ensure_future(_wait_for_disconnect(http_request.receive))
-    try:
-        await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-        if collect.done():
-            try:
-                return collect.result()
-            except EngineDeadError as e:
-                raise engine_dead_error(str(e)) from e
-            except RequestFailedError as e:
-                raise APIError(str(e), 500, None, "engine_error") from e
-        return None
-    finally:
-        collect.cancel()
-        disconnect.cancel()
-        gen.abort()
-
-
-async def _wait_for_disconnect(receive: Callable[[], Any]) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
+        async for chunk in body:
+            yield chunk
+    except EngineDeadError as e:
+        yield sse(engine_dead_error(str(e)).to_response())
+    except RequestFailedError as e:
+        yield sse(APIError(str(e), 500, None, "engine_error").to_response())
+    yield _DONE

@@ -30,7 +30,8 @@ _GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
 class Tokenizer:
     """A Hugging Face tokenizer with the model's EOS ids and generation defaults."""
 
-    def __init__(self, model_path: str | Path) -> None:
+    def __init__(self, model_path: str | Path, chat_template: str | None = None) -> None:
+        """`chat_template` (the template's text) replaces the model's own."""
         path = Path(model_path)
         try:
             self.hf = AutoTokenizer.from_pretrained(str(path))
@@ -42,6 +43,8 @@ class Tokenizer:
                 f"{path} has no fast (tokenizers) tokenizer; tern needs tokenizer.json"
             )
         self.backend: tokenizers.Tokenizer = backend
+        if chat_template is not None:
+            self.hf.chat_template = chat_template
         self.vocab_size = len(self.hf)
         gen_config = _read_json(path / "generation_config.json")
         self.eos_token_ids = _eos_token_ids(gen_config, self.hf.eos_token_id)
@@ -69,6 +72,10 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each token's string in the vocabulary (byte-level pieces as stored, e.g. 'Ġthe')."""
+        return [self.backend.id_to_token(t) or "" for t in token_ids]
 
     def apply_chat_template(
         self,

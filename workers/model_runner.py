@@ -8,6 +8,13 @@ stop conditions or text. Each step it
    attention metadata (positions, cache slots, block tables, gather indices) for it;
 3. runs the model once and the LM head only on the last token of the requests that sample;
 4. samples those rows and returns the tokens in batch order.
+
+Under tensor/pipeline parallelism every rank runs every step (all read the same broadcast and keep
+the same block tables). A pipeline stage other than the first receives the previous stage's hidden
+states instead of embedding tokens, and one other than the last sends its own on and returns an
+empty output; one micro-batch is in flight at a time, so stages do not overlap. Only the driver
+(TP rank 0 of the last stage) samples: the other last-stage ranks take part in the LM head's
+all-gather and return an empty output.
 """
 
 from __future__ import annotations
@@ -20,18 +27,31 @@ from pathlib import Path
 
 import torch
 
-from enginecore.config import Config
+from enginecore.config import Config, ParallelConfig
 from enginecore.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
-from workers.distributed import ParallelContext
+from workers.distributed import ParallelContext, shard_heads, stage_layers
 from workers.layers.attention import Attention, build_attention_metadata
 from workers.layers.sampler import Sampler, SamplingTensors
-from workers.models.registry import build_model, load_model_args
+from workers.models.registry import ModelArgs, build_model, load_model_args
 from workers.weight_loader import load_checkpoint
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_MAX_MODEL_LEN = 32768
+
+
+def check_parallel_split(args: ModelArgs, parallel: ParallelConfig) -> None:
+    """Raise a ValueError naming the numbers when the model cannot be split as `parallel` asks."""
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    for tp_rank in range(tp):
+        shard_heads(args.num_attention_heads, args.num_key_value_heads, tp, tp_rank)
+    if args.intermediate_size % tp:
+        raise ValueError(
+            f"tensor-parallel size {tp} does not divide the MLP's intermediate size "
+            f"{args.intermediate_size}"
+        )
+    stage_layers(args.num_hidden_layers, pp, 0)
 
 
 def default_device(rank: int) -> torch.device:
@@ -112,17 +132,17 @@ class ModelRunner:
         logger.info("loaded %s", self.model_summary)
 
     def _kv_heads_per_rank(self) -> int:
-        return (
-            self.attn_layers[0].num_kv_heads
-            if self.attn_layers
-            else max(1, self.args.num_key_value_heads // self.parallel.tp_size)
-        )
+        p = self.parallel
+        return shard_heads(
+            self.args.num_attention_heads, self.args.num_key_value_heads, p.tp_size, p.tp_rank
+        ).num_kv_heads
 
     def kv_cache_bytes_per_block(self) -> int:
-        """K and V of one block over all layers of this rank's KV heads."""
+        """K and V of one block over this stage's layers and this rank's KV heads."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         per_layer = 2 * self.block_size * self._kv_heads_per_rank() * self.args.head_dim * elem
-        return per_layer * self.args.num_hidden_layers
+        p = self.parallel
+        return per_layer * len(stage_layers(self.args.num_hidden_layers, p.pp_size, p.pp_rank))
 
     def num_kv_blocks_for_memory(self) -> int:
         if self.config.cache.num_gpu_blocks_override is not None:
@@ -166,10 +186,13 @@ class ModelRunner:
     def model_summary(self) -> str:
         a = self.args
         params = ""
+        tp, pp = self.parallel.tp_size, self.parallel.pp_size
         if self.model is not None:
-            num = sum(p.numel() for p in self.model.parameters())
-            scope = "" if self.parallel.tp_size == 1 else " on this rank"
+            num = sum(param.numel() for param in self.model.parameters())
+            scope = "" if tp * pp == 1 else " on this rank"
             params = f", {num / 1e6:.1f}M params{scope}"
+        if tp * pp > 1:
+            params += f", tp {tp} x pp {pp}"
         dtype = str(self.dtype).removeprefix("torch.")
         return (
             f"{a.architecture}: {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
@@ -246,13 +269,24 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        hidden = self.model(input_ids, meta)  # (T, hidden)
+        p = self.parallel
+        intermediate = None
+        if not p.is_first_stage:
+            shape = (2, input_ids.numel(), self.args.hidden_size)
+            intermediate = p.recv_from_prev_stage(shape, self.dtype, self.device)
+        # (T, hidden) on the last stage; (2, T, hidden), hidden states and residual, on the others
+        hidden = self.model(input_ids, meta, intermediate)
+        if not p.is_last_stage:
+            p.send_to_next_stage(hidden)
+            return ModelRunnerOutput(step.step_id, [], []), None
 
         sampling = [i for i, r in enumerate(reqs) if r.sample_index >= 0]
         if not sampling:
             return ModelRunnerOutput(step.step_id, [], []), None
         last_rows = meta.query_start_loc[1:][sampling] - 1
         logits = self.model.compute_logits(hidden[last_rows]).float()  # (N, vocab)
+        if not p.is_driver:  # the logits were a collective; the driver samples
+            return ModelRunnerOutput(step.step_id, [], []), None
         tensors = SamplingTensors.from_params(
             [self.requests[reqs[i].req_id].sampling_params for i in sampling],
             [reqs[i].sample_index for i in sampling],

@@ -3,14 +3,18 @@
 `load_weights(model, weights)` is the one loop, used at start-up and for weight updates: it maps
 Hugging Face names onto tern's fused parameters (q/k/v_proj -> qkv_proj shards "q"/"k"/"v",
 gate/up_proj -> gate_up_proj shards 0/1) and lets the parameter copy in its tensor-parallel shard.
-`load_checkpoint` feeds it every tensor of the *.safetensors files, one at a time, and then checks
-that nothing is missing. Unknown names, missing weights and shape mismatches raise ValueError.
+`load_checkpoint` feeds it every tensor of the *.safetensors files as a `LazyWeight` (a safetensors
+slice: the parameter's loader narrows it to its shard and only that shard is read), and then checks
+that nothing is missing. Under pipeline parallelism the model's `local_weight_name` drops the tensors
+of other stages before anything is read. Unknown names, missing weights and shape mismatches raise
+ValueError.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -39,6 +43,44 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
                 yield name, f.get_tensor(name)
 
 
+class LazyWeight:
+    """A checkpoint tensor not read yet: `narrow` reads one slice, `materialize` the whole tensor.
+
+    Offers the part of the torch.Tensor API weight loaders use (shape, size, dim, narrow).
+    """
+
+    def __init__(self, tensor_slice: Any) -> None:  # a safetensors PySafeSlice
+        self._slice = tensor_slice
+        self.shape = torch.Size(tensor_slice.get_shape())
+
+    def size(self, dim: int | None = None) -> int | torch.Size:
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        dim = dim % self.dim()
+        if not 0 <= start <= start + length <= self.shape[dim]:
+            raise ValueError(f"slice [{start}, {start + length}) outside dim {dim} of {self.shape}")
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._slice[index]
+
+    def materialize(self) -> torch.Tensor:
+        return self._slice[:]
+
+
+def iter_safetensors_lazy(model_dir: str | Path) -> Iterator[tuple[str, LazyWeight]]:
+    """Every tensor of the checkpoint, unread: each loader reads only the slice it keeps."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                yield name, LazyWeight(f.get_slice(name))
+
+
 def _is_tied(model: nn.Module) -> bool:
     args = getattr(model, "args", None)
     return bool(getattr(args, "tie_word_embeddings", False))
@@ -54,14 +96,22 @@ def _map_name(name: str) -> tuple[str, object]:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Copy (Hugging Face name, full tensor) pairs into `model`; returns the names loaded."""
+def load_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | LazyWeight]]
+) -> set[str]:
+    """Copy (Hugging Face name, full tensor) pairs into `model`; returns the names loaded (as this
+    pipeline stage names them: a tied embedding loaded into a later stage's LM head is lm_head)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = _is_tied(model)
+    local_name = getattr(model, "local_weight_name", None)
     loaded: set[str] = set()
     for name, tensor in weights:
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name.startswith("lm_head.")):
             continue
+        if local_name is not None:
+            name = local_name(name)
+            if name is None:  # another pipeline stage holds it
+                continue
         param_name, shard_id = _map_name(name)
         param = params.get(param_name)
         if param is None:
@@ -89,7 +139,7 @@ def expected_weight_names(model: nn.Module) -> set[str]:
 
 def load_checkpoint(model: nn.Module, model_dir: str | Path) -> None:
     """Load a whole safetensors checkpoint; every parameter must be covered."""
-    loaded = load_weights(model, iter_safetensors(model_dir))
+    loaded = load_weights(model, iter_safetensors_lazy(model_dir))
     missing = expected_weight_names(model) - loaded
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights: {sorted(missing)[:8]}")

@@ -1,26 +1,47 @@
 """The worker process: one per rank. Reads calls from the step broadcast, runs them, replies over ZMQ.
 
-Lifecycle: connect to the broadcast and the reply socket, load the model, report `WorkerReady`
-(with how many KV blocks fit), then serve calls until `Shutdown`, SIGTERM, or the engine core's death.
-Only rank 0 answers `ExecuteModel`; every rank answers the other calls. A failure is reported as a
-`WorkerResult` with the error, and the process exits non-zero.
+Lifecycle: connect to the broadcast and the reply socket, check that the model can be split as asked,
+join the torch.distributed world (world size > 1), load this rank's shard of the model, report
+`WorkerReady` (with how many KV blocks fit), then serve calls until `Shutdown`, SIGTERM, or the
+engine core's death. Every rank runs every `ExecuteModel` (the collectives need all of them); only
+the driver rank (TP rank 0 of the last pipeline stage) answers it. Every rank answers the other
+calls. A failure is reported as a `WorkerResult` with the error, and the process exits non-zero.
+
+`run_worker_node` is the main loop of a node other than node 0 (--nnodes > 1, --node-rank > 0): it
+joins node 0's executor at --dist-init-addr, starts this node's ranks, and heartbeats until node 0
+says stop, a worker dies (node 0 is told at once) or node 0 falls silent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import multiprocessing
 import os
 import signal
 import sys
+import time
 import traceback
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 import zmq
 
 from enginecore.config import Config
 from enginecore.messages import (
     Codec,
+    CoreToNode,
     ExecuteModel,
     InitKVCache,
+    NodeAck,
+    NodeBootstrap,
+    NodeHeartbeat,
+    NodeHello,
+    NodeStop,
+    NodeToCore,
+    NodeWorkerExited,
     Shutdown,
     WorkerCall,
     WorkerReady,
@@ -29,18 +50,53 @@ from enginecore.messages import (
 )
 from enginecore.shm_broadcast import Handle, MessageQueue
 
+if TYPE_CHECKING:
+    from workers.model_runner import ModelRunner
+
 logger = logging.getLogger("tern.worker")
 
 # How often a worker waiting for work checks that the engine core still exists.
 PARENT_CHECK_S = 1.0
+# A node launcher's heartbeat period, and how long node 0 may stay silent before the node stops.
+HEARTBEAT_S = 1.0
+NODE_TIMEOUT_S = 5.0
 
 
-def _num_threads(world_size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // world_size)
+def num_threads(ranks_per_node: int) -> int:
+    """Torch threads per worker: the node's cores split between its workers."""
+    return max(1, (os.cpu_count() or 1) // ranks_per_node)
 
 
-def run_worker(config: Config, rank: int, mq_handle: Handle) -> None:
-    """Process entry point (spawned by MultiprocExecutor)."""
+def _build_runner(config: Config, rank: int, mq: MessageQueue) -> ModelRunner:
+    """Checks the split, joins the distributed world and loads this rank's shard of the model."""
+    import torch
+
+    from workers.distributed import init_distributed
+    from workers.model_runner import ModelRunner, check_parallel_split, default_device
+    from workers.models.registry import load_model_args
+
+    parallel = config.parallel
+    torch.set_num_threads(num_threads(parallel.ranks_per_node))
+    # NOTE: first: the executor waits for every reader's subscription before anything else.
+    mq.wait_until_ready(timeout=config.startup_timeout_s)
+    # Deterministic start-up errors come before the rendezvous, which would wait for dead peers.
+    check_parallel_split(load_model_args(config.model.path), parallel)
+    device = default_device(rank)
+    if device.type == "cuda":
+        if torch.cuda.device_count() < parallel.ranks_per_node:
+            raise ValueError(
+                f"tp x pp = {parallel.world_size} workers need {parallel.ranks_per_node} GPUs on "
+                f"this node, {torch.cuda.device_count()} visible"
+            )
+        torch.cuda.set_device(device)
+    context = init_distributed(parallel, rank)
+    runner = ModelRunner(config, rank=rank, device=device, parallel=context)
+    runner.load_model()
+    return runner
+
+
+def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) -> None:
+    """Process entry point (spawned by MultiprocExecutor, or by a node's worker launcher)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{rank} %(message)s")
     stop = False
 
@@ -56,31 +112,22 @@ def run_worker(config: Config, rank: int, mq_handle: Handle) -> None:
     ctx = zmq.Context()
     replies = ctx.socket(zmq.PUSH)
     replies.setsockopt(zmq.LINGER, 1000)
-    replies.connect(config.ipc_path("worker_output"))
+    replies.connect(reply_addr)
     reply_codec = Codec(WorkerReply)
     call_codec = Codec(WorkerCall)
     mq = MessageQueue.create_from_handle(mq_handle, rank)
     exit_code = 0
     try:
-        import torch
-
-        from workers.model_runner import ModelRunner
-
-        torch.set_num_threads(_num_threads(config.parallel.world_size))
-        mq.wait_until_ready(timeout=config.startup_timeout_s)
-        runner = ModelRunner(config, rank=rank)
-        runner.load_model()
-        replies.send(
-            reply_codec.encode(
-                WorkerReady(
-                    rank=rank,
-                    num_kv_blocks=runner.num_kv_blocks_for_memory(),
-                    max_model_len=runner.max_model_len,
-                    vocab_size=runner.vocab_size,
-                    model_summary=runner.model_summary,
-                )
-            )
+        runner = _build_runner(config, rank, mq)
+        ready = WorkerReady(
+            rank=rank,
+            num_kv_blocks=runner.num_kv_blocks_for_memory(),
+            max_model_len=runner.max_model_len,
+            vocab_size=runner.vocab_size,
+            model_summary=runner.model_summary,
         )
+        replies.send(reply_codec.encode(ready))
+        is_driver = runner.parallel.is_driver
         while not stop:
             try:
                 data = mq.dequeue(timeout=PARENT_CHECK_S)
@@ -98,8 +145,12 @@ def run_worker(config: Config, rank: int, mq_handle: Handle) -> None:
                 replies.send(reply_codec.encode(WorkerResult(rank=rank)))
             elif isinstance(call, ExecuteModel):
                 output = runner.execute_model(call.step)
-                if rank == 0:
+                if is_driver:
                     replies.send(reply_codec.encode(WorkerResult(rank=rank, output=output)))
+        if exit_code == 0:
+            from workers.distributed import destroy_distributed
+
+            destroy_distributed()
     except Exception as e:  # report to the engine core, then exit non-zero
         logger.error("worker %d failed:\n%s", rank, traceback.format_exc())
         error = f"{type(e).__name__}: {e}"
@@ -113,3 +164,101 @@ def run_worker(config: Config, rank: int, mq_handle: Handle) -> None:
         replies.close()
         ctx.term()
     sys.exit(exit_code)
+
+
+def _join_node_zero(config: Config, sock: zmq.Socket) -> NodeBootstrap:
+    parallel = config.parallel
+    codec = Codec(CoreToNode)
+    sock.send(Codec(NodeToCore).encode(NodeHello(parallel.node_rank, parallel.world_size)))
+    if not sock.poll(config.startup_timeout_s * 1000):
+        raise TimeoutError(f"node 0 did not answer at {parallel.dist_init_addr}")
+    reply = codec.decode(sock.recv())
+    if not isinstance(reply, NodeBootstrap):
+        raise RuntimeError(f"expected the bootstrap from node 0, got {type(reply).__name__}")
+    if reply.error is not None:
+        raise ValueError(f"node 0 refused this node: {reply.error}")
+    return reply
+
+
+def _stop_procs(procs: list[BaseProcess], grace_s: float) -> None:
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=1.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=1.0)
+
+
+def run_worker_node(config: Config) -> int:
+    """Runs this node's ranks for node 0's engine core; returns the exit code (0: told to stop)."""
+    parallel = config.parallel
+    assert parallel.nnodes > 1 and parallel.node_rank > 0 and parallel.dist_init_addr
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(f"tcp://{parallel.dist_init_addr}")
+    procs: list[BaseProcess] = []
+    exit_code = 1
+    try:
+        boot = _join_node_zero(config, sock)
+        worker_parallel = dataclasses.replace(parallel, dist_init_addr=boot.store_addr)
+        worker_config = config.replace(parallel=worker_parallel)
+        mp = multiprocessing.get_context("spawn")
+        for rank in parallel.node_ranks:
+            args = (worker_config, rank, boot.mq_handle, boot.reply_addr)
+            procs.append(mp.Process(target=run_worker, args=args, name=f"tern-worker-{rank}"))
+            procs[-1].start()
+        logger.info("node %d runs ranks %s", parallel.node_rank, list(parallel.node_ranks))
+        exit_code = _watch(config, sock, procs, lambda: stop)
+    except Exception:
+        logger.error("node %d failed:\n%s", parallel.node_rank, traceback.format_exc())
+    finally:
+        _stop_procs(procs, grace_s=3.0 if exit_code == 0 else 0.5)
+        sock.close()
+        ctx.term()
+    return exit_code
+
+
+def _watch(
+    config: Config, sock: zmq.Socket, procs: list[BaseProcess], stopped: Callable[[], bool]
+) -> int:
+    """Heartbeats to node 0 and watches this node's workers; returns the node's exit code."""
+    node = config.parallel.node_rank
+    to_core, from_core = Codec(NodeToCore), Codec(CoreToNode)
+    last_ack = next_beat = time.monotonic()
+    while not stopped():
+        now = time.monotonic()
+        if now >= next_beat:
+            sock.send(to_core.encode(NodeHeartbeat(node)))
+            next_beat = now + HEARTBEAT_S
+        if now - last_ack > NODE_TIMEOUT_S:
+            logger.error("node 0 sent nothing for %.0f s; node %d stops", NODE_TIMEOUT_S, node)
+            return 1
+        while sock.poll(0):
+            msg = from_core.decode(sock.recv())
+            if isinstance(msg, NodeStop):
+                return 0
+            if isinstance(msg, NodeAck):
+                last_ack = time.monotonic()
+        alive = [p for p in procs if p.is_alive()]
+        if not alive:  # every worker exited cleanly (Shutdown broadcast)
+            return 0
+        wait([p.sentinel for p in alive], timeout=0.2)
+        for rank, proc in zip(config.parallel.node_ranks, procs):
+            if proc.exitcode not in (None, 0):  # 0: Shutdown, the others follow
+                sock.send(to_core.encode(NodeWorkerExited(node, rank, proc.exitcode)))
+                return 1
+    return 0

@@ -219,17 +219,31 @@ def test_continue_final_message_excludes_generation_prompt() -> None:
 
 @pytest.mark.parametrize(
     ("prompt", "expected"),
-    [("text", "text"), ([1, 2, 3], [1, 2, 3]), (["text"], "text"), ([[4, 5]], [4, 5])],
+    [
+        ("text", ["text"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        (["text"], ["text"]),
+        ([[4, 5]], [[4, 5]]),
+        (["a", "b", "c"], ["a", "b", "c"]),
+        ([[1], [2, 3]], [[1], [2, 3]]),
+    ],
 )
 def test_prompt_forms(prompt: Any, expected: Any) -> None:
-    assert completion(prompt=prompt).normalized_prompt() == expected
+    assert completion(prompt=prompt).normalized_prompts() == expected
 
 
-@pytest.mark.parametrize("prompt", [[], ["a", "b"], [[1], [2]], [1, "a"], [True, 2], [[]]])
+@pytest.mark.parametrize(
+    "prompt", [[], [1, "a"], [True, 2], [[]], ["a", [1]], [[1], []], [[1, "x"]], [[True]]]
+)
 def test_unsupported_prompt_forms_are_400(prompt: Any) -> None:
     with pytest.raises(APIError) as info:
-        completion(prompt=prompt).normalized_prompt()
+        completion(prompt=prompt).normalized_prompts()
     assert info.value.status == 400 and info.value.param == "prompt"
+
+
+def test_request_id_and_user_are_accepted() -> None:
+    assert chat(request_id="abc", user="u").request_id == "abc"
+    assert completion(request_id="abc").request_id == "abc"
 
 
 def test_error_body_has_the_openai_shape() -> None:
@@ -255,11 +269,11 @@ class _StubTokenizer:
 
 
 def serving(max_model_len: int = 100) -> OpenAIServing:
-    return OpenAIServing(None, _StubTokenizer(), "tiny", max_model_len, vocab_size=50)  # type: ignore[arg-type]
+    return OpenAIServing(None, _StubTokenizer(), ["tiny", "alias"], max_model_len, vocab_size=50)  # type: ignore[arg-type]
 
 
 def test_sampling_params_defaults() -> None:
-    params = serving()._sampling_params(completion(), [1] * 30, "prompt")
+    params = serving().sampling_params(completion(), [1] * 30, "prompt")
     assert params.max_tokens == 70  # max_model_len - prompt_len
     assert params.temperature == 0.6 and params.top_k == 20  # generation_config.json defaults
     assert params.top_p == 1.0 and params.min_p == 0.0 and params.seed is None
@@ -277,7 +291,7 @@ def test_sampling_params_from_request() -> None:
         stop_token_ids=[9],
         ignore_eos=True,
     )
-    params = serving()._sampling_params(req, [1, 2], "prompt")
+    params = serving().sampling_params(req, [1, 2], "prompt")
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.0, 0.5, 0, 0.1)
     assert params.seed == 3 and params.max_tokens == 4 and params.stop_token_ids == [9]
     assert params.ignore_eos and params.is_greedy
@@ -289,25 +303,25 @@ def test_sampling_params_from_request() -> None:
 )
 def test_context_length_is_enforced(prompt_len: int, max_tokens: int | None, param: str) -> None:
     with pytest.raises(APIError) as info:
-        serving()._sampling_params(completion(max_tokens=max_tokens), [1] * prompt_len, "prompt")
+        serving().sampling_params(completion(max_tokens=max_tokens), [1] * prompt_len, "prompt")
     assert info.value.status == 400 and info.value.param == param
 
 
 def test_prompt_plus_max_tokens_may_fill_the_context() -> None:
-    assert (
-        serving()._sampling_params(completion(max_tokens=10), [1] * 90, "prompt").max_tokens == 10
-    )
+    assert serving().sampling_params(completion(max_tokens=10), [1] * 90, "prompt").max_tokens == 10
 
 
 def test_stop_token_ids_outside_the_vocabulary_are_400() -> None:
     with pytest.raises(APIError) as info:
-        serving()._sampling_params(completion(stop_token_ids=[50]), [1], "prompt")
+        serving().sampling_params(completion(stop_token_ids=[50]), [1], "prompt")
     assert info.value.param == "stop_token_ids"
 
 
 def test_unknown_model_is_404() -> None:
     with pytest.raises(APIError) as info:
-        serving()._check_model("gpt-4")
+        serving().check_model("gpt-4")
     assert info.value.status == 404 and info.value.code == "model_not_found"
-    serving()._check_model("tiny")
-    serving()._check_model(None)
+    serving().check_model("tiny")
+    serving().check_model("alias")  # every served name is accepted
+    serving().check_model(None)
+    assert serving().model_name == "tiny"  # responses carry the first

@@ -4,6 +4,8 @@ Column-parallel layers split the output features across ranks (no communication 
 row-parallel layers split the input features and all-reduce the partial sums in forward. Every
 parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, which takes the full
 Hugging Face tensor and copies in this rank's slice, so loading is one loop over checkpoint tensors.
+`loaded_weight` may also be a lazy checkpoint slice (weight_loader.LazyWeight): loaders only call
+`shape`, `size` and `narrow` on it before `copy_checked`, so a rank reads only its shard from disk.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.distributed import ParallelContext, divide
+from workers.distributed import ParallelContext, divide, shard_heads
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy a (sliced) checkpoint tensor into a parameter, refusing shape mismatches."""
+    if not isinstance(src, torch.Tensor):  # a lazy checkpoint slice: read it now
+        src = src.materialize()
     if dst.shape != src.shape:
         raise ValueError(
             f"weight shape mismatch: expected {tuple(dst.shape)}, got {tuple(src.shape)}"
@@ -47,6 +51,11 @@ class LinearBase(nn.Module):
         super().__init__()
         self.ctx = ctx
         self.tp_dim = tp_dim
+        # This rank's slice [shard_start, shard_start + local size) of the full tp_dim; subclasses
+        # with uneven shards overwrite it.
+        local = output_size if tp_dim == 0 else input_size
+        self.shard_start = ctx.tp_rank * local
+        self.full_size = local * ctx.tp_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -63,12 +72,12 @@ class LinearBase(nn.Module):
     def _narrow_shard(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full checkpoint tensor along the sharded dimension."""
         size = param.data.size(self.tp_dim)
-        if loaded_weight.size(self.tp_dim) != size * self.ctx.tp_size:
+        if loaded_weight.size(self.tp_dim) != self.full_size:
             raise ValueError(
                 f"weight shape mismatch: {tuple(loaded_weight.shape)} does not shard into "
                 f"{tuple(param.shape)} x {self.ctx.tp_size} along dim {self.tp_dim}"
             )
-        return loaded_weight.narrow(self.tp_dim, self.ctx.tp_rank * size, size)
+        return loaded_weight.narrow(self.tp_dim, self.shard_start, size)
 
 
 class ReplicatedLinear(LinearBase):
@@ -138,9 +147,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections in one matrix, split by heads across ranks.
+    """q, k and v projections in one matrix, split by heads across ranks (see `shard_heads`).
 
-    With fewer KV heads than ranks, each KV head is replicated on tp_size / num_kv_heads ranks.
+    Each rank holds whole KV groups, possibly unevenly (9 heads / 3 KV heads at tp 2: 6 + 3); with
+    fewer KV heads than ranks, each KV head is replicated on tp_size / num_kv_heads ranks.
     """
 
     def __init__(
@@ -153,26 +163,22 @@ class QKVParallelLinear(ColumnParallelLinear):
         *,
         ctx: ParallelContext,
     ) -> None:
-        tp = ctx.tp_size
+        shard = shard_heads(total_num_heads, total_num_kv_heads, ctx.tp_size, ctx.tp_rank)
         self.head_dim = head_dim
-        self.num_heads = divide(total_num_heads, tp)
-        if tp >= total_num_kv_heads:
-            divide(tp, total_num_kv_heads)
-            self.num_kv_heads = 1
-            self.kv_head_index = ctx.tp_rank // (tp // total_num_kv_heads)
-        else:
-            self.num_kv_heads = divide(total_num_kv_heads, tp)
-            self.kv_head_index = ctx.tp_rank * self.num_kv_heads
+        self.head_start = shard.head_start
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
+        self.kv_head_index = shard.kv_head_start
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        output_size = (self.q_size + 2 * self.kv_size) * tp  # ColumnParallelLinear divides by tp
-        super().__init__(hidden_size, output_size, bias, ctx=ctx)
+        # NOTE: skips ColumnParallelLinear's even split: this rank's rows are q + k + v of its heads.
+        LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias, 0, ctx)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
         if shard_id == "q":
-            offset, size, start = 0, self.q_size, self.ctx.tp_rank * self.q_size
+            offset, size, start = 0, self.q_size, self.head_start * self.head_dim
         elif shard_id in ("k", "v"):
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
             size, start = self.kv_size, self.kv_head_index * self.head_dim
@@ -186,12 +192,28 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; forward all-reduces the partial products."""
+    """Input features split across ranks; forward all-reduces the partial products.
+
+    `input_shard` = (start, size) gives this rank's input features when they are not an even split
+    (o_proj after uneven attention heads); by default each rank takes input_size / tp_size.
+    """
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, *, ctx: ParallelContext
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        *,
+        ctx: ParallelContext,
+        input_shard: tuple[int, int] | None = None,
     ) -> None:
-        super().__init__(divide(input_size, ctx.tp_size), output_size, bias, 1, ctx)
+        if input_shard is None:
+            input_shard = (ctx.tp_rank * divide(input_size, ctx.tp_size), input_size // ctx.tp_size)
+        start, size = input_shard
+        if not (0 <= start and size > 0 and start + size <= input_size):
+            raise ValueError(f"input shard {input_shard} outside {input_size} input features")
+        super().__init__(size, output_size, bias, 1, ctx)
+        self.shard_start, self.full_size = start, input_size
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None

@@ -3,6 +3,12 @@
 The same blocks serve Qwen2 (bias on q/k/v) and Qwen3 (per-head RMSNorm on q and k): the variants
 are constructor arguments, chosen by each architecture's `__init__`. Module names mirror Hugging Face
 (`model.layers.N.self_attn.qkv_proj`, ...) so the weight loader only has to map q/k/v and gate/up.
+
+Pipeline parallelism: a stage builds only its own decoder layers (the others are parameterless
+`MissingLayer` placeholders, so layer N keeps the name `model.layers.N`), the embedding only on the
+first stage, the final norm and the LM head only on the last. A stage that is not last returns its
+hidden states and residual stacked (2, T, hidden) for the next stage, which passes them back in as
+`intermediate`; `local_weight_name` tells the loader which checkpoint tensors this stage holds.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.distributed import ParallelContext
+from workers.distributed import ParallelContext, stage_layers
 from workers.layers.activation import SiluAndMul
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -38,7 +44,11 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(
-            args.num_attention_heads * head_dim, args.hidden_size, bias=o_bias, ctx=ctx
+            args.num_attention_heads * head_dim,
+            args.hidden_size,
+            bias=o_bias,
+            ctx=ctx,
+            input_shard=(self.qkv_proj.head_start * head_dim, self.num_heads * head_dim),
         )
         self.rotary_emb = RotaryEmbedding(head_dim, args.max_position_embeddings, args.rope)
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5)
@@ -97,22 +107,51 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class MissingLayer(nn.Module):
+    """Stands in for a decoder layer that lives on another pipeline stage."""
+
+    def forward(self, *args: object) -> None:
+        raise AssertionError("a layer of another pipeline stage was called")
+
+
 class LlamaModel(nn.Module):
     def __init__(
         self, args: ModelArgs, ctx: ParallelContext, *, qkv_bias: bool, o_bias: bool, qk_norm: bool
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, ctx=ctx)
+        self.ctx = ctx
+        self.stage_layers = stage_layers(args.num_hidden_layers, ctx.pp_size, ctx.pp_rank)
+        self.embed_tokens = (
+            VocabParallelEmbedding(args.vocab_size, args.hidden_size, ctx=ctx)
+            if ctx.is_first_stage
+            else None
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(args, ctx, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
-            for _ in range(args.num_hidden_layers)
+            if i in self.stage_layers
+            else MissingLayer()
+            for i in range(args.num_hidden_layers)
         )
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if ctx.is_last_stage else None
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, meta)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        intermediate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(T,) ids, or on later stages the previous stage's (2, T, hidden) -> see LlamaForCausalLM."""
+        if self.embed_tokens is not None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate is not None, (
+                "a later pipeline stage needs the previous one's output"
+            )
+            x, residual = intermediate[0], intermediate[1]
+        for i in self.stage_layers:
+            x, residual = self.layers[i](x, residual, meta)
+        if self.norm is None:
+            return torch.stack((x, residual))  # (2, T, hidden)
         x, _ = self.norm(x, residual)
         return x
 
@@ -134,15 +173,44 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = args.attention_bias if qkv_bias is None else qkv_bias
         o_bias = args.attention_bias if o_bias is None else o_bias
         self.args = args
+        self.ctx = ctx
         self.model = LlamaModel(args, ctx, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
-        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, ctx=ctx)
-        if args.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head = None
+        if ctx.is_last_stage:
+            self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, ctx=ctx)
+            if args.tie_word_embeddings and self.model.embed_tokens is not None:
+                self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Token ids (T,) -> final hidden states (T, hidden); positions come from `meta`."""
-        return self.model(input_ids, meta)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        intermediate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token ids (T,) -> final hidden states (T, hidden) on the last pipeline stage, hidden
+        states and residual stacked (2, T, hidden) on the others. Positions come from `meta`;
+        `intermediate` is the previous stage's output (None on the first stage)."""
+        return self.model(input_ids, meta, intermediate)
+
+    def local_weight_name(self, name: str) -> str | None:
+        """The name this stage loads checkpoint tensor `name` as, or None if another stage holds it.
+
+        With tied embeddings, a last stage without the embedding loads it as its LM head.
+        """
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            return name if int(parts[2]) in self.model.stage_layers else None
+        if parts[:2] == ["model", "embed_tokens"]:
+            if self.model.embed_tokens is not None:
+                return name
+            if self.lm_head is not None and self.args.tie_word_embeddings:
+                return ".".join(["lm_head", *parts[2:]])
+            return None
+        if parts[:2] == ["model", "norm"] or parts[0] == "lm_head":
+            return name if self.ctx.is_last_stage else None
+        return name
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Hidden states of the rows that sample (N, hidden) -> logits (N, vocab)."""
+        """Hidden states of the rows that sample (N, hidden) -> logits (N, vocab); last stage only."""
+        assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         return self.lm_head(hidden_states)

@@ -1,0 +1,429 @@
+"""Tensor and pipeline parallelism through the real engine-core process and its worker processes.
+
+Gloo on CPU, every worker a real process: greedy outputs at --tp 2, --pp 2 and --tp 2 --pp 2 equal
+Hugging Face fp32 for the tiny Llama, Qwen2 and Qwen3 checkpoints with 8 prompts in flight; the
+default model (9 heads / 3 KV heads: an uneven split, 6 + 3 heads) at --tp 2 equals --tp 1; a split
+the model cannot take, or a missing model, fails start-up in one message with no process left; a
+SIGKILLed worker at --tp 2 fails every request and the core exits non-zero within seconds; a frozen
+rank is cut off by the process-group timeout; an exception on a non-driver rank fails the step
+instead of hanging it. Two nodes (on loopback, and in two network namespaces joined by a veth pair)
+give the same tokens, stop together, and fail together when a remote worker is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from enginecore.config import Config, ParallelConfig
+from enginecore.executor import MultiprocExecutor, WorkerFailed
+from enginecore.messages import (
+    EngineReady,
+    EngineStartupFailed,
+    FinishReason,
+    RequestType,
+    SamplingParams,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from tests.integration.test_engine_core_proc import CoreClient, config_for, greedy
+from tests.unit.test_engine_inproc import hf_greedy, make_core, make_prompts, run_to_end, vocab_of
+from workers.model_runner import check_parallel_split
+from workers.models.registry import load_model_args
+
+NUM_TOKENS = 6
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
+_hf_cache: dict[Path, list[list[int]]] = {}
+
+
+def parallel_config(model_dir: Path, tp: int, pp: int, **cache) -> Config:
+    config = config_for(model_dir, **cache)
+    return config.replace(
+        parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    )
+
+
+def generate(config: Config, prompts: list[list[int]], n: int) -> list[list[int]]:
+    client = CoreClient(config)
+    try:
+        ready = client.startup()
+        assert isinstance(ready, EngineReady), ready
+        got = client.run({f"r{i}": greedy(f"r{i}", p, n) for i, p in enumerate(prompts)})
+        assert all(reason == FinishReason.LENGTH for _, reason in got.values())
+        return [got[f"r{i}"][0] for i in range(len(prompts))]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
+def test_greedy_matches_hf_with_8_prompts(arch: str, layout: str, request) -> None:
+    model_dir = request.getfixturevalue(arch)
+    prompts = make_prompts(vocab_of(model_dir))
+    if model_dir not in _hf_cache:
+        _hf_cache[model_dir] = hf_greedy(model_dir, prompts, NUM_TOKENS)
+    tp, pp = LAYOUTS[layout]
+    assert generate(parallel_config(model_dir, tp, pp), prompts, NUM_TOKENS) == _hf_cache[model_dir]
+
+
+def test_default_model_at_tp2_splits_heads_unevenly_and_matches_tp1() -> None:
+    from frontend.model_prep import default_model_dir, is_complete
+
+    model_dir = Path(default_model_dir())
+    if not is_complete(model_dir):
+        pytest.skip("the default model is not prepared (scripts/setup_env prepares it)")
+    args = load_model_args(model_dir)
+    assert (args.num_attention_heads, args.num_key_value_heads) == (9, 3)
+    prompts = make_prompts(args.vocab_size, n=4)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ref, _ = run_to_end(make_core(model_dir), {f"r{i}": (p, params) for i, p in enumerate(prompts)})
+    got = generate(parallel_config(model_dir, 2, 1), prompts, 6)
+    assert got == [ref[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_splits_a_model_cannot_take_are_named(tiny_llama: Path, tiny_qwen2: Path) -> None:
+    llama, qwen2 = load_model_args(tiny_llama), load_model_args(tiny_qwen2)  # 4 heads / 2 KV
+    with pytest.raises(ValueError, match="size 3 cannot split 4 attention heads / 2 KV heads"):
+        check_parallel_split(llama, ParallelConfig(tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="pipeline-parallel size 3 exceeds .* 2 decoder layers"):
+        check_parallel_split(qwen2, ParallelConfig(pipeline_parallel_size=3))
+    odd_mlp = dataclasses.replace(llama, intermediate_size=130)
+    with pytest.raises(ValueError, match="size 4 does not divide the MLP's intermediate size 130"):
+        check_parallel_split(odd_mlp, ParallelConfig(tensor_parallel_size=4))
+    for tp in (1, 2, 4):  # 4: each KV head replicated on two ranks
+        check_parallel_split(llama, ParallelConfig(tensor_parallel_size=tp))
+
+
+@pytest.mark.parametrize("case", ["bad_split", "no_model"])
+def test_startup_error_is_one_line_and_no_process_is_left(
+    case: str, tiny_llama: Path, tmp_path: Path
+) -> None:
+    if case == "bad_split":
+        config, expected = parallel_config(tiny_llama, 3, 1), "cannot split 4 attention heads"
+    else:
+        config, expected = parallel_config(tmp_path / "nothing", 2, 2), "has no config.json"
+    client = CoreClient(config)
+    try:
+        failed = client.startup()
+        assert isinstance(failed, EngineStartupFailed)
+        assert expected in failed.error and "\n" not in failed.error
+        client.proc.join(30)
+        assert client.proc.exitcode == 1
+    finally:
+        client.close()  # asserts that no descendant survived
+
+
+def test_sigkill_of_a_worker_at_tp2_fails_every_request(tiny_llama: Path) -> None:
+    client = CoreClient(parallel_config(tiny_llama, 2, 1))
+    try:
+        assert isinstance(client.startup(), EngineReady)
+        victims = {f"v{i}" for i in range(3)}
+        for req_id in sorted(victims):
+            client.send(RequestType.ADD, greedy(req_id, [1, 2, 3 + len(req_id)], n=100_000))
+        client.recv()
+        workers = client.ps.children(recursive=True)
+        assert len(workers) == 2
+        victim = max(workers, key=lambda p: p.pid)  # normally rank 1, not the driver
+        killed_at = time.monotonic()
+        victim.send_signal(signal.SIGKILL)
+        failed: dict[str, FinishReason] = {}
+        dead = None
+        while dead is None:
+            msg = client.recv()
+            failed.update({o.request_id: o.finish_reason for o in msg.outputs if o.finish_reason})
+            dead = msg.engine_dead
+        assert "died" in dead
+        assert failed == dict.fromkeys(victims, FinishReason.ERROR)
+        assert time.monotonic() - killed_at < 10
+        client.proc.join(15)
+        assert client.proc.exitcode == 1
+        gone, alive = psutil.wait_procs(workers, timeout=15 - (time.monotonic() - killed_at))
+        assert not alive, alive
+        assert time.monotonic() - killed_at < 15
+    finally:
+        client.close()
+
+
+def test_a_rank_hung_in_a_collective_times_out_and_fails_the_engine(tiny_llama: Path) -> None:
+    """SIGSTOP freezes rank 1 (alive, connections open): rank 0's all-reduce times out after the
+    process-group timeout (3 s here), every request fails and shutdown kills the frozen rank."""
+    config = parallel_config(tiny_llama, 2, 1)
+    config = config.replace(
+        parallel=dataclasses.replace(config.parallel, distributed_timeout_s=3.0)
+    )
+    client = CoreClient(config)
+    try:
+        assert isinstance(client.startup(), EngineReady)
+        client.send(RequestType.ADD, greedy("stuck", [5, 6, 7], n=100_000))
+        client.recv()
+        workers = client.ps.children(recursive=True)
+        frozen = max(workers, key=lambda p: p.pid)
+        frozen_at = time.monotonic()
+        frozen.send_signal(signal.SIGSTOP)
+        dead, failed = None, {}
+        while dead is None:
+            msg = client.recv()
+            failed.update({o.request_id: o.finish_reason for o in msg.outputs})
+            dead = msg.engine_dead
+        assert failed["stuck"] == FinishReason.ERROR
+        client.proc.join(15)
+        assert client.proc.exitcode == 1
+        gone, alive = psutil.wait_procs(workers, timeout=5)
+        assert not alive
+        assert time.monotonic() - frozen_at < 15
+    finally:
+        client.close()
+
+
+def test_error_on_a_non_driver_rank_fails_the_step(tiny_qwen3: Path) -> None:
+    """At pp 2 only stage 0 (rank 0, not the driver) embeds tokens: an id beyond the vocabulary
+    raises there alone while the driver waits for its hidden states."""
+    executor = MultiprocExecutor(parallel_config(tiny_qwen3, 1, 2))
+    workers = [psutil.Process(p.pid) for p in executor.procs]
+    try:
+        bad = ScheduledRequest(
+            "bad", [vocab_of(tiny_qwen3) + 7], 0, [0], 0, SamplingParams(temperature=0, seed=1)
+        )
+        with pytest.raises(WorkerFailed, match="worker 0 failed: IndexError"):
+            executor.execute_model(SchedulerOutput(step_id=1, requests=[bad]))
+    finally:
+        started = time.monotonic()
+        executor.shutdown()
+        assert time.monotonic() - started < 5
+    gone, alive = psutil.wait_procs(workers, timeout=5)
+    assert not alive
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_children():
+    yield
+    leftovers = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.is_running()
+        and p.status() != psutil.STATUS_ZOMBIE
+        and "resource_tracker" not in " ".join(p.cmdline())
+    ]
+    assert not leftovers, leftovers
+
+
+# --------------------------------------------------------------------------- several nodes
+
+
+def _run_node(config: Config) -> None:
+    from workers.worker_proc import run_worker_node
+
+    sys.exit(run_worker_node(config))
+
+
+def node_configs(model_dir: Path, tp: int, host: str) -> tuple[Config, Config]:
+    """Node 0's and node 1's Config for tp ranks split over two nodes."""
+    from enginecore.executor import free_port
+
+    parallel = ParallelConfig(
+        tensor_parallel_size=tp, nnodes=2, dist_init_addr=f"{host}:{free_port(host)}"
+    )
+    node0 = config_for(model_dir).replace(parallel=parallel)
+    node1 = config_for(model_dir).replace(parallel=dataclasses.replace(parallel, node_rank=1))
+    return node0, node1
+
+
+def test_two_nodes_on_loopback_match_hf_and_stop_together(tiny_llama: Path) -> None:
+    """Ranks 0 (node 0: shared-memory reader) and 1 (node 1: ZMQ reader, TCP replies) at tp 2."""
+    import multiprocessing
+
+    prompts = make_prompts(vocab_of(tiny_llama))
+    if tiny_llama not in _hf_cache:
+        _hf_cache[tiny_llama] = hf_greedy(tiny_llama, prompts, NUM_TOKENS)
+    node0, node1 = node_configs(tiny_llama, 2, "127.0.0.1")
+    other = multiprocessing.get_context("spawn").Process(target=_run_node, args=(node1,))
+    other.start()
+    node_procs = [psutil.Process(other.pid)]
+    client = CoreClient(node0)
+    try:
+        assert isinstance(client.startup(), EngineReady)
+        node_procs += node_procs[0].children(recursive=True)
+        assert len(client.ps.children(recursive=True)) == 1 and len(node_procs) == 2
+        got = client.run({f"r{i}": greedy(f"r{i}", p, NUM_TOKENS) for i, p in enumerate(prompts)})
+        assert [got[f"r{i}"][0] for i in range(len(prompts))] == _hf_cache[tiny_llama]
+        client.proc.terminate()  # SIGTERM: node 0 stops, and tells node 1 to stop
+        client.proc.join(15)
+        assert client.proc.exitcode == 0
+        other.join(15)
+        assert other.exitcode == 0
+        gone, alive = psutil.wait_procs(node_procs, timeout=5)
+        assert not alive
+    finally:
+        client.close()
+        if other.is_alive():
+            other.kill()
+        other.join(5)
+
+
+@contextlib.contextmanager
+def two_namespaces() -> Iterator[tuple[str, str, list[str]]]:
+    """A network namespace joined to this one by a veth pair: (this side's address, the other
+    side's, the command prefix that runs a program over there). Skips unless we may create one."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    tag = f"{os.getpid() % 10000}{random.randrange(100):02d}"
+    ns, here, there = f"tern{tag}", f"tva{tag}", f"tvb{tag}"
+    net = f"10.{random.randrange(1, 250)}.{random.randrange(1, 250)}"
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    try:
+        ip("netns", "add", ns)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"cannot create a network namespace: {e.stderr.decode().strip()}")
+    try:
+        ip("link", "add", here, "type", "veth", "peer", "name", there)
+        ip("link", "set", there, "netns", ns)
+        ip("addr", "add", f"{net}.1/30", "dev", here)
+        ip("link", "set", here, "up")
+        for args in (("addr", "add", f"{net}.2/30", "dev", there), ("link", "set", there, "up")):
+            ip("netns", "exec", ns, "ip", *args)
+        ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        yield f"{net}.1", f"{net}.2", ["ip", "netns", "exec", ns]
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+NODE_MAIN = """
+import dataclasses, sys
+from enginecore.config import CacheConfig, Config, ModelConfig, ParallelConfig
+from workers.worker_proc import run_worker_node
+model, tp, addr = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+parallel = ParallelConfig(tensor_parallel_size=tp, nnodes=2, node_rank=1, dist_init_addr=addr)
+config = Config(model=ModelConfig(path=model, dtype="float32"), parallel=parallel)
+sys.exit(run_worker_node(config))
+"""
+
+
+def test_two_nodes_in_network_namespaces_then_a_killed_remote_worker(tiny_qwen2: Path) -> None:
+    """Node 1 lives in its own network namespace: every byte between the nodes crosses the veth.
+    Then SIGKILL of node 1's worker mid-generation fails every request and stops both nodes."""
+    prompts = make_prompts(vocab_of(tiny_qwen2))
+    if tiny_qwen2 not in _hf_cache:
+        _hf_cache[tiny_qwen2] = hf_greedy(tiny_qwen2, prompts, NUM_TOKENS)
+    with two_namespaces() as (here, there, run_there):
+        node0, node1 = node_configs(tiny_qwen2, 2, here)
+        addr = node0.parallel.dist_init_addr
+        other = subprocess.Popen(
+            [*run_there, sys.executable, "-c", NODE_MAIN, str(tiny_qwen2), "2", addr]
+        )
+        client = CoreClient(node0)
+        try:
+            assert isinstance(client.startup(), EngineReady)
+            remote = [p for p in psutil.Process(other.pid).children(recursive=True)]
+            got = client.run(
+                {f"r{i}": greedy(f"r{i}", p, NUM_TOKENS) for i, p in enumerate(prompts)}
+            )
+            assert [got[f"r{i}"][0] for i in range(len(prompts))] == _hf_cache[tiny_qwen2]
+
+            client.send(RequestType.ADD, greedy("long", prompts[0], n=100_000))
+            client.recv()
+            (worker,) = [p for p in remote if "spawn_main" in " ".join(p.cmdline())]
+            killed_at = time.monotonic()
+            worker.send_signal(signal.SIGKILL)
+            dead, failed = None, {}
+            while dead is None:
+                msg = client.recv()
+                failed.update({o.request_id: o.finish_reason for o in msg.outputs})
+                dead = msg.engine_dead
+            assert "died" in dead and failed["long"] == FinishReason.ERROR
+            client.proc.join(15)
+            assert client.proc.exitcode == 1
+            assert other.wait(15) == 1
+            assert time.monotonic() - killed_at < 15
+        finally:
+            client.close()
+            if other.poll() is None:
+                other.kill()
+            other.wait(5)
+
+
+def test_multi_node_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="needs --dist-init-addr"):
+        ParallelConfig(tensor_parallel_size=2, nnodes=2)
+    with pytest.raises(ValueError, match="3 workers do not split evenly over 2 nodes"):
+        ParallelConfig(tensor_parallel_size=3, nnodes=2, dist_init_addr="10.0.0.1:29500")
+    with pytest.raises(ValueError, match="host:port"):
+        ParallelConfig(tensor_parallel_size=2, nnodes=2, dist_init_addr="10.0.0.1")
+    with pytest.raises(ValueError, match="--node-rank 2"):
+        ParallelConfig(tensor_parallel_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1")
+    p = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2, node_rank=1,
+                       dist_init_addr="h:1")  # fmt: skip
+    assert list(p.node_ranks) == [2, 3] and p.driver_rank == 2
+
+
+def test_node_monitor_bootstraps_nodes_and_records_their_failures() -> None:
+    """Node 0's end of the node protocol, driven by a bare DEALER socket (no processes)."""
+    import zmq
+
+    from enginecore.executor import NodeMonitor, free_port
+    from enginecore.messages import (
+        Codec,
+        CoreToNode,
+        NodeAck,
+        NodeBootstrap,
+        NodeHeartbeat,
+        NodeHello,
+        NodeStop,
+        NodeToCore,
+        NodeWorkerExited,
+    )
+    from enginecore.shm_broadcast import Handle
+
+    addr = f"127.0.0.1:{free_port()}"
+    parallel = ParallelConfig(tensor_parallel_size=2, nnodes=2, dist_init_addr=addr)
+    boot = NodeBootstrap(Handle(2, 1, 1024, 8, remote_addr="tcp://x:1"), "tcp://x:2", "x:3")
+    ctx = zmq.Context()
+    monitor = NodeMonitor(ctx, parallel, boot)
+    to_core, from_core = Codec(NodeToCore), Codec(CoreToNode)
+
+    def node() -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{addr}")
+        return sock
+
+    def ask(sock: zmq.Socket, msg: object) -> object:
+        sock.send(to_core.encode(msg))
+        assert sock.poll(5000)
+        return from_core.decode(sock.recv())
+
+    good, bad = node(), node()
+    try:
+        assert ask(good, NodeHello(1, 2)) == boot
+        monitor.wait_for_nodes(5, lambda: None)
+        assert isinstance(ask(good, NodeHeartbeat(1)), NodeAck) and monitor.error is None
+        refused = ask(bad, NodeHello(1, 4))
+        assert "tp x pp = 4, node 0 runs 2" in refused.error
+        good.send(to_core.encode(NodeWorkerExited(1, 1, -9)))
+        deadline = time.monotonic() + 5
+        while monitor.killed is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "runs tp x pp = 4" in monitor.error  # the first failure is kept
+        assert monitor.killed == "worker tern-worker-1 on node 1 died (exit code -9)"
+        monitor.close()  # tells the node that joined to stop
+        assert good.poll(5000) and isinstance(from_core.decode(good.recv()), NodeStop)
+    finally:
+        monitor.close()
+        good.close()
+        bad.close()
+        ctx.term()

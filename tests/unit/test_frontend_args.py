@@ -1,0 +1,73 @@
+"""`tern launch` arguments of the HTTP frontend: served names, API key (flag or TERN_API_KEY),
+CORS origins, body limit, chat template (file or string)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from enginecore.config import Config, ModelConfig
+from frontend.args import frontend_config_from_args, load_chat_template, make_parser
+
+CONFIG = Config(model=ModelConfig(path="/m", served_model_name="default-name"))
+
+
+def parse(*argv: str):
+    args = make_parser().parse_args(["launch", *argv])
+    return frontend_config_from_args(args, CONFIG)
+
+
+def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TERN_API_KEY", raising=False)
+    fc = parse()
+    assert fc.served_model_names == ("default-name",) and fc.model_name == "default-name"
+    assert fc.api_key is None and fc.allowed_origins == () and fc.chat_template is None
+    assert fc.max_request_body_bytes == 16 * 2**20
+
+
+def test_several_served_names() -> None:
+    fc = parse("--served-model-name", "a", "b")
+    assert fc.served_model_names == ("a", "b") and fc.model_name == "a"
+    with pytest.raises(ValueError, match="twice"):
+        parse("--served-model-name", "a", "a")
+
+
+def test_api_key_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TERN_API_KEY", "from-env")
+    assert parse().api_key == "from-env"
+    assert parse("--api-key", "from-flag").api_key == "from-flag"
+    monkeypatch.setenv("TERN_API_KEY", "")
+    assert parse().api_key is None
+    with pytest.raises(ValueError, match="api-key"):
+        parse("--api-key", "")
+    fc = parse("--api-key", "secret")
+    assert "secret" not in repr(fc.public_dict()) and fc.public_dict()["api_key_required"]
+
+
+def test_allowed_origins_as_json_list_or_plain() -> None:
+    assert parse("--allowed-origins", '["http://a", "http://b"]').allowed_origins == (
+        "http://a",
+        "http://b",
+    )
+    assert parse("--allowed-origins", "http://a", "*").allowed_origins == ("http://a", "*")
+    with pytest.raises(ValueError, match="allowed-origins"):
+        parse("--allowed-origins", "[not json")
+
+
+def test_body_limit_must_be_positive() -> None:
+    assert parse("--max-request-body-bytes", "1024").max_request_body_bytes == 1024
+    with pytest.raises(ValueError, match="max-request-body-bytes"):
+        parse("--max-request-body-bytes", "0")
+
+
+def test_chat_template_from_file_or_string(tmp_path: Path) -> None:
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    assert parse("--chat-template", str(path)).chat_template == template
+    assert load_chat_template(template) == template
+    with pytest.raises(ValueError, match="no such file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="syntax"):
+        load_chat_template("{% for m in messages %}")
