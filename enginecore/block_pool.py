@@ -88,6 +88,13 @@ class BlockPool:
         self._cached.clear()
         return True
 
+    def invalidate_cached(self) -> None:
+        """Forgets every cached prefix, in use or not (the weights that computed them changed).
+        Blocks in use stay with their requests but are never shared again."""
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:

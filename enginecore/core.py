@@ -14,6 +14,7 @@ from enginecore.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
+    SamplingParams,
     SchedulerStats,
 )
 from enginecore.request import Request
@@ -43,10 +44,11 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(request_ids)
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self, admit_waiting: bool = True) -> list[EngineCoreOutput]:
+        """One step. admit_waiting=False runs only the requests already running (a pause)."""
         if not self.scheduler.has_requests:
             return []
-        step = self.scheduler.schedule()
+        step = self.scheduler.schedule(admit_waiting)
         if not step.requests:
             return []
         output = self.executor.execute_model(step)
@@ -71,4 +73,18 @@ class EngineCore:
         vocab = self.executor.vocab_size
         if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
             return f"prompt token ids must be in [0, {vocab})"
-        return None
+        return _validate_sampling(req.sampling_params, vocab)
+
+
+def _validate_sampling(p: SamplingParams, vocab_size: int) -> str | None:
+    """What the worker would fail on, caught before the request reaches it (the frontend checks the
+    same with messages for the client; this guards other clients of the engine core)."""
+    token_ids = [*p.allowed_token_ids, *p.logit_bias, *p.stop_token_ids, *p.eos_token_ids]
+    if any(not 0 <= t < vocab_size for t in token_ids):
+        return f"token ids in sampling parameters must be in [0, {vocab_size})"
+    if p.repetition_penalty <= 0:
+        return "repetition_penalty must be positive"
+    for k in (p.logprobs, p.prompt_logprobs):
+        if k is not None and not 0 <= k <= vocab_size:
+            return f"logprobs must be in [0, {vocab_size}]"
+    return None

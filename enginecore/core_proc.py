@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from enginecore.config import Config
+from enginecore.control import EngineControl
 from enginecore.core import EngineCore
 from enginecore.executor import MultiprocExecutor
 from enginecore.messages import (
@@ -74,6 +75,7 @@ class EngineCoreProc:
     def start(self) -> None:
         executor = MultiprocExecutor(self.config)
         self.core = EngineCore(self.config, executor)
+        self.control = EngineControl(self.core)
         block_size = self.config.cache.block_size
         logger.info(
             "engine core ready: %s; KV cache %d blocks x %d = %d tokens; max_model_len %d",
@@ -95,8 +97,9 @@ class EngineCoreProc:
     def run(self) -> None:
         assert self.core is not None
         core = self.core
+        control = self.control
         while not self.should_stop:
-            busy = core.scheduler.has_requests
+            busy = control.is_busy()
             outputs: list[EngineCoreOutput] = []
             results: list[UtilityResult] = []
             if self.input.poll(0 if busy else IDLE_POLL_MS):
@@ -105,7 +108,12 @@ class EngineCoreProc:
                 self._check_liveness()
                 self._stats_logger.maybe_log(core.stats)
                 continue
-            outputs.extend(core.step())
+            if control.is_busy():
+                outputs.extend(core.step(admit_waiting=control.can_admit))
+            results.extend(control.poll_deferred())
+            for out in outputs:
+                if out.finish_reason is not None:
+                    out.weight_version = control.weight_version
             if outputs or results:
                 msg = EngineCoreOutputs(
                     outputs, results, timestamp=time.time(), scheduler_stats=self._stats_to_send()
@@ -140,16 +148,18 @@ class EngineCoreProc:
             elif isinstance(msg, EngineCoreAbort):
                 outputs.extend(self.core.abort_requests(msg.request_ids))
             else:
-                results.append(self._run_utility(msg))
+                result = self._run_utility(msg, outputs)
+                if result is not None:
+                    results.append(result)
 
-    def _run_utility(self, call: UtilityCall) -> UtilityResult:
+    def _run_utility(
+        self, call: UtilityCall, outputs: list[EngineCoreOutput]
+    ) -> UtilityResult | None:
         assert self.core is not None
-        try:
-            if call.method == UtilityMethod.GET_STATS:
-                return UtilityResult(call.call_id, msgspec.to_builtins(self.core.stats()))
-            raise ValueError(f"unknown utility method {call.method}")
-        except Exception as e:
-            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+        if call.method == UtilityMethod.GET_STATS:
+            return UtilityResult(call.call_id, msgspec.to_builtins(self.core.stats()))
+        # NOTE: worker failures inside a control call propagate: they are fatal for the engine.
+        return self.control.handle(call.call_id, call.method, call.args, outputs)
 
     def _check_liveness(self) -> None:
         assert self.core is not None

@@ -31,6 +31,7 @@ import zmq
 from enginecore.config import Config, ParallelConfig
 from enginecore.messages import (
     Codec,
+    ControlCall,
     CoreToNode,
     ExecuteModel,
     InitKVCache,
@@ -76,15 +77,19 @@ class Executor(Protocol):
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def run_control(self, call: ControlCall, timeout: float | None) -> list[str]: ...
+
     def shutdown(self) -> None: ...
 
 
 class InProcExecutor:
     def __init__(self, config: Config) -> None:
         from workers.model_runner import ModelRunner  # torch only where a runner lives
+        from workers.worker_control import WorkerControl
 
         self.runner = ModelRunner(config, rank=0)
         self.runner.load_model()
+        self.control = WorkerControl(self.runner, rank=0)
         self.num_kv_blocks = self.runner.num_kv_blocks_for_memory()
         self.runner.init_kv_cache(self.num_kv_blocks)
         self.max_model_len = min(
@@ -95,6 +100,13 @@ class InProcExecutor:
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(step)
+
+    def run_control(self, call: ControlCall, timeout: float | None) -> list[str]:
+        try:
+            self.control.handle(call)
+        except Exception as e:  # noqa: BLE001 - reported like a worker's control error
+            return [f"rank 0: {type(e).__name__}: {e}"]
+        return []
 
     def shutdown(self) -> None:
         pass
@@ -185,6 +197,12 @@ class MultiprocExecutor:
         (result,) = self._gather(WorkerResult, timeout=None, ranks=1)
         assert result.rank == self.driver_rank and result.output is not None, result
         return result.output
+
+    def run_control(self, call: ControlCall, timeout: float | None) -> list[str]:
+        """Runs a control call on every rank; returns the errors of the ranks that failed."""
+        self._broadcast(call)
+        results = self._gather(WorkerResult, timeout)
+        return [f"rank {r.rank}: {r.control_error}" for r in results if r.control_error]
 
     def check_health(self) -> None:
         for proc in self.procs:

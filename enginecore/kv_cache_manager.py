@@ -101,6 +101,11 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
+    def invalidate_prefix_cache(self) -> None:
+        """After a weight update or sleep: no block computed so far may be reused. Requests keep their
+        own blocks; their hashed-block counters stay, so those blocks are never registered again."""
+        self.pool.invalidate_cached()
+
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
         """Registers the blocks that are full once this step's tokens are written."""
         if not self.enable_prefix_caching:

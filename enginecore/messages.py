@@ -44,10 +44,95 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     stop_token_ids: list[int] = []
     eos_token_ids: list[int] = []  # from generation_config.json, filled in by the frontend
     ignore_eos: bool = False
+    # Logits processing on the worker, before sampling (workers/layers/logits_processors.py): only
+    # these tokens may be sampled (empty: all); bias added to the logits; before min_tokens, EOS
+    # and stop_token_ids are forbidden; Hugging Face's repetition penalty over prompt and output;
+    # OpenAI's frequency and presence penalties over the output.
+    allowed_token_ids: list[int] = []
+    logit_bias: dict[int, float] = {}
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # Logprobs of the sampled tokens / of the prompt's tokens, each with this many most likely
+    # tokens besides; None: not computed. Taken from the raw logits (before everything above).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 1e-5 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
+    def needs_history(self) -> bool:
+        """The worker must know every token of the request, also those from the prefix cache."""
+        return self.has_penalties or self.prompt_logprobs is not None
+
+
+class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """log_softmax of the raw logits at consecutive positions of one request.
+
+    Position i: the logprob and rank (1 = most likely; ties count against it) of its token (the
+    sampled one, or the prompt's next token), and the `num_top` most likely tokens, best first,
+    flat: top_token_ids[i * num_top : (i + 1) * num_top].
+    """
+
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    ranks: list[int] = []
+    num_top: int = 0
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.token_ids)
+
+    def top(self, i: int) -> list[tuple[int, float]]:
+        """Position i's most likely tokens, best first: (token id, logprob)."""
+        lo, hi = i * self.num_top, (i + 1) * self.num_top
+        return list(zip(self.top_token_ids[lo:hi], self.top_logprobs[lo:hi]))
+
+    def slice(self, start: int, stop: int) -> Logprobs:
+        k = self.num_top
+        return Logprobs(
+            self.token_ids[start:stop],
+            self.logprobs[start:stop],
+            self.ranks[start:stop],
+            k,
+            self.top_token_ids[start * k : stop * k],
+            self.top_logprobs[start * k : stop * k],
+        )
+
+    @staticmethod
+    def concat(parts: list[Logprobs]) -> Logprobs:
+        parts = [p for p in parts if p.num_positions]
+        if not parts:
+            return Logprobs()
+        k = parts[0].num_top
+        assert all(p.num_top == k for p in parts), "positions of one request share num_top"
+        return Logprobs(
+            [t for p in parts for t in p.token_ids],
+            [v for p in parts for v in p.logprobs],
+            [r for p in parts for r in p.ranks],
+            k,
+            [t for p in parts for t in p.top_token_ids],
+            [v for p in parts for v in p.top_logprobs],
+        )
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of prompt tokens start, start + 1, ... (token 0 has none: nothing precedes it)."""
+
+    start: int
+    logprobs: Logprobs
 
 
 # --------------------------------------------------------------------------- frontend <-> core
@@ -74,6 +159,18 @@ class UtilityMethod(str, enum.Enum):
     """Engine-core calls that are not generation. Replies come back as a `UtilityResult`."""
 
     GET_STATS = "get_stats"
+    # Control of generation and weights, for RL trainers (args documented in enginecore/control.py).
+    PAUSE = "pause"
+    RESUME = "resume"
+    RESET_PREFIX_CACHE = "reset_prefix_cache"
+    UPDATE_WEIGHTS_FROM_DISK = "update_weights_from_disk"
+    UPDATE_WEIGHTS_FROM_TENSORS = "update_weights_from_tensors"
+    INIT_WEIGHTS_UPDATE_GROUP = "init_weights_update_group"
+    UPDATE_WEIGHTS_FROM_DISTRIBUTED = "update_weights_from_distributed"
+    DESTROY_WEIGHTS_UPDATE_GROUP = "destroy_weights_update_group"
+    SLEEP = "sleep"
+    WAKE_UP = "wake_up"
+    GET_CONTROL_STATE = "get_control_state"
 
 
 class UtilityCall(msgspec.Struct):
@@ -98,6 +195,12 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # request entered the waiting queue and when it was first scheduled (queue time = difference).
     queued_time: float | None = None
     first_scheduled_time: float | None = None
+    # On a request's last output: the weight version its final tokens were computed with.
+    weight_version: str | None = None
+    # When the request asked for them: the logprobs of new_token_ids, and on its first output the
+    # logprobs of its prompt tokens 1..n-1.
+    new_logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
 
 
 class SchedulerStats(msgspec.Struct):
@@ -158,6 +261,11 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Present the first time a request is scheduled and when it resumes after preemption: the worker
     # then starts a new block table from new_block_ids.
     sampling_params: SamplingParams | None = None
+    # With sampling_params, when sampling reads the request's tokens (SamplingParams.needs_history):
+    # all of them so far (prompt, then outputs), also those served from the prefix cache that the
+    # worker never computes, and how many of them are the prompt.
+    history_token_ids: list[int] | None = None
+    num_prompt_tokens: int = 0
 
 
 class SchedulerOutput(msgspec.Struct, omit_defaults=True):
@@ -182,7 +290,87 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-WorkerCall = ExecuteModel | InitKVCache | Shutdown
+class UpdateWeightsFromDisk(msgspec.Struct, tag="update_from_disk"):
+    model_path: str
+
+
+class UpdateWeightsFromTensors(msgspec.Struct, tag="update_from_tensors"):
+    """Named tensors as safetensors blobs (portable), or paths of safetensors files in /dev/shm that
+    the trainer wrote on this host (zero-copy: the worker maps them)."""
+
+    blobs: list[bytes] = []
+    shm_paths: list[str] = []
+
+
+class InitWeightsUpdateGroup(msgspec.Struct, tag="init_update_group"):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str | None = None
+    timeout_s: float = 600.0
+
+
+class UpdateWeightsFromDistributed(msgspec.Struct, tag="update_from_distributed"):
+    group_name: str
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+
+class DestroyWeightsUpdateGroup(msgspec.Struct, tag="destroy_update_group"):
+    group_name: str
+
+
+class FinishWeightUpdate(msgspec.Struct, tag="finish_update"):
+    """Ends a weight update: commit keeps the new weights, otherwise the old ones come back."""
+
+    commit: bool
+
+
+class Sleep(msgspec.Struct, tag="sleep"):
+    level: int  # 1: discard the KV cache; 2: discard the KV cache and the weights
+
+
+class WakeUp(msgspec.Struct, tag="wake_up"):
+    tags: list[str]  # "weights", "kv_cache"
+
+
+ControlCall = (
+    UpdateWeightsFromDisk
+    | UpdateWeightsFromTensors
+    | InitWeightsUpdateGroup
+    | UpdateWeightsFromDistributed
+    | DestroyWeightsUpdateGroup
+    | FinishWeightUpdate
+    | Sleep
+    | WakeUp
+)
+CONTROL_CALLS = (
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromTensors,
+    InitWeightsUpdateGroup,
+    UpdateWeightsFromDistributed,
+    DestroyWeightsUpdateGroup,
+    FinishWeightUpdate,
+    Sleep,
+    WakeUp,
+)
+
+WorkerCall = (
+    ExecuteModel
+    | InitKVCache
+    | Shutdown
+    | UpdateWeightsFromDisk
+    | UpdateWeightsFromTensors
+    | InitWeightsUpdateGroup
+    | UpdateWeightsFromDistributed
+    | DestroyWeightsUpdateGroup
+    | FinishWeightUpdate
+    | Sleep
+    | WakeUp
+)
 
 
 # --------------------------------------------------------------------------- workers -> core
@@ -192,6 +380,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     step_id: int
     req_ids: list[str]  # the requests that sampled this step, in batch order
     sampled_token_ids: list[int]
+    # For the requests that asked, by request id: the sampled token's logprobs (SamplingParams.
+    # logprobs), and those of the prompt tokens this step's chunk predicts (prompt_logprobs).
+    logprobs: dict[str, Logprobs] = {}
+    prompt_logprobs: dict[str, PromptLogprobs] = {}
 
 
 class WorkerReady(msgspec.Struct, tag="ready"):
@@ -205,7 +397,8 @@ class WorkerReady(msgspec.Struct, tag="ready"):
 class WorkerResult(msgspec.Struct, tag="result", omit_defaults=True):
     rank: int
     output: ModelRunnerOutput | None = None
-    error: str | None = None
+    error: str | None = None  # the worker failed and exits: the engine fails
+    control_error: str | None = None  # a control call (weight update, sleep) failed; the worker lives
 
 
 WorkerReply = WorkerReady | WorkerResult

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 
-from enginecore.messages import FinishReason, SamplingParams
+from enginecore.messages import FinishReason, Logprobs, PromptLogprobs, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +46,9 @@ class Request:
         self.needs_new_state = True
         # Block hashes of the full blocks of all_token_ids, extended as tokens arrive (prefix caching).
         self.block_hashes: list[int] = []
+        # Logprobs of prompt tokens 1, 2, ... received so far (when the request asked for them).
+        self._prompt_logprobs: list[Logprobs] = []
+        self.num_prompt_logprobs = 0
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +66,27 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Prompt logprobs need logits at every prompt position: nothing may come from the cache."""
+        return self.sampling_params.prompt_logprobs is not None
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Keeps the positions not received yet (a preempted request computes its prompt again)."""
+        expected = 1 + self.num_prompt_logprobs
+        assert chunk.start <= expected, f"prompt logprobs from {chunk.start}, expected {expected}"
+        n = chunk.logprobs.num_positions
+        skip = expected - chunk.start
+        if skip < n:
+            self._prompt_logprobs.append(chunk.logprobs.slice(skip, n) if skip else chunk.logprobs)
+            self.num_prompt_logprobs += n - skip
+
+    def take_prompt_logprobs(self) -> Logprobs:
+        """All prompt logprobs (tokens 1..n-1), once: the first output carries them."""
+        assert self.num_prompt_logprobs == self.num_prompt_tokens - 1, "prompt logprobs incomplete"
+        parts, self._prompt_logprobs = self._prompt_logprobs, []
+        return Logprobs.concat(parts)

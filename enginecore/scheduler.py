@@ -82,7 +82,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- one step
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, admit_waiting: bool = True) -> SchedulerOutput:
         self._step_id += 1
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
@@ -106,16 +106,19 @@ class Scheduler:
             i += 1
 
         # A step that had to preempt admits nobody new: the pool is the bottleneck.
-        while self.waiting and budget > 0 and not preempted:
+        while admit_waiting and self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
-            cached_blocks, num_cached = self.kv.find_cached_prefix(request)
+            cached_blocks, num_cached = [], 0
+            if not request.skips_prefix_cache:
+                cached_blocks, num_cached = self.kv.find_cached_prefix(request)
             num_new = min(request.num_tokens - num_cached, budget)
             new_block_ids = self.kv.allocate_slots(request, num_new, cached_blocks)
             if new_block_ids is None:
                 break
-            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+            if not request.skips_prefix_cache:
+                self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             self.waiting.popleft()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
@@ -141,7 +144,7 @@ class Scheduler:
         # A decode step computes the last sampled token; everything else is prefill work.
         if not (request.num_output_tokens > 0 and start == request.num_tokens - 1):
             self.num_prefill_tokens_total += num_new
-        return ScheduledRequest(
+        scheduled = ScheduledRequest(
             req_id=request.request_id,
             token_ids=request.all_token_ids[start:end],
             start_pos=start,
@@ -149,6 +152,10 @@ class Scheduler:
             sample_index=request.num_output_tokens if end == request.num_tokens else -1,
             sampling_params=request.sampling_params if is_new else None,
         )
+        if is_new and request.sampling_params.needs_history:
+            scheduled.history_token_ids = list(request.all_token_ids)
+            scheduled.num_prompt_tokens = request.num_prompt_tokens
+        return scheduled
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -167,6 +174,10 @@ class Scheduler:
         """Appends sampled tokens, finishes requests that stop, and returns what the frontend must see."""
         assert output.step_id == step.step_id, (output.step_id, step.step_id)
         outputs = []
+        for request_id, chunk in output.prompt_logprobs.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.add_prompt_logprobs(chunk)
         for request_id, token_id in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -177,9 +188,12 @@ class Scheduler:
             out = EngineCoreOutput(
                 request_id, [token_id], finish_reason, num_cached_tokens=request.num_cached_tokens
             )
+            out.new_logprobs = output.logprobs.get(request_id)
             if request.num_output_tokens == 1:
                 out.queued_time = request.queued_time
                 out.first_scheduled_time = request.first_scheduled_time
+                if request.sampling_params.prompt_logprobs is not None:
+                    out.prompt_logprobs = request.take_prompt_logprobs()
             outputs.append(out)
             if finish_reason is not None:
                 self.running.remove(request)

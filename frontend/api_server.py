@@ -1,9 +1,9 @@
 """The HTTP routes (starlette) of a tern server, and the middleware around them.
 
-Generating routes live in serving.py (chat, completions), serving_responses.py (/v1/responses) and
-serving_native.py (/generate, /abort_request, /tokenize, /detokenize); this module maps URLs to
-them, serves the small informational routes (/v1/models, /health, /ping, /version, /server_info,
-/metrics), and turns every exception into an OpenAI-style error body.
+Generating routes live in serving_chat.py, serving_completion.py, serving_responses.py
+(/v1/responses) and serving_native.py (/generate, /abort_request, /tokenize, /detokenize); this
+module maps URLs to them, serves the small informational routes (/v1/models, /health, /ping,
+/version, /server_info, /metrics), and turns every exception into an OpenAI-style error body.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ from frontend.metrics import CONTENT_TYPE_LATEST
 from frontend.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from frontend.protocol import ModelCard, ModelList
 from frontend.serving import OpenAIServing, error_response, json_response
+from frontend.serving_chat import ChatServing
+from frontend.serving_completion import CompletionServing
+from frontend.serving_control import ControlServing, GenerationGate
 from frontend.serving_native import NativeServing
 from frontend.serving_responses import ResponsesServing
 
@@ -57,8 +60,11 @@ def build_app(
     assert engine.ready is not None
     ready = engine.ready
     started = int(time.time())
+    chat = ChatServing(serving)
+    completion = CompletionServing(serving)
     responses = ResponsesServing(serving)
     native = NativeServing(serving)
+    control = ControlServing(engine)
 
     def card(name: str) -> ModelCard:
         return ModelCard(
@@ -118,8 +124,8 @@ def build_app(
         return json_response(info)
 
     routes = [
-        Route("/v1/chat/completions", serving.chat, methods=["POST"]),
-        Route("/v1/completions", serving.completion, methods=["POST"]),
+        Route("/v1/chat/completions", chat.create, methods=["POST"]),
+        Route("/v1/completions", completion.create, methods=["POST"]),
         Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
@@ -132,9 +138,27 @@ def build_app(
         Route("/version", server_version, methods=["GET"]),
         Route("/server_info", server_info, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/pause_generation", control.pause, methods=["POST"]),
+        Route("/resume_generation", control.resume, methods=["POST"]),
+        Route("/reset_prefix_cache", control.reset_prefix_cache, methods=["POST"]),
+        Route("/update_weights_from_disk", control.update_from_disk, methods=["POST"]),
+        Route("/update_weights", control.update_from_tensor, methods=["POST"]),
+        Route("/update_weights_from_tensor", control.update_from_tensor, methods=["POST"]),
+        Route("/init_weights_update_group", control.init_group, methods=["POST"]),
+        Route(
+            "/update_weights_from_distributed", control.update_from_distributed, methods=["POST"]
+        ),
+        Route("/destroy_weights_update_group", control.destroy_group, methods=["POST"]),
+        Route("/weight_version", control.get_weight_version, methods=["GET"]),
+        Route("/get_weight_version", control.get_weight_version, methods=["GET"]),
+        Route("/sleep", control.sleep, methods=["POST"]),
+        Route("/wakeup", control.wake_up, methods=["POST"]),
+        Route("/wake_up", control.wake_up, methods=["POST"]),
+        Route("/is_sleeping", control.is_sleeping, methods=["GET"]),
     ]
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
-    return Starlette(routes=routes, exception_handlers=handlers, middleware=_middleware(frontend))
+    middleware = [*_middleware(frontend), Middleware(GenerationGate, control=control)]
+    return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)
 
 
 def _middleware(frontend: FrontendConfig) -> list[Middleware]:

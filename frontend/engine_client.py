@@ -35,6 +35,7 @@ from enginecore.messages import (
     EngineReady,
     EngineStartup,
     EngineStartupFailed,
+    Logprobs,
     RequestType,
     SchedulerStats,
     UtilityCall,
@@ -45,6 +46,10 @@ logger = logging.getLogger("tern.frontend")
 
 LIVENESS_INTERVAL_S = 0.5
 SHUTDOWN_JOIN_S = 8.0
+
+
+class UtilityError(RuntimeError):
+    """The engine core answered a utility call with an error (the engine itself is fine)."""
 
 
 class EngineStartupError(RuntimeError):
@@ -88,6 +93,9 @@ def _children(pid: int) -> list[psutil.Process]:
 
 
 def _merge(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
+    new_logprobs = a.new_logprobs
+    if b.new_logprobs is not None:
+        new_logprobs = Logprobs.concat([a.new_logprobs or Logprobs(), b.new_logprobs])
     return EngineCoreOutput(
         a.request_id,
         a.new_token_ids + b.new_token_ids,
@@ -96,6 +104,9 @@ def _merge(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
         b.error,
         a.queued_time if a.queued_time is not None else b.queued_time,
         a.first_scheduled_time if a.first_scheduled_time is not None else b.first_scheduled_time,
+        b.weight_version if b.weight_version is not None else a.weight_version,
+        new_logprobs,
+        a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
     )
 
 
@@ -313,7 +324,7 @@ class EngineClient:
             if future is None or future.done():
                 continue
             if result.error is not None:
-                future.set_exception(RuntimeError(f"engine utility call failed: {result.error}"))
+                future.set_exception(UtilityError(result.error))
             else:
                 future.set_result(result.result)
         if msg.engine_dead is not None:

@@ -1,10 +1,10 @@
 """Requests in flight: one `Generation` per engine request, grouped per HTTP request.
 
 A Generation turns the engine's token ids into released text (detokenizer, stop strings), knows when
-and why its request finished, and reports its timings and token counts to the metrics. A
-`RequestGroup` holds the generations of one HTTP request (several for batched prompts): it merges
-their outputs, collects them, and when the HTTP request ends for any reason (answered, client gone,
-error) aborts whatever still runs in the engine core. `InflightRequests` finds groups by request id
+and why its request finished, keeps the logprobs the request asked for, and reports its timings and
+token counts to the metrics. A `RequestGroup` holds the generations of one HTTP request (several
+for batched prompts or n > 1): it merges their outputs, collects them, and when the HTTP request
+ends for any reason (answered, client gone, error) aborts whatever still runs in the engine core. `InflightRequests` finds groups by request id
 for POST /abort_request. This module knows nothing about the shape of any API's responses.
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
-from enginecore.messages import EngineCoreRequest, FinishReason, SamplingParams
+from enginecore.messages import EngineCoreRequest, FinishReason, Logprobs, SamplingParams
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.errors import APIError, engine_dead_error
@@ -42,10 +42,15 @@ class Generation:
         params: SamplingParams,
         detokenizer: IncrementalDetokenizer,
         metrics: Metrics | None = None,
+        discard_output: bool = False,
     ) -> None:
+        """`discard_output`: the output is not wanted (completions' echo with max_tokens 0): the
+        request runs only for its prompt logprobs, and finishes with "length" and no tokens."""
         self.engine = engine
         self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)
+        self.discard_output = discard_output
         self.params = params
         self.user_stop_token_ids = set(params.stop_token_ids)
         self.detokenizer = detokenizer
@@ -53,7 +58,14 @@ class Generation:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        self.weight_version: str | None = None  # of the weights that computed the last tokens
         self.output_token_ids: list[int] = []  # the tokens counted in usage, stop token included
+        # Logprobs, when the request asked: of output_token_ids, and of prompt tokens 1..n-1.
+        self.output_logprobs: list[Logprobs] = []
+        self.prompt_logprobs: Logprobs | None = None
+        # What the last next_text() consumed: its tokens and their logprobs.
+        self.new_token_ids: list[int] = []
+        self.new_logprobs: Logprobs | None = None
         # Set by POST /abort_request: LMDeploy's meta_info.finish_reason for this request.
         self.abort_info: dict[str, Any] | None = None
         self._arrival = time.monotonic()
@@ -82,15 +94,27 @@ class Generation:
         """
         out = await self.stream.next()
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.weight_version is not None:
+            self.weight_version = out.weight_version
         if out.finish_reason == FinishReason.ERROR:
             self.finish_reason = "error"
             raise RequestFailedError(out.error or "the engine failed to serve this request")
-        by_stop_token = out.finish_reason == FinishReason.STOP and bool(out.new_token_ids)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        tokens = [] if self.discard_output else out.new_token_ids
+        by_stop_token = out.finish_reason == FinishReason.STOP and bool(tokens)
         num_before = self.detokenizer.num_tokens
-        self.detokenizer.update(out.new_token_ids, ends_with_stop_token=by_stop_token)
+        self.detokenizer.update(tokens, ends_with_stop_token=by_stop_token)
         num_new = self.detokenizer.num_tokens - num_before
-        self.output_token_ids += out.new_token_ids[:num_new]
-        if self.detokenizer.is_stopped:
+        self.new_token_ids = tokens[:num_new]
+        self.output_token_ids += self.new_token_ids
+        self.new_logprobs = None
+        if out.new_logprobs is not None and num_new:
+            self.new_logprobs = out.new_logprobs.slice(0, num_new)
+            self.output_logprobs.append(self.new_logprobs)
+        if self.discard_output and out.finish_reason is not None:
+            self.finish_reason = FinishReason.LENGTH.value
+        elif self.detokenizer.is_stopped:
             self.finish_reason = FinishReason.STOP.value
             self.stop_reason = self.detokenizer.stop_reason
             self.abort()  # the engine would go on generating: a stop string is ours to find
@@ -101,6 +125,10 @@ class Generation:
         if self.metrics is not None:
             self._observe(out.queued_time, out.first_scheduled_time, num_new)
         return self.detokenizer.take_new_text(final=self.is_finished)
+
+    @property
+    def all_output_logprobs(self) -> Logprobs | None:
+        return Logprobs.concat(self.output_logprobs) if self.params.logprobs is not None else None
 
     async def collect(self) -> str:
         parts = []
@@ -157,18 +185,27 @@ class RequestGroup:
         gens: list[Generation],
         registry: InflightRequests,
         session_id: int | None = None,
+        n: int = 1,
     ) -> None:
         self.keys = keys  # keys[0] is the response id
-        self.gens = gens
+        self.gens = gens  # n per prompt, prompt by prompt
+        self.n = n
         self.registry = registry
         self.session_id = session_id  # LMDeploy's /generate session
         registry.add(self)
 
+    @property
+    def weight_version(self) -> str | None:
+        versions = [g.weight_version for g in self.gens if g.weight_version is not None]
+        return versions[-1] if versions else None
+
     def usage(self) -> UsageInfo:
-        usages = [g.usage() for g in self.gens]
-        n_in = sum(u.prompt_tokens for u in usages)
-        n_out = sum(u.completion_tokens for u in usages)
-        cached = sum(g.num_cached_tokens for g in self.gens)
+        # A prompt counts once, however many samples it has (as vLLM); its first sample shows
+        # what the prefix cache held before this request.
+        firsts = self.gens[:: self.n]
+        n_in = sum(g.num_prompt_tokens for g in firsts)
+        n_out = sum(g.num_output_tokens for g in self.gens)
+        cached = sum(g.num_cached_tokens for g in firsts)
         return UsageInfo(n_in, n_in + n_out, n_out, PromptTokensDetails(cached))
 
     async def merged(self) -> AsyncIterator[tuple[int, str]]:

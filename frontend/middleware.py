@@ -75,6 +75,9 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+UNLIMITED_BODY_PATHS = frozenset({"/update_weights", "/update_weights_from_tensor"})
+
+
 class BodyLimitMiddleware:
     """Request bodies over `max_bytes` get 413: at once by Content-Length, else while reading."""
 
@@ -83,7 +86,8 @@ class BodyLimitMiddleware:
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        # Weight pushes carry whole checkpoints; those routes need the API key when one is set.
+        if scope["type"] != "http" or scope["path"] in UNLIMITED_BODY_PATHS:
             await self.app(scope, receive, send)
             return
         length = _header(scope, b"content-length")

@@ -13,7 +13,7 @@ import re
 from typing import Any, TypeVar
 
 import msgspec
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 from frontend.errors import bad_request
 
@@ -22,22 +22,15 @@ T = TypeVar("T")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20  # most likely tokens per position (vLLM's default --max-logprobs)
+MAX_N = 128  # samples per prompt
 
 # Known fields we do not implement -> the values that mean "not used" (anything else is a 400).
 _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0),
-    "presence_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}),
     "best_of": (None, 1),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1),
     "early_stopping": (None, False),
-    "min_tokens": (None, 0),
-    "spaces_between_special_tokens": (None, True),
-    "truncate_prompt_tokens": (None,),
-    "prompt_logprobs": (None,),
-    "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "logits_processors": (None,),
     "response_format": (None, {"type": "text"}),
@@ -53,20 +46,15 @@ _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "cache_salt": (None,),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
-    "return_tokens_as_token_ids": (None, False),
-    "return_token_ids": (None, False),
     "mm_processor_kwargs": (None,),
     "media_io_kwargs": (None,),
     "metadata": (None,),
     "store": (None, False),
     "service_tier": (None, "auto", "default"),
     "prediction": (None,),
-    "echo": (None, False),
 }
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     **_COMMON_UNSUPPORTED,
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None,),
@@ -82,7 +70,6 @@ _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 _COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     **_COMMON_UNSUPPORTED,
-    "logprobs": (None,),
     "suffix": (None, ""),
     "prompt_embeds": (None,),
 }
@@ -117,20 +104,27 @@ class _RequestBase(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
+    # Logits processing on the worker (enginecore/messages.py SamplingParams).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    allowed_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    # The tokenizers backend never puts spaces around special tokens (as vLLM's fast detokenizer):
+    # false is what it does; true matters only when special tokens are shown, and then is a 400.
+    spaces_between_special_tokens: bool | UnsetType = UNSET
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: the context)
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:<id>"
+    return_token_ids: bool | None = None  # prompt_token_ids and token_ids in the response
+    echo: bool | None = False
+
     # Known but unsupported (see _COMMON_UNSUPPORTED): typed loosely, rejected when used.
-    frequency_penalty: Any = UNSET
-    presence_penalty: Any = UNSET
-    repetition_penalty: Any = UNSET
-    logit_bias: Any = UNSET
     best_of: Any = UNSET
     use_beam_search: Any = UNSET
     length_penalty: Any = UNSET
     early_stopping: Any = UNSET
-    min_tokens: Any = UNSET
-    spaces_between_special_tokens: Any = UNSET
-    truncate_prompt_tokens: Any = UNSET
-    prompt_logprobs: Any = UNSET
-    allowed_token_ids: Any = UNSET
     bad_words: Any = UNSET
     logits_processors: Any = UNSET
     response_format: Any = UNSET
@@ -146,16 +140,12 @@ class _RequestBase(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cache_salt: Any = UNSET
     kv_transfer_params: Any = UNSET
     vllm_xargs: Any = UNSET
-    return_tokens_as_token_ids: Any = UNSET
-    return_token_ids: Any = UNSET
     mm_processor_kwargs: Any = UNSET
     media_io_kwargs: Any = UNSET
     metadata: Any = UNSET
     store: Any = UNSET
     service_tier: Any = UNSET
     prediction: Any = UNSET
-    echo: Any = UNSET
-    logprobs: Any = UNSET
 
     _unsupported = _COMMON_UNSUPPORTED
 
@@ -180,8 +170,8 @@ class _RequestBase(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def validate(self) -> None:
         """Raises APIError (400) for unsupported fields and out-of-range values."""
         check_unsupported(self, self._unsupported)
-        if self.n is not None and self.n != 1:
-            raise bad_request("only n=1 is supported", "n")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise bad_request(
                 "stream_options can only be set when stream is true", "stream_options"
@@ -207,17 +197,53 @@ class _RequestBase(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise bad_request(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if any(s == "" for s in self.stop_strings):
             raise bad_request("stop strings must not be empty", "stop")
+        self._validate_processing()
+
+    def _validate_processing(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if value is not None and not -2.0 <= value <= 2.0:
+                raise bad_request(f"{name} must be in [-2, 2], got {value}", name)
+        rep = self.repetition_penalty
+        if rep is not None and not 0.0 < rep < float("inf"):
+            raise bad_request(
+                f"repetition_penalty must be positive, got {rep}", "repetition_penalty"
+            )
+        if self.logit_bias is not None:
+            for key, bias in self.logit_bias.items():
+                if not key.lstrip("-").isdigit() or bias != bias:
+                    raise bad_request(
+                        f"logit_bias maps token ids to numbers; got {key!r}: {bias}", "logit_bias"
+                    )
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise bad_request("allowed_token_ids must not be empty", "allowed_token_ids")
+        if self.min_tokens is not None:
+            max_tokens = self.requested_max_tokens
+            if self.min_tokens < 0 or (max_tokens is not None and self.min_tokens > max_tokens):
+                raise bad_request(
+                    f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens"
+                )
+        k = self.truncate_prompt_tokens
+        if k is not None and not (k == -1 or k >= 1):
+            raise bad_request(
+                f"truncate_prompt_tokens must be -1 or positive, got {k}", "truncate_prompt_tokens"
+            )
+        check_num_logprobs(self.prompt_logprobs, "prompt_logprobs")
+        check_spaces_between_special_tokens(self)
 
 
 class ChatCompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=True):
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = []
+    # The prompt as token ids: the chat template is skipped (and messages are not rendered).
+    prompt_token_ids: list[int] | None = None
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    top_logprobs: Any = UNSET
     tools: Any = UNSET
     tool_choice: Any = UNSET
     functions: Any = UNSET
@@ -244,8 +270,20 @@ class ChatCompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=Tr
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many most likely tokens each output token's logprobs show; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def validate(self) -> None:
         super().validate()
+        check_num_logprobs(self.top_logprobs, "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise bad_request("prompt_token_ids must not be empty", "prompt_token_ids")
+        if self.prompt_token_ids is None and not self.messages:
+            raise bad_request("messages must not be empty", "messages")
         if self.continue_final_message and self.add_generation_prompt:
             raise bad_request(
                 "continue_final_message and add_generation_prompt cannot both be true",
@@ -260,11 +298,29 @@ class ChatCompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=Tr
 class CompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=True):
     prompt: str | list[Any]
     add_special_tokens: bool = True
+    logprobs: int | None = None  # the sampled token's, and this many most likely tokens'
 
     suffix: Any = UNSET
     prompt_embeds: Any = UNSET
 
     _unsupported = _COMPLETION_UNSUPPORTED
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def is_echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt back (with its logprobs), nothing generated."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.is_echo_only else self.max_tokens
+
+    def validate(self) -> None:
+        super().validate()
+        check_num_logprobs(self.logprobs, "logprobs")
 
     def normalized_prompts(self) -> list[str | list[int]]:
         """The prompts, in order: each a string or a list of token ids.
@@ -378,6 +434,21 @@ def decode_request(body: bytes, typ: type[T]) -> T:
     return req
 
 
+def check_spaces_between_special_tokens(req: Any) -> None:
+    """Spaces around shown special tokens are what the tokenizers backend cannot do."""
+    if req.spaces_between_special_tokens is True and req.skip_special_tokens is False:
+        raise bad_request(
+            "spaces_between_special_tokens: true is not supported with skip_special_tokens: "
+            "false (special tokens are joined to the text without spaces)",
+            "spaces_between_special_tokens",
+        )
+
+
+def check_num_logprobs(k: int | None, param: str) -> None:
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise bad_request(f"{param} must be in [0, {MAX_LOGPROBS}], got {k}", param)
+
+
 def check_unsupported(req: Any, unsupported: dict[str, tuple[Any, ...]]) -> None:
     """400 naming the first field of `unsupported` set to a value other than its "not used" ones."""
     for name, allowed in unsupported.items():
@@ -400,6 +471,41 @@ class UsageInfo(msgspec.Struct):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class ChatCompletionLogProb(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[ChatCompletionLogProb] = []
+
+
+class ChatCompletionLogProbs(msgspec.Struct):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class CompletionLogProbs(msgspec.Struct):
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class PromptLogprob(msgspec.Struct):
+    """vLLM's Logprob, in prompt_logprobs: [None, {token id: PromptLogprob}, ...]."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobsList = list[dict[str, PromptLogprob] | None]
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | None
@@ -409,9 +515,10 @@ class ChatMessage(msgspec.Struct):
 class ChatCompletionResponseChoice(msgspec.Struct):
     index: int
     message: ChatMessage
-    logprobs: None = None
+    logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -421,6 +528,9 @@ class ChatCompletionResponse(msgspec.Struct):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    weight_version: str | None = None  # the weights that produced it (SGLang's field)
+    prompt_logprobs: PromptLogprobsList | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
@@ -431,9 +541,10 @@ class DeltaMessage(msgspec.Struct, omit_defaults=True):
 class ChatCompletionResponseStreamChoice(msgspec.Struct):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: this chunk's tokens
 
 
 class ChatCompletionStreamResponse(msgspec.Struct, omit_defaults=True):
@@ -443,14 +554,19 @@ class ChatCompletionStreamResponse(msgspec.Struct, omit_defaults=True):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    weight_version: str | None = None  # on a choice's last chunk
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, on the first chunk
 
 
 class CompletionResponseChoice(msgspec.Struct):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (a stream's first chunk)
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(msgspec.Struct):
@@ -460,6 +576,7 @@ class CompletionResponse(msgspec.Struct):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
+    weight_version: str | None = None  # the weights that produced it (SGLang's field)
 
 
 class CompletionStreamResponse(msgspec.Struct, omit_defaults=True):
@@ -469,6 +586,7 @@ class CompletionStreamResponse(msgspec.Struct, omit_defaults=True):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
+    weight_version: str | None = None  # on a choice's last chunk
 
 
 class ModelCard(msgspec.Struct):

@@ -10,19 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 from frontend.errors import bad_request
-from frontend.protocol import check_unsupported
+from frontend.protocol import check_spaces_between_special_tokens, check_unsupported
 
 _GENERATE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "image_data": (None,),
-    "return_logprob": (None, False),
     "top_logprobs_num": (None, 0),
     "logprob_start_len": (None, -1),
     "return_routed_experts": (None, False),
-    "repetition_penalty": (None, 1),
-    "spaces_between_special_tokens": (None, True),
     "mm_processor_kwargs": (None, {}),
     "media_io_kwargs": (None, {}),
 }
@@ -46,14 +43,15 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_p: float = 0.0
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    repetition_penalty: float | None = 1.0
+    # The tokenizers backend never puts spaces around special tokens (see protocol.py).
+    spaces_between_special_tokens: bool | UnsetType | None = UNSET
+    return_logprob: bool | None = None  # meta_info.output_token_logprobs: [logprob, token id]
 
     image_data: Any = UNSET
-    return_logprob: Any = UNSET
     top_logprobs_num: Any = UNSET
     logprob_start_len: Any = UNSET
     return_routed_experts: Any = UNSET
-    repetition_penalty: Any = UNSET
-    spaces_between_special_tokens: Any = UNSET
     mm_processor_kwargs: Any = UNSET
     media_io_kwargs: Any = UNSET
 
@@ -95,6 +93,12 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise bad_request("top_k must be 0 (disabled) or positive", "top_k")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad_request(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        check_spaces_between_special_tokens(self)
+        rep = self.repetition_penalty
+        if rep is not None and not 0.0 < rep < float("inf"):
+            raise bad_request(
+                f"repetition_penalty must be positive, got {rep}", "repetition_penalty"
+            )
         if any(s == "" for s in self.stop_strings):
             raise bad_request("stop strings must not be empty", "stop")
 
@@ -103,7 +107,7 @@ class GenerateMetaInfo(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     finish_reason: dict[str, Any] | None  # {"type": "stop" | "length" | "abort"} once finished
-    output_token_logprobs: None = None  # return_logprob is not supported yet
+    output_token_logprobs: list[list[float | int]] | None = None  # with return_logprob
     routed_experts: None = None  # no mixture-of-experts models
 
 

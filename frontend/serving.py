@@ -1,15 +1,14 @@
-"""OpenAI chat and completions: requests to engine requests, responses and SSE streams back.
+"""What every generating route shares: OpenAI-style requests to engine requests, SSE streams back.
 
-OpenAIServing also holds what every generating route shares (responses.py and native.py use it):
-model-name checks, request ids (X-Request-Id), prompt encoding, request -> SamplingParams, and
-starting a RequestGroup registered for POST /abort_request. Every request ends in an answer: a
-response, a final chunk, or an OpenAI error (4xx for the client's mistakes, 503 when the engine is
-gone). A client that goes away aborts its requests in the engine core, which frees their KV blocks.
+OpenAIServing holds it (serving_chat.py, serving_completion.py, serving_responses.py and
+serving_native.py use it): model-name checks, request ids (X-Request-Id), prompt encoding,
+request -> SamplingParams, and starting a RequestGroup registered for POST /abort_request. Every
+request ends in an answer: a response, a final chunk, or an OpenAI error (4xx for the client's
+mistakes, 503 when the engine is gone). A client that goes away aborts its requests in the engine core, which frees their KV blocks.
 """
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -33,18 +32,9 @@ from frontend.generation import (
 )
 from frontend.protocol import (
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatCompletionResponseChoice,
-    ChatCompletionResponseStreamChoice,
-    ChatCompletionStreamResponse,
-    ChatMessage,
     CompletionRequest,
-    CompletionResponse,
-    CompletionResponseChoice,
-    CompletionStreamResponse,
-    DeltaMessage,
-    decode_request,
 )
+from frontend.sampling import for_sample, set_logits_processing
 
 if TYPE_CHECKING:
     from frontend.metrics import Metrics
@@ -116,118 +106,6 @@ class OpenAIServing:
         """The name responses carry: the first served name (as vLLM)."""
         return self.model_names[0]
 
-    # ------------------------------------------------------------------ chat
-
-    async def chat(self, http_request: Request) -> Response:
-        req = decode_request(await http_request.body(), ChatCompletionRequest)
-        self.check_model(req.model)
-        prompt_ids = self.tokenizer.apply_chat_template(
-            req.normalized_messages(),
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            add_special_tokens=req.add_special_tokens,
-            chat_template_kwargs=req.chat_template_kwargs,
-        )
-        request_id, keys, headers = self.request_ids(http_request, "chatcmpl-", req.request_id)
-        group = self.start(request_id, keys, req, [prompt_ids], "messages")
-        created = int(time.time())
-        if req.is_stream:
-            return self.sse_response(self._chat_stream(group, req, created), group, headers)
-        texts = await group.collect_unless_disconnected(http_request)
-        if texts is None:
-            return Response(status_code=499)
-        gen = group.gens[0]
-        message = ChatMessage("assistant", texts[0])
-        choice = ChatCompletionResponseChoice(0, message, None, gen.finish_reason, gen.stop_reason)
-        response = ChatCompletionResponse(
-            request_id, "chat.completion", created, self.model_name, [choice], group.usage()
-        )
-        return json_response(response, headers=headers)
-
-    async def _chat_stream(
-        self, group: RequestGroup, req: ChatCompletionRequest, created: int
-    ) -> AsyncIterator[bytes]:
-        request_id = group.keys[0]
-
-        def chunk(gen: Generation, delta: DeltaMessage, finish: str | None = None) -> bytes:
-            choice = ChatCompletionResponseStreamChoice(0, delta, None, finish, gen.stop_reason)
-            usage = gen.usage() if continuous_usage else None
-            return sse(
-                ChatCompletionStreamResponse(
-                    request_id, "chat.completion.chunk", created, self.model_name, [choice], usage
-                )
-            )
-
-        include_usage, continuous_usage = _usage_options(req)
-        is_first = True
-        async for i, text in group.merged():
-            gen = group.gens[i]
-            if is_first:
-                # NOTE: sent with the first output, not before: clients (and vLLM's benchmark)
-                # take the first chunk's arrival as the time to first token.
-                yield chunk(gen, DeltaMessage(role="assistant", content=""))
-                is_first = False
-            if gen.is_finished:
-                yield chunk(gen, DeltaMessage(content=text or None), gen.finish_reason)
-            elif text:
-                yield chunk(gen, DeltaMessage(content=text))
-        if include_usage:
-            yield sse(
-                ChatCompletionStreamResponse(
-                    request_id, "chat.completion.chunk", created, self.model_name, [],
-                    group.usage(),
-                )
-            )  # fmt: skip
-
-    # ------------------------------------------------------------------ completions
-
-    async def completion(self, http_request: Request) -> Response:
-        req = decode_request(await http_request.body(), CompletionRequest)
-        self.check_model(req.model)
-        prompts = [
-            self.encode_prompt(p, req.add_special_tokens, "prompt")
-            for p in req.normalized_prompts()
-        ]
-        request_id, keys, headers = self.request_ids(http_request, "cmpl-", req.request_id)
-        group = self.start(request_id, keys, req, prompts, "prompt")
-        created = int(time.time())
-        if req.is_stream:
-            return self.sse_response(self._completion_stream(group, req, created), group, headers)
-        texts = await group.collect_unless_disconnected(http_request)
-        if texts is None:
-            return Response(status_code=499)
-        choices = [
-            CompletionResponseChoice(i, text, None, gen.finish_reason, gen.stop_reason)
-            for i, (text, gen) in enumerate(zip(texts, group.gens))
-        ]
-        response = CompletionResponse(
-            request_id, "text_completion", created, self.model_name, choices, group.usage()
-        )
-        return json_response(response, headers=headers)
-
-    async def _completion_stream(
-        self, group: RequestGroup, req: CompletionRequest, created: int
-    ) -> AsyncIterator[bytes]:
-        request_id = group.keys[0]
-        include_usage, continuous_usage = _usage_options(req)
-        async for i, text in group.merged():
-            gen = group.gens[i]
-            if not text and not gen.is_finished:
-                continue
-            choice = CompletionResponseChoice(i, text, None, gen.finish_reason, gen.stop_reason)
-            yield sse(
-                CompletionStreamResponse(
-                    request_id, "text_completion", created, self.model_name, [choice],
-                    gen.usage() if continuous_usage else None,
-                )
-            )  # fmt: skip
-        if include_usage:
-            yield sse(
-                CompletionStreamResponse(
-                    request_id, "text_completion", created, self.model_name, [], group.usage()
-                )
-            )
-
     # ------------------------------------------------------------------ shared
 
     def check_model(self, model: str | None) -> None:
@@ -273,28 +151,42 @@ class OpenAIServing:
         prompts: list[list[int]],
         prompt_param: str,
         session_id: int | None = None,
+        *,
+        n: int = 1,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        discard_output: bool = False,
     ) -> RequestGroup:
-        """Checks every prompt, then starts one engine request per prompt (all or none)."""
+        """Checks every prompt, then starts n engine requests per prompt (all or none): samples
+        0..n-1 of prompt 0, then of prompt 1... (frontend/sampling.py says how they differ).
+
+        `logprobs` / `prompt_logprobs`: how many most likely tokens the logprobs of each output /
+        prompt token show (None: no logprobs). `discard_output`: see Generation.
+        """
         params = [self.sampling_params(req, ids, prompt_param) for ids in prompts]
         if self.engine.is_dead:
             raise engine_dead_error(self.engine.dead_reason)
-        engine_ids = unique_ids(request_id, len(prompts), self.engine.is_in_flight)
+        engine_ids = iter(unique_ids(request_id, len(prompts) * n, self.engine.is_in_flight))
         gens: list[Generation] = []
         try:
-            for engine_id, prompt_ids, p in zip(engine_ids, prompts, params):
-                detokenizer = IncrementalDetokenizer(
-                    self.tokenizer.backend,
-                    prompt_ids,
-                    skip_special_tokens=req.skip_special_tokens is not False,
-                    stop=req.stop_strings,
-                    include_stop_str_in_output=bool(req.include_stop_str_in_output),
-                )
-                gens.append(
-                    Generation(self.engine, engine_id, prompt_ids, p, detokenizer, self.metrics)
-                )
+            for prompt_ids, base in zip(prompts, params):
+                for index in range(n):
+                    p = for_sample(base, index, logprobs, prompt_logprobs)
+                    detokenizer = IncrementalDetokenizer(
+                        self.tokenizer.backend,
+                        prompt_ids,
+                        skip_special_tokens=req.skip_special_tokens is not False,
+                        stop=req.stop_strings,
+                        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+                    )
+                    gen = Generation(
+                        self.engine, next(engine_ids), prompt_ids, p, detokenizer, self.metrics,
+                        discard_output,
+                    )  # fmt: skip
+                    gens.append(gen)
         except EngineDeadError as e:
             raise engine_dead_error(str(e)) from e
-        return RequestGroup(keys, gens, self.inflight, session_id)
+        return RequestGroup(keys, gens, self.inflight, session_id, n)
 
     def sampling_params(
         self, req: SamplingRequest, prompt_ids: list[int], prompt_param: str
@@ -326,7 +218,7 @@ class OpenAIServing:
             )
         defaults = self.tokenizer.generation_defaults
         top_k = req.top_k if req.top_k is not None else int(defaults.get("top_k", 0))
-        return SamplingParams(
+        params = SamplingParams(
             temperature=_pick(req.temperature, defaults, "temperature", 1.0),
             top_p=_pick(req.top_p, defaults, "top_p", 1.0),
             top_k=max(top_k, 0),  # -1 and 0 both mean "all tokens"
@@ -337,6 +229,8 @@ class OpenAIServing:
             eos_token_ids=list(self.tokenizer.eos_token_ids),
             ignore_eos=bool(req.ignore_eos),
         )
+        set_logits_processing(params, req, self.vocab_size, defaults)
+        return params
 
     def sse_response(
         self, body: AsyncIterator[bytes], group: RequestGroup, headers: dict[str, str]
@@ -374,7 +268,8 @@ def _pick(value: float | None, defaults: dict[str, Any], key: str, fallback: flo
     return float(value if value is not None else defaults.get(key, fallback))
 
 
-def _usage_options(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
+def usage_options(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
+    """stream_options: (include_usage, continuous_usage_stats)."""
     opts = req.stream_options
     if opts is None:
         return False, False

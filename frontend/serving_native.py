@@ -19,8 +19,10 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from enginecore.messages import Logprobs
 from frontend.errors import APIError, bad_request
 from frontend.generation import Generation, RequestGroup
+from frontend.logprobs import lmdeploy_logprobs
 from frontend.protocol import decode_request, normalize_messages
 from frontend.protocol_native import (
     AbortRequest,
@@ -55,15 +57,19 @@ class NativeServing:
             prompt_ids = s.encode_prompt(req.input_ids, False, "input_ids")
             param = "input_ids"
         request_id, keys, headers = s.request_ids(http_request, "generate-")
-        group = s.start(request_id, keys, req, [prompt_ids], param, session_id=session_id)
+        logprobs = 0 if req.return_logprob else None  # the sampled token's only
+        group = s.start(
+            request_id, keys, req, [prompt_ids], param, session_id=session_id, logprobs=logprobs
+        )
         if req.is_stream:
             return s.sse_response(self._generate_stream(group), group, headers)
         texts = await group.collect_unless_disconnected(http_request)
         if texts is None:
             return Response(status_code=499)
         gen = group.gens[0]
+        meta = _meta_info(gen, gen.all_output_logprobs)
         return json_response(
-            GenerateResponse(texts[0], gen.output_token_ids, _meta_info(gen)), headers=headers
+            GenerateResponse(texts[0], gen.output_token_ids, meta), headers=headers
         )
 
     def _session_id(self, requested: int | None) -> int:
@@ -83,7 +89,10 @@ class NativeServing:
             new_ids = gen.output_token_ids[num_sent:]
             num_sent = len(gen.output_token_ids)
             if text or new_ids or gen.is_finished:
-                yield sse(GenerateResponse(text, new_ids, _meta_info(gen)))
+                new_logprobs = gen.new_logprobs
+                if new_logprobs is None and gen.params.logprobs is not None:
+                    new_logprobs = Logprobs()
+                yield sse(GenerateResponse(text, new_ids, _meta_info(gen, new_logprobs)))
 
     # ------------------------------------------------------------------ /abort_request
 
@@ -150,13 +159,15 @@ class NativeServing:
         return json_response(DetokenizeResponse(s.tokenizer.decode(req.tokens, False)))
 
 
-def _meta_info(gen: Generation) -> GenerateMetaInfo:
+def _meta_info(gen: Generation, logprobs: Logprobs | None) -> GenerateMetaInfo:
+    """`logprobs`: of the tokens the response carries (None: the request did not ask)."""
     finish: dict[str, Any] | None = None
     if gen.is_finished:
         finish = {"type": gen.finish_reason}
         if gen.finish_reason == "abort" and gen.abort_info is not None:
             finish = dict(gen.abort_info)
-    return GenerateMetaInfo(gen.num_prompt_tokens, gen.num_output_tokens, finish)
+    token_logprobs = lmdeploy_logprobs(logprobs) if logprobs is not None else None
+    return GenerateMetaInfo(gen.num_prompt_tokens, gen.num_output_tokens, finish, token_logprobs)
 
 
 def _as_dict(obj: Any) -> dict[str, Any]:

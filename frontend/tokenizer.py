@@ -24,7 +24,7 @@ logger = logging.getLogger("tern.frontend")
 
 # Sampling defaults a model's generation_config.json may recommend; vLLM applies them to requests
 # that leave the field out, and so do we.
-_GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
+_GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class Tokenizer:
@@ -51,12 +51,6 @@ class Tokenizer:
         self.generation_defaults: dict[str, Any] = {
             k: gen_config[k] for k in _GENERATION_DEFAULT_KEYS if gen_config.get(k) is not None
         }
-        if gen_config.get("repetition_penalty", 1.0) not in (None, 1.0):
-            logger.warning(
-                "generation_config.json recommends repetition_penalty=%s, which tern does not "
-                "implement; it is not applied",
-                gen_config["repetition_penalty"],
-            )
 
     @functools.cached_property
     def _template_call_params(self) -> set[str]:

@@ -65,3 +65,11 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | N
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
     """Qwen3: q/k norm, head_dim from config.json."""
     return _tiny("qwen3", tmp_path_factory, tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_perturbed(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None
+) -> Path:
+    """The tiny Llama's architecture with other random weights: the "trained" checkpoint of RL tests."""
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny_llama_perturbed"), tokenizer_dir, 1)

@@ -6,8 +6,10 @@ stop conditions or text. Each step it
 1. forgets finished requests, starts or extends the block tables of the scheduled ones;
 2. flattens every scheduled token (prefill chunks and decodes mixed) into one batch and builds the
    attention metadata (positions, cache slots, block tables, gather indices) for it;
-3. runs the model once and the LM head only on the last token of the requests that sample;
-4. samples those rows and returns the tokens in batch order.
+3. runs the model once and the LM head only on the last token of the requests that sample (and
+   on the prompt positions of requests that asked for prompt logprobs);
+4. samples those rows (logits processors first) and returns the tokens in batch order, with the
+   logprobs of the requests that asked for them.
 
 Under tensor/pipeline parallelism every rank runs every step (all read the same broadcast and keep
 the same block tables). A pipeline stage other than the first receives the previous stage's hidden
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +31,20 @@ from pathlib import Path
 import torch
 
 from enginecore.config import Config, ParallelConfig
-from enginecore.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from enginecore.messages import (
+    ModelRunnerOutput,
+    SamplingParams,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from workers.distributed import ParallelContext, shard_heads, stage_layers
 from workers.layers.attention import Attention, build_attention_metadata
+from workers.layers.logits_processors import TokenHistory
+from workers.layers.logprobs import (
+    prompt_logprobs,
+    prompt_logprobs_jobs,
+    sampled_logprobs_by_request,
+)
 from workers.layers.sampler import Sampler, SamplingTensors
 from workers.models.registry import ModelArgs, build_model, load_model_args
 from workers.weight_loader import load_checkpoint
@@ -93,6 +107,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 class _RequestState:
     block_table: list[int]
     sampling_params: SamplingParams
+    history: TokenHistory | None = None  # every token, when sampling reads them (penalties...)
 
 
 class ModelRunner:
@@ -118,8 +133,12 @@ class ModelRunner:
         self.attn_layers: list[Attention] = []
         self.kv_cache: torch.Tensor | None = None
         self.num_kv_blocks = 0
+        # False after the weights were discarded (sleep level 2) until an update commits new ones.
+        self.weights_valid = True
         self.requests: dict[str, _RequestState] = {}
         self.sampler = Sampler()
+        # Seconds spent in each phase of the last step (scripts/bench_step.py reads it).
+        self.last_step_timings: dict[str, float] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -171,6 +190,13 @@ class ModelRunner:
         self.num_kv_blocks = num_blocks
         self.requests.clear()
 
+    def release_kv_cache(self) -> None:
+        """Frees the KV cache (sleep); init_kv_cache(self.num_kv_blocks) brings it back."""
+        for layer in self.attn_layers:
+            layer.kv_cache = torch.empty(0)
+        self.kv_cache = None
+        self.requests.clear()
+
     # ------------------------------------------------------------------ properties
 
     @property
@@ -219,7 +245,9 @@ class ModelRunner:
             self.requests.pop(req_id, None)
         for r in step.requests:
             if r.sampling_params is not None:  # first schedule, or resumed after preemption
-                self.requests[r.req_id] = _RequestState(list(r.new_block_ids), r.sampling_params)
+                self.requests[r.req_id] = _RequestState(
+                    list(r.new_block_ids), r.sampling_params, _new_history(r)
+                )
             elif r.req_id in self.requests:
                 self.requests[r.req_id].block_table.extend(r.new_block_ids)
             else:
@@ -227,6 +255,9 @@ class ModelRunner:
                     f"request {r.req_id!r} scheduled without sampling params, "
                     "but the worker has no state for it"
                 )
+            history = self.requests[r.req_id].history
+            if history is not None:
+                history.extend(r.start_pos, r.token_ids)
 
     def _validate(self, step: SchedulerOutput) -> None:
         for r in step.requests:
@@ -253,6 +284,8 @@ class ModelRunner:
     ) -> tuple[ModelRunnerOutput, torch.Tensor | None]:
         if self.model is None or self.kv_cache is None:
             raise RuntimeError("the model and the KV cache must be initialised before a step")
+        timings = self.last_step_timings = {}
+        t0 = time.perf_counter()
         self._update_states(step)
         reqs = step.requests
         if not reqs:
@@ -270,30 +303,69 @@ class ModelRunner:
             self.device,
         )
         p = self.parallel
+        t1 = time.perf_counter()
+        timings["prepare"] = t1 - t0
         intermediate = None
         if not p.is_first_stage:
             shape = (2, input_ids.numel(), self.args.hidden_size)
             intermediate = p.recv_from_prev_stage(shape, self.dtype, self.device)
         # (T, hidden) on the last stage; (2, T, hidden), hidden states and residual, on the others
         hidden = self.model(input_ids, meta, intermediate)
+        t2 = time.perf_counter()
+        timings["forward"] = t2 - t1
         if not p.is_last_stage:
             p.send_to_next_stage(hidden)
             return ModelRunnerOutput(step.step_id, [], []), None
 
         sampling = [i for i, r in enumerate(reqs) if r.sample_index >= 0]
+        states = [self.requests[r.req_id] for r in reqs]
+        # NOTE: every rank of the last stage runs these LM-head rows too (a collective under TP).
+        prompt_lps = prompt_logprobs(
+            self.model.compute_logits,
+            hidden,
+            prompt_logprobs_jobs(
+                reqs, [s.sampling_params for s in states], [s.history for s in states]
+            ),
+        )
+        if not p.is_driver:
+            prompt_lps = {}
         if not sampling:
-            return ModelRunnerOutput(step.step_id, [], []), None
+            return ModelRunnerOutput(step.step_id, [], [], prompt_logprobs=prompt_lps), None
         last_rows = meta.query_start_loc[1:][sampling] - 1
         logits = self.model.compute_logits(hidden[last_rows]).float()  # (N, vocab)
+        t3 = time.perf_counter()
+        timings["lm_head"] = t3 - t2
         if not p.is_driver:  # the logits were a collective; the driver samples
             return ModelRunnerOutput(step.step_id, [], []), None
+        params = [states[i].sampling_params for i in sampling]
         tensors = SamplingTensors.from_params(
-            [self.requests[reqs[i].req_id].sampling_params for i in sampling],
+            params,
             [reqs[i].sample_index for i in sampling],
             logits.size(-1),
             self.device,
+            [states[i].history for i in sampling],
         )
-        tokens = self.sampler(logits, tensors).tolist()
-        output = ModelRunnerOutput(step.step_id, [reqs[i].req_id for i in sampling], tokens)
+        sampled = self.sampler(logits, tensors)
+        req_ids = [reqs[i].req_id for i in sampling]
+        output = ModelRunnerOutput(
+            step.step_id,
+            req_ids,
+            sampled.tolist(),
+            sampled_logprobs_by_request(logits, sampled, req_ids, [q.logprobs for q in params]),
+            prompt_lps,
+        )
         logprobs = logits.log_softmax(dim=-1).cpu() if want_logprobs else None
+        timings["sample"] = time.perf_counter() - t3
         return output, logprobs
+
+
+def _new_history(r: ScheduledRequest) -> TokenHistory | None:
+    assert r.sampling_params is not None
+    if not r.sampling_params.needs_history:
+        return None
+    if r.history_token_ids is None:
+        raise ValueError(
+            f"request {r.req_id!r} needs its token history (penalties or prompt logprobs), "
+            "but none was sent"
+        )
+    return TokenHistory(r.history_token_ids, r.num_prompt_tokens)

@@ -31,7 +31,9 @@ import zmq
 
 from enginecore.config import Config
 from enginecore.messages import (
+    CONTROL_CALLS,
     Codec,
+    ControlCall,
     CoreToNode,
     ExecuteModel,
     InitKVCache,
@@ -52,6 +54,7 @@ from enginecore.shm_broadcast import Handle, MessageQueue
 
 if TYPE_CHECKING:
     from workers.model_runner import ModelRunner
+    from workers.worker_control import WorkerControl
 
 logger = logging.getLogger("tern.worker")
 
@@ -74,9 +77,11 @@ def _build_runner(config: Config, rank: int, mq: MessageQueue) -> ModelRunner:
     from workers.distributed import init_distributed
     from workers.model_runner import ModelRunner, check_parallel_split, default_device
     from workers.models.registry import load_model_args
+    from workers.worker_control import use_mmap_for_large_allocations
 
     parallel = config.parallel
     torch.set_num_threads(num_threads(parallel.ranks_per_node))
+    use_mmap_for_large_allocations()  # so that sleep really returns memory to the system
     # NOTE: first: the executor waits for every reader's subscription before anything else.
     mq.wait_until_ready(timeout=config.startup_timeout_s)
     # Deterministic start-up errors come before the rendezvous, which would wait for dead peers.
@@ -93,6 +98,16 @@ def _build_runner(config: Config, rank: int, mq: MessageQueue) -> ModelRunner:
     runner = ModelRunner(config, rank=rank, device=device, parallel=context)
     runner.load_model()
     return runner
+
+
+def _run_control(control: WorkerControl, call: ControlCall, rank: int) -> WorkerResult:
+    """A failed control call (bad checkpoint path, trainer gone) is the caller's error, not fatal."""
+    try:
+        control.handle(call)
+    except Exception as e:  # noqa: BLE001 - every failure goes back to the caller
+        logger.warning("rank %d: %s failed: %s", rank, type(call).__name__, e)
+        return WorkerResult(rank=rank, control_error=f"{type(e).__name__}: {e}")
+    return WorkerResult(rank=rank)
 
 
 def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) -> None:
@@ -127,7 +142,10 @@ def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) ->
             model_summary=runner.model_summary,
         )
         replies.send(reply_codec.encode(ready))
+        from workers.worker_control import WorkerControl
+
         is_driver = runner.parallel.is_driver
+        control = WorkerControl(runner, rank)
         while not stop:
             try:
                 data = mq.dequeue(timeout=PARENT_CHECK_S)
@@ -147,6 +165,8 @@ def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) ->
                 output = runner.execute_model(call.step)
                 if is_driver:
                     replies.send(reply_codec.encode(WorkerResult(rank=rank, output=output)))
+            elif isinstance(call, CONTROL_CALLS):
+                replies.send(reply_codec.encode(_run_control(control, call, rank)))
         if exit_code == 0:
             from workers.distributed import destroy_distributed
 

@@ -345,7 +345,9 @@ def test_client_errors_are_4xx_and_the_server_keeps_serving(
         post(server, "/v1/chat/completions", {**chat_ok, "max_tokens": -5}), 400, "max_tokens"
     )
     assert_error(
-        post(server, "/v1/chat/completions", {**chat_ok, "logprobs": True}), 400, "logprobs"
+        post(server, "/v1/chat/completions", {**chat_ok, "use_beam_search": True}),
+        400,
+        "use_beam_search",
     )
     assert_error(
         post(server, "/v1/chat/completions", {**chat_ok, "frobnicate": 1}), 400, "frobnicate"

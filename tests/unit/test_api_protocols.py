@@ -37,9 +37,9 @@ LMDEPLOY_GENERATE_EXAMPLE: dict[str, Any] = {
     "top_k": 1,
     "top_p": 1.0,
 }
-# What of it this server cannot honour yet: images, logprobs, MoE routing; and LMDeploy itself
-# refuses a request with both prompt and input_ids.
-NOT_YET = {"image_data": None, "return_logprob": False, "return_routed_experts": False}
+# What of it this server cannot honour: images and MoE routing (return_logprob is served); and
+# LMDeploy itself refuses a request with both prompt and input_ids.
+NOT_YET = {"image_data": None, "return_routed_experts": False}
 
 
 def decode(typ: type, **fields: Any) -> Any:
@@ -146,14 +146,16 @@ def test_lmdeploy_example_names_what_is_not_supported_yet() -> None:
         del body[drop]
         req = decode(GenerateRequest, **body)
         assert req.is_stream and req.stop_strings == ["string"] and req.max_tokens == 1
+        assert req.return_logprob and req.repetition_penalty == 1.0
 
 
 def test_generate_needs_exactly_one_of_prompt_and_input_ids() -> None:
     rejects(GenerateRequest, "prompt", prompt="a", input_ids=[1])
     rejects(GenerateRequest, "prompt")
     rejects(GenerateRequest, "input_ids", input_ids=[])
-    rejects(GenerateRequest, "return_logprob", prompt="a", return_logprob=True)
-    rejects(GenerateRequest, "repetition_penalty", prompt="a", repetition_penalty=1.3)
+    rejects(GenerateRequest, "top_logprobs_num", prompt="a", top_logprobs_num=2)
+    rejects(GenerateRequest, "repetition_penalty", prompt="a", repetition_penalty=0.0)
+    assert decode(GenerateRequest, prompt="a", repetition_penalty=1.3).repetition_penalty == 1.3
     rejects(GenerateRequest, "top_k", prompt="a", top_k=-1)
     req = decode(GenerateRequest, prompt="a")
     assert req.session_id == -1 and req.max_tokens == 128 and req.temperature == 1.0

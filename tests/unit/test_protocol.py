@@ -11,6 +11,7 @@ import pytest
 
 from frontend.errors import APIError
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, decode_request
+from frontend.sampling import for_sample, truncate_prompt
 from frontend.serving import OpenAIServing
 
 USER = [{"role": "user", "content": "hi"}]
@@ -102,8 +103,18 @@ def test_malformed_or_mistyped_bodies_are_400(body: bytes, param: str | None) ->
         ("min_p", 1.5),
         ("seed", 2**63),
         ("stop", ["ok", ""]),
-        ("n", 2),
         ("n", 0),
+        ("n", 129),
+        ("frequency_penalty", 2.5),
+        ("presence_penalty", -3),
+        ("repetition_penalty", 0),
+        ("logit_bias", {"x": 1}),
+        ("logit_bias", {"5": "a"}),
+        ("allowed_token_ids", []),
+        ("min_tokens", -1),
+        ("truncate_prompt_tokens", 0),
+        ("prompt_logprobs", 21),
+        ("prompt_logprobs", -1),
     ],
 )
 def test_out_of_range_values_are_400(field: str, value: Any) -> None:
@@ -119,22 +130,16 @@ def test_stream_options_need_stream() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("logprobs", True),
-        ("top_logprobs", 2),
-        ("frequency_penalty", 0.5),
-        ("presence_penalty", -1),
-        ("repetition_penalty", 1.2),
-        ("logit_bias", {"5": 10}),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("tool_choice", "auto"),
         ("response_format", {"type": "json_object"}),
         ("use_beam_search", True),
-        ("min_tokens", 3),
-        ("echo", True),
         ("guided_choice", ["a", "b"]),
         ("chat_template", "{{ messages }}"),
         ("best_of", 2),
-        ("prompt_logprobs", 1),
+        ("bad_words", ["x"]),
+        ("logits_processors", ["a.b"]),
+        ("structured_outputs", {"choice": ["a"]}),
     ],
 )
 def test_known_unsupported_fields_are_400_when_used(field: str, value: Any) -> None:
@@ -169,9 +174,45 @@ def test_default_checks_do_not_confuse_bools_and_ints() -> None:
 
 
 def test_completion_only_fields() -> None:
-    rejects(completion, "logprobs", logprobs=0)  # 0 asks for the sampled token's logprob
+    assert completion(logprobs=0).num_logprobs == 0  # the sampled token's logprob only
+    rejects(completion, "logprobs", logprobs=21)
     rejects(completion, "suffix", suffix="end")
     completion(suffix="", logprobs=None)
+    # echo with max_tokens 0 scores the prompt: one token is generated and dropped.
+    assert completion(echo=True, max_tokens=0).requested_max_tokens == 1
+    assert completion(echo=True, max_tokens=0).is_echo_only
+    rejects(completion, "max_tokens", max_tokens=0)
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [({}, None), ({"logprobs": False, "top_logprobs": 0}, None), ({"logprobs": True}, 0),
+     ({"logprobs": True, "top_logprobs": 20}, 20)],
+)  # fmt: skip
+def test_chat_logprobs(fields: dict[str, Any], expected: int | None) -> None:
+    assert chat(**fields).num_logprobs == expected
+
+
+def test_chat_logprobs_checks_and_prompt_token_ids() -> None:
+    rejects(chat, "top_logprobs", top_logprobs=2)  # needs logprobs: true
+    rejects(chat, "top_logprobs", logprobs=True, top_logprobs=21)
+    req = decode_request(json.dumps({"prompt_token_ids": [1, 2]}).encode(), ChatCompletionRequest)
+    assert req.prompt_token_ids == [1, 2] and req.messages == []
+    rejects(chat, "prompt_token_ids", prompt_token_ids=[])
+    rejects(chat, "messages", messages=[])
+    rejects(chat, "min_tokens", max_tokens=3, min_tokens=4)
+
+
+def test_spaces_between_special_tokens_only_where_honoured() -> None:
+    completion(spaces_between_special_tokens=True)  # special tokens skipped: nothing to space
+    completion(spaces_between_special_tokens=False, skip_special_tokens=False)
+    completion(skip_special_tokens=False)  # left out: the backend's joined text, as vLLM's
+    rejects(
+        completion,
+        "spaces_between_special_tokens",
+        spaces_between_special_tokens=True,
+        skip_special_tokens=False,
+    )
 
 
 def test_chat_messages_are_normalized() -> None:
@@ -325,3 +366,50 @@ def test_unknown_model_is_404() -> None:
     serving().check_model("alias")  # every served name is accepted
     serving().check_model(None)
     assert serving().model_name == "tiny"  # responses carry the first
+
+
+def test_logits_processing_from_request() -> None:
+    req = completion(
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        repetition_penalty=1.3,
+        logit_bias={"3": 250, "4": -1e9, "5": 7.5},
+        allowed_token_ids=[3, 4, 5],
+        min_tokens=2,
+        max_tokens=8,
+    )
+    params = serving().sampling_params(req, [1, 2], "prompt")
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0)
+    assert params.repetition_penalty == 1.3 and params.min_tokens == 2
+    assert params.logit_bias == {3: 100.0, 4: -100.0, 5: 7.5}  # clamped to [-100, 100], as vLLM
+    assert params.allowed_token_ids == [3, 4, 5]
+    plain = serving().sampling_params(completion(), [1, 2], "prompt")
+    assert not plain.has_penalties and plain.logit_bias == {} and not plain.needs_history
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logit_bias": {"50": 1}}, "logit_bias"),  # the stub's vocabulary has 50 tokens
+        ({"allowed_token_ids": [0, 50]}, "allowed_token_ids"),
+        ({"min_tokens": 99}, "min_tokens"),  # beyond the default max_tokens (100 - 2)
+    ],
+)
+def test_logits_processing_checks(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as info:
+        serving().sampling_params(completion(**fields), [1, 2], "prompt")
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_truncate_and_per_sample_params() -> None:
+    assert truncate_prompt([1, 2, 3, 4], 2, 100) == [3, 4]
+    assert truncate_prompt([1, 2, 3, 4], 9, 100) == [1, 2, 3, 4]
+    assert truncate_prompt(list(range(10)), -1, 6) == [4, 5, 6, 7, 8, 9]
+    with pytest.raises(APIError):
+        truncate_prompt([1], 101, 100)
+    base = serving().sampling_params(completion(seed=2**63 - 2), [1], "prompt")
+    seeds = [for_sample(base, i, 3, 1).seed for i in range(3)]
+    assert seeds == [2**63 - 2, 2**63 - 1, -(2**63)]  # seed + i, kept a signed 64-bit integer
+    assert for_sample(base, 1, 3, 1).logprobs == 3 and base.logprobs is None
+    unseeded = serving().sampling_params(completion(), [1], "prompt")
+    assert for_sample(unseeded, 2, None, None).seed is None  # the engine core draws one each

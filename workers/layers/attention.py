@@ -3,22 +3,27 @@
 Each step the model runner builds one `AttentionMetadata` for the whole batch (prefill chunks and
 decodes mixed) and passes it into `forward`. Every attention layer then
 1. writes this step's K/V into its cache at `slot_mapping` (slot = block * block_size + offset), and
-2. attends each sequence's queries over that sequence's whole context, gathered from the cache
-   through its block table.
-Step 2 is batched: sequences are split into at most two groups (single-token decodes and the rest)
-and each group is padded to (G, max_q) queries x (G, max_ctx) keys with a boolean mask, so one
-`scaled_dot_product_attention` call serves a group. Gather indices and masks are computed once per
-step in `build_attention_metadata` and shared by all layers. The cache layout of one layer is
-(2, num_blocks, block_size, num_kv_heads, head_dim).
+2. attends each sequence's queries over that sequence's whole context in the cache.
+Step 2 serves two kinds of sequences, with no Python loop over sequences:
+- single-token decodes (`DecodeGroup`): on the CPU a native kernel (native.py) reads each sequence's
+  K/V straight from its cache blocks; elsewhere they take the padded path below with max_q = 1.
+- the rest (`AttentionGroup`): whole cache blocks of each sequence are gathered into a padded
+  (G, max_blocks * block_size) context and one `scaled_dot_product_attention` call with a boolean
+  mask serves the group.
+Indices and masks are computed once per step and shared by all layers. The cache layout of one
+layer is (2, num_blocks, block_size, num_kv_heads, head_dim).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from workers.layers import native
 
 
 @dataclass
@@ -28,9 +33,35 @@ class AttentionGroup:
     q_gather: torch.Tensor  # (G * max_q,) flat token index of each padded query row (pads -> 0)
     q_rows: torch.Tensor  # (N,) padded rows that hold real queries ...
     q_tokens: torch.Tensor  # (N,) ... and the flat token each of them is
-    kv_slots: torch.Tensor  # (G, max_ctx) cache slot of each context position (pads -> 0)
-    mask: torch.Tensor  # (G, 1, max_q, max_ctx) True where the query may attend the key
+    kv_blocks: torch.Tensor  # (G, max_blocks) cache block of each sequence's context (pads -> 0)
+    mask: torch.Tensor  # (G, 1, max_q, max_blocks * block_size) True where the query may attend
     max_q: int
+
+
+@dataclass
+class DecodeGroup:
+    """Sequences that compute one token this step: one query each over its whole context."""
+
+    q_tokens: torch.Tensor  # (G,) flat token index of each sequence's query
+    block_tables: torch.Tensor  # (G, max_blocks) int32, padded with 0
+    context_lens: torch.Tensor  # (G,) int32, tokens in the cache after this step
+    block_size: int
+    is_whole_batch: bool  # the step's tokens are exactly these queries, in order
+
+    @cached_property
+    def padded(self) -> AttentionGroup:
+        """The same queries for the padded SDPA path (built on first use, shared by layers)."""
+        num, max_blocks = self.block_tables.shape
+        kv_pos = torch.arange(max_blocks * self.block_size, device=self.q_tokens.device)
+        mask = kv_pos[None, :] < self.context_lens[:, None].long()  # (G, max_ctx)
+        return AttentionGroup(
+            q_gather=self.q_tokens,
+            q_rows=torch.arange(num, device=self.q_tokens.device),
+            q_tokens=self.q_tokens,
+            kv_blocks=self.block_tables.long(),
+            mask=mask[:, None, None, :],
+            max_q=1,
+        )
 
 
 @dataclass
@@ -42,7 +73,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # (B + 1,) offsets of each sequence's tokens in the flat batch
     context_lens: torch.Tensor  # (B,) tokens in the cache after this step, per sequence
     block_tables: torch.Tensor  # (B, max_blocks) int32, padded with 0
-    groups: list[AttentionGroup]
+    groups: list[AttentionGroup]  # the sequences with several query tokens
+    decode: DecodeGroup | None = None  # the sequences with one
 
 
 def build_attention_metadata(
@@ -71,23 +103,35 @@ def build_attention_metadata(
     )
     slot_mapping = _slots(tables[seq_of_token], positions.unsqueeze(-1), block_size).squeeze(-1)
 
-    is_decode = [q == 1 for q in query_lens]
+    decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
+    other_seqs = [i for i, n in enumerate(query_lens) if n != 1]
+    decode = None
+    if decode_seqs:
+        idx = torch.tensor(decode_seqs, dtype=torch.int64)
+        num_blocks = max(-(-context_lens[i] // block_size) for i in decode_seqs)
+        decode = DecodeGroup(
+            q_tokens=query_start_loc[idx].to(device),
+            block_tables=tables[idx, :num_blocks].to(device=device, dtype=torch.int32),
+            context_lens=torch.tensor(
+                [context_lens[i] for i in decode_seqs], dtype=torch.int32, device=device
+            ),
+            block_size=block_size,
+            is_whole_batch=not other_seqs,
+        )
     groups = []
-    for want_decode in (True, False):
-        seqs = [i for i in range(num_seqs) if is_decode[i] == want_decode]
-        if seqs:
-            groups.append(
-                _build_group(
-                    seqs, query_lens, context_lens, tables, starts, query_start_loc, block_size
-                )
-            )
+    if other_seqs:
+        group = _build_group(
+            other_seqs, query_lens, context_lens, tables, starts, query_start_loc, block_size
+        )
+        groups.append(_to_device(group, device))
     return AttentionMetadata(
         positions=positions.to(device),
         slot_mapping=slot_mapping.to(device),
         query_start_loc=query_start_loc.to(device),
         context_lens=torch.tensor(context_lens, dtype=torch.int64, device=device),
         block_tables=tables.to(device=device, dtype=torch.int32),
-        groups=[_to_device(g, device) for g in groups],
+        groups=groups,
+        decode=decode,
     )
 
 
@@ -108,7 +152,8 @@ def _build_group(
 ) -> AttentionGroup:
     idx = torch.tensor(seqs, dtype=torch.int64)
     max_q = max(query_lens[i] for i in seqs)
-    max_ctx = max(context_lens[i] for i in seqs)
+    num_blocks = max(-(-context_lens[i] // block_size) for i in seqs)
+    max_ctx = num_blocks * block_size  # whole blocks are gathered
     q_len = torch.tensor([query_lens[i] for i in seqs], dtype=torch.int64)  # (G,)
     ctx_len = torch.tensor([context_lens[i] for i in seqs], dtype=torch.int64)
     q_off = torch.arange(max_q)  # (max_q,)
@@ -119,9 +164,6 @@ def _build_group(
 
     kv_pos = torch.arange(max_ctx)  # (max_ctx,)
     kv_valid = kv_pos[None, :] < ctx_len[:, None]  # (G, max_ctx)
-    group_tables = tables[idx]  # (G, max_blocks)
-    kv_pos_clamped = torch.minimum(kv_pos[None, :], ctx_len[:, None] - 1)
-    kv_slots = torch.where(kv_valid, _slots(group_tables, kv_pos_clamped, block_size), 0)
     # Query i of a sequence sits at position start + i and sees keys 0..start + i (causal).
     q_pos = starts[idx][:, None] + q_off[None, :]  # (G, max_q)
     mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # (G, max_q, max_ctx)
@@ -132,7 +174,7 @@ def _build_group(
         q_gather=q_gather,
         q_rows=q_rows,
         q_tokens=q_gather[q_rows],
-        kv_slots=kv_slots,
+        kv_blocks=tables[idx, :num_blocks],
         mask=mask.unsqueeze(1),
         max_q=max_q,
     )
@@ -143,7 +185,7 @@ def _to_device(g: AttentionGroup, device: torch.device) -> AttentionGroup:
         q_gather=g.q_gather.to(device),
         q_rows=g.q_rows.to(device),
         q_tokens=g.q_tokens.to(device),
-        kv_slots=g.kv_slots.to(device),
+        kv_blocks=g.kv_blocks.to(device),
         mask=g.mask.to(device),
         max_q=g.max_q,
     )
@@ -159,6 +201,10 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.kv_cache = torch.empty(0)  # (2, num_blocks, block_size, Hkv, D) once allocated
+        # Built (or loaded) now, while the model is built, rather than in the first request.
+        self.has_decode_kernel = (
+            torch.get_default_device().type == "cpu" and native.load() is not None
+        )
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -166,20 +212,52 @@ class Attention(nn.Module):
         """q (T, H, D), k and v (T, Hkv, D) -> (T, H, D)."""
         if self.kv_cache.numel() == 0:
             raise RuntimeError("the KV cache is not allocated: call init_kv_cache first")
-        k_cache = self.kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)  # (slots, Hkv, D)
-        v_cache = self.kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]  # (num_blocks, block_size, Hkv, D)
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
-        for g in meta.groups:  # at most two: decodes, then prefill chunks
-            num = g.mask.size(0)
-            qg = q[g.q_gather].view(num, g.max_q, self.num_heads, self.head_dim).transpose(1, 2)
-            kg = k_cache[g.kv_slots].transpose(1, 2)  # (G, Hkv, max_ctx, D)
-            vg = v_cache[g.kv_slots].transpose(1, 2)
-            og = F.scaled_dot_product_attention(
-                qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True
-            )  # (G, H, max_q, D)
-            og = og.transpose(1, 2).reshape(num * g.max_q, self.num_heads, self.head_dim)
-            out[g.q_tokens] = og[g.q_rows]
+        groups = meta.groups
+        d = meta.decode
+        if d is not None and self._use_decode_kernel(k_cache):
+            q_dec = q if d.is_whole_batch else q[d.q_tokens]
+            o_dec = native.paged_decode_attention(
+                q_dec.float(), k_cache, v_cache, d.block_tables, d.context_lens, self.scale
+            ).to(q.dtype)
+            if d.is_whole_batch:
+                return o_dec
+            out[d.q_tokens] = o_dec
+        elif d is not None:
+            groups = [d.padded, *groups]
+        for g in groups:
+            self._attend_padded(q, k_cache, v_cache, g, out)
         return out
+
+    def _use_decode_kernel(self, k_cache: torch.Tensor) -> bool:
+        return (
+            self.has_decode_kernel
+            and k_cache.device.type == "cpu"
+            and k_cache.dtype in (torch.float32, torch.bfloat16)
+            and native.supports_decode(
+                self.num_heads, self.num_kv_heads, self.head_dim, k_cache.size(1)
+            )
+        )
+
+    def _attend_padded(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        g: AttentionGroup,
+        out: torch.Tensor,
+    ) -> None:
+        num, num_blocks = g.kv_blocks.shape
+        qg = q[g.q_gather].view(num, g.max_q, self.num_heads, self.head_dim).transpose(1, 2)
+        # (G, num_blocks, block_size, Hkv, D) -> (G, Hkv, max_ctx, D)
+        kg = k_cache[g.kv_blocks].flatten(1, 2).transpose(1, 2)
+        vg = v_cache[g.kv_blocks].flatten(1, 2).transpose(1, 2)
+        og = F.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True
+        )  # (G, H, max_q, D)
+        og = og.transpose(1, 2).reshape(num * g.max_q, self.num_heads, self.head_dim)
+        out[g.q_tokens] = og[g.q_rows]

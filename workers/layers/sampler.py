@@ -1,5 +1,6 @@
-"""Batched sampling: greedy rows take the argmax; the others go through temperature, top-k, top-p and
-min-p, then an exponential race whose noise depends only on (seed, sample index, token id).
+"""Batched sampling: logits processors first (logit bias, min_tokens, penalties), then greedy rows
+take the argmax; the others go through temperature, top-k, top-p and min-p, then an exponential
+race whose noise depends only on (seed, sample index, token id).
 
 The noise comes from a counter-based hash computed in torch, so a request's tokens are a function of
 its seed and its logits alone: the same text whatever batch it shares, and again after preemption
@@ -16,6 +17,11 @@ import torch
 from torch import nn
 
 from enginecore.messages import SamplingParams
+from workers.layers.logits_processors import (
+    LogitsProcessorTensors,
+    TokenHistory,
+    apply_logits_processors,
+)
 
 _MASK32 = 0xFFFFFFFF
 
@@ -35,6 +41,8 @@ class SamplingTensors:
     use_top_p: bool
     use_min_p: bool
     max_top_k: int  # the largest top_k of the batch (vocab size if some row samples from all)
+    # Logit bias, min_tokens, penalties...: applied first, to greedy rows too; None when unused.
+    processors: LogitsProcessorTensors | None = None
 
     @classmethod
     def from_params(
@@ -43,7 +51,9 @@ class SamplingTensors:
         sample_indices: list[int],
         vocab_size: int,
         device: torch.device,
+        histories: list[TokenHistory | None] | None = None,
     ) -> SamplingTensors:
+        """`histories`: each row's tokens, needed by the rows with penalties."""
         if any(p.seed is None for p in params):
             raise ValueError("every request needs a sampling seed (the engine core assigns one)")
         greedy = [p.is_greedy for p in params]
@@ -77,6 +87,9 @@ class SamplingTensors:
             use_top_p=any(p.top_p < 1.0 for p in sampled),
             use_min_p=any(p.min_p > 0.0 for p in sampled),
             max_top_k=max(top_k),
+            processors=LogitsProcessorTensors.build(
+                params, sample_indices, histories or [None] * len(params), vocab_size, device
+            ),
         )
 
 
@@ -145,6 +158,8 @@ def apply_masks(sorted_logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         """Logits (N, V) float32 -> sampled token ids (N,) int64."""
+        if t.processors is not None:
+            logits = apply_logits_processors(logits, t.processors)
         greedy_tokens = logits.argmax(dim=-1)
         if t.all_greedy:
             return greedy_tokens

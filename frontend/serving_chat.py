@@ -1,0 +1,177 @@
+"""POST /v1/chat/completions: messages (or prompt_token_ids) in, n choices out, whole or as SSE.
+
+What a choice carries besides its message follows vLLM: `logprobs.content` when logprobs is true
+(with top_logprobs alternatives), `token_ids` and the response's `prompt_token_ids` with
+return_token_ids, the response's `prompt_logprobs` when asked, and with echo the last message's
+content in front of the reply when it has the reply's role. Streamed, each choice's first chunk
+(role, prompt_token_ids) goes out with its first tokens, and every chunk carries the logprobs and
+token ids of the tokens it covers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from enginecore.messages import Logprobs
+from frontend.generation import Generation, RequestGroup
+from frontend.logprobs import TokenStrings, chat_logprobs, prompt_logprobs
+from frontend.protocol import (
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    PromptLogprobsList,
+    decode_request,
+)
+from frontend.sampling import truncate_prompt
+from frontend.serving import OpenAIServing, json_response, sse, usage_options
+
+_ROLE = "assistant"
+
+
+class ChatServing:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def create(self, http_request: Request) -> Response:
+        s = self.serving
+        req = decode_request(await http_request.body(), ChatCompletionRequest)
+        s.check_model(req.model)
+        if req.prompt_token_ids is not None:
+            prompt_ids = s.encode_prompt(req.prompt_token_ids, False, "prompt_token_ids")
+        else:
+            prompt_ids = s.tokenizer.apply_chat_template(
+                req.normalized_messages(),
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                add_special_tokens=req.add_special_tokens,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
+        prompt_ids = truncate_prompt(prompt_ids, req.truncate_prompt_tokens, s.max_model_len)
+        request_id, keys, headers = s.request_ids(http_request, "chatcmpl-", req.request_id)
+        group = s.start(
+            request_id, keys, req, [prompt_ids], "messages",
+            n=req.n or 1, logprobs=req.num_logprobs, prompt_logprobs=req.prompt_logprobs,
+        )  # fmt: skip
+        view = _ChatView(
+            req, TokenStrings(s.tokenizer.backend, bool(req.return_tokens_as_token_ids))
+        )
+        created = int(time.time())
+        if req.is_stream:
+            return s.sse_response(self._stream(group, req, view, created), group, headers)
+        texts = await group.collect_unless_disconnected(http_request)
+        if texts is None:
+            return Response(status_code=499)
+        choices = [
+            ChatCompletionResponseChoice(
+                i,
+                ChatMessage(_ROLE, view.echo + text),
+                view.logprobs(gen.all_output_logprobs),
+                gen.finish_reason,
+                gen.stop_reason,
+                gen.output_token_ids if req.return_token_ids else None,
+            )
+            for i, (gen, text) in enumerate(zip(group.gens, texts))
+        ]
+        first = group.gens[0]
+        response = ChatCompletionResponse(
+            request_id, "chat.completion", created, s.model_name, choices, group.usage(),
+            group.weight_version, view.prompt_logprobs(first), view.prompt_token_ids(first),
+        )  # fmt: skip
+        return json_response(response, headers=headers)
+
+    async def _stream(
+        self, group: RequestGroup, req: ChatCompletionRequest, view: _ChatView, created: int
+    ) -> AsyncIterator[bytes]:
+        s = self.serving
+        request_id = group.keys[0]
+        include_usage, continuous_usage = usage_options(req)
+        wants_tokens = req.num_logprobs is not None or bool(req.return_token_ids)
+
+        def chunk(
+            i: int,
+            delta: DeltaMessage,
+            finish: str | None = None,
+            with_tokens: bool = True,
+            prompt_token_ids: list[int] | None = None,
+        ) -> bytes:
+            gen = group.gens[i]
+            choice = ChatCompletionResponseStreamChoice(
+                i,
+                delta,
+                view.logprobs(gen.new_logprobs) if with_tokens else None,
+                finish,
+                gen.stop_reason,
+                gen.new_token_ids if with_tokens and req.return_token_ids else None,
+            )
+            return sse(
+                ChatCompletionStreamResponse(
+                    request_id, "chat.completion.chunk", created, s.model_name, [choice],
+                    gen.usage() if continuous_usage else None,
+                    gen.weight_version if finish else None, prompt_token_ids,
+                )
+            )  # fmt: skip
+
+        started = [False] * len(group.gens)
+        async for i, text in group.merged():
+            gen = group.gens[i]
+            if not started[i]:
+                # NOTE: sent with the first output, not before: clients (and vLLM's benchmark)
+                # take the first chunk's arrival as the time to first token.
+                started[i] = True
+                role = DeltaMessage(role=_ROLE, content="")
+                yield chunk(i, role, with_tokens=False, prompt_token_ids=view.prompt_token_ids(gen))
+                if view.echo:
+                    yield chunk(i, DeltaMessage(content=view.echo), with_tokens=False)
+            if gen.is_finished:
+                yield chunk(i, DeltaMessage(content=text or None), gen.finish_reason)
+            elif text or (wants_tokens and gen.new_token_ids):
+                yield chunk(i, DeltaMessage(content=text))
+        if include_usage:
+            yield sse(
+                ChatCompletionStreamResponse(
+                    request_id, "chat.completion.chunk", created, s.model_name, [], group.usage()
+                )
+            )
+
+
+class _ChatView:
+    """How one request's generations are shown: echo text, logprobs, prompt fields."""
+
+    def __init__(self, req: ChatCompletionRequest, strings: TokenStrings) -> None:
+        self.req = req
+        self.strings = strings
+        self.echo = _echo_text(req)
+
+    def logprobs(self, lp: Logprobs | None) -> ChatCompletionLogProbs | None:
+        """Of some of a choice's tokens; None when the request did not ask for logprobs."""
+        k = self.req.num_logprobs
+        if k is None:
+            return None
+        return ChatCompletionLogProbs(chat_logprobs(lp, k, self.strings) if lp else [])
+
+    def prompt_logprobs(self, gen: Generation) -> PromptLogprobsList | None:
+        k = self.req.prompt_logprobs
+        if k is None or gen.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(gen.prompt_token_ids, gen.prompt_logprobs, k, self.strings)
+
+    def prompt_token_ids(self, gen: Generation) -> list[int] | None:
+        return gen.prompt_token_ids if self.req.return_token_ids else None
+
+
+def _echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's content, when it has the role of the reply."""
+    if not req.echo or not req.messages:
+        return ""
+    last = req.normalized_messages()[-1]
+    role = _ROLE if req.add_generation_prompt else last["role"]
+    return (last.get("content") or "") if last["role"] == role else ""

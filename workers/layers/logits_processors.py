@@ -1,0 +1,180 @@
+"""What changes the logits before sampling, batched: allowed tokens, logit bias, min_tokens, and the
+repetition, frequency and presence penalties.
+
+Order and meaning follow vLLM, whose definitions are Hugging Face's and OpenAI's:
+1. allowed_token_ids: every other token gets -inf;
+2. logit_bias: logits[t] += bias[t];
+3. min_tokens: EOS and stop_token_ids get -inf while fewer than min_tokens tokens were sampled;
+4. repetition penalty, as Hugging Face's RepetitionPenaltyLogitsProcessor, over every token of the
+   prompt and of the output so far: a positive logit is divided by the penalty, another multiplied;
+5. frequency and presence penalties, as OpenAI's, over output tokens only:
+   logits[t] -= frequency * count[t] + presence * (count[t] > 0).
+Logprobs are not affected: they are taken from the raw logits (workers/layers/logprobs.py).
+
+The penalties need each request's tokens. The worker computes all of them except those the prefix
+cache served, which the engine core sends with the request's state (ScheduledRequest.
+history_token_ids). A `TokenHistory` keeps them with dense per-vocab counters updated as tokens
+arrive, so a step costs O(rows x vocab) whatever the length of the histories.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from enginecore.messages import SamplingParams
+
+
+class TokenHistory:
+    """One request's tokens (prompt, then outputs) and per-vocab counters over those computed."""
+
+    def __init__(self, token_ids: list[int], num_prompt_tokens: int) -> None:
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_computed = 0  # tokens in the KV cache (or served by the prefix cache)
+        self._prompt_mask: torch.Tensor | None = None  # (V,) bool: occurs in the prompt
+        self._output_counts: torch.Tensor | None = None  # (V,) float32: occurrences in the output
+        self._num_counted = 0
+
+    def extend(self, start_pos: int, token_ids: list[int]) -> None:
+        """Records the tokens computed this step, at positions start_pos, start_pos + 1, ..."""
+        num_known = len(self.token_ids)
+        if start_pos > num_known:
+            raise ValueError(f"tokens at {start_pos} arrive before those from {num_known}")
+        end = start_pos + len(token_ids)
+        if end > num_known:
+            self.token_ids.extend(token_ids[num_known - start_pos :])
+        self.num_computed = end
+
+    def counters(self, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt mask (V,) bool, output counts (V,) float32) over the tokens computed so far."""
+        if self._prompt_mask is None or self._output_counts is None:
+            self._prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self._output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        start, end = self._num_counted, self.num_computed
+        if end > start:
+            split = min(max(self.num_prompt_tokens, start), end)
+            prompt = self.token_ids[start:split]
+            if prompt:
+                self._prompt_mask[torch.tensor(prompt, device=device)] = True
+            output = self.token_ids[split:end]
+            if output:
+                ids = torch.tensor(output, device=device)
+                self._output_counts.index_put_((ids,), torch.ones_like(ids, dtype=torch.float32),
+                                               accumulate=True)  # fmt: skip
+            self._num_counted = end
+        return self._prompt_mask, self._output_counts
+
+
+@dataclass
+class LogitsProcessorTensors:
+    """One step's logits processing, for the rows (of the sampling batch) it applies to."""
+
+    allowed_rows: torch.Tensor | None = None  # (A,) rows restricted to allowed_mask
+    allowed_mask: torch.Tensor | None = None  # (A, V) bool
+    bias_index: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids), (B,) each
+    bias_values: torch.Tensor | None = None  # (B,) float32
+    suppress_index: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf
+    penalty_rows: torch.Tensor | None = None  # (P,) rows with a penalty
+    seen_mask: torch.Tensor | None = None  # (P, V) bool: in the prompt or the output so far
+    output_counts: torch.Tensor | None = None  # (P, V) float32
+    repetition: torch.Tensor | None = None  # (P, 1)
+    frequency: torch.Tensor | None = None  # (P, 1)
+    presence: torch.Tensor | None = None  # (P, 1)
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        sample_indices: list[int],
+        histories: list[TokenHistory | None],
+        vocab_size: int,
+        device: torch.device,
+    ) -> LogitsProcessorTensors | None:
+        """None when no row needs any processing (the common case costs nothing)."""
+        allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
+        suppress = [
+            (i, t)
+            for i, (p, n) in enumerate(zip(params, sample_indices))
+            if n < p.min_tokens
+            for t in dict.fromkeys(p.eos_token_ids + p.stop_token_ids)
+        ]
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        if not (allowed or bias or suppress or penalized):
+            return None
+        t = cls()
+        if allowed:
+            t.allowed_rows = _ints(allowed, device)
+            t.allowed_mask = torch.zeros(len(allowed), vocab_size, dtype=torch.bool, device=device)
+            rows = [j for j, i in enumerate(allowed) for _ in params[i].allowed_token_ids]
+            cols = [tok for i in allowed for tok in params[i].allowed_token_ids]
+            t.allowed_mask[_ints(rows, device), _ints(cols, device)] = True
+        if bias:
+            t.bias_index = (
+                _ints([i for i, _, _ in bias], device),
+                _ints([k for _, k, _ in bias], device),
+            )
+            t.bias_values = _floats([b for _, _, b in bias], device)
+        if suppress:
+            t.suppress_index = (
+                _ints([i for i, _ in suppress], device),
+                _ints([k for _, k in suppress], device),
+            )
+        if penalized:
+            t._set_penalties([params[i] for i in penalized], [histories[i] for i in penalized],
+                             vocab_size, device)  # fmt: skip
+            t.penalty_rows = _ints(penalized, device)
+        return t
+
+    def _set_penalties(
+        self,
+        params: list[SamplingParams],
+        histories: list[TokenHistory | None],
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        masks, counts = [], []
+        for history in histories:
+            if history is None:
+                raise ValueError("a request with penalties needs its token history")
+            prompt_mask, output_counts = history.counters(vocab_size, device)
+            masks.append(prompt_mask | (output_counts > 0))
+            counts.append(output_counts)
+        self.seen_mask = torch.stack(masks)
+        self.output_counts = torch.stack(counts)
+        self.repetition = _floats([p.repetition_penalty for p in params], device)[:, None]
+        self.frequency = _floats([p.frequency_penalty for p in params], device)[:, None]
+        self.presence = _floats([p.presence_penalty for p in params], device)[:, None]
+
+
+def _ints(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _floats(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def apply_logits_processors(logits: torch.Tensor, t: LogitsProcessorTensors) -> torch.Tensor:
+    """Logits (N, V) float32 -> processed logits (a new tensor; the input stays the raw logits)."""
+    logits = logits.clone()
+    if t.allowed_rows is not None:
+        assert t.allowed_mask is not None
+        rows = logits[t.allowed_rows]
+        logits[t.allowed_rows] = rows.masked_fill(~t.allowed_mask, float("-inf"))
+    if t.bias_index is not None:
+        assert t.bias_values is not None
+        logits.index_put_(t.bias_index, t.bias_values, accumulate=True)
+    if t.suppress_index is not None:
+        logits[t.suppress_index] = float("-inf")
+    if t.penalty_rows is not None:
+        assert t.seen_mask is not None and t.output_counts is not None
+        assert t.repetition is not None and t.frequency is not None and t.presence is not None
+        rows = logits[t.penalty_rows]  # (P, V)
+        penalized = torch.where(rows > 0, rows / t.repetition, rows * t.repetition)
+        rows = torch.where(t.seen_mask, penalized, rows)
+        rows = rows - t.frequency * t.output_counts - t.presence * (t.output_counts > 0)
+        logits[t.penalty_rows] = rows
+    return logits

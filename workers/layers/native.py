@@ -1,0 +1,180 @@
+"""Builds and loads tern's CPU kernels (cpu_kernels.c) with the system C compiler, through ctypes.
+
+The shared library is compiled once per (source, compiler flags, CPU features) and cached under
+TERN_HOME/kernels, so a later start-up only loads it (a cold build takes about a second). It links
+against the OpenMP runtime torch already loaded, so the kernels follow torch.set_num_threads.
+When no compiler is available or the build fails, `load()` returns None (logged once) and callers
+use their pure-torch paths: the kernels are a speed-up, never a requirement.
+
+`paged_decode_attention` and `int8_linear` wrap the C entry points: they check dtypes, devices and
+contiguity and raise ValueError on misuse rather than pass bad pointers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from enginecore.config import tern_home
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+ABI_VERSION = 1
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+
+_vp, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # NOTE: build into a temporary name and rename: several workers may build at the same time.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *_CFLAGS, str(SOURCE), "-o", tmp, "-lm"]
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.tern_abi_version.restype = _i32
+    lib.tern_paged_decode_attention.restype = _i32
+    lib.tern_paged_decode_attention.argtypes = [
+        _vp, _vp, _vp, _vp, _i64, _vp, _vp, _i32, _i32, _i32, _i32, _i32, _f32, _i32
+    ]  # fmt: skip
+    lib.tern_int8_linear.restype = _i32
+    lib.tern_int8_linear.argtypes = [_vp, _vp, _vp, _vp, _vp, _i32, _i32, _i32]
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernels' library, built on first use; None where it cannot be built or loaded."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None or platform.system() != "Linux":
+        logger.warning("no C compiler found: tern's CPU kernels are off (pure-torch fallbacks)")
+        return None
+    key = hashlib.sha256(
+        b"\0".join(
+            [SOURCE.read_bytes(), " ".join([compiler, *_CFLAGS]).encode(), _cpu_flags().encode()]
+        )
+    ).hexdigest()[:16]
+    path = tern_home() / "kernels" / f"tern_cpu_{key}.so"
+    try:
+        if not path.is_file():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+        if lib.tern_abi_version() != ABI_VERSION:
+            raise OSError(f"{path} has ABI {lib.tern_abi_version()}, expected {ABI_VERSION}")
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or ""
+        logger.warning("cannot build tern's CPU kernels (%s) %s: pure-torch fallbacks", e, detail)
+        return None
+    return lib
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous CPU {dtype} tensor, got {t.dtype} {t.device}"
+        )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q (B, H, D) float32 -> (B, H, D): each sequence's one query over its cached context.
+
+    k_cache, v_cache (num_blocks, block_size, Hkv, D) float32 or bfloat16; block_tables
+    (B, max_blocks) int32; context_lens (B,) int32, each at least 1.
+    """
+    lib = load()
+    assert lib is not None, "the CPU kernels are not available"
+    _check(q, torch.float32, "q")
+    _check(block_tables, torch.int32, "block_tables")
+    _check(context_lens, torch.int32, "context_lens")
+    if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"the KV cache must be float32 or bfloat16, not {k_cache.dtype}")
+    _check(k_cache, k_cache.dtype, "k_cache")
+    _check(v_cache, k_cache.dtype, "v_cache")
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or not block_tables.size(0) == context_lens.size(0) == num_seqs:
+        raise ValueError("q, the KV cache, block tables and context lengths do not agree")
+    out = torch.empty_like(q)
+    rc = lib.tern_paged_decode_attention(
+        _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), block_tables.stride(0),
+        _ptr(context_lens), _ptr(out), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+        scale, int(k_cache.dtype == torch.bfloat16),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(
+            f"paged decode attention does not support {num_heads} heads / {num_kv_heads} KV "
+            f"heads of dim {head_dim} with blocks of {block_size}"
+        )
+    return out
+
+
+def supports_decode(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether the decode kernel's fixed buffers fit these shapes (see cpu_kernels.c)."""
+    group = num_heads // num_kv_heads
+    return (
+        group * num_kv_heads == num_heads and group <= 16 and head_dim <= 256 and block_size <= 256
+    )
+
+
+def int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x (M, K) float32, weight (N, K) int8, scale (N,) float32 -> x @ (weight * scale).T + bias."""
+    lib = load()
+    assert lib is not None, "the CPU kernels are not available"
+    _check(x, torch.float32, "x")
+    _check(weight, torch.int8, "weight")
+    _check(scale, torch.float32, "scale")
+    if bias is not None:
+        _check(bias, torch.float32, "bias")
+    (m, k), (n, k_w) = x.shape, weight.shape
+    if k != k_w or scale.numel() != n or (bias is not None and bias.numel() != n):
+        raise ValueError(f"int8 linear: x {tuple(x.shape)} does not fit weight {(n, k_w)}")
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.tern_int8_linear(
+        _ptr(x), _ptr(weight), _ptr(scale), _ptr(bias) if bias is not None else None, _ptr(y),
+        m, n, k,
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("int8 linear: no memory for a scratch tile")
+    return y

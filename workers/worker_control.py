@@ -1,0 +1,242 @@
+"""What a worker does besides forward passes: weight updates, sleep and wake-up.
+
+Weight updates are transactions. The first update call after a commit snapshots this rank's weights
+(on the host); `finish(commit=False)` — sent by the engine core when any rank failed, or when a
+trainer died mid-broadcast — copies the snapshot back, so no step ever runs on half-updated weights.
+Every update goes through the one weight-loader loop (workers/weight_loader.py), which keeps only
+this rank's TP shard and this stage's layers.
+
+Sleep level 1 frees the KV cache (on GPU the weights also move to pinned host memory); level 2 frees
+the KV cache and the weights. Freed host memory is handed back to the system (malloc_trim), so the
+worker's RSS really falls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
+
+from enginecore.messages import (
+    DestroyWeightsUpdateGroup,
+    FinishWeightUpdate,
+    InitWeightsUpdateGroup,
+    Sleep,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensors,
+    WakeUp,
+)
+from workers.model_runner import ModelRunner
+from workers.weight_loader import (
+    expected_weight_names,
+    iter_safetensors_lazy,
+    load_weights,
+)
+from workers.weight_sync import (
+    destroy_weights_update_group,
+    init_weights_update_group,
+    parse_dtype,
+)
+
+logger = logging.getLogger("tern.worker")
+
+_M_MMAP_THRESHOLD = -3
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: memory is still freed, maybe not returned at once
+        return None
+
+
+def return_memory_to_system() -> None:
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def use_mmap_for_large_allocations() -> None:
+    """glibc raises its mmap threshold after big frees, after which freed tensors stay in the heap;
+    a fixed 1 MiB threshold keeps every tensor of size in its own mapping, returned on free."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+
+
+class WorkerControl:
+    def __init__(self, runner: ModelRunner, rank: int) -> None:
+        self.runner = runner
+        self.rank = rank
+        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._weight_shapes: dict[str, torch.Size] | None = None  # set while weights are discarded
+        self._offloaded: dict[str, torch.Tensor] | None = None  # GPU level-1 sleep
+        self._kv_asleep = False
+
+    @property
+    def model(self) -> torch.nn.Module:
+        assert self.runner.model is not None
+        return self.runner.model
+
+    def handle(self, call: object) -> None:
+        if isinstance(call, UpdateWeightsFromDisk):
+            self.update_from_disk(call.model_path)
+        elif isinstance(call, UpdateWeightsFromTensors):
+            self.update_from_tensors(call)
+        elif isinstance(call, InitWeightsUpdateGroup):
+            self.init_group(call)
+        elif isinstance(call, UpdateWeightsFromDistributed):
+            self.update_from_distributed(call)
+        elif isinstance(call, DestroyWeightsUpdateGroup):
+            self.destroy_group(call.group_name)
+        elif isinstance(call, FinishWeightUpdate):
+            self.finish(call.commit)
+        elif isinstance(call, Sleep):
+            self.sleep(call.level)
+        elif isinstance(call, WakeUp):
+            self.wake_up(call.tags)
+        else:
+            raise TypeError(f"not a control call: {type(call).__name__}")
+
+    # ------------------------------------------------------------------ weight updates
+
+    def _begin(self) -> None:
+        if self._weight_shapes is not None:
+            raise RuntimeError("the weights are asleep: wake up the 'weights' tag before updating")
+        if self._snapshot is None:
+            self._snapshot = {
+                name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()
+            }
+
+    def finish(self, commit: bool) -> None:
+        if self._snapshot is not None and not commit:
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    p.copy_(self._snapshot[name])
+            logger.info("weight update rolled back on rank %d", self.rank)
+        self._snapshot = None
+        self.runner.weights_valid = self.runner.weights_valid or commit
+        return_memory_to_system()
+
+    def update_from_disk(self, model_path: str) -> None:
+        path = Path(model_path)
+        if not path.is_dir():
+            raise ValueError(f"model_path {model_path!r} is not a directory")
+        self._begin()
+        loaded = load_weights(self.model, iter_safetensors_lazy(path))
+        missing = expected_weight_names(self.model) - loaded
+        if missing:
+            raise ValueError(f"checkpoint {model_path} lacks weights: {sorted(missing)[:8]}")
+
+    def update_from_tensors(self, call: UpdateWeightsFromTensors) -> None:
+        self._begin()
+        for blob in call.blobs:
+            tensors = load_safetensors(bytes(blob))
+            self._load_checked(tensors.items())
+        for shm_path in call.shm_paths:
+            if not shm_path.startswith("/dev/shm/"):
+                raise ValueError(f"shared-memory tensors must live in /dev/shm, not {shm_path!r}")
+            with safe_open(shm_path, framework="pt") as f:  # maps the file: no copy until load
+                self._load_checked((name, f.get_tensor(name)) for name in f.keys())  # noqa: SIM118
+
+    def _load_checked(self, named: object) -> None:
+        def checked():
+            for name, tensor in named:
+                if not tensor.is_floating_point():
+                    raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, not a float type")
+                yield name, tensor
+
+        load_weights(self.model, checked())
+
+    def init_group(self, call: InitWeightsUpdateGroup) -> None:
+        if call.group_name in self._groups:
+            raise ValueError(f"weight-update group {call.group_name!r} already exists")
+        self._groups[call.group_name] = init_weights_update_group(
+            call.master_address,
+            call.master_port,
+            call.rank_offset + self.rank,
+            call.world_size,
+            call.group_name,
+            call.backend,
+            call.timeout_s,
+        )
+
+    def update_from_distributed(self, call: UpdateWeightsFromDistributed) -> None:
+        group = self._groups.get(call.group_name)
+        if group is None:
+            raise ValueError(f"no weight-update group {call.group_name!r}: call init first")
+        if not len(call.names) == len(call.dtypes) == len(call.shapes):
+            raise ValueError("names, dtypes and shapes must have the same length")
+        dtypes = [parse_dtype(d) for d in call.dtypes]
+        self._begin()
+        device = self.runner.device
+
+        def received():
+            for name, dtype, shape in zip(call.names, dtypes, call.shapes):
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                dist.broadcast(tensor, src=0, group=group)
+                yield name, tensor
+
+        # Every tensor must be received even if one does not fit, or the trainer would block.
+        errors: list[str] = []
+        for name, tensor in received():
+            try:
+                load_weights(self.model, [(name, tensor)])
+            except ValueError as e:
+                errors.append(str(e))
+        if errors:
+            raise ValueError("; ".join(errors[:4]))
+
+    def destroy_group(self, group_name: str) -> None:
+        group = self._groups.pop(group_name, None)
+        if group is None:
+            raise ValueError(f"no weight-update group {group_name!r}")
+        destroy_weights_update_group(group)
+
+    # ------------------------------------------------------------------ sleep and wake-up
+
+    def sleep(self, level: int) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, not {level}")
+        self.runner.release_kv_cache()
+        self._kv_asleep = True
+        if level == 2 and self._weight_shapes is None:
+            self._weight_shapes = {}
+            for name, p in self.model.named_parameters():
+                self._weight_shapes[name] = p.shape
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self.runner.weights_valid = False
+        elif level == 1 and self.runner.device.type == "cuda" and self._offloaded is None:
+            self._offloaded = {}
+            for name, p in self.model.named_parameters():
+                self._offloaded[name] = p.detach().to("cpu").pin_memory()
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return_memory_to_system()
+
+    def wake_up(self, tags: list[str]) -> None:
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake-up tags {sorted(unknown)}: use weights, kv_cache")
+        if "weights" in tags:
+            if self._weight_shapes is not None:
+                for name, p in self.model.named_parameters():
+                    p.data = torch.zeros(self._weight_shapes[name], dtype=p.dtype, device=p.device)
+                self._weight_shapes = None  # the values come with the next weight update
+            if self._offloaded is not None:
+                for name, p in self.model.named_parameters():
+                    p.data = self._offloaded[name].to(p.device)
+                self._offloaded = None
+        if "kv_cache" in tags and self._kv_asleep:
+            self.runner.init_kv_cache(self.runner.num_kv_blocks)
+            self._kv_asleep = False
