@@ -15,6 +15,7 @@ the frontend. No pickle on any link.
 from __future__ import annotations
 
 import enum
+import typing
 from typing import Any
 
 import msgspec
@@ -347,16 +348,7 @@ ControlCall = (
     | Sleep
     | WakeUp
 )
-CONTROL_CALLS = (
-    UpdateWeightsFromDisk,
-    UpdateWeightsFromTensors,
-    InitWeightsUpdateGroup,
-    UpdateWeightsFromDistributed,
-    DestroyWeightsUpdateGroup,
-    FinishWeightUpdate,
-    Sleep,
-    WakeUp,
-)
+CONTROL_CALLS = typing.get_args(ControlCall)  # for isinstance
 
 WorkerCall = (
     ExecuteModel
