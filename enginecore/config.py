@@ -27,12 +27,16 @@ class ModelConfig:
     max_model_len: int | None = None  # None: min(model's max_position_embeddings, 32768)
     served_model_name: str = ""
     seed: int = 0
+    # Weight-only quantization applied at load time (workers/layers/quantization.py): None | int8
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}"
             )
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"--quantization must be int8, not {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be positive")
 

@@ -390,7 +390,8 @@ class WorkerResult(msgspec.Struct, tag="result", omit_defaults=True):
     rank: int
     output: ModelRunnerOutput | None = None
     error: str | None = None  # the worker failed and exits: the engine fails
-    control_error: str | None = None  # a control call (weight update, sleep) failed; the worker lives
+    # A control call (weight update, sleep) failed; the worker lives.
+    control_error: str | None = None
 
 
 WorkerReply = WorkerReady | WorkerResult

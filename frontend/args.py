@@ -80,6 +80,12 @@ def make_parser() -> argparse.ArgumentParser:
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
     )
     launch.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8"],
+        help="weight-only quantization at load time (int8: per-channel scales)",
+    )
+    launch.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -185,6 +191,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         model=ModelConfig(
             path=str(model_path.resolve()),
             dtype=args.dtype,
+            quantization=args.quantization,
             max_model_len=args.max_model_len,
             served_model_name=served_name,
             seed=args.seed,

@@ -6,9 +6,14 @@ Sends --num-prompts streaming requests of random-token prompts of exactly --inpu
 as a Poisson process of --request-rate per second. Measures per request TTFT (first chunk with
 text), TPOT ((e2e - ttft) / (n_out - 1)), ITL (gaps between text chunks) and end-to-end latency;
 prints a table and writes the summary as JSON (--result-file). Output tokens come from the usage
-of the last chunk (stream_options.include_usage), else from the number of text chunks.
+of the last chunk (stream_options.include_usage), else from the number of text chunks. The metrics
+are those of `vllm bench serve` (same definitions), so results of both tools can sit side by side.
 
-    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --concurrency 8
+`plot` draws summaries (of one or more servers, told apart by --label) against concurrency:
+output throughput, TTFT p50 and TPOT p50, one line per label (needs matplotlib).
+
+    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --concurrency 8 --label tern
+    python scripts/bench_serving.py plot --out bench.png results/*.json
 """
 
 from __future__ import annotations
@@ -184,6 +189,7 @@ def summarize(
     n_out = sum(r.output_tokens for r in ok)
     errors = sorted({r.error for r in results if not r.ok})
     return {
+        "label": args.label or model,
         "base_url": args.base_url,
         "model": model,
         "endpoint": args.endpoint,
@@ -258,6 +264,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", type=Path, default=None, help="HF model dir with tokenizer.json")
     p.add_argument("--timeout", type=float, default=1800.0, help="per request, in seconds")
     p.add_argument("--result-file", type=Path, default=None)
+    p.add_argument("--label", default=None, help="name of this server in plots (default: model)")
     args = p.parse_args(argv)
     if args.concurrency is not None and args.concurrency < 1:
         p.error("--concurrency must be positive")
@@ -268,7 +275,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def plot(summaries: list[dict[str, Any]], out: Path, title: str = "") -> None:
+    """Throughput, TTFT p50 and TPOT p50 against concurrency, one line per label."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("output_throughput", "output tokens/s", lambda s: s["output_throughput"]),
+        ("ttft", "TTFT p50 (ms)", lambda s: s["ttft_ms"]["p50"]),
+        ("tpot", "TPOT p50 (ms)", lambda s: s["tpot_ms"]["p50"]),
+    ]
+    labels = list(dict.fromkeys(s["label"] for s in summaries))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    for ax, (_, ylabel, value) in zip(axes, panels):
+        for label in labels:
+            points = sorted((s["concurrency"], value(s)) for s in summaries if s["label"] == label)
+            ax.plot([c for c, _ in points], [v for _, v in points], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def plot_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="bench_serving.py plot", description=plot.__doc__)
+    p.add_argument("results", type=Path, nargs="+", help="summary JSON files (or lists of them)")
+    p.add_argument("--out", type=Path, required=True, help="PNG to write")
+    p.add_argument("--title", default="")
+    args = p.parse_args(argv)
+    summaries: list[dict[str, Any]] = []
+    for path in args.results:
+        data = json.loads(path.read_text())
+        summaries += data if isinstance(data, list) else [data]
+    if any(s.get("concurrency") is None for s in summaries):
+        p.error("every summary needs a concurrency (run with --concurrency)")
+    plot(summaries, args.out, args.title)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plot"]:
+        return plot_main(argv[1:])
     args = parse_args(argv)
     tok_dir = args.tokenizer or default_tokenizer_dir()
     tok = tokenizers.Tokenizer.from_file(str(Path(tok_dir) / "tokenizer.json"))

@@ -72,4 +72,6 @@ def tiny_llama_perturbed(
     tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None
 ) -> Path:
     """The tiny Llama's architecture with other random weights: the "trained" checkpoint of RL tests."""
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny_llama_perturbed"), tokenizer_dir, 1)
+    return make_tiny_model(
+        "llama", tmp_path_factory.mktemp("tiny_llama_perturbed"), tokenizer_dir, 1
+    )

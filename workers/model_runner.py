@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -128,7 +128,9 @@ class ModelRunner:
         self.device = device or default_device(rank)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
-        self.args = load_model_args(config.model.path)
+        self.args = replace(
+            load_model_args(config.model.path), quantization=config.model.quantization
+        )
         self.model: torch.nn.Module | None = None
         self.attn_layers: list[Attention] = []
         self.kv_cache: torch.Tensor | None = None

@@ -225,3 +225,33 @@ def test_distributed_update_from_a_trainer_process_at_tp2(
     assert greedy(server, model) == original
     assert client.weight_version() == version
     assert server.proc.poll() is None
+
+
+def test_int8_at_tp2_through_every_weight_update_path(
+    launch_server: Any, tiny_llama: Path, tiny_llama_perturbed: Path
+):
+    """`--quantization int8 --tp 2`: weights pushed from disk, as tensors, through /dev/shm and from
+    a trainer's process group are quantized as they load, so each update leaves the server
+    generating what it generated when it last served those weights. (How close int8 stays to
+    float32 is tests/dist/test_quantized_layers.py's and scripts/bench_quant.py's job.)"""
+    server = launch_server("--model", str(tiny_llama), "--dtype", "float32", "--tp", "2",
+                           "--quantization", "int8", "--kv-cache-memory", "0.25")  # fmt: skip
+    model = str(tiny_llama)
+    original = greedy(server, model)
+    client = TrainerClient(server.base_url)
+    client.update_weights_from_disk(str(tiny_llama_perturbed))
+    perturbed = greedy(server, model)
+    assert perturbed != original
+    client.update_weights_from_tensors(state_dict(tiny_llama), bucket_bytes=1 << 20)
+    assert greedy(server, model) == original
+    client.update_weights_from_tensors(state_dict(tiny_llama_perturbed), load_format="shm")
+    assert greedy(server, model) == perturbed
+
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_trainer, args=(server.base_url, _free_port(), str(tiny_llama), False, q))  # fmt: skip
+    proc.start()
+    assert q.get(timeout=120) == "ok"
+    proc.join(30)
+    assert proc.exitcode == 0
+    assert greedy(server, model) == original

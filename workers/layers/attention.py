@@ -216,19 +216,21 @@ class Attention(nn.Module):
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
 
-        out = torch.empty_like(q)
         groups = meta.groups
         d = meta.decode
         if d is not None and self._use_decode_kernel(k_cache):
-            q_dec = q if d.is_whole_batch else q[d.q_tokens]
+            q_dec = (q if d.is_whole_batch else q[d.q_tokens]).float().contiguous()
             o_dec = native.paged_decode_attention(
-                q_dec.float(), k_cache, v_cache, d.block_tables, d.context_lens, self.scale
+                q_dec, k_cache, v_cache, d.block_tables, d.context_lens, self.scale
             ).to(q.dtype)
             if d.is_whole_batch:
                 return o_dec
+            out = torch.empty_like(q)
             out[d.q_tokens] = o_dec
-        elif d is not None:
-            groups = [d.padded, *groups]
+        else:
+            out = torch.empty_like(q)
+            if d is not None:
+                groups = [d.padded, *groups]
         for g in groups:
             self._attend_padded(q, k_cache, v_cache, g, out)
         return out

@@ -10,6 +10,7 @@
  * Activations and outputs are float32; the KV cache is float32 or bfloat16.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
@@ -20,6 +21,7 @@
 #define MAX_GROUP 16   /* query heads per KV head */
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256  /* tokens per cache block */
+#define MAX_QUERY_FLOATS 32768  /* heads x head_dim of one token */
 
 int tern_abi_version(void) { return 1; }
 
@@ -30,99 +32,238 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+#ifdef __AVX2__
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+/* exp(x) for x <= 0 (Cephes' single-precision polynomial, within 2 ulp of expf). */
+static inline __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_cvtps_epi32(n);
+    e = _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const uint16_t *p) {
+    __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+#endif
+
 /* ---------------------------------------------------------------- paged decode attention */
 
-/* One (sequence, KV head): G query heads of dimension D over ctx cached tokens.
- * k, v point at the cache of this KV head: token slot s is at k + s * slot_stride. */
-#define DECODE_BODY(LOAD)                                                                    \
-    float scores[MAX_BLOCK * MAX_GROUP];                                                     \
-    float acc[MAX_GROUP * MAX_HEAD_DIM];                                                     \
-    float row_max[MAX_GROUP], row_sum[MAX_GROUP];                                            \
-    for (int g = 0; g < G; g++) { row_max[g] = -INFINITY; row_sum[g] = 0.f; }               \
-    memset(acc, 0, sizeof(float) * G * D);                                                   \
-    int num_blocks = (ctx + block_size - 1) / block_size;                                    \
-    for (int j = 0; j < num_blocks; j++) {                                                   \
-        int64_t base = (int64_t)table[j] * block_size;                                       \
-        int n = ctx - j * block_size < block_size ? ctx - j * block_size : block_size;       \
-        for (int t = 0; t < n; t++) {                                                        \
-            const KV_T *kp = k + (base + t) * slot_stride;                                   \
-            for (int g = 0; g < G; g++) {                                                    \
-                const float *qg = q + g * D;                                                 \
-                float s = 0.f;                                                               \
-                _Pragma("omp simd reduction(+:s)")                                           \
-                for (int d = 0; d < D; d++) s += qg[d] * LOAD(kp[d]);                        \
-                scores[t * G + g] = s * scale;                                               \
-            }                                                                                \
-        }                                                                                    \
-        for (int g = 0; g < G; g++) {                                                        \
-            float m = row_max[g];                                                            \
-            for (int t = 0; t < n; t++) m = scores[t * G + g] > m ? scores[t * G + g] : m;   \
-            float corr = expf(row_max[g] - m);                                               \
-            row_max[g] = m;                                                                  \
-            row_sum[g] *= corr;                                                              \
-            float *ag = acc + g * D;                                                         \
-            for (int d = 0; d < D; d++) ag[d] *= corr;                                       \
-            for (int t = 0; t < n; t++) {                                                    \
-                float p = expf(scores[t * G + g] - m);                                       \
-                scores[t * G + g] = p;                                                       \
-                row_sum[g] += p;                                                             \
-            }                                                                                \
-        }                                                                                    \
-        for (int t = 0; t < n; t++) {                                                        \
-            const KV_T *vp = v + (base + t) * slot_stride;                                   \
-            for (int g = 0; g < G; g++) {                                                    \
-                float p = scores[t * G + g];                                                 \
-                float *ag = acc + g * D;                                                     \
-                _Pragma("omp simd")                                                          \
-                for (int d = 0; d < D; d++) ag[d] += p * LOAD(vp[d]);                        \
-            }                                                                                \
-        }                                                                                    \
-    }                                                                                        \
-    for (int g = 0; g < G; g++) {                                                            \
-        float inv = row_sum[g] > 0.f ? 1.f / row_sum[g] : 0.f;                               \
-        for (int d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;                   \
+#define LOAD1_f32(p) (*(p))
+#define LOAD1_bf16(p) bf16_to_f32(*(p))
+
+/* dot_T(q, row, D): q . row; axpy_T(acc, p, row, D): acc += p * row (row: one cached K or V
+ * vector of this KV head, float32 or bfloat16). Vectorised when D % 8 == 0. */
+#ifdef __AVX2__
+#define DEFINE_ROW_OPS(SUFFIX, KV_T)                                                             \
+    static inline float dot_##SUFFIX(const float *q, const KV_T *kp, int D) {                    \
+        if (D % 8) {                                                                             \
+            float s = 0.f;                                                                       \
+            for (int d = 0; d < D; d++) s += q[d] * LOAD1_##SUFFIX(kp + d);                      \
+            return s;                                                                            \
+        }                                                                                        \
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                               \
+        int d = 0;                                                                               \
+        for (; d + 16 <= D; d += 16) {                                                           \
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8_##SUFFIX(kp + d), a0);            \
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8_##SUFFIX(kp + d + 8), a1);    \
+        }                                                                                        \
+        if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8_##SUFFIX(kp + d), a0);     \
+        return hsum(_mm256_add_ps(a0, a1));                                                      \
+    }                                                                                            \
+    static inline void axpy_##SUFFIX(float *a, float p, const KV_T *vp, int D) {                 \
+        if (D % 8) {                                                                             \
+            for (int d = 0; d < D; d++) a[d] += p * LOAD1_##SUFFIX(vp + d);                      \
+            return;                                                                              \
+        }                                                                                        \
+        __m256 pv = _mm256_set1_ps(p);                                                           \
+        for (int d = 0; d < D; d += 8) {                                                         \
+            __m256 r = _mm256_fmadd_ps(pv, load8_##SUFFIX(vp + d), _mm256_loadu_ps(a + d));      \
+            _mm256_storeu_ps(a + d, r);                                                          \
+        }                                                                                        \
     }
+#else
+#define DEFINE_ROW_OPS(SUFFIX, KV_T)                                                             \
+    static inline float dot_##SUFFIX(const float *q, const KV_T *kp, int D) {                    \
+        float s = 0.f;                                                                           \
+        for (int d = 0; d < D; d++) s += q[d] * LOAD1_##SUFFIX(kp + d);                          \
+        return s;                                                                                \
+    }                                                                                            \
+    static inline void axpy_##SUFFIX(float *a, float p, const KV_T *vp, int D) {                 \
+        for (int d = 0; d < D; d++) a[d] += p * LOAD1_##SUFFIX(vp + d);                          \
+    }
+#endif
+DEFINE_ROW_OPS(f32, float)
+DEFINE_ROW_OPS(bf16, uint16_t)
 
-#define LOAD_F32(x) (x)
-#define LOAD_BF16(x) bf16_to_f32(x)
+/* acc (D,) += sum over t < n of p[t] * row t, rows `stride` elements apart. With D % 64 == 0 the
+ * accumulator stays in 8 registers per 64 features while the rows stream past. */
+#ifdef __AVX2__
+#define DEFINE_ACCUMULATE(SUFFIX, KV_T)                                                          \
+    static inline void accumulate_##SUFFIX(float *acc, const float *p, const KV_T *rows, int n,  \
+                                           int64_t stride, int D) {                              \
+        if (D % 64) {                                                                            \
+            for (int t = 0; t < n; t++) axpy_##SUFFIX(acc, p[t], rows + t * stride, D);          \
+            return;                                                                              \
+        }                                                                                        \
+        for (int d0 = 0; d0 < D; d0 += 64) {                                                     \
+            __m256 a[8];                                                                         \
+            for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + d0 + 8 * c);               \
+            for (int t = 0; t < n; t++) {                                                        \
+                __m256 pv = _mm256_set1_ps(p[t]);                                                \
+                const KV_T *r = rows + t * stride + d0;                                          \
+                for (int c = 0; c < 8; c++)                                                      \
+                    a[c] = _mm256_fmadd_ps(pv, load8_##SUFFIX(r + 8 * c), a[c]);                 \
+            }                                                                                    \
+            for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + d0 + 8 * c, a[c]);               \
+        }                                                                                        \
+    }
+#else
+#define DEFINE_ACCUMULATE(SUFFIX, KV_T)                                                          \
+    static inline void accumulate_##SUFFIX(float *acc, const float *p, const KV_T *rows, int n,  \
+                                           int64_t stride, int D) {                              \
+        for (int t = 0; t < n; t++) axpy_##SUFFIX(acc, p[t], rows + t * stride, D);              \
+    }
+#endif
+DEFINE_ACCUMULATE(f32, float)
+DEFINE_ACCUMULATE(bf16, uint16_t)
 
-#define KV_T float
-static void decode_one_f32(const float *q, const float *k, const float *v, const int32_t *table,
-                           int ctx, int G, int D, int block_size, int64_t slot_stride,
-                           float scale, float *out) {
-    DECODE_BODY(LOAD_F32)
+/* s[t] = exp(s[t] - m) for t < n (every s[t] <= m); returns their sum. */
+static inline float exp_sub(float *s, int n, float m) {
+    float sum = 0.f;
+    int t = 0;
+#ifdef __AVX2__
+    __m256 mv = _mm256_set1_ps(m), total = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+        _mm256_storeu_ps(s + t, p);
+        total = _mm256_add_ps(total, p);
+    }
+    sum = hsum(total);
+#endif
+    for (; t < n; t++) {
+        s[t] = expf(s[t] - m);
+        sum += s[t];
+    }
+    return sum;
 }
-#undef KV_T
-#define KV_T uint16_t
-static void decode_one_bf16(const float *q, const uint16_t *k, const uint16_t *v,
-                            const int32_t *table, int ctx, int G, int D, int block_size,
-                            int64_t slot_stride, float scale, float *out) {
-    DECODE_BODY(LOAD_BF16)
+
+/* Prefetch n rows of row_bytes each, row_stride bytes apart, into the cache. */
+static inline void prefetch_rows(const char *p, int n, int64_t row_stride, int row_bytes) {
+    for (int t = 0; t < n; t++)
+        for (int off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + t * row_stride + off);
 }
-#undef KV_T
+
+/* One sequence's query heads of KV heads [h0, h0 + nh): G query heads of dimension D per KV head,
+ * over ctx cached tokens, block by block with an online softmax. All nh heads are done block by
+ * block, so each cache block (scattered in memory) is read in one short burst. k and v point at
+ * head h0's part of slot 0; slot s is s * slot_stride elements further. `qs` (nh * G, D) holds
+ * the queries already multiplied by the softmax scale; `out` is (nh * G, D). */
+#define DEFINE_DECODE_HEADS(SUFFIX, KV_T)                                                        \
+    static void decode_heads_##SUFFIX(const float *qs, const KV_T *k, const KV_T *v,             \
+                                      const int32_t *table, int ctx, int nh, int G, int D,       \
+                                      int block_size, int64_t slot_stride, float *out) {         \
+        int R = nh * G;                                                                          \
+        float scores[MAX_GROUP * MAX_BLOCK]; /* [g][t]: one KV head of the current block */      \
+        float acc[R * D], row_max[R], row_sum[R];                                                \
+        for (int r = 0; r < R; r++) {                                                            \
+            row_max[r] = -INFINITY;                                                              \
+            row_sum[r] = 0.f;                                                                    \
+        }                                                                                        \
+        memset(acc, 0, sizeof(float) * R * D);                                                   \
+        int64_t row_stride = slot_stride * (int64_t)sizeof(KV_T);                                \
+        int num_blocks = (ctx + block_size - 1) / block_size;                                    \
+        for (int j = 0; j < num_blocks; j++) {                                                   \
+            int64_t base = (int64_t)table[j] * block_size;                                       \
+            int n = ctx - j * block_size < block_size ? ctx - j * block_size : block_size;       \
+            if (j + 1 < num_blocks) { /* blocks are scattered: fetch the next one early */       \
+                int64_t next = (int64_t)table[j + 1] * block_size * slot_stride;                 \
+                int bytes = nh * D * (int)sizeof(KV_T);                                          \
+                prefetch_rows((const char *)(k + next), block_size, row_stride, bytes);          \
+                prefetch_rows((const char *)(v + next), block_size, row_stride, bytes);          \
+            }                                                                                    \
+            for (int h = 0; h < nh; h++) {                                                       \
+                const float *qh = qs + (int64_t)h * G * D;                                       \
+                for (int t = 0; t < n; t++) {                                                    \
+                    const KV_T *kp = k + (base + t) * slot_stride + h * D;                       \
+                    for (int g = 0; g < G; g++)                                                  \
+                        scores[g * block_size + t] = dot_##SUFFIX(qh + g * D, kp, D);            \
+                }                                                                                \
+                for (int g = 0; g < G; g++) {                                                    \
+                    int r = h * G + g;                                                           \
+                    float *sg = scores + g * block_size;                                         \
+                    float m = row_max[r];                                                        \
+                    for (int t = 0; t < n; t++) m = sg[t] > m ? sg[t] : m;                       \
+                    float corr = expf(row_max[r] - m);                                           \
+                    row_max[r] = m;                                                              \
+                    row_sum[r] = row_sum[r] * corr + exp_sub(sg, n, m);                          \
+                    if (corr != 1.f)                                                             \
+                        for (int d = 0; d < D; d++) acc[r * D + d] *= corr;                      \
+                    accumulate_##SUFFIX(acc + r * D, sg, v + base * slot_stride + h * D, n,      \
+                                        slot_stride, D);                                         \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        for (int r = 0; r < R; r++) {                                                            \
+            float inv = 1.f / row_sum[r];                                                        \
+            for (int d = 0; d < D; d++) out[r * D + d] = acc[r * D + d] * inv;                   \
+        }                                                                                        \
+    }
+DEFINE_DECODE_HEADS(f32, float)
+DEFINE_DECODE_HEADS(bf16, uint16_t)
 
 /* q, out: (B, H, D) float32. k_cache, v_cache: (num_blocks * block_size, Hkv, D) float32 or
- * bfloat16. block_tables: (B, table_stride) int32. context_lens: (B,) int32.
+ * bfloat16. block_tables: (B, table_stride) int32. context_lens: (B,) int32, each >= 1.
  * Returns 0, or -1 when the shapes exceed the kernel's fixed buffers. */
 int tern_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
                                 const int32_t *block_tables, int64_t table_stride,
                                 const int32_t *context_lens, float *out, int B, int H, int Hkv,
                                 int D, int block_size, float scale, int kv_is_bf16) {
     int G = H / Hkv;
-    if (G > MAX_GROUP || D > MAX_HEAD_DIM || block_size > MAX_BLOCK || G * Hkv != H) return -1;
+    if (G > MAX_GROUP || D > MAX_HEAD_DIM || block_size > MAX_BLOCK || G * Hkv != H ||
+        H * D > MAX_QUERY_FLOATS)
+        return -1;
     int64_t slot_stride = (int64_t)Hkv * D;
+    /* One work item per sequence (all its KV heads); with too few sequences to keep the threads
+     * busy, one per (sequence, KV head). */
+    int nh = B >= 2 * omp_get_max_threads() ? Hkv : 1;
+    int num_items = B * (Hkv / nh);
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int item = 0; item < B * Hkv; item++) {
-        int b = item / Hkv, h = item % Hkv;
-        const float *qb = q + ((int64_t)b * H + (int64_t)h * G) * D;
-        float *ob = out + ((int64_t)b * H + (int64_t)h * G) * D;
+    for (int item = 0; item < num_items; item++) {
+        int b = item / (Hkv / nh);
+        int h0 = item % (Hkv / nh) * nh;
+        int64_t first = ((int64_t)b * H + (int64_t)h0 * G) * D;
+        float qs[nh * G * D];
+        for (int i = 0; i < nh * G * D; i++) qs[i] = q[first + i] * scale;
         const int32_t *table = block_tables + (int64_t)b * table_stride;
         if (kv_is_bf16)
-            decode_one_bf16(qb, (const uint16_t *)k_cache + h * D, (const uint16_t *)v_cache + h * D,
-                            table, context_lens[b], G, D, block_size, slot_stride, scale, ob);
+            decode_heads_bf16(qs, (const uint16_t *)k_cache + h0 * D,
+                              (const uint16_t *)v_cache + h0 * D, table, context_lens[b], nh, G,
+                              D, block_size, slot_stride, out + first);
         else
-            decode_one_f32(qb, (const float *)k_cache + h * D, (const float *)v_cache + h * D,
-                           table, context_lens[b], G, D, block_size, slot_stride, scale, ob);
+            decode_heads_f32(qs, (const float *)k_cache + h0 * D, (const float *)v_cache + h0 * D,
+                             table, context_lens[b], nh, G, D, block_size, slot_stride,
+                             out + first);
     }
     return 0;
 }
@@ -131,9 +272,11 @@ int tern_paged_decode_attention(const float *q, const void *k_cache, const void 
 
 #define TILE_N 4
 
-/* Dequantize rows [n0, n0 + nt) of w (N, K) into wf (TILE_N, K), zero rows past nt. */
-static void dequant_tile(const int8_t *w, const float *scale, int n0, int nt, int K, float *wf) {
-    for (int r = 0; r < TILE_N; r++) {
+/* Dequantize rows [n0, n0 + nt) of w (N, K) into wf (nt, K); with `pad`, also zero the rows of
+ * wf from nt to TILE_N. */
+static void dequant_tile(const int8_t *w, const float *scale, int n0, int nt, int K, float *wf,
+                         int pad) {
+    for (int r = 0; r < (pad ? TILE_N : nt); r++) {
         float *dst = wf + (int64_t)r * K;
         if (r >= nt) { memset(dst, 0, sizeof(float) * K); continue; }
         const int8_t *src = w + (int64_t)(n0 + r) * K;
@@ -151,15 +294,6 @@ static void dequant_tile(const int8_t *w, const float *scale, int n0, int nt, in
     }
 }
 
-#ifdef __AVX2__
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-    return _mm_cvtss_f32(lo);
-}
-#endif
 
 /* y[m, n0 + r] = wf[r] . x[m] for the tile's rows, two activation rows at a time. */
 static void tile_matmul(const float *x, const float *wf, int M, int K, int n0, int nt, int N,
@@ -218,10 +352,64 @@ static void tile_matmul(const float *x, const float *wf, int M, int K, int n0, i
 #endif
 }
 
+#define GEMV_ROWS 8
+/* Few activation rows: convert the int8 weights in registers and FMA them directly (the scale is
+ * applied once per output); no scratch tile, each weight byte is read once per row of x. */
+static void gemv_rows(const float *x, const int8_t *w, const float *scale, const float *bias,
+                      float *y, int M, int N, int K, int n0) {
+    int nt = N - n0 < GEMV_ROWS ? N - n0 : GEMV_ROWS;
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + (int64_t)m * K;
+        float sums[GEMV_ROWS] = {0};
+        int k = 0;
+#ifdef __AVX2__
+        if (nt == GEMV_ROWS) {
+            for (int r = 0; r < GEMV_ROWS; r++) {
+                const int8_t *wr = w + (int64_t)(n0 + r) * K;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                int kk = 0;
+                for (; kk + 32 <= K; kk += 32) {
+                    __m256i b = _mm256_loadu_si256((const __m256i *)(wr + kk));
+                    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + kk),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + kk + 8),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), a1);
+                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + kk + 16),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), a2);
+                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + kk + 24),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), a3);
+                }
+                float s0 = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+                for (; kk < K; kk++) s0 += xm[kk] * (float)wr[kk];
+                sums[r] = s0;
+            }
+            k = K;
+        }
+#endif
+        for (int r = 0; r < nt; r++) {
+            const int8_t *wr = w + (int64_t)(n0 + r) * K;
+            float s0 = sums[r];
+            for (int kk = k; kk < K; kk++) s0 += xm[kk] * (float)wr[kk];
+            y[(int64_t)m * N + n0 + r] = s0 * scale[n0 + r] + (bias ? bias[n0 + r] : 0.f);
+        }
+    }
+}
+
+/* Below this many activation rows the int8 weights are converted in registers (gemv_rows);
+ * from it on a tile of rows is dequantized once into L1 and reused by every row (tile_matmul). */
+#define GEMV_MAX_M 4
+
 /* x (M, K) float32, w (N, K) int8, scale (N,) float32, bias (N,) float32 or NULL -> y (M, N).
  * Returns 0, or -1 when a thread cannot get its scratch tile. */
 int tern_int8_linear(const float *x, const int8_t *w, const float *scale, const float *bias,
                      float *y, int M, int N, int K) {
+    if (M < GEMV_MAX_M) {
+        int num_tiles = (N + GEMV_ROWS - 1) / GEMV_ROWS;
+#pragma omp parallel for schedule(static)
+        for (int t = 0; t < num_tiles; t++) gemv_rows(x, w, scale, bias, y, M, N, K, t * GEMV_ROWS);
+        return 0;
+    }
     int num_tiles = (N + TILE_N - 1) / TILE_N;
     int failed = 0;
 #pragma omp parallel
@@ -236,9 +424,84 @@ int tern_int8_linear(const float *x, const int8_t *w, const float *scale, const 
             if (wf == NULL) continue;
             int n0 = t * TILE_N;
             int nt = N - n0 < TILE_N ? N - n0 : TILE_N;
-            dequant_tile(w, scale, n0, nt, K, wf);
+            dequant_tile(w, scale, n0, nt, K, wf, 1);
             tile_matmul(x, wf, M, K, n0, nt, N, bias, y);
         }
+        free(wf);
+    }
+    return failed ? -1 : 0;
+}
+
+/* out (N, K) float32 = w (N, K) int8 * scale[:, None]: large batches dequantize once and use the
+ * float GEMM. */
+void tern_int8_dequantize(const int8_t *w, const float *scale, float *out, int N, int K) {
+    int num_tiles = (N + TILE_N - 1) / TILE_N;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < num_tiles; t++) {
+        int n0 = t * TILE_N;
+        int nt = N - n0 < TILE_N ? N - n0 : TILE_N;
+        dequant_tile(w, scale, n0, nt, K, out + (int64_t)n0 * K, 0);
+    }
+}
+
+/* ---------------------------------------------------------------- float32 skinny linear */
+
+/* y (M, N) = x (M, K) @ w (N, K).T + bias for the few activation rows of a decode step, where
+ * BLAS GEMMs run far below the machine's bandwidth and FMA rate. */
+static void f32_gemv_rows(const float *x, const float *w, const float *bias, float *y, int M,
+                          int N, int K, int n0, int nt) {
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + (int64_t)m * K;
+        for (int r = 0; r < nt; r++) {
+            const float *wr = w + (int64_t)(n0 + r) * K;
+            float s0 = 0.f;
+            int k = 0;
+#ifdef __AVX2__
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (; k + 32 <= K; k += 32) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k), _mm256_loadu_ps(wr + k), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k + 8), _mm256_loadu_ps(wr + k + 8), a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k + 16), _mm256_loadu_ps(wr + k + 16), a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k + 24), _mm256_loadu_ps(wr + k + 24), a3);
+            }
+            s0 = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
+            for (; k < K; k++) s0 += xm[k] * wr[k];
+            y[(int64_t)m * N + n0 + r] = s0 + (bias ? bias[n0 + r] : 0.f);
+        }
+    }
+}
+
+/* Returns 0, or -1 when a thread cannot get its scratch tile. */
+int tern_f32_linear(const float *x, const float *w, const float *bias, float *y, int M, int N,
+                    int K) {
+    if (M < GEMV_MAX_M) {
+        int num_tiles = (N + GEMV_ROWS - 1) / GEMV_ROWS;
+#pragma omp parallel for schedule(static)
+        for (int t = 0; t < num_tiles; t++) {
+            int n0 = t * GEMV_ROWS;
+            f32_gemv_rows(x, w, bias, y, M, N, K, n0, N - n0 < GEMV_ROWS ? N - n0 : GEMV_ROWS);
+        }
+        return 0;
+    }
+    int num_tiles = (N + TILE_N - 1) / TILE_N;
+    int failed = 0;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < num_tiles; t++) {
+        int n0 = t * TILE_N;
+        int nt = N - n0 < TILE_N ? N - n0 : TILE_N;
+        if (nt == TILE_N) {  /* whole tiles read the weight rows in place */
+            tile_matmul(x, w + (int64_t)n0 * K, M, K, n0, nt, N, bias, y);
+            continue;
+        }
+        float *wf = (float *)calloc((size_t)TILE_N * K, sizeof(float));  /* the last, padded */
+        if (wf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        memcpy(wf, w + (int64_t)n0 * K, sizeof(float) * nt * (size_t)K);
+        tile_matmul(x, wf, M, K, n0, nt, N, bias, y);
         free(wf);
     }
     return failed ? -1 : 0;

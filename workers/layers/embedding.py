@@ -2,7 +2,8 @@
 
 Each rank holds a contiguous slice of ceil(vocab / tp_size) rows (the last slice zero-padded). The
 embedding looks up the ids it owns and all-reduces; the LM head computes its slice of the logits
-and all-gathers them, trimming the padding.
+and all-gathers them, trimming the padding. With `quant="int8"` the rows are stored int8 with one
+scale each (quantization.py), quantized as they are loaded; a tied LM head shares them.
 """
 
 from __future__ import annotations
@@ -12,20 +13,35 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.distributed import ParallelContext
-from workers.layers.linear import copy_checked
+from workers.layers import quantization
+from workers.layers.linear import copy_checked, dense_linear
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, ctx: ParallelContext) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        ctx: ParallelContext,
+        quant: str | None = None,
+    ) -> None:
         super().__init__()
+        quantization.check_quantization(quant)
         self.ctx = ctx
+        self.quant = quant
+        self.dtype = torch.get_default_dtype()  # of the model: int8 rows are dequantized to it
         self.num_embeddings = num_embeddings
         self.num_per_partition = -(-num_embeddings // ctx.tp_size)
         self.vocab_start = ctx.tp_rank * self.num_per_partition
         self.vocab_end = min(self.vocab_start + self.num_per_partition, num_embeddings)
-        self.weight = nn.Parameter(
-            torch.empty(self.num_per_partition, embedding_dim), requires_grad=False
-        )
+        if quant is None:
+            self.weight = nn.Parameter(
+                torch.empty(self.num_per_partition, embedding_dim), requires_grad=False
+            )
+        else:
+            self.weight = quantization.new_packed_weight(self.num_per_partition, embedding_dim)
+        self._int8 = quantization.PackedInt8(self.num_per_partition)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(
@@ -39,31 +55,56 @@ class VocabParallelEmbedding(nn.Module):
                 f"weight shape mismatch: expected {expected}, got {tuple(loaded_weight.shape)}"
             )
         size = self.vocab_end - self.vocab_start
-        param.data[size:].zero_()
-        copy_checked(param.data[:size], loaded_weight.narrow(0, self.vocab_start, size))
+        rows = loaded_weight.narrow(0, self.vocab_start, size)
+        if self.quant is None:
+            param.data[size:].zero_()
+            copy_checked(param.data[:size], rows)
+            return
+        if not isinstance(rows, torch.Tensor):  # a lazy checkpoint slice: read it now
+            rows = rows.materialize()
+        padding = torch.zeros(self.num_per_partition - size, rows.size(1))
+        quantization.store_rows(param.data, self.num_per_partition, 0, torch.cat((rows, padding)))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return F.embedding(ids, self.weight)
+        weight, scale = self._int8.views(self.weight)
+        return (F.embedding(ids, weight).float() * scale[ids].unsqueeze(-1)).to(self.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, D)
         if self.ctx.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         is_local = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(is_local, input_ids - self.vocab_start, 0)
-        y = F.embedding(local_ids, self.weight) * is_local.unsqueeze(-1).to(self.weight.dtype)
+        y = self._lookup(local_ids) * is_local.unsqueeze(-1).to(self.dtype)
         return self.ctx.all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> logits over the whole vocabulary. May share its weight with the embedding."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, ctx: ParallelContext) -> None:
-        super().__init__(num_embeddings, embedding_dim, ctx=ctx)
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        ctx: ParallelContext,
+        quant: str | None = None,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, ctx=ctx, quant=quant)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tie_word_embeddings): the checkpoint has no lm_head."""
-        assert embedding.weight.shape == self.weight.shape
+        assert embedding.weight.shape == self.weight.shape and embedding.quant == self.quant
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, vocab)
-        logits = F.linear(hidden_states, self.weight)
+        if self.quant is None:
+            logits = dense_linear(hidden_states, self.weight, None)
+        else:
+            weight, scale = self._int8.views(self.weight)
+            backend = quantization.int8_backend(hidden_states.device)
+            logits = quantization.int8_matmul(hidden_states, weight, scale, None, backend)
         if self.ctx.tp_size > 1:
             logits = self.ctx.all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]

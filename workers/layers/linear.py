@@ -6,6 +6,9 @@ parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, which ta
 Hugging Face tensor and copies in this rank's slice, so loading is one loop over checkpoint tensors.
 `loaded_weight` may also be a lazy checkpoint slice (weight_loader.LazyWeight): loaders only call
 `shape`, `size` and `narrow` on it before `copy_checked`, so a rank reads only its shard from disk.
+With `quant="int8"` a layer's weight is stored int8 with per-row scales (quantization.py): the
+loaders are the same, and `_store` quantizes the rows this rank keeps as they arrive.
+Float32 products of a few rows (decode steps) on the CPU go to tern's kernel (`dense_linear`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.distributed import ParallelContext, divide, shard_heads
+from workers.layers import native, quantization
+
+# Measured on a 2-core AVX2 EPYC (scripts/bench_quant.py --kernels): below 64 rows tern's float32
+# kernel beats BLAS (about 2x at 8 rows, 1.5x at 32); from 64 rows BLAS is as fast or faster.
+NATIVE_F32_MAX_ROWS = 63
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias); few-row float32 products on the CPU use tern's kernel."""
+    if (
+        x.dim() == 2
+        and x.size(0) <= NATIVE_F32_MAX_ROWS
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        and native.load() is not None
+    ):
+        return native.f32_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -47,16 +72,24 @@ class LinearBase(nn.Module):
         bias: bool,
         tp_dim: int | None,
         ctx: ParallelContext,
+        quant: str | None = None,
     ) -> None:
         super().__init__()
+        quantization.check_quantization(quant)
         self.ctx = ctx
         self.tp_dim = tp_dim
+        self.input_size, self.output_size = input_size, output_size  # this rank's
+        self.quant = quant
         # This rank's slice [shard_start, shard_start + local size) of the full tp_dim; subclasses
         # with uneven shards overwrite it.
         local = output_size if tp_dim == 0 else input_size
         self.shard_start = ctx.tp_rank * local
         self.full_size = local * ctx.tp_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        if quant is None:
+            self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        else:
+            self.weight = quantization.new_packed_weight(output_size, input_size)
+            self._int8 = quantization.PackedInt8(output_size)
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
@@ -69,9 +102,34 @@ class LinearBase(nn.Module):
     ) -> None:
         raise NotImplementedError
 
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W.T + bias with this rank's weight."""
+        if self.quant is None:
+            return dense_linear(x, self.weight, bias)
+        weight, scale = self._int8.views(self.weight)
+        backend = quantization.int8_backend(x.device)
+        return quantization.int8_matmul(x, weight, scale, bias, backend)
+
+    def _store(
+        self, param: nn.Parameter, src: torch.Tensor, offset: int = 0, size: int | None = None
+    ) -> None:
+        """Copy checkpoint rows `src` into rows [offset, offset + size) of `param` (the whole
+        parameter when size is None), quantizing them when the weight is quantized."""
+        if self.quant is None or param is not self.weight:
+            copy_checked(param.data if size is None else param.data.narrow(0, offset, size), src)
+            return
+        size = self.output_size if size is None else size
+        if not isinstance(src, torch.Tensor):  # a lazy checkpoint slice: read it now
+            src = src.materialize()
+        if tuple(src.shape) != (size, self.input_size):
+            raise ValueError(
+                f"weight shape mismatch: expected {(size, self.input_size)}, got {tuple(src.shape)}"
+            )
+        quantization.store_rows(param.data, self.output_size, offset, src)
+
     def _narrow_shard(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full checkpoint tensor along the sharded dimension."""
-        size = param.data.size(self.tp_dim)
+        size = self.output_size if self.tp_dim == 0 else self.input_size
         if loaded_weight.size(self.tp_dim) != self.full_size:
             raise ValueError(
                 f"weight shape mismatch: {tuple(loaded_weight.shape)} does not shard into "
@@ -82,36 +140,50 @@ class LinearBase(nn.Module):
 
 class ReplicatedLinear(LinearBase):
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, *, ctx: ParallelContext
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        *,
+        ctx: ParallelContext,
+        quant: str | None = None,
     ) -> None:
-        super().__init__(input_size, output_size, bias, None, ctx)
+        super().__init__(input_size, output_size, bias, None, ctx, quant)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
-        default_weight_loader(param, loaded_weight, shard_id)
+        if shard_id is not None:
+            raise ValueError(f"unexpected shard {shard_id!r} for an unsharded parameter")
+        self._store(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; forward returns this rank's slice of the output."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, *, ctx: ParallelContext
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        *,
+        ctx: ParallelContext,
+        quant: str | None = None,
     ) -> None:
-        super().__init__(input_size, divide(output_size, ctx.tp_size), bias, 0, ctx)
+        super().__init__(input_size, divide(output_size, ctx.tp_size), bias, 0, ctx, quant)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
         if shard_id is not None:
             raise ValueError(f"unexpected shard {shard_id!r} for {type(self).__name__}")
-        copy_checked(param.data, self._narrow_shard(param, loaded_weight))
+        self._store(param, self._narrow_shard(param, loaded_weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -122,10 +194,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(
-        self, input_size: int, output_sizes: list[int], bias: bool = False, *, ctx: ParallelContext
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        *,
+        ctx: ParallelContext,
+        quant: str | None = None,
     ) -> None:
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, ctx=ctx)
+        super().__init__(input_size, sum(output_sizes), bias, ctx=ctx, quant=quant)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
@@ -137,13 +215,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp = self.ctx.tp_size
         offset = sum(self.output_sizes[:shard_id]) // tp
         size = self.output_sizes[shard_id] // tp
-        dst = param.data.narrow(0, offset, size)
         if loaded_weight.size(0) != size * tp:
             raise ValueError(
                 f"weight shape mismatch: shard {shard_id} has {loaded_weight.size(0)} rows, "
                 f"expected {size * tp}"
             )
-        copy_checked(dst, loaded_weight.narrow(0, self.ctx.tp_rank * size, size))
+        self._store(param, loaded_weight.narrow(0, self.ctx.tp_rank * size, size), offset, size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -162,6 +239,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         *,
         ctx: ParallelContext,
+        quant: str | None = None,
     ) -> None:
         shard = shard_heads(total_num_heads, total_num_kv_heads, ctx.tp_size, ctx.tp_rank)
         self.head_dim = head_dim
@@ -172,7 +250,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         # NOTE: skips ColumnParallelLinear's even split: this rank's rows are q + k + v of its heads.
-        LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias, 0, ctx)
+        LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias, 0, ctx, quant)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
@@ -188,7 +266,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(
                 f"weight shape mismatch: {shard_id} projection has {loaded_weight.size(0)} rows"
             )
-        copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, start, size))
+        self._store(param, loaded_weight.narrow(0, start, size), offset, size)
 
 
 class RowParallelLinear(LinearBase):
@@ -206,13 +284,14 @@ class RowParallelLinear(LinearBase):
         *,
         ctx: ParallelContext,
         input_shard: tuple[int, int] | None = None,
+        quant: str | None = None,
     ) -> None:
         if input_shard is None:
             input_shard = (ctx.tp_rank * divide(input_size, ctx.tp_size), input_size // ctx.tp_size)
         start, size = input_shard
         if not (0 <= start and size > 0 and start + size <= input_size):
             raise ValueError(f"input shard {input_shard} outside {input_size} input features")
-        super().__init__(size, output_size, bias, 1, ctx)
+        super().__init__(size, output_size, bias, 1, ctx, quant)
         self.shard_start, self.full_size = start, input_size
 
     def weight_loader(
@@ -220,12 +299,12 @@ class RowParallelLinear(LinearBase):
     ) -> None:
         if shard_id is not None:
             raise ValueError(f"unexpected shard {shard_id!r} for {type(self).__name__}")
-        if param.dim() == 1:  # the bias is not sharded: rank 0 adds it once
+        if param is self.bias:  # the bias is not sharded: rank 0 adds it once
             copy_checked(param.data, loaded_weight)
         else:
-            copy_checked(param.data, self._narrow_shard(param, loaded_weight))
+            self._store(param, self._narrow_shard(param, loaded_weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.ctx.tp_rank == 0 else None
-        y = F.linear(x, self.weight, bias)
+        y = self._linear(x, bias)
         return self.ctx.all_reduce(y)

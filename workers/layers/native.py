@@ -6,8 +6,9 @@ against the OpenMP runtime torch already loaded, so the kernels follow torch.set
 When no compiler is available or the build fails, `load()` returns None (logged once) and callers
 use their pure-torch paths: the kernels are a speed-up, never a requirement.
 
-`paged_decode_attention` and `int8_linear` wrap the C entry points: they check dtypes, devices and
-contiguity and raise ValueError on misuse rather than pass bad pointers.
+`paged_decode_attention`, `f32_linear`, `int8_linear` and `int8_dequantize` wrap the C entry
+points: they check dtypes, devices and contiguity and raise ValueError on misuse rather than pass
+bad pointers.
 """
 
 from __future__ import annotations
@@ -68,12 +69,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]  # fmt: skip
     lib.tern_int8_linear.restype = _i32
     lib.tern_int8_linear.argtypes = [_vp, _vp, _vp, _vp, _vp, _i32, _i32, _i32]
+    lib.tern_f32_linear.restype = _i32
+    lib.tern_f32_linear.argtypes = [_vp, _vp, _vp, _vp, _i32, _i32, _i32]
+    lib.tern_int8_dequantize.restype = None
+    lib.tern_int8_dequantize.argtypes = [_vp, _vp, _vp, _i32, _i32]
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernels' library, built on first use; None where it cannot be built or loaded."""
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    compiler = shutil.which("gcc") or shutil.which("cc")
     if compiler is None or platform.system() != "Linux":
         logger.warning("no C compiler found: tern's CPU kernels are off (pure-torch fallbacks)")
         return None
@@ -152,7 +157,11 @@ def supports_decode(num_heads: int, num_kv_heads: int, head_dim: int, block_size
     """Whether the decode kernel's fixed buffers fit these shapes (see cpu_kernels.c)."""
     group = num_heads // num_kv_heads
     return (
-        group * num_kv_heads == num_heads and group <= 16 and head_dim <= 256 and block_size <= 256
+        group * num_kv_heads == num_heads
+        and group <= 16
+        and head_dim <= 256
+        and block_size <= 256
+        and num_heads * head_dim <= 32768
     )
 
 
@@ -177,4 +186,38 @@ def int8_linear(
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("int8 linear: no memory for a scratch tile")
+    return y
+
+
+def int8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """weight (N, K) int8, scale (N,) float32 -> weight * scale[:, None], (N, K) float32."""
+    lib = load()
+    assert lib is not None, "the CPU kernels are not available"
+    _check(weight, torch.int8, "weight")
+    _check(scale, torch.float32, "scale")
+    n, k = weight.shape
+    if scale.numel() != n:
+        raise ValueError(f"int8 dequantize: {scale.numel()} scales for {n} rows")
+    out = torch.empty(n, k, dtype=torch.float32)
+    lib.tern_int8_dequantize(_ptr(weight), _ptr(scale), _ptr(out), n, k)
+    return out
+
+
+def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (M, K) @ weight (N, K).T + bias, all float32: the few-row GEMM of decode steps."""
+    lib = load()
+    assert lib is not None, "the CPU kernels are not available"
+    _check(x, torch.float32, "x")
+    _check(weight, torch.float32, "weight")
+    if bias is not None:
+        _check(bias, torch.float32, "bias")
+    (m, k), (n, k_w) = x.shape, weight.shape
+    if k != k_w or (bias is not None and bias.numel() != n):
+        raise ValueError(f"f32 linear: x {tuple(x.shape)} does not fit weight {(n, k_w)}")
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.tern_f32_linear(
+        _ptr(x), _ptr(weight), _ptr(bias) if bias is not None else None, _ptr(y), m, n, k
+    )
+    if rc != 0:
+        raise MemoryError("f32 linear: no memory for a scratch tile")
     return y

@@ -39,6 +39,7 @@ class LlamaAttention(nn.Module):
             args.num_key_value_heads,
             bias=qkv_bias,
             ctx=ctx,
+            quant=args.quantization,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
@@ -49,6 +50,7 @@ class LlamaAttention(nn.Module):
             bias=o_bias,
             ctx=ctx,
             input_shard=(self.qkv_proj.head_start * head_dim, self.num_heads * head_dim),
+            quant=args.quantization,
         )
         self.rotary_emb = RotaryEmbedding(head_dim, args.max_position_embeddings, args.rope)
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5)
@@ -75,8 +77,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, args: ModelArgs, ctx: ParallelContext) -> None:
         super().__init__()
         inter = args.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(args.hidden_size, [inter, inter], ctx=ctx)
-        self.down_proj = RowParallelLinear(inter, args.hidden_size, ctx=ctx)
+        quant = args.quantization
+        self.gate_up_proj = MergedColumnParallelLinear(
+            args.hidden_size, [inter, inter], ctx=ctx, quant=quant
+        )
+        self.down_proj = RowParallelLinear(inter, args.hidden_size, ctx=ctx, quant=quant)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +127,9 @@ class LlamaModel(nn.Module):
         self.ctx = ctx
         self.stage_layers = stage_layers(args.num_hidden_layers, ctx.pp_size, ctx.pp_rank)
         self.embed_tokens = (
-            VocabParallelEmbedding(args.vocab_size, args.hidden_size, ctx=ctx)
+            VocabParallelEmbedding(
+                args.vocab_size, args.hidden_size, ctx=ctx, quant=args.quantization
+            )
             if ctx.is_first_stage
             else None
         )
@@ -177,7 +184,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(args, ctx, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
         self.lm_head = None
         if ctx.is_last_stage:
-            self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, ctx=ctx)
+            self.lm_head = ParallelLMHead(
+                args.vocab_size, args.hidden_size, ctx=ctx, quant=args.quantization
+            )
             if args.tie_word_embeddings and self.model.embed_tokens is not None:
                 self.lm_head.tie_to(self.model.embed_tokens)
 

@@ -43,6 +43,8 @@ class ModelArgs:
     mlp_bias: bool = False
     use_sliding_window: bool = False
     checkpoint_dtype: str | None = None  # "dtype" / "torch_dtype" of config.json
+    # Not from config.json: the serving option --quantization, set by the model runner.
+    quantization: str | None = None
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelArgs:

@@ -1,0 +1,133 @@
+"""Paged attention: the native decode kernel and the padded SDPA path against a per-sequence reference.
+
+The reference attends each sequence's queries over its context read back from the cache through its
+block table, one plain `scaled_dot_product_attention` call per sequence. Batches mix prefill chunks
+and decodes, block tables are scattered, and the KV cache is float32 or bfloat16.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.layers import native
+from workers.layers.attention import Attention, build_attention_metadata
+
+HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
+needs_kernels = pytest.mark.skipif(native.load() is None, reason="no C compiler")
+
+
+def _batch(
+    query_lens: list[int], start_pos: list[int], block_size: int, num_blocks: int, seed: int
+) -> tuple[list[list[int]], torch.Tensor]:
+    """Scattered block tables for the sequences, and a cache filled with random K/V."""
+    rng = random.Random(seed)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = []
+    for q, s in zip(query_lens, start_pos):
+        tables.append([free.pop() for _ in range(-(-(s + q) // block_size))])
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(2, num_blocks, block_size, KV_HEADS, HEAD_DIM, generator=g)
+    return tables, cache
+
+
+def _reference(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    tables: list[list[int]],
+    query_lens: list[int],
+    start_pos: list[int],
+    block_size: int,
+) -> torch.Tensor:
+    out, offset = [], 0
+    for table, n, start in zip(tables, query_lens, start_pos):
+        ctx = start + n
+        slots = torch.tensor(
+            [table[p // block_size] * block_size + p % block_size for p in range(ctx)]
+        )
+        k = cache[0].flatten(0, 1)[slots].float().transpose(0, 1)  # (Hkv, ctx, D)
+        v = cache[1].flatten(0, 1)[slots].float().transpose(0, 1)
+        mask = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]  # (n, ctx)
+        qs = q[offset : offset + n].float().transpose(0, 1)  # (H, n, D)
+        o = F.scaled_dot_product_attention(
+            qs, k, v, attn_mask=mask, scale=HEAD_DIM**-0.5, enable_gqa=True
+        )
+        out.append(o.transpose(0, 1))
+        offset += n
+    return torch.cat(out)
+
+
+def _run(
+    query_lens: list[int],
+    start_pos: list[int],
+    *,
+    block_size: int = 4,
+    dtype: torch.dtype = torch.float32,
+    use_kernel: bool,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Attention's output, the reference) for one step; the step's own K/V go in first."""
+    num_blocks = sum(-(-(s + q) // block_size) for s, q in zip(start_pos, query_lens)) + 3
+    tables, cache = _batch(query_lens, start_pos, block_size, num_blocks, seed)
+    cache = cache.to(dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=g).to(dtype)
+    k = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    v = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    attn = Attention(HEADS, HEAD_DIM, KV_HEADS, HEAD_DIM**-0.5)
+    attn.has_decode_kernel = use_kernel
+    attn.kv_cache = cache
+    meta = build_attention_metadata(start_pos, query_lens, tables, block_size, torch.device("cpu"))
+    out = attn(q, k, v, meta)
+    return out.float(), _reference(q, cache, tables, query_lens, start_pos, block_size)
+
+
+@pytest.mark.parametrize("use_kernel", [pytest.param(True, marks=needs_kernels), False])
+@pytest.mark.parametrize(
+    "query_lens,start_pos",
+    [
+        ([1], [0]),  # a one-token prompt
+        ([1], [37]),  # one decode: the kernel splits it by KV head
+        ([1] * 9, [0, 3, 4, 5, 16, 17, 30, 63, 100]),  # decodes only: one item per sequence
+        ([5, 1, 12, 1, 1], [0, 9, 3, 0, 22]),  # prefill chunks and decodes mixed
+    ],
+)
+def test_matches_per_sequence_reference(
+    query_lens: list[int], start_pos: list[int], use_kernel: bool
+) -> None:
+    out, ref = _run(query_lens, start_pos, use_kernel=use_kernel)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_kernel_with_bf16_cache_and_other_block_sizes(block_size: int) -> None:
+    query_lens, start_pos = [1, 1, 3, 1], [40, 0, 5, 17]
+    out, ref = _run(
+        query_lens, start_pos, block_size=block_size, dtype=torch.bfloat16, use_kernel=True
+    )
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)  # bf16 output rounding
+    fallback, _ = _run(
+        query_lens, start_pos, block_size=block_size, dtype=torch.bfloat16, use_kernel=False
+    )
+    torch.testing.assert_close(out, fallback, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernels
+def test_kernel_validates_its_inputs() -> None:
+    q = torch.randn(2, HEADS, HEAD_DIM)
+    cache = torch.zeros(4, 4, KV_HEADS, HEAD_DIM)
+    tables = torch.zeros(2, 1, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="int32"):
+        native.paged_decode_attention(q, cache, cache, tables.long(), lens, 1.0)
+    with pytest.raises(ValueError, match="do not agree"):
+        native.paged_decode_attention(q, cache, cache, tables[:1], lens, 1.0)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        native.paged_decode_attention(q, cache.half(), cache.half(), tables, lens, 1.0)
+    assert not native.supports_decode(HEADS, KV_HEADS, 512, 4)  # head_dim beyond the kernel

@@ -1,0 +1,40 @@
+"""tern's float32 few-row linear kernel (decode steps) against F.linear, and when it is used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.layers import linear, native
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 32, 63])
+@pytest.mark.parametrize("out_features,in_features", [(13, 20), (96, 64), (61, 33)])
+def test_matches_f_linear(rows: int, out_features: int, in_features: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g)
+    torch.testing.assert_close(native.f32_linear(x, w, b), F.linear(x, w, b))
+    torch.testing.assert_close(native.f32_linear(x, w, None), F.linear(x, w))
+
+
+def test_dense_linear_routes_only_what_the_kernel_handles(monkeypatch) -> None:
+    calls = []
+    real = native.f32_linear
+    monkeypatch.setattr(native, "f32_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    w = torch.randn(8, 16)
+    for x in (
+        torch.randn(3, 16),  # kernel
+        torch.randn(64, 16),  # BLAS: many rows
+        torch.randn(3, 16).bfloat16(),  # BLAS: not float32
+        torch.randn(16, 3).t(),  # BLAS: not contiguous
+    ):
+        y = linear.dense_linear(x, w.to(x.dtype), None)
+        torch.testing.assert_close(y, F.linear(x, w.to(x.dtype)), atol=1e-2, rtol=1e-2)
+    assert calls == [torch.Size([3, 16])]
+    with pytest.raises(ValueError, match="does not fit"):
+        native.f32_linear(torch.randn(2, 5), w, None)
