@@ -238,7 +238,7 @@ class Attention(nn.Module):
     def _use_decode_kernel(self, k_cache: torch.Tensor) -> bool:
         return (
             self.has_decode_kernel
-            and k_cache.device.type == "cpu"
+            and k_cache.is_cpu
             and k_cache.dtype in (torch.float32, torch.bfloat16)
             and native.supports_decode(
                 self.num_heads, self.num_kv_heads, self.head_dim, k_cache.size(1)

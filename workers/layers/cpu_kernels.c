@@ -506,3 +506,74 @@ int tern_f32_linear(const float *x, const float *w, const float *bias, float *y,
     }
     return failed ? -1 : 0;
 }
+
+/* ---------------------------------------------------------------- decode-step elementwise ops
+ * The per-layer glue of a decode step (RMSNorm with its residual add, rotary embedding, SiLU gate)
+ * is a handful of microsecond-scale torch ops each; at one token per sequence their dispatch, not
+ * their arithmetic, is the cost. Each is one call here, computed in the order Hugging Face's
+ * float32 modules compute it (products and sums rounded separately: no contraction into FMAs). */
+
+static float sum_of_squares(const float *r, int D) {
+    int i = 0;
+    float total = 0.f;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= D; i += 8) {
+        __m256 v = _mm256_loadu_ps(r + i);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    total = hsum(acc);
+#endif
+    for (; i < D; i++) total += r[i] * r[i];
+    return total;
+}
+
+/* x (T, D) [+ res (T, D), the sum also written to res_out] -> out = w * (r / sqrt(mean(r^2) + eps)) */
+void tern_rms_norm(const float *x, const float *res, float *res_out, const float *w, float *out,
+                   int T, int D, float eps) {
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + (int64_t)t * D;
+        float *r = (float *)xt;
+        if (res != NULL) {
+            r = res_out + (int64_t)t * D;
+            const float *rt = res + (int64_t)t * D;
+            for (int i = 0; i < D; i++) r[i] = xt[i] + rt[i];
+        }
+        float inv = 1.0f / sqrtf(sum_of_squares(r, D) / (float)D + eps);
+        float *o = out + (int64_t)t * D;
+        for (int i = 0; i < D; i++) o[i] = w[i] * (r[i] * inv);
+    }
+}
+
+/* In place, neox style: for each head, (a, b) halves -> (a cos - b sin, b cos + a sin), with the
+ * cos/sin rows (D/2,) of each token's position. q (T, H, D) and k (T, Hkv, D) have token strides
+ * q_stride and k_stride (floats) and contiguous heads. */
+void tern_rotary_neox(float *q, int64_t q_stride, float *k, int64_t k_stride,
+                      const int64_t *positions, const float *cos_cache, const float *sin_cache,
+                      int T, int H, int Hkv, int D) {
+    int half = D / 2;
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int t = 0; t < T; t++) {
+        const float *c = cos_cache + positions[t] * half, *s = sin_cache + positions[t] * half;
+        for (int h = 0; h < H + Hkv; h++) {
+            float *x = h < H ? q + t * q_stride + (int64_t)h * D : k + t * k_stride + (int64_t)(h - H) * D;
+            for (int i = 0; i < half; i++) {
+                float a = x[i], b = x[i + half];
+                float ac = a * c[i], bs = b * s[i], bc = b * c[i], as = a * s[i];
+                x[i] = ac - bs;
+                x[i + half] = bc + as;
+            }
+        }
+    }
+}
+
+/* x (T, 2I) = [gate | up] -> out (T, I) = silu(gate) * up, silu(g) = g / (1 + exp(-g)). */
+void tern_silu_and_mul(const float *x, float *out, int T, int I) {
+#pragma omp parallel for schedule(static) if (T * I >= 65536)
+    for (int t = 0; t < T; t++) {
+        const float *g = x + (int64_t)t * 2 * I, *u = g + I;
+        float *o = out + (int64_t)t * I;
+        for (int i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}

@@ -103,7 +103,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = dense_linear(hidden_states, self.weight, None)
         else:
             weight, scale = self._int8.views(self.weight)
-            backend = quantization.int8_backend(hidden_states.device)
+            backend = quantization.int8_backend(hidden_states)
             logits = quantization.int8_matmul(hidden_states, weight, scale, None, backend)
         if self.ctx.tp_size > 1:
             logits = self.ctx.all_gather(logits, dim=-1)

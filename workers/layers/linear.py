@@ -32,7 +32,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         and x.size(0) <= NATIVE_F32_MAX_ROWS
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
-        and x.device.type == "cpu"
+        and x.is_cpu
         and x.is_contiguous()
         and weight.is_contiguous()
         and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
@@ -107,7 +107,7 @@ class LinearBase(nn.Module):
         if self.quant is None:
             return dense_linear(x, self.weight, bias)
         weight, scale = self._int8.views(self.weight)
-        backend = quantization.int8_backend(x.device)
+        backend = quantization.int8_backend(x)
         return quantization.int8_matmul(x, weight, scale, bias, backend)
 
     def _store(

@@ -72,6 +72,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tern_f32_linear.restype = _i32
     lib.tern_f32_linear.argtypes = [_vp, _vp, _vp, _vp, _i32, _i32, _i32]
     lib.tern_int8_dequantize.restype = None
+    lib.tern_rms_norm.restype = None
+    lib.tern_rms_norm.argtypes = [_vp, _vp, _vp, _vp, _vp, _i32, _i32, _f32]
+    lib.tern_rotary_neox.restype = None
+    lib.tern_rotary_neox.argtypes = [_vp, _i64, _vp, _i64, _vp, _vp, _vp, _i32, _i32, _i32, _i32]
+    lib.tern_silu_and_mul.restype = None
+    lib.tern_silu_and_mul.argtypes = [_vp, _vp, _i32, _i32]
     lib.tern_int8_dequantize.argtypes = [_vp, _vp, _vp, _i32, _i32]
 
 
@@ -102,12 +108,20 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
+def usable(*tensors: torch.Tensor | None) -> bool:
+    """Whether the kernels are built and these (optional) tensors are float32 on the CPU."""
+    return load() is not None and all(
+        t is None or (t.dtype == torch.float32 and t.is_cpu) for t in tensors
+    )
+
+
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
 def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
-    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+    # NOTE: is_cpu, not device.type: this runs several times per layer and device.type costs ~1 us.
+    if t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
         raise ValueError(
             f"{name} must be a contiguous CPU {dtype} tensor, got {t.dtype} {t.device}"
         )
@@ -221,3 +235,74 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     if rc != 0:
         raise MemoryError("f32 linear: no memory for a scratch tile")
     return y
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x (T, D) float32 -> (weight * rmsnorm(x + residual), x + residual or None)."""
+    lib = load()
+    assert lib is not None, "the CPU kernels are not available"
+    _check(x, torch.float32, "x")
+    _check(weight, torch.float32, "weight")
+    t, d = x.shape
+    if weight.numel() != d:
+        raise ValueError(f"rms norm: weight of {weight.numel()} for rows of {d}")
+    out = torch.empty_like(x)
+    res_out = None
+    if residual is not None:
+        _check(residual, torch.float32, "residual")
+        if residual.shape != x.shape:
+            raise ValueError(f"rms norm: residual {tuple(residual.shape)} is not {(t, d)}")
+        res_out = torch.empty_like(x)
+    lib.tern_rms_norm(
+        _ptr(x), _ptr(residual) if residual is not None else None,
+        _ptr(res_out) if res_out is not None else None, _ptr(weight), _ptr(out), t, d, eps,
+    )  # fmt: skip
+    return out, res_out
+
+
+def _check_heads(x: torch.Tensor, name: str) -> None:
+    if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 3:
+        raise ValueError(f"{name} must be a (T, heads, D) CPU float32 tensor")
+    if x.stride(2) != 1 or x.stride(1) != x.size(2):
+        raise ValueError(f"{name} needs contiguous heads")
+
+
+def rotary_neox_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> None:
+    """Rotate q (T, H, D) and k (T, Hkv, D) in place by positions (T,) int64, neox style."""
+    lib = load()
+    assert lib is not None, "the CPU kernels are not available"
+    _check_heads(q, "q")
+    _check_heads(k, "k")
+    _check(positions, torch.int64, "positions")
+    _check(cos_cache, torch.float32, "cos_cache")
+    _check(sin_cache, torch.float32, "sin_cache")
+    t, h, d = q.shape
+    if k.size(0) != t or k.size(2) != d or positions.numel() != t or cos_cache.size(1) * 2 != d:
+        raise ValueError("rotary: q, k, positions and the cos/sin tables do not agree")
+    if t and int(positions.max()) >= cos_cache.size(0):
+        raise ValueError("rotary: a position is past the cos/sin table")
+    lib.tern_rotary_neox(
+        _ptr(q), q.stride(0), _ptr(k), k.stride(0), _ptr(positions), _ptr(cos_cache),
+        _ptr(sin_cache), t, h, k.size(1), d,
+    )  # fmt: skip
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (T, 2I) float32 = [gate | up] -> silu(gate) * up, (T, I)."""
+    lib = load()
+    assert lib is not None, "the CPU kernels are not available"
+    _check(x, torch.float32, "x")
+    t, two_i = x.shape
+    if two_i % 2:
+        raise ValueError(f"silu_and_mul needs an even width, got {two_i}")
+    out = torch.empty(t, two_i // 2, dtype=torch.float32)
+    lib.tern_silu_and_mul(_ptr(x), _ptr(out), t, two_i // 2)
+    return out

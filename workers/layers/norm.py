@@ -1,7 +1,8 @@
 """RMSNorm as Hugging Face Llama computes it, with the residual add optionally fused in.
 
 The normalisation runs in float32 and the result is cast back before the weight multiply, exactly as
-`LlamaRMSNorm`, so fp32 runs match Hugging Face and bf16 runs round the same way.
+`LlamaRMSNorm`, so fp32 runs match Hugging Face and bf16 runs round the same way. Float32 rows on the CPU go to
+tern's kernel (one call for the add and the norm, same order of operations).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from workers.layers import native
 from workers.layers.linear import default_weight_loader
 
 
@@ -29,7 +31,14 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        if native.usable(x, residual) and x.dim() == 2 and _contiguous(x, residual):
+            out, summed = native.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, summed)
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+def _contiguous(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or t.is_contiguous() for t in tensors)

@@ -92,9 +92,9 @@ def _cpu_has_avx512() -> bool:
         return False
 
 
-def int8_backend(device: torch.device) -> str:
-    """ "native", "torch" (aten._weight_int8pack_mm) or "dequant" for small batches on `device`."""
-    if device.type != "cpu":
+def int8_backend(x: torch.Tensor) -> str:
+    """ "native", "torch" (aten._weight_int8pack_mm) or "dequant" for small batches of x's device."""
+    if not x.is_cpu:
         return "dequant"
     if native.load() is not None:
         return "native"

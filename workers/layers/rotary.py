@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.layers import native
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -85,11 +87,19 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q (T, H, D) and k (T, Hkv, D) by their tokens' positions (T,)."""
+        if native.usable(q, k) and _heads_contiguous(q) and _heads_contiguous(k):
+            # NOTE: in place: q and k are this layer's fresh projections (views of its qkv output).
+            native.rotary_neox_(q, k, positions, self.cos_cache, self.sin_cache)
+            return q, k
         cos = self.cos_cache[positions].unsqueeze(1)  # (T, 1, D/2)
         sin = self.sin_cache[positions].unsqueeze(1)
         cos = torch.cat((cos, cos), dim=-1).to(q.dtype)  # (T, 1, D)
         sin = torch.cat((sin, sin), dim=-1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.size(2)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,66 @@
+"""tern's decode-step kernels for RMSNorm (+ residual add), rotary embedding and SiLU-and-mul
+against the torch code paths they replace (the modules with the kernels switched off)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.layers import native
+from workers.layers.activation import SiluAndMul
+from workers.layers.norm import RMSNorm
+from workers.layers.rotary import RopeParams, RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler")
+
+
+@pytest.fixture
+def torch_only(monkeypatch):
+    """Runs a module's pure-torch path: the kernels report themselves unusable."""
+
+    def run(fn):
+        with monkeypatch.context() as m:
+            m.setattr(native, "usable", lambda *tensors: False)
+            return fn()
+
+    return run
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 576), (5, 64), (40, 100), (3, 7)])
+def test_rms_norm_with_and_without_residual(rows: int, dim: int, torch_only) -> None:
+    g = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(dim, eps=1e-5)
+    norm.weight.data = torch.randn(dim, generator=g)
+    x, res = torch.randn(rows, dim, generator=g), torch.randn(rows, dim, generator=g)
+    torch.testing.assert_close(norm(x), torch_only(lambda: norm(x)))
+    out, summed = norm(x, res)
+    ref_out, ref_summed = torch_only(lambda: norm(x, res))
+    assert torch.equal(summed, ref_summed)
+    torch.testing.assert_close(out, ref_out)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 20])
+def test_rotary_in_place_on_views_of_the_qkv_projection(tokens: int, torch_only) -> None:
+    heads, kv_heads, head_dim = 4, 2, 16
+    rope = RotaryEmbedding(head_dim, 64, RopeParams(theta=10000.0))
+    g = torch.Generator().manual_seed(tokens)
+    positions = torch.randint(0, 64, (tokens,), generator=g)
+
+    def qkv_views():
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g.manual_seed(7))
+        q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        return q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+
+    ref_q, ref_k = torch_only(lambda: rope(positions, *qkv_views()))
+    q, k = rope(positions, *qkv_views())
+    torch.testing.assert_close(q, ref_q)
+    torch.testing.assert_close(k, ref_k)
+    with pytest.raises(ValueError, match="past the cos/sin table"):
+        native.rotary_neox_(*qkv_views(), positions + 64, rope.cos_cache, rope.sin_cache)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64, 65])
+def test_silu_and_mul(rows: int, torch_only) -> None:
+    x = torch.randn(rows, 2 * 48, generator=torch.Generator().manual_seed(rows)) * 4
+    act = SiluAndMul()
+    torch.testing.assert_close(act(x), torch_only(lambda: act(x)))
