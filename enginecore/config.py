@@ -84,6 +84,9 @@ class ParallelConfig:
     # host:port of torch.distributed's TCP store. None on one node: the executor picks a free port
     # on 127.0.0.1 and fills it in; with several nodes it must be given (node 0's address).
     dist_init_addr: str | None = None
+    # CPU TP groups on one host all-reduce through shared memory (workers/shm_collectives.py)
+    # rather than gloo; TERN_SHM_COLLECTIVES=0 keeps gloo (to compare).
+    shm_collectives: bool = os.environ.get("TERN_SHM_COLLECTIVES", "1") != "0"
     nnodes: int = 1
     node_rank: int = 0
 

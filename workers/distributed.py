@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from enginecore.config import ParallelConfig
+from workers.shm_collectives import ShmCommunicator
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class ParallelContext:
     tp_group: Any = None  # a torch.distributed ProcessGroup when tp_size > 1
     pp_rank: int = 0
     pp_size: int = 1
+    # Same-host TP groups on the CPU: a ShmCommunicator for the collectives that fit its slots.
+    tp_shm: Any = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -69,6 +72,8 @@ class ParallelContext:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the tensor-parallel group, in place."""
         if self.tp_size > 1:
+            if self.tp_shm is not None and self.tp_shm.fits(x):
+                return self.tp_shm.all_reduce(x)
             dist.all_reduce(x, group=self.tp_group)
         return x
 
@@ -76,8 +81,11 @@ class ParallelContext:
         """Concatenate every rank's `x` along `dim`, in rank order."""
         if self.tp_size == 1:
             return x
+        x = x.contiguous()
+        if self.tp_shm is not None and self.tp_shm.fits(x):
+            return self.tp_shm.all_gather(x, dim)
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+        dist.all_gather(parts, x, group=self.tp_group)
         return torch.cat(parts, dim=dim)
 
     def send_to_next_stage(self, x: torch.Tensor) -> None:
@@ -199,16 +207,28 @@ def init_distributed(parallel: ParallelConfig, rank: int) -> ParallelContext:
         world_size=parallel.world_size,
         timeout=timeout,
     )
-    tp_group = None
+    tp_group = tp_shm = None
     if tp > 1:
         # NOTE: every rank must create every group, in the same order.
         for stage in range(pp):
             group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), timeout=timeout)
             if stage == rank // tp:
                 tp_group = group
-    logger.info("rank %d of %d joined (%s, tp %d x pp %d)", rank, tp * pp, backend, tp, pp)
+        if backend == "gloo" and parallel.shm_collectives:
+            tp_shm = ShmCommunicator.create(
+                tp_group, rank % tp, tp, src=rank - rank % tp, timeout_s=timeout.total_seconds()
+            )
+    logger.info(
+        "rank %d of %d joined (%s, tp %d x pp %d%s)", rank, tp * pp, backend, tp, pp,
+        ", shared-memory TP collectives" if tp_shm is not None else "",
+    )  # fmt: skip
     return ParallelContext(
-        tp_rank=rank % tp, tp_size=tp, tp_group=tp_group, pp_rank=rank // tp, pp_size=pp
+        tp_rank=rank % tp,
+        tp_size=tp,
+        tp_group=tp_group,
+        pp_rank=rank // tp,
+        pp_size=pp,
+        tp_shm=tp_shm,
     )
 
 

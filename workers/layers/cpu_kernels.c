@@ -3,17 +3,23 @@
  * 1. Paged decode attention: one query token per sequence attends its whole context straight from
  *    the paged KV cache (no gathered, padded copy of K and V), with an online softmax per block.
  * 2. Weight-only int8 linear: y = x @ (w * scale[:, None]).T + bias with int8 weights and one
- *    float32 scale per output row, dequantized a tile at a time into L1.
+ *    float32 scale per output row, dequantized a tile at a time into L1; tern's few-row float32
+ *    linear for decode steps.
+ * 3. The elementwise glue of a decode step: RMSNorm with its residual add, rotary, SiLU-and-mul.
+ * 4. Shared-memory all-reduce and all-gather for the tensor-parallel ranks of one host.
  *
  * Threads: OpenMP, the same runtime torch uses (libgomp.so.1 is resolved to the copy torch has
  * already loaded), so torch.set_num_threads governs these loops too.
  * Activations and outputs are float32; the KV cache is float32 or bfloat16.
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, nanosleep under -std=c11 */
 #include <math.h>
+#include <sched.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
+#include <time.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -576,4 +582,113 @@ void tern_silu_and_mul(const float *x, float *out, int T, int I) {
         float *o = out + (int64_t)t * I;
         for (int i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
+}
+
+/* ---------------------------------------------------------------- shared-memory collectives
+ * All-reduce and all-gather among the tensor-parallel ranks of one host through a shared segment
+ * (workers/shm_collectives.py maps it): gloo's TCP round trip costs about a millisecond per
+ * collective here even for a few kilobytes, and a decode step makes two per layer.
+ *
+ * Segment: SHM_MAX_RANKS flags, one per 64-byte line, then two buffers of `world` slots of
+ * slot_bytes each. Collective number `seq` (1, 2, ... in the same order on every rank) uses buffer
+ * seq % 2: a rank copies its tensor into its slot, publishes flags[rank] = seq (release), waits
+ * until every flag reaches seq (acquire), then reads every slot. A rank can only start collective
+ * seq + 2 (same buffer) after seeing all flags at seq + 1, which each rank publishes only after it
+ * has finished reading buffer seq: two buffers need no second barrier. Sums run in rank order, so
+ * every rank gets bit-identical results. */
+
+
+#define SHM_MAX_RANKS 64
+#define SHM_FLAG_STRIDE 8 /* int64s: one flag per 64-byte cache line */
+#define SHM_HEADER_BYTES (SHM_MAX_RANKS * SHM_FLAG_STRIDE * 8)
+
+int64_t tern_shm_header_bytes(void) { return SHM_HEADER_BYTES; }
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Spin briefly (the peer is usually microseconds away), then yield, then sleep: a waiting rank
+ * must not hold a core the engine or the other ranks need. Returns -1 after timeout_s. */
+static int shm_wait_all(char *seg, int world, int64_t seq, double timeout_s) {
+    volatile int64_t *flags = (volatile int64_t *)seg;
+    double start = 0.0;
+    for (int j = 0; j < world; j++) {
+        int64_t polls = 0;
+        while (__atomic_load_n(&flags[j * SHM_FLAG_STRIDE], __ATOMIC_ACQUIRE) < seq) {
+            polls++;
+            if (polls < 4096) {
+#ifdef __AVX2__
+                _mm_pause();
+#endif
+                continue;
+            }
+            if (start == 0.0) start = now_s();
+            double waited = now_s() - start;
+            if (waited > timeout_s) return -1;
+            if (waited < 1e-3) {
+                sched_yield();
+            } else {
+                struct timespec ts = {0, 20000};
+                nanosleep(&ts, NULL);
+            }
+        }
+    }
+    return 0;
+}
+
+static char *shm_slot(char *seg, int world, int64_t seq, int64_t slot_bytes, int rank) {
+    return seg + SHM_HEADER_BYTES + ((seq & 1) * world + rank) * slot_bytes;
+}
+
+static void shm_publish(char *seg, int rank, int64_t seq) {
+    __atomic_store_n(&((int64_t *)seg)[rank * SHM_FLAG_STRIDE], seq, __ATOMIC_RELEASE);
+}
+
+/* x (n,) float32 (is_bf16 = 0) or bfloat16 (1), summed over the ranks in place. */
+int tern_shm_all_reduce(char *seg, int rank, int world, int64_t seq, int64_t slot_bytes, void *x,
+                        int64_t n, int is_bf16, double timeout_s) {
+    int64_t nbytes = n * (is_bf16 ? 2 : 4);
+    if (world > SHM_MAX_RANKS || nbytes > slot_bytes) return -2;
+    memcpy(shm_slot(seg, world, seq, slot_bytes, rank), x, nbytes);
+    shm_publish(seg, rank, seq);
+    if (shm_wait_all(seg, world, seq, timeout_s) != 0) return -1;
+    if (!is_bf16) {
+        float *out = (float *)x;
+        const float *s0 = (const float *)shm_slot(seg, world, seq, slot_bytes, 0);
+        for (int64_t i = 0; i < n; i++) out[i] = s0[i];
+        for (int j = 1; j < world; j++) {
+            const float *sj = (const float *)shm_slot(seg, world, seq, slot_bytes, j);
+            for (int64_t i = 0; i < n; i++) out[i] += sj[i];
+        }
+        return 0;
+    }
+    uint16_t *out = (uint16_t *)x;
+    for (int64_t i = 0; i < n; i++) {
+        float acc = 0.f;
+        for (int j = 0; j < world; j++)
+            acc += bf16_to_f32(((const uint16_t *)shm_slot(seg, world, seq, slot_bytes, j))[i]);
+        uint32_t u;
+        memcpy(&u, &acc, sizeof u);
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            out[i] = (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+        } else {
+            out[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* round to nearest even */
+        }
+    }
+    return 0;
+}
+
+/* Every rank's nbytes of x, in rank order, into out (world * nbytes). */
+int tern_shm_all_gather(char *seg, int rank, int world, int64_t seq, int64_t slot_bytes,
+                        const void *x, int64_t nbytes, void *out, double timeout_s) {
+    if (world > SHM_MAX_RANKS || nbytes > slot_bytes) return -2;
+    memcpy(shm_slot(seg, world, seq, slot_bytes, rank), x, nbytes);
+    shm_publish(seg, rank, seq);
+    if (shm_wait_all(seg, world, seq, timeout_s) != 0) return -1;
+    for (int j = 0; j < world; j++)
+        memcpy((char *)out + j * nbytes, shm_slot(seg, world, seq, slot_bytes, j), nbytes);
+    return 0;
 }

@@ -77,6 +77,31 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tern_rotary_neox.restype = None
     lib.tern_rotary_neox.argtypes = [_vp, _i64, _vp, _i64, _vp, _vp, _vp, _i32, _i32, _i32, _i32]
     lib.tern_silu_and_mul.restype = None
+    lib.tern_shm_header_bytes.restype = _i64
+    lib.tern_shm_all_reduce.restype = _i32
+    lib.tern_shm_all_reduce.argtypes = [
+        _vp,
+        _i32,
+        _i32,
+        _i64,
+        _i64,
+        _vp,
+        _i64,
+        _i32,
+        ctypes.c_double,
+    ]
+    lib.tern_shm_all_gather.restype = _i32
+    lib.tern_shm_all_gather.argtypes = [
+        _vp,
+        _i32,
+        _i32,
+        _i64,
+        _i64,
+        _vp,
+        _i64,
+        _vp,
+        ctypes.c_double,
+    ]
     lib.tern_silu_and_mul.argtypes = [_vp, _vp, _i32, _i32]
     lib.tern_int8_dequantize.argtypes = [_vp, _vp, _vp, _i32, _i32]
 
