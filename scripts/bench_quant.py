@@ -49,7 +49,7 @@ def make_core(model: Path, dtype: str, quantization: str | None) -> EngineCore:
     config = Config(
         model=ModelConfig(path=str(model), dtype=dtype, quantization=quantization),
         cache=CacheConfig(kv_cache_memory_gib=0.25),
-        scheduler=SchedulerConfig(max_num_seqs=8),
+        scheduler=SchedulerConfig(max_num_seqs=64),
     )
     return EngineCore(config, InProcExecutor(config))
 
@@ -81,15 +81,19 @@ def generate(core: EngineCore, prompts: list[list[int]], n: int) -> list[list[in
 
 @torch.inference_mode()
 def teacher_forced_argmax(core: EngineCore, seq: list[int], start: int) -> list[int]:
-    """The model's argmax after each of seq[start - 1:-1], reading `seq` in one prefill."""
+    """The model's argmax after each of seq[start - 1:-1]: the prompt seq[:start] in one prefill,
+    then one decode step per token of seq[start:] (the kernels a served request runs)."""
     runner = core.executor.runner
     bs = runner.block_size
     table = list(range(-(-len(seq) // bs)))  # nothing else runs: any blocks will do
-    meta = build_attention_metadata([0], [len(seq)], [table], bs, runner.device)
-    hidden = runner.model(torch.tensor(seq, device=runner.device), meta)
-    logits = runner.model.compute_logits(hidden[start - 1 : len(seq) - 1])
-    return logits.argmax(dim=-1).tolist()
-
+    out = []
+    pos, n = 0, start
+    while pos < len(seq):
+        meta = build_attention_metadata([pos], [n], [table], bs, runner.device)
+        hidden = runner.model(torch.tensor(seq[pos : pos + n], device=runner.device), meta)
+        out.append(int(runner.model.compute_logits(hidden[-1:]).argmax(dim=-1)))
+        pos, n = pos + n, 1
+    return out[: len(seq) - start]
 
 def agreement(model: Path, args: argparse.Namespace) -> dict:
     prompts = chat_prompts(model)
