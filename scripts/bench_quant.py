@@ -95,6 +95,7 @@ def teacher_forced_argmax(core: EngineCore, seq: list[int], start: int) -> list[
         pos, n = pos + n, 1
     return out[: len(seq) - start]
 
+
 def agreement(model: Path, args: argparse.Namespace) -> dict:
     prompts = chat_prompts(model)
     ref_core = make_core(model, args.dtype, None)
