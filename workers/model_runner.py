@@ -39,6 +39,8 @@ from enginecore.messages import (
 )
 from workers.distributed import ParallelContext, shard_heads, stage_layers
 from workers.layers.attention import Attention, build_attention_metadata
+from workers.layers.embedding import ParallelLMHead
+from workers.layers.linear import LinearBase
 from workers.layers.logits_processors import TokenHistory
 from workers.layers.logprobs import (
     prompt_logprobs,
@@ -150,7 +152,16 @@ class ModelRunner:
         load_checkpoint(model, self.config.model.path)
         self.model = model.eval()
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.repack_weights()
         logger.info("loaded %s", self.model_summary)
+
+    def repack_weights(self) -> None:
+        """Re-derive the layers' packed copies of their weights (linear.pack_weight): after every
+        change of the weights (update, rollback) and when they are discarded or come back."""
+        assert self.model is not None
+        for module in self.model.modules():
+            if isinstance(module, (LinearBase, ParallelLMHead)):
+                module.repack_weights()
 
     def _kv_heads_per_rank(self) -> int:
         p = self.parallel

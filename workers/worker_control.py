@@ -125,6 +125,7 @@ class WorkerControl:
             logger.info("weight update rolled back on rank %d", self.rank)
         self._snapshot = None
         self.runner.weights_valid = self.runner.weights_valid or commit
+        self.runner.repack_weights()
         return_memory_to_system()
 
     def update_from_disk(self, model_path: str) -> None:
@@ -215,6 +216,7 @@ class WorkerControl:
                 self._weight_shapes[name] = p.shape
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self.runner.weights_valid = False
+            self.runner.repack_weights()  # drops the packed copies
         elif level == 1 and self.runner.device.type == "cuda" and self._offloaded is None:
             self._offloaded = {}
             for name, p in self.model.named_parameters():
@@ -237,6 +239,7 @@ class WorkerControl:
                 for name, p in self.model.named_parameters():
                     p.data = self._offloaded[name].to(p.device)
                 self._offloaded = None
+            self.runner.repack_weights()
         if "kv_cache" in tags and self._kv_asleep:
             self.runner.init_kv_cache(self.runner.num_kv_blocks)
             self._kv_asleep = False

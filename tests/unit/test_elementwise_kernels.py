@@ -26,12 +26,19 @@ def torch_only(monkeypatch):
     return run
 
 
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,dim", [(1, 576), (5, 64), (40, 100), (3, 7)])
-def test_rms_norm_with_and_without_residual(rows: int, dim: int, torch_only) -> None:
+def test_rms_norm_with_and_without_residual(
+    rows: int, dim: int, dtype: torch.dtype, torch_only
+) -> None:
     g = torch.Generator().manual_seed(rows)
-    norm = RMSNorm(dim, eps=1e-5)
-    norm.weight.data = torch.randn(dim, generator=g)
-    x, res = torch.randn(rows, dim, generator=g), torch.randn(rows, dim, generator=g)
+    norm = RMSNorm(dim, eps=1e-5).to(dtype)
+    norm.weight.data = torch.randn(dim, generator=g).to(dtype)
+    x = torch.randn(rows, dim, generator=g).to(dtype)
+    res = torch.randn(rows, dim, generator=g).to(dtype)
     torch.testing.assert_close(norm(x), torch_only(lambda: norm(x)))
     out, summed = norm(x, res)
     ref_out, ref_summed = torch_only(lambda: norm(x, res))
@@ -39,8 +46,11 @@ def test_rms_norm_with_and_without_residual(rows: int, dim: int, torch_only) -> 
     torch.testing.assert_close(out, ref_out)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 3, 20])
-def test_rotary_in_place_on_views_of_the_qkv_projection(tokens: int, torch_only) -> None:
+def test_rotary_in_place_on_views_of_the_qkv_projection(
+    tokens: int, dtype: torch.dtype, torch_only
+) -> None:
     heads, kv_heads, head_dim = 4, 2, 16
     rope = RotaryEmbedding(head_dim, 64, RopeParams(theta=10000.0))
     g = torch.Generator().manual_seed(tokens)
@@ -48,19 +58,23 @@ def test_rotary_in_place_on_views_of_the_qkv_projection(tokens: int, torch_only)
 
     def qkv_views():
         qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g.manual_seed(7))
+        qkv = qkv.to(dtype)
         q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
         return q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
 
     ref_q, ref_k = torch_only(lambda: rope(positions, *qkv_views()))
     q, k = rope(positions, *qkv_views())
-    torch.testing.assert_close(q, ref_q)
-    torch.testing.assert_close(k, ref_k)
+    # bfloat16: the kernel rounds after each product and sum, as the torch path does.
+    assert torch.equal(q, ref_q) if dtype == torch.bfloat16 else torch.allclose(q, ref_q)
+    assert torch.equal(k, ref_k) if dtype == torch.bfloat16 else torch.allclose(k, ref_k)
     with pytest.raises(ValueError, match="past the cos/sin table"):
         native.rotary_neox_(*qkv_views(), positions + 64, rope.cos_cache, rope.sin_cache)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 4, 5, 64])
-def test_silu_and_mul(rows: int, torch_only) -> None:
+def test_silu_and_mul(rows: int, dtype: torch.dtype, torch_only) -> None:
     x = torch.randn(rows, 2 * 48, generator=torch.Generator().manual_seed(rows)) * 4
+    x = x.to(dtype)
     act = SiluAndMul()
     torch.testing.assert_close(act(x), torch_only(lambda: act(x)))

@@ -50,7 +50,7 @@ def make_core(model_dir: Path, **kw) -> EngineCore:
         num_gpu_blocks_override=kw.pop("num_blocks", None),
     )
     config = Config(
-        model=ModelConfig(path=str(model_dir), dtype="float32"),
+        model=ModelConfig(path=str(model_dir), dtype=kw.pop("dtype", "float32")),
         cache=cache,
         scheduler=SchedulerConfig(**kw),
     )

@@ -14,7 +14,7 @@ from torch import nn
 
 from workers.distributed import ParallelContext
 from workers.layers import quantization
-from workers.layers.linear import copy_checked, dense_linear
+from workers.layers.linear import copy_checked, dense_linear, pack_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -92,6 +92,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         quant: str | None = None,
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, ctx=ctx, quant=quant)
+        self.packed_weight: torch.Tensor | None = None
+
+    def repack_weights(self) -> None:
+        self.packed_weight = pack_weight(self.weight) if self.quant is None else None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tie_word_embeddings): the checkpoint has no lm_head."""
@@ -100,7 +104,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, vocab)
         if self.quant is None:
-            logits = dense_linear(hidden_states, self.weight, None)
+            logits = dense_linear(hidden_states, self.weight, None, self.packed_weight)
         else:
             weight, scale = self._int8.views(self.weight)
             backend = quantization.int8_backend(hidden_states)

@@ -1,14 +1,15 @@
-"""Builds and loads tern's CPU kernels (cpu_kernels.c) with the system C compiler, through ctypes.
+"""Builds and loads tern's CPU kernels (cpu_kernels.c, bf16_kernels.c) with the system C compiler,
+through ctypes.
 
-The shared library is compiled once per (source, compiler flags, CPU features) and cached under
+The shared library is compiled once per (sources, compiler flags, CPU features) and cached under
 TERN_HOME/kernels, so a later start-up only loads it (a cold build takes about a second). It links
 against the OpenMP runtime torch already loaded, so the kernels follow torch.set_num_threads.
 When no compiler is available or the build fails, `load()` returns None (logged once) and callers
 use their pure-torch paths: the kernels are a speed-up, never a requirement.
 
-`paged_decode_attention`, `f32_linear`, `int8_linear` and `int8_dequantize` wrap the C entry
-points: they check dtypes, devices and contiguity and raise ValueError on misuse rather than pass
-bad pointers.
+`paged_decode_attention`, `f32_linear`, `int8_linear`, `int8_dequantize` and the
+elementwise ops wrap the C entry points: they check dtypes, devices and contiguity and raise
+ValueError on misuse rather than pass bad pointers.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,7 +32,7 @@ from enginecore.config import tern_home
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "bf16_kernels.c")]
 ABI_VERSION = 1
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
@@ -53,7 +55,7 @@ def _build(compiler: str, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *_CFLAGS, str(SOURCE), "-o", tmp, "-lm"]
+        cmd = [compiler, *_CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, out)
     finally:
@@ -104,6 +106,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]
     lib.tern_silu_and_mul.argtypes = [_vp, _vp, _i32, _i32]
     lib.tern_int8_dequantize.argtypes = [_vp, _vp, _vp, _i32, _i32]
+    lib.tern_rms_norm_bf16.restype = None
+    lib.tern_rms_norm_bf16.argtypes = lib.tern_rms_norm.argtypes
+    lib.tern_rotary_neox_bf16.restype = None
+    lib.tern_rotary_neox_bf16.argtypes = lib.tern_rotary_neox.argtypes
+    lib.tern_silu_and_mul_bf16.restype = None
+    lib.tern_silu_and_mul_bf16.argtypes = lib.tern_silu_and_mul.argtypes
 
 
 @functools.cache
@@ -115,7 +123,11 @@ def load() -> ctypes.CDLL | None:
         return None
     key = hashlib.sha256(
         b"\0".join(
-            [SOURCE.read_bytes(), " ".join([compiler, *_CFLAGS]).encode(), _cpu_flags().encode()]
+            [
+                *(source.read_bytes() for source in SOURCES),
+                " ".join([compiler, *_CFLAGS]).encode(),
+                _cpu_flags().encode(),
+            ]
         )
     ).hexdigest()[:16]
     path = tern_home() / "kernels" / f"tern_cpu_{key}.so"
@@ -134,10 +146,21 @@ def load() -> ctypes.CDLL | None:
 
 
 def usable(*tensors: torch.Tensor | None) -> bool:
-    """Whether the kernels are built and these (optional) tensors are float32 on the CPU."""
-    return load() is not None and all(
-        t is None or (t.dtype == torch.float32 and t.is_cpu) for t in tensors
+    """Whether the kernels are built and these (optional) tensors are CPU tensors of one dtype,
+    float32 or bfloat16: what the elementwise kernels take."""
+    lib = load()
+    dtypes = {t.dtype for t in tensors if t is not None}
+    return (
+        lib is not None
+        and len(dtypes) == 1
+        and dtypes <= {torch.float32, torch.bfloat16}
+        and all(t is None or t.is_cpu for t in tensors)
     )
+
+
+def _elementwise(lib: ctypes.CDLL, name: str, dtype: torch.dtype) -> Any:
+    """The float32 or bfloat16 variant of an elementwise kernel."""
+    return getattr(lib, name if dtype == torch.float32 else name + "_bf16")
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -265,31 +288,38 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x (T, D) float32 -> (weight * rmsnorm(x + residual), x + residual or None)."""
+    """x (T, D) float32 or bfloat16 (weight and residual alike) -> (weight * rmsnorm(x + residual),
+    x + residual or None)."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
-    _check(x, torch.float32, "x")
-    _check(weight, torch.float32, "weight")
+    _check(x, _float_dtype(x), "x")
+    _check(weight, x.dtype, "weight")
     t, d = x.shape
     if weight.numel() != d:
         raise ValueError(f"rms norm: weight of {weight.numel()} for rows of {d}")
     out = torch.empty_like(x)
     res_out = None
     if residual is not None:
-        _check(residual, torch.float32, "residual")
+        _check(residual, x.dtype, "residual")
         if residual.shape != x.shape:
             raise ValueError(f"rms norm: residual {tuple(residual.shape)} is not {(t, d)}")
         res_out = torch.empty_like(x)
-    lib.tern_rms_norm(
+    _elementwise(lib, "tern_rms_norm", x.dtype)(
         _ptr(x), _ptr(residual) if residual is not None else None,
         _ptr(res_out) if res_out is not None else None, _ptr(weight), _ptr(out), t, d, eps,
     )  # fmt: skip
     return out, res_out
 
 
-def _check_heads(x: torch.Tensor, name: str) -> None:
-    if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 3:
-        raise ValueError(f"{name} must be a (T, heads, D) CPU float32 tensor")
+def _float_dtype(x: torch.Tensor) -> torch.dtype:
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"expected a float32 or bfloat16 tensor, got {x.dtype}")
+    return x.dtype
+
+
+def _check_heads(x: torch.Tensor, dtype: torch.dtype, name: str) -> None:
+    if x.dtype != dtype or not x.is_cpu or x.dim() != 3:
+        raise ValueError(f"{name} must be a (T, heads, D) CPU {dtype} tensor")
     if x.stride(2) != 1 or x.stride(1) != x.size(2):
         raise ValueError(f"{name} needs contiguous heads")
 
@@ -301,11 +331,12 @@ def rotary_neox_(
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
 ) -> None:
-    """Rotate q (T, H, D) and k (T, Hkv, D) in place by positions (T,) int64, neox style."""
+    """Rotate q (T, H, D) and k (T, Hkv, D), float32 or bfloat16, in place by positions (T,)
+    int64, neox style."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
-    _check_heads(q, "q")
-    _check_heads(k, "k")
+    _check_heads(q, _float_dtype(q), "q")
+    _check_heads(k, q.dtype, "k")
     _check(positions, torch.int64, "positions")
     _check(cos_cache, torch.float32, "cos_cache")
     _check(sin_cache, torch.float32, "sin_cache")
@@ -314,20 +345,20 @@ def rotary_neox_(
         raise ValueError("rotary: q, k, positions and the cos/sin tables do not agree")
     if t and int(positions.max()) >= cos_cache.size(0):
         raise ValueError("rotary: a position is past the cos/sin table")
-    lib.tern_rotary_neox(
+    _elementwise(lib, "tern_rotary_neox", q.dtype)(
         _ptr(q), q.stride(0), _ptr(k), k.stride(0), _ptr(positions), _ptr(cos_cache),
         _ptr(sin_cache), t, h, k.size(1), d,
     )  # fmt: skip
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x (T, 2I) float32 = [gate | up] -> silu(gate) * up, (T, I)."""
+    """x (T, 2I) float32 or bfloat16 = [gate | up] -> silu(gate) * up, (T, I)."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
-    _check(x, torch.float32, "x")
+    _check(x, _float_dtype(x), "x")
     t, two_i = x.shape
     if two_i % 2:
         raise ValueError(f"silu_and_mul needs an even width, got {two_i}")
-    out = torch.empty(t, two_i // 2, dtype=torch.float32)
-    lib.tern_silu_and_mul(_ptr(x), _ptr(out), t, two_i // 2)
+    out = torch.empty(t, two_i // 2, dtype=x.dtype)
+    _elementwise(lib, "tern_silu_and_mul", x.dtype)(_ptr(x), _ptr(out), t, two_i // 2)
     return out
