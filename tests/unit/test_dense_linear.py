@@ -38,3 +38,31 @@ def test_dense_linear_routes_only_what_the_kernel_handles(monkeypatch) -> None:
     assert calls == [torch.Size([3, 16])]
     with pytest.raises(ValueError, match="does not fit"):
         native.f32_linear(torch.randn(2, 5), w, None)
+
+
+@pytest.mark.skipif(not native.has_bf16_gemv(), reason="no AVX512-BF16")
+@pytest.mark.parametrize("out_features,in_features", [(13, 20), (96, 64), (61, 33), (960, 576)])
+def test_bf16_one_row_kernel_matches_f_linear(out_features: int, in_features: int) -> None:
+    g = torch.Generator().manual_seed(out_features)
+    x = torch.randn(1, in_features, generator=g).bfloat16()
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16()
+    # float32 accumulation in another order: one bfloat16 rounding step apart at most
+    torch.testing.assert_close(native.bf16_gemv(x, w, b), F.linear(x, w, b), atol=0.02, rtol=0.01)
+    torch.testing.assert_close(native.bf16_gemv(x, w, None), F.linear(x, w), atol=0.02, rtol=0.01)
+    with pytest.raises(ValueError, match="does not fit"):
+        native.bf16_gemv(torch.cat((x, x)), w, None)
+
+
+def test_packed_bf16_weights_give_f_linear() -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 24, generator=g).bfloat16()
+    packed = linear.pack_weight(w)
+    if packed is None:
+        pytest.skip("no oneDNN bfloat16 on this CPU")
+    assert linear.pack_weight(w.float()) is None and linear.pack_weight(w[:0]) is None
+    for rows in (1, 5, 300):
+        x = torch.randn(rows, 24, generator=g).bfloat16()
+        torch.testing.assert_close(
+            linear.dense_linear(x, w, None, packed), F.linear(x, w), atol=0.02, rtol=0.01
+        )

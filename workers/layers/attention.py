@@ -219,9 +219,11 @@ class Attention(nn.Module):
         groups = meta.groups
         d = meta.decode
         if d is not None and self._use_decode_kernel(k_cache):
-            q_dec = (q if d.is_whole_batch else q[d.q_tokens]).float().contiguous()
+            q_dec = q if d.is_whole_batch else q[d.q_tokens]
+            if q_dec.dtype not in (torch.float32, torch.bfloat16):
+                q_dec = q_dec.float()
             o_dec = native.paged_decode_attention(
-                q_dec, k_cache, v_cache, d.block_tables, d.context_lens, self.scale
+                q_dec.contiguous(), k_cache, v_cache, d.block_tables, d.context_lens, self.scale
             ).to(q.dtype)
             if d.is_whole_batch:
                 return o_dec

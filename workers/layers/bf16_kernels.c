@@ -1,5 +1,4 @@
-/* The elementwise glue of a bfloat16 decode step (RMSNorm with its residual add, rotary,
- * SiLU-and-mul), built into the same library as cpu_kernels.c (native.py): at a few tokens per
+/* The elementwise glue of a bfloat16 decode step (RMSNorm with its residual add, rotary), built into the same library as cpu_kernels.c (native.py): at a few tokens per
  * step each is a dozen microsecond-scale torch ops, and their dispatch is the cost. Computed in
  * float32 and rounded to bfloat16 (nearest even) wherever Hugging Face's bfloat16 modules round:
  * after every torch op. Threads: OpenMP, as in cpu_kernels.c.
@@ -7,6 +6,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -24,6 +26,59 @@ static inline uint16_t f32_to_bf16(float f) {
 
 /* f rounded to the nearest bfloat16, as a float: what a torch op on bfloat16 tensors returns. */
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+#ifdef __AVX512BF16__
+/* Rows [n0, n0 + 4) of y = x (1, K) @ w.T; the caller handles the rows past a multiple of 4. */
+static void gemv4_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                       int K, int n0) {
+    const uint16_t *w0 = w + (int64_t)n0 * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int k = 0; k < K; k += 32) {
+        __mmask32 mask = K - k >= 32 ? 0xffffffffu : (1u << (K - k)) - 1u;
+        __builtin_prefetch(w0 + 16 * (int64_t)K + k);
+        __builtin_prefetch(w1 + 16 * (int64_t)K + k);
+        __builtin_prefetch(w2 + 16 * (int64_t)K + k);
+        __builtin_prefetch(w3 + 16 * (int64_t)K + k);
+        __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k);
+        a0 = _mm512_dpbf16_ps(a0, xv, (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + k));
+        a1 = _mm512_dpbf16_ps(a1, xv, (__m512bh)_mm512_maskz_loadu_epi16(mask, w1 + k));
+        a2 = _mm512_dpbf16_ps(a2, xv, (__m512bh)_mm512_maskz_loadu_epi16(mask, w2 + k));
+        a3 = _mm512_dpbf16_ps(a3, xv, (__m512bh)_mm512_maskz_loadu_epi16(mask, w3 + k));
+    }
+    float s[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
+                  _mm512_reduce_add_ps(a3)};
+    for (int r = 0; r < 4; r++)
+        y[n0 + r] = f32_to_bf16(s[r] + (bias != NULL ? bf16_to_f32(bias[n0 + r]) : 0.f));
+}
+#endif
+
+int tern_bf16_gemv_available(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y (1, N) = x (1, K) @ w (N, K).T + bias (N,) or NULL, all bfloat16, float32 accumulation.
+ * Returns 0, or -1 when this build has no AVX512-BF16. */
+int tern_bf16_gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int N,
+                   int K) {
+#ifdef __AVX512BF16__
+    int num_tiles = N / 4;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < num_tiles; t++) gemv4_bf16(x, w, bias, y, K, 4 * t);
+    for (int n = 4 * num_tiles; n < N; n++) {
+        float s = bias != NULL ? bf16_to_f32(bias[n]) : 0.f;
+        for (int k = 0; k < K; k++) s += bf16_to_f32(x[k]) * bf16_to_f32(w[(int64_t)n * K + k]);
+        y[n] = f32_to_bf16(s);
+    }
+    return 0;
+#else
+    (void)x, (void)w, (void)bias, (void)y, (void)N, (void)K;
+    return -1;
+#endif
+}
 
 /* x (T, D) [+ res (T, D), the sum also written to res_out] -> out = w * norm(r), where Hugging
  * Face rounds r, norm(r) = r / sqrt(mean(r^2) + eps) (in float32) and the product. */
@@ -53,9 +108,11 @@ void tern_rms_norm_bf16(const uint16_t *x, const uint16_t *res, uint16_t *res_ou
 
 /* In place, neox style, as rotary.py's torch path in bfloat16: cos and sin rounded to bfloat16,
  * then (a, b) -> (a cos - b sin, b cos + a sin) with each product and sum rounded. */
-void tern_rotary_neox_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_stride,
-                           const int64_t *positions, const float *cos_cache,
-                           const float *sin_cache, int T, int H, int Hkv, int D) {
+int tern_rotary_neox_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_stride,
+                          const int64_t *positions, int64_t num_positions, const float *cos_cache,
+                          const float *sin_cache, int T, int H, int Hkv, int D) {
+    for (int t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= num_positions) return -1;
     int half = D / 2;
 #pragma omp parallel for schedule(static) if (T >= 16)
     for (int t = 0; t < T; t++) {
@@ -71,17 +128,5 @@ void tern_rotary_neox_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k
             }
         }
     }
-}
-
-/* x (T, 2I) = [gate | up] -> out (T, I) = silu(gate) * up, silu rounded before the product. */
-void tern_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I) {
-#pragma omp parallel for schedule(static) if (T * I >= 65536)
-    for (int t = 0; t < T; t++) {
-        const uint16_t *g = x + (int64_t)t * 2 * I, *u = g + I;
-        uint16_t *o = out + (int64_t)t * I;
-        for (int i = 0; i < I; i++) {
-            float gi = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(round_bf16(gi / (1.0f + expf(-gi))) * bf16_to_f32(u[i]));
-        }
-    }
+    return 0;
 }

@@ -38,6 +38,13 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 #ifdef __AVX2__
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -238,13 +245,14 @@ static inline void prefetch_rows(const char *p, int n, int64_t row_stride, int r
 DEFINE_DECODE_HEADS(f32, float)
 DEFINE_DECODE_HEADS(bf16, uint16_t)
 
-/* q, out: (B, H, D) float32. k_cache, v_cache: (num_blocks * block_size, Hkv, D) float32 or
- * bfloat16. block_tables: (B, table_stride) int32. context_lens: (B,) int32, each >= 1.
- * Returns 0, or -1 when the shapes exceed the kernel's fixed buffers. */
-int tern_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
+/* q, out: (B, H, D) float32 (io_is_bf16 = 0) or bfloat16 (1). k_cache, v_cache: (num_blocks *
+ * block_size, Hkv, D) float32 or bfloat16. block_tables: (B, table_stride) int32. context_lens:
+ * (B,) int32, each >= 1. Returns 0, or -1 when the shapes exceed the kernel's fixed buffers. */
+int tern_paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
                                 const int32_t *block_tables, int64_t table_stride,
-                                const int32_t *context_lens, float *out, int B, int H, int Hkv,
-                                int D, int block_size, float scale, int kv_is_bf16) {
+                                const int32_t *context_lens, void *out, int B, int H, int Hkv,
+                                int D, int block_size, float scale, int kv_is_bf16,
+                                int io_is_bf16) {
     int G = H / Hkv;
     if (G > MAX_GROUP || D > MAX_HEAD_DIM || block_size > MAX_BLOCK || G * Hkv != H ||
         H * D > MAX_QUERY_FLOATS)
@@ -259,17 +267,22 @@ int tern_paged_decode_attention(const float *q, const void *k_cache, const void 
         int b = item / (Hkv / nh);
         int h0 = item % (Hkv / nh) * nh;
         int64_t first = ((int64_t)b * H + (int64_t)h0 * G) * D;
-        float qs[nh * G * D];
-        for (int i = 0; i < nh * G * D; i++) qs[i] = q[first + i] * scale;
+        int n = nh * G * D;
+        float qs[n], os[n];
+        for (int i = 0; i < n; i++)
+            qs[i] = (io_is_bf16 ? bf16_to_f32(((const uint16_t *)q)[first + i])
+                                : ((const float *)q)[first + i]) * scale;
         const int32_t *table = block_tables + (int64_t)b * table_stride;
+        float *o = io_is_bf16 ? os : (float *)out + first;
         if (kv_is_bf16)
             decode_heads_bf16(qs, (const uint16_t *)k_cache + h0 * D,
                               (const uint16_t *)v_cache + h0 * D, table, context_lens[b], nh, G,
-                              D, block_size, slot_stride, out + first);
+                              D, block_size, slot_stride, o);
         else
             decode_heads_f32(qs, (const float *)k_cache + h0 * D, (const float *)v_cache + h0 * D,
-                             table, context_lens[b], nh, G, D, block_size, slot_stride,
-                             out + first);
+                             table, context_lens[b], nh, G, D, block_size, slot_stride, o);
+        if (io_is_bf16)
+            for (int i = 0; i < n; i++) ((uint16_t *)out)[first + i] = f32_to_bf16(os[i]);
     }
     return 0;
 }
@@ -368,7 +381,39 @@ static void gemv_rows(const float *x, const int8_t *w, const float *scale, const
         const float *xm = x + (int64_t)m * K;
         float sums[GEMV_ROWS] = {0};
         int k = 0;
-#ifdef __AVX2__
+#if defined(__AVX512F__)
+        if (nt == GEMV_ROWS) { /* four rows at a time: each 16 features of x loaded once */
+            for (int r = 0; r < GEMV_ROWS; r += 4) {
+                const int8_t *w0 = w + (int64_t)(n0 + r) * K, *w1 = w0 + K, *w2 = w1 + K,
+                             *w3 = w2 + K;
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                int kk = 0;
+                for (; kk + 16 <= K; kk += 16) {
+                    __m512 xv = _mm512_loadu_ps(xm + kk);
+                    if ((kk & 63) == 0) { /* 16 rows ahead: 4 streams outrun the prefetcher */
+                        __builtin_prefetch(w0 + 16 * (int64_t)K + kk);
+                        __builtin_prefetch(w1 + 16 * (int64_t)K + kk);
+                        __builtin_prefetch(w2 + 16 * (int64_t)K + kk);
+                        __builtin_prefetch(w3 + 16 * (int64_t)K + kk);
+                    }
+#define TERN_I8x16(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+                    a0 = _mm512_fmadd_ps(xv, TERN_I8x16(w0 + kk), a0);
+                    a1 = _mm512_fmadd_ps(xv, TERN_I8x16(w1 + kk), a1);
+                    a2 = _mm512_fmadd_ps(xv, TERN_I8x16(w2 + kk), a2);
+                    a3 = _mm512_fmadd_ps(xv, TERN_I8x16(w3 + kk), a3);
+#undef TERN_I8x16
+                }
+                float s[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),
+                              _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)};
+                for (int i = 0; i < 4; i++) {
+                    const int8_t *wr = w0 + (int64_t)i * K;
+                    for (int kt = kk; kt < K; kt++) s[i] += xm[kt] * (float)wr[kt];
+                    sums[r + i] = s[i];
+                }
+            }
+            k = K;
+        }
+#elif defined(__AVX2__)
         if (nt == GEMV_ROWS) {
             for (int r = 0; r < GEMV_ROWS; r++) {
                 const int8_t *wr = w + (int64_t)(n0 + r) * K;
@@ -554,10 +599,13 @@ void tern_rms_norm(const float *x, const float *res, float *res_out, const float
 
 /* In place, neox style: for each head, (a, b) halves -> (a cos - b sin, b cos + a sin), with the
  * cos/sin rows (D/2,) of each token's position. q (T, H, D) and k (T, Hkv, D) have token strides
- * q_stride and k_stride (floats) and contiguous heads. */
-void tern_rotary_neox(float *q, int64_t q_stride, float *k, int64_t k_stride,
-                      const int64_t *positions, const float *cos_cache, const float *sin_cache,
-                      int T, int H, int Hkv, int D) {
+ * q_stride and k_stride (floats) and contiguous heads. Returns -1 (and changes nothing) when a
+ * position is outside the table's num_positions rows. */
+int tern_rotary_neox(float *q, int64_t q_stride, float *k, int64_t k_stride,
+                     const int64_t *positions, int64_t num_positions, const float *cos_cache,
+                     const float *sin_cache, int T, int H, int Hkv, int D) {
+    for (int t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= num_positions) return -1;
     int half = D / 2;
 #pragma omp parallel for schedule(static) if (T >= 16)
     for (int t = 0; t < T; t++) {
@@ -572,6 +620,7 @@ void tern_rotary_neox(float *q, int64_t q_stride, float *k, int64_t k_stride,
             }
         }
     }
+    return 0;
 }
 
 /* x (T, 2I) = [gate | up] -> out (T, I) = silu(gate) * up, silu(g) = g / (1 + exp(-g)). */
@@ -670,13 +719,7 @@ int tern_shm_all_reduce(char *seg, int rank, int world, int64_t seq, int64_t slo
         float acc = 0.f;
         for (int j = 0; j < world; j++)
             acc += bf16_to_f32(((const uint16_t *)shm_slot(seg, world, seq, slot_bytes, j))[i]);
-        uint32_t u;
-        memcpy(&u, &acc, sizeof u);
-        if ((u & 0x7fffffffu) > 0x7f800000u) {
-            out[i] = (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-        } else {
-            out[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* round to nearest even */
-        }
+        out[i] = f32_to_bf16(acc);
     }
     return 0;
 }

@@ -7,7 +7,7 @@ against the OpenMP runtime torch already loaded, so the kernels follow torch.set
 When no compiler is available or the build fails, `load()` returns None (logged once) and callers
 use their pure-torch paths: the kernels are a speed-up, never a requirement.
 
-`paged_decode_attention`, `f32_linear`, `int8_linear`, `int8_dequantize` and the
+`paged_decode_attention`, `f32_linear`, `bf16_gemv`, `int8_linear`, `int8_dequantize` and the
 elementwise ops wrap the C entry points: they check dtypes, devices and contiguity and raise
 ValueError on misuse rather than pass bad pointers.
 """
@@ -67,7 +67,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tern_abi_version.restype = _i32
     lib.tern_paged_decode_attention.restype = _i32
     lib.tern_paged_decode_attention.argtypes = [
-        _vp, _vp, _vp, _vp, _i64, _vp, _vp, _i32, _i32, _i32, _i32, _i32, _f32, _i32
+        _vp, _vp, _vp, _vp, _i64, _vp, _vp, _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32
     ]  # fmt: skip
     lib.tern_int8_linear.restype = _i32
     lib.tern_int8_linear.argtypes = [_vp, _vp, _vp, _vp, _vp, _i32, _i32, _i32]
@@ -76,8 +76,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tern_int8_dequantize.restype = None
     lib.tern_rms_norm.restype = None
     lib.tern_rms_norm.argtypes = [_vp, _vp, _vp, _vp, _vp, _i32, _i32, _f32]
-    lib.tern_rotary_neox.restype = None
-    lib.tern_rotary_neox.argtypes = [_vp, _i64, _vp, _i64, _vp, _vp, _vp, _i32, _i32, _i32, _i32]
+    lib.tern_rotary_neox.restype = _i32
+    lib.tern_rotary_neox.argtypes = [
+        _vp, _i64, _vp, _i64, _vp, _i64, _vp, _vp, _i32, _i32, _i32, _i32
+    ]  # fmt: skip
     lib.tern_silu_and_mul.restype = None
     lib.tern_shm_header_bytes.restype = _i64
     lib.tern_shm_all_reduce.restype = _i32
@@ -106,12 +108,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]
     lib.tern_silu_and_mul.argtypes = [_vp, _vp, _i32, _i32]
     lib.tern_int8_dequantize.argtypes = [_vp, _vp, _vp, _i32, _i32]
+    lib.tern_bf16_gemv_available.restype = _i32
+    lib.tern_bf16_gemv.restype = _i32
+    lib.tern_bf16_gemv.argtypes = [_vp, _vp, _vp, _vp, _i32, _i32]
     lib.tern_rms_norm_bf16.restype = None
     lib.tern_rms_norm_bf16.argtypes = lib.tern_rms_norm.argtypes
-    lib.tern_rotary_neox_bf16.restype = None
+    lib.tern_rotary_neox_bf16.restype = _i32
     lib.tern_rotary_neox_bf16.argtypes = lib.tern_rotary_neox.argtypes
-    lib.tern_silu_and_mul_bf16.restype = None
-    lib.tern_silu_and_mul_bf16.argtypes = lib.tern_silu_and_mul.argtypes
 
 
 @functools.cache
@@ -158,6 +161,13 @@ def usable(*tensors: torch.Tensor | None) -> bool:
     )
 
 
+@functools.cache
+def has_bf16_gemv() -> bool:
+    """Whether this CPU and build have tern's one-row bfloat16 linear (AVX512-BF16)."""
+    lib = load()
+    return lib is not None and bool(lib.tern_bf16_gemv_available())
+
+
 def _elementwise(lib: ctypes.CDLL, name: str, dtype: torch.dtype) -> Any:
     """The float32 or bfloat16 variant of an elementwise kernel."""
     return getattr(lib, name if dtype == torch.float32 else name + "_bf16")
@@ -183,14 +193,15 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q (B, H, D) float32 -> (B, H, D): each sequence's one query over its cached context.
+    """q (B, H, D) float32 or bfloat16 -> (B, H, D) alike: each sequence's one query over its
+    cached context.
 
     k_cache, v_cache (num_blocks, block_size, Hkv, D) float32 or bfloat16; block_tables
     (B, max_blocks) int32; context_lens (B,) int32, each at least 1.
     """
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
-    _check(q, torch.float32, "q")
+    _check(q, _float_dtype(q), "q")
     _check(block_tables, torch.int32, "block_tables")
     _check(context_lens, torch.int32, "context_lens")
     if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
@@ -205,7 +216,7 @@ def paged_decode_attention(
     rc = lib.tern_paged_decode_attention(
         _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), block_tables.stride(0),
         _ptr(context_lens), _ptr(out), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-        scale, int(k_cache.dtype == torch.bfloat16),
+        scale, int(k_cache.dtype == torch.bfloat16), int(q.dtype == torch.bfloat16),
     )  # fmt: skip
     if rc != 0:
         raise ValueError(
@@ -285,6 +296,26 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return y
 
 
+def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (1, K) @ weight (N, K).T + bias, all bfloat16 with float32 accumulation (has_bf16_gemv)."""
+    lib = load()
+    assert lib is not None, "the CPU kernels are not available"
+    _check(x, torch.bfloat16, "x")
+    _check(weight, torch.bfloat16, "weight")
+    if bias is not None:
+        _check(bias, torch.bfloat16, "bias")
+    (m, k), (n, k_w) = x.shape, weight.shape
+    if m != 1 or k != k_w or (bias is not None and bias.numel() != n):
+        raise ValueError(f"bf16 gemv: x {tuple(x.shape)} does not fit weight {(n, k_w)}")
+    y = torch.empty(1, n, dtype=torch.bfloat16)
+    rc = lib.tern_bf16_gemv(
+        _ptr(x), _ptr(weight), _ptr(bias) if bias is not None else None, _ptr(y), n, k
+    )
+    if rc != 0:
+        raise ValueError("bf16 gemv: this build has no AVX512-BF16")
+    return y
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -343,22 +374,22 @@ def rotary_neox_(
     t, h, d = q.shape
     if k.size(0) != t or k.size(2) != d or positions.numel() != t or cos_cache.size(1) * 2 != d:
         raise ValueError("rotary: q, k, positions and the cos/sin tables do not agree")
-    if t and int(positions.max()) >= cos_cache.size(0):
-        raise ValueError("rotary: a position is past the cos/sin table")
-    _elementwise(lib, "tern_rotary_neox", q.dtype)(
-        _ptr(q), q.stride(0), _ptr(k), k.stride(0), _ptr(positions), _ptr(cos_cache),
-        _ptr(sin_cache), t, h, k.size(1), d,
+    rc = _elementwise(lib, "tern_rotary_neox", q.dtype)(
+        _ptr(q), q.stride(0), _ptr(k), k.stride(0), _ptr(positions), cos_cache.size(0),
+        _ptr(cos_cache), _ptr(sin_cache), t, h, k.size(1), d,
     )  # fmt: skip
+    if rc != 0:
+        raise ValueError("rotary: a position is past the cos/sin table")
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x (T, 2I) float32 or bfloat16 = [gate | up] -> silu(gate) * up, (T, I)."""
+    """x (T, 2I) float32 = [gate | up] -> silu(gate) * up, (T, I)."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
-    _check(x, _float_dtype(x), "x")
+    _check(x, torch.float32, "x")
     t, two_i = x.shape
     if two_i % 2:
         raise ValueError(f"silu_and_mul needs an even width, got {two_i}")
-    out = torch.empty(t, two_i // 2, dtype=x.dtype)
-    _elementwise(lib, "tern_silu_and_mul", x.dtype)(_ptr(x), _ptr(out), t, two_i // 2)
+    out = torch.empty(t, two_i // 2, dtype=torch.float32)
+    lib.tern_silu_and_mul(_ptr(x), _ptr(out), t, two_i // 2)
     return out
