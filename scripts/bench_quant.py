@@ -1,7 +1,11 @@
-"""Weight-only int8 against the unquantized model: top-1 agreement and single-sequence decode speed.
+"""A candidate model (int8 weights, or bfloat16) against the float32 reference: top-1 agreement and
+single-sequence decode speed.
+
+    python scripts/bench_quant.py --candidate-dtype bfloat16 --quantization int8   # int8 as served
+    python scripts/bench_quant.py --candidate-dtype bfloat16 --quantization none   # bf16 vs fp32
 
 1. Agreement: 8 chat prompts, 64 greedy tokens each from the reference (fp32 by default). The
-   quantized model then reads each reference sequence (teacher forcing) and we count the positions
+   candidate model then reads each reference sequence (teacher forcing) and we count the positions
    where its argmax is the reference token: the top-1 agreement rate. Also reported: the free-running
    greedy outputs of the quantized model, as the share of tokens before the first divergence.
 2. Speed: one request (a random --input-len prompt, --output-len tokens, ignore_eos) through an
@@ -102,7 +106,7 @@ def agreement(model: Path, args: argparse.Namespace) -> dict:
     refs = generate(ref_core, prompts, args.num_tokens)
     ref_core.shutdown()
     del ref_core
-    q_core = make_core(model, args.dtype, args.quantization)
+    q_core = make_core(model, args.candidate_dtype, args.quantization)
     outs = generate(q_core, prompts, args.num_tokens)
     agree = total = prefix = 0
     for prompt, ref, out in zip(prompts, refs, outs):
@@ -118,8 +122,10 @@ def agreement(model: Path, args: argparse.Namespace) -> dict:
     }
 
 
-def decode_tpot(model: Path, args: argparse.Namespace, quantization: str | None) -> float:
-    core = make_core(model, args.dtype, quantization)
+def decode_tpot(
+    model: Path, args: argparse.Namespace, dtype: str, quantization: str | None
+) -> float:
+    core = make_core(model, dtype, quantization)
     rng = random.Random(0)
     vocab = core.executor.vocab_size
     prompt = [rng.randrange(3, vocab) for _ in range(args.input_len)]
@@ -178,7 +184,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=None, help="default: the default model")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--quantization", default="int8")
+    p.add_argument("--candidate-dtype", default=None, help="dtype of the compared model (--dtype)")
+    p.add_argument("--quantization", default="int8", help="int8, or none")
     p.add_argument("--num-tokens", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
@@ -192,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     args = parse_args(argv)
+    args.candidate_dtype = args.candidate_dtype or args.dtype
+    args.quantization = None if args.quantization == "none" else args.quantization
+    candidate = f"{args.candidate_dtype}{' + ' + args.quantization if args.quantization else ''}"
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     if args.model is None:
         from frontend.model_prep import ensure_default_model
@@ -201,15 +211,19 @@ def main(argv: list[str] | None = None) -> int:
         kernel_sweep(torch.get_num_threads())
     result = agreement(args.model, args)
     print(
-        f"top-1 agreement of {args.quantization} with {args.dtype} over {len(PROMPTS)} prompts x "
+        f"top-1 agreement of {candidate} with {args.dtype} over {len(PROMPTS)} prompts x "
         f"{args.num_tokens} tokens: {result['top1_agreement'] * 100:.1f}% "
         f"(free-running: {result['free_running_prefix_share'] * 100:.1f}% of tokens before the "
         "first divergence)"
     )
-    for quant in (None, args.quantization):
-        ms = decode_tpot(args.model, args, quant)
-        result[f"tpot_ms_{quant or args.dtype}"] = ms
-        print(f"decode step at concurrency 1, {quant or args.dtype}: median {ms:.2f} ms")
+    result["reference"], result["candidate"] = args.dtype, candidate
+    for key, dtype, quant in (
+        ("reference", args.dtype, None),
+        ("candidate", args.candidate_dtype, args.quantization),
+    ):
+        ms = decode_tpot(args.model, args, dtype, quant)
+        result[f"tpot_ms_{key}"] = ms
+        print(f"decode step at concurrency 1, {result[key]}: median {ms:.2f} ms")
     if args.result_file is not None:
         args.result_file.write_text(json.dumps(result, indent=2) + "\n")
     return 0
