@@ -131,3 +131,9 @@ def test_kernel_validates_its_inputs() -> None:
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         native.paged_decode_attention(q, cache.half(), cache.half(), tables, lens, 1.0)
     assert not native.supports_decode(HEADS, KV_HEADS, 512, 4)  # head_dim beyond the kernel
+    k = torch.ones(2, KV_HEADS, HEAD_DIM)
+    with pytest.raises(ValueError, match="outside the KV cache"):  # 4 blocks x 4 = 16 slots
+        native.paged_decode_attention(
+            q, cache, cache, tables, lens, 1.0, new_kv=(k, k, torch.tensor([0, 16]))
+        )
+    assert cache.abs().sum() == 0  # nothing was written

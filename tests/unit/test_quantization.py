@@ -76,13 +76,17 @@ def test_int8_matmul_backends(backend: str, num_rows: int) -> None:
     torch.testing.assert_close(y3.view(num_rows, 45), expected - bias, atol=1e-4, rtol=1e-4)
 
 
-def test_int8_matmul_in_bfloat16() -> None:
-    w, x = torch.randn(16, 32), torch.randn(3, 32).bfloat16()
+@pytest.mark.parametrize("num_rows", [1, 3, 9])
+def test_int8_matmul_in_bfloat16(num_rows: int) -> None:
+    w, x = torch.randn(16, 40), torch.randn(num_rows, 40).bfloat16()
+    bias = torch.randn(16).bfloat16()
     q, scale = quantization.quantize_rows(w)
     for backend in BACKENDS:
-        y = quantization.int8_matmul(x, q, scale, None, backend)
-        assert y.dtype == torch.bfloat16
-        assert _rel_err(y.float(), F.linear(x.float(), w)) < 0.03
+        for b in (None, bias):
+            y = quantization.int8_matmul(x, q, scale, b, backend)
+            assert y.dtype == torch.bfloat16
+            ref = F.linear(x.float(), w, None if b is None else b.float())
+            assert _rel_err(y.float(), ref) < 0.03
 
 
 def test_quantized_layers_load_through_their_weight_loaders() -> None:

@@ -200,25 +200,51 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
-        self.kv_cache = torch.empty(0)  # (2, num_blocks, block_size, Hkv, D) once allocated
         # Built (or loaded) now, while the model is built, rather than in the first request.
         self.has_decode_kernel = (
             torch.get_default_device().type == "cpu" and native.load() is not None
+        )
+        self.kv_cache = torch.empty(0)  # (2, num_blocks, block_size, Hkv, D) once allocated
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, cache: torch.Tensor) -> None:
+        # NOTE: what each step would otherwise re-derive from the cache is derived once, here.
+        self._kv_cache = cache
+        self._k_cache, self._v_cache = (cache[0], cache[1]) if cache.numel() else (cache, cache)
+        self._uses_decode_kernel = (
+            self.has_decode_kernel
+            and cache.numel() > 0
+            and cache.is_cpu
+            and cache.dtype in (torch.float32, torch.bfloat16)
+            and native.supports_decode(
+                self.num_heads, self.num_kv_heads, self.head_dim, cache.size(2)
+            )
         )
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q (T, H, D), k and v (T, Hkv, D) -> (T, H, D)."""
-        if self.kv_cache.numel() == 0:
+        if self._kv_cache.numel() == 0:
             raise RuntimeError("the KV cache is not allocated: call init_kv_cache first")
-        k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]  # (num_blocks, block_size, Hkv, D)
+        k_cache, v_cache = self._k_cache, self._v_cache  # (num_blocks, block_size, Hkv, D)
+        d = meta.decode
+        use_kernel = d is not None and self._uses_decode_kernel
+        if use_kernel and d.is_whole_batch and k.dtype == k_cache.dtype:
+            # One call writes this step's K/V and attends: the common decode step.
+            return native.paged_decode_attention(
+                q.contiguous(), k_cache, v_cache, d.block_tables, d.context_lens, self.scale,
+                new_kv=(k, v, meta.slot_mapping),
+            )  # fmt: skip
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
 
         groups = meta.groups
-        d = meta.decode
-        if d is not None and self._use_decode_kernel(k_cache):
+        if use_kernel:
             q_dec = q if d.is_whole_batch else q[d.q_tokens]
             if q_dec.dtype not in (torch.float32, torch.bfloat16):
                 q_dec = q_dec.float()
@@ -236,16 +262,6 @@ class Attention(nn.Module):
         for g in groups:
             self._attend_padded(q, k_cache, v_cache, g, out)
         return out
-
-    def _use_decode_kernel(self, k_cache: torch.Tensor) -> bool:
-        return (
-            self.has_decode_kernel
-            and k_cache.is_cpu
-            and k_cache.dtype in (torch.float32, torch.bfloat16)
-            and native.supports_decode(
-                self.num_heads, self.num_kv_heads, self.head_dim, k_cache.size(1)
-            )
-        )
 
     def _attend_padded(
         self,

@@ -247,17 +247,25 @@ DEFINE_DECODE_HEADS(bf16, uint16_t)
 
 /* q, out: (B, H, D) float32 (io_is_bf16 = 0) or bfloat16 (1). k_cache, v_cache: (num_blocks *
  * block_size, Hkv, D) float32 or bfloat16. block_tables: (B, table_stride) int32. context_lens:
- * (B,) int32, each >= 1. Returns 0, or -1 when the shapes exceed the kernel's fixed buffers. */
-int tern_paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
+ * (B,) int32, each >= 1. With `slots` (B,) int64, this step's k_new and v_new (B, Hkv, D) in the
+ * cache's dtype, token rows k_new_stride / v_new_stride elements apart, are first written to those
+ * cache slots
+ * (each work item writes the heads it then reads). Returns 0, -1 when the shapes exceed the
+ * kernel's fixed buffers, -2 (having written nothing) when a slot is outside [0, num_slots). */
+int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
                                 const int32_t *block_tables, int64_t table_stride,
                                 const int32_t *context_lens, void *out, int B, int H, int Hkv,
                                 int D, int block_size, float scale, int kv_is_bf16,
-                                int io_is_bf16) {
+                                int io_is_bf16, const void *k_new, int64_t k_new_stride,
+                                const void *v_new, int64_t v_new_stride, const int64_t *slots,
+                                int64_t num_slots) {
     int G = H / Hkv;
     if (G > MAX_GROUP || D > MAX_HEAD_DIM || block_size > MAX_BLOCK || G * Hkv != H ||
         H * D > MAX_QUERY_FLOATS)
         return -1;
     int64_t slot_stride = (int64_t)Hkv * D;
+    for (int b = 0; slots != NULL && b < B; b++)
+        if (slots[b] < 0 || slots[b] >= num_slots) return -2;
     /* One work item per sequence (all its KV heads); with too few sequences to keep the threads
      * busy, one per (sequence, KV head). */
     int nh = B >= 2 * omp_get_max_threads() ? Hkv : 1;
@@ -268,6 +276,14 @@ int tern_paged_decode_attention(const void *q, const void *k_cache, const void *
         int h0 = item % (Hkv / nh) * nh;
         int64_t first = ((int64_t)b * H + (int64_t)h0 * G) * D;
         int n = nh * G * D;
+        if (slots != NULL) {
+            size_t elem = kv_is_bf16 ? 2 : 4, bytes = (size_t)nh * D * elem;
+            int64_t dst = (slots[b] * slot_stride + (int64_t)h0 * D) * elem;
+            int64_t k_src = ((int64_t)b * k_new_stride + (int64_t)h0 * D) * elem;
+            int64_t v_src = ((int64_t)b * v_new_stride + (int64_t)h0 * D) * elem;
+            memcpy((char *)k_cache + dst, (const char *)k_new + k_src, bytes);
+            memcpy((char *)v_cache + dst, (const char *)v_new + v_src, bytes);
+        }
         float qs[n], os[n];
         for (int i = 0; i < n; i++)
             qs[i] = (io_is_bf16 ? bf16_to_f32(((const uint16_t *)q)[first + i])
@@ -481,6 +497,26 @@ int tern_int8_linear(const float *x, const int8_t *w, const float *scale, const 
         free(wf);
     }
     return failed ? -1 : 0;
+}
+
+/* tern_int8_linear for bfloat16 x, bias and y: converted here, saving the caller two tensor ops
+ * per call. Returns 0, or -1 when there is no memory for the float32 copies. */
+int tern_int8_linear_bf16(const uint16_t *x, const int8_t *w, const float *scale,
+                          const uint16_t *bias, uint16_t *y, int M, int N, int K) {
+    float *xf = (float *)malloc(sizeof(float) * (size_t)M * K);
+    float *yf = (float *)malloc(sizeof(float) * (size_t)M * N);
+    float *bf = bias != NULL ? (float *)malloc(sizeof(float) * (size_t)N) : NULL;
+    int rc = -1;
+    if (xf != NULL && yf != NULL && (bias == NULL || bf != NULL)) {
+        for (int64_t i = 0; i < (int64_t)M * K; i++) xf[i] = bf16_to_f32(x[i]);
+        for (int n = 0; bias != NULL && n < N; n++) bf[n] = bf16_to_f32(bias[n]);
+        rc = tern_int8_linear(xf, w, scale, bf, yf, M, N, K);
+        for (int64_t i = 0; rc == 0 && i < (int64_t)M * N; i++) y[i] = f32_to_bf16(yf[i]);
+    }
+    free(xf);
+    free(yf);
+    free(bf);
+    return rc;
 }
 
 /* out (N, K) float32 = w (N, K) int8 * scale[:, None]: large batches dequantize once and use the

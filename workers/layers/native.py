@@ -67,10 +67,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tern_abi_version.restype = _i32
     lib.tern_paged_decode_attention.restype = _i32
     lib.tern_paged_decode_attention.argtypes = [
-        _vp, _vp, _vp, _vp, _i64, _vp, _vp, _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32
+        _vp, _vp, _vp, _vp, _i64, _vp, _vp, _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32,
+        _vp, _i64, _vp, _i64, _vp, _i64,
     ]  # fmt: skip
     lib.tern_int8_linear.restype = _i32
     lib.tern_int8_linear.argtypes = [_vp, _vp, _vp, _vp, _vp, _i32, _i32, _i32]
+    lib.tern_int8_linear_bf16.restype = _i32
+    lib.tern_int8_linear_bf16.argtypes = lib.tern_int8_linear.argtypes
     lib.tern_f32_linear.restype = _i32
     lib.tern_f32_linear.argtypes = [_vp, _vp, _vp, _vp, _i32, _i32, _i32]
     lib.tern_int8_dequantize.restype = None
@@ -192,12 +195,15 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q (B, H, D) float32 or bfloat16 -> (B, H, D) alike: each sequence's one query over its
     cached context.
 
     k_cache, v_cache (num_blocks, block_size, Hkv, D) float32 or bfloat16; block_tables
-    (B, max_blocks) int32; context_lens (B,) int32, each at least 1.
+    (B, max_blocks) int32; context_lens (B,) int32, each at least 1. `new_kv` = (k, v, slots):
+    this step's k and v (B, Hkv, D) in the cache's dtype (heads contiguous, any token stride),
+    written to cache slots (B,) int64 before attending.
     """
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
@@ -209,15 +215,29 @@ def paged_decode_attention(
     _check(k_cache, k_cache.dtype, "k_cache")
     _check(v_cache, k_cache.dtype, "v_cache")
     num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or not block_tables.size(0) == context_lens.size(0) == num_seqs:
         raise ValueError("q, the KV cache, block tables and context lengths do not agree")
+    k_new = v_new = slots = None
+    if new_kv is not None:
+        k_new, v_new, slots = new_kv
+        _check_heads(k_new, k_cache.dtype, "k")
+        _check_heads(v_new, k_cache.dtype, "v")
+        _check(slots, torch.int64, "slots")
+        shape = (num_seqs, num_kv_heads, head_dim)
+        if k_new.shape != shape or v_new.shape != shape or slots.numel() != num_seqs:
+            raise ValueError("the new k, v and slots do not fit q and the KV cache")
     out = torch.empty_like(q)
     rc = lib.tern_paged_decode_attention(
         _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), block_tables.stride(0),
         _ptr(context_lens), _ptr(out), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
         scale, int(k_cache.dtype == torch.bfloat16), int(q.dtype == torch.bfloat16),
+        _ptr(k_new) if k_new is not None else None, k_new.stride(0) if k_new is not None else 0,
+        _ptr(v_new) if v_new is not None else None, v_new.stride(0) if v_new is not None else 0,
+        _ptr(slots) if slots is not None else None, num_blocks * block_size,
     )  # fmt: skip
+    if rc == -2:
+        raise ValueError("a new K/V slot is outside the KV cache")
     if rc != 0:
         raise ValueError(
             f"paged decode attention does not support {num_heads} heads / {num_kv_heads} KV "
@@ -241,19 +261,21 @@ def supports_decode(num_heads: int, num_kv_heads: int, head_dim: int, block_size
 def int8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x (M, K) float32, weight (N, K) int8, scale (N,) float32 -> x @ (weight * scale).T + bias."""
+    """x (M, K) float32 or bfloat16 (bias alike), weight (N, K) int8, scale (N,) float32 ->
+    x @ (weight * scale).T + bias in x's dtype."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
-    _check(x, torch.float32, "x")
+    _check(x, _float_dtype(x), "x")
     _check(weight, torch.int8, "weight")
     _check(scale, torch.float32, "scale")
     if bias is not None:
-        _check(bias, torch.float32, "bias")
+        _check(bias, x.dtype, "bias")
     (m, k), (n, k_w) = x.shape, weight.shape
     if k != k_w or scale.numel() != n or (bias is not None and bias.numel() != n):
         raise ValueError(f"int8 linear: x {tuple(x.shape)} does not fit weight {(n, k_w)}")
-    y = torch.empty(m, n, dtype=torch.float32)
-    rc = lib.tern_int8_linear(
+    y = torch.empty(m, n, dtype=x.dtype)
+    fn = lib.tern_int8_linear if x.dtype == torch.float32 else lib.tern_int8_linear_bf16
+    rc = fn(
         _ptr(x), _ptr(weight), _ptr(scale), _ptr(bias) if bias is not None else None, _ptr(y),
         m, n, k,
     )  # fmt: skip

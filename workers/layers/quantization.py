@@ -115,8 +115,13 @@ def int8_matmul(
         else:
             w = (weight.to(torch.float32) * scale[:, None]).to(x.dtype)
         return F.linear(x, w, bias)
-    is_plain = x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
-    if backend == "native" and is_plain and (bias is None or bias.dtype == torch.float32):
+    is_plain = (
+        x.dim() == 2
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.is_contiguous()
+        and (bias is None or bias.dtype == x.dtype)
+    )
+    if backend == "native" and is_plain:
         return native.int8_linear(x, weight, scale, bias)  # the decode hot path: no copies
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.size(-1))
