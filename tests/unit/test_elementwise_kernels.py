@@ -71,8 +71,10 @@ def test_rotary_in_place_on_views_of_the_qkv_projection(
         native.rotary_neox_(*qkv_views(), positions + 64, rope.cos_cache, rope.sin_cache)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 64])
-def test_silu_and_mul(rows: int, torch_only) -> None:
-    x = torch.randn(rows, 2 * 48, generator=torch.Generator().manual_seed(rows)) * 4
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 48), (4, 48), (5, 51), (64, 48), (100, 1536)])
+def test_silu_and_mul(rows: int, width: int, dtype: torch.dtype, torch_only) -> None:
+    x = torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(rows)) * 4
+    x = torch.cat((x, torch.tensor([[-200.0, 200.0] * width]))).to(dtype)  # exp's far ends
     act = SiluAndMul()
     torch.testing.assert_close(act(x), torch_only(lambda: act(x)))

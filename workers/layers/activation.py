@@ -8,18 +8,18 @@ from torch import nn
 
 from workers.layers import native
 
-# Few float32 rows only: the kernel's scalar expf loses to torch's vectorized silu from ~8 rows
-# (measured at 32 rows: 7 ms against ~1.5 ms per decode step), while at 1-4 rows dispatch
-# dominates. In bfloat16 torch's silu is faster even at one row (5 us against 10).
-NATIVE_MAX_ROWS = 4
+# float32: few rows only, since the kernel's scalar expf loses to torch's vectorized silu from ~8
+# rows (measured at 32 rows: 7 ms against ~1.5 ms per decode step) while at 1-4 rows dispatch
+# dominates. The bfloat16 kernel is vectorized and beats torch's two bfloat16 ops at every size.
+NATIVE_F32_MAX_ROWS = 4
 
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
         if (
             x.dim() == 2
-            and x.size(0) <= NATIVE_MAX_ROWS
-            and x.dtype == torch.float32
+            and x.is_contiguous()
+            and (x.dtype == torch.bfloat16 or x.size(0) <= NATIVE_F32_MAX_ROWS)
             and native.usable(x)
         ):
             return native.silu_and_mul(x)

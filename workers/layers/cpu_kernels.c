@@ -669,6 +669,50 @@ void tern_silu_and_mul(const float *x, float *out, int T, int I) {
     }
 }
 
+#ifdef __AVX2__
+/* 8 floats rounded to the nearest bfloat16 (even on ties), still as floats. */
+static inline __m256 round8_bf16(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+static inline void store8_bf16(uint16_t *p, __m256 rounded) {
+    __m256i u = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+    __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
+}
+#endif
+
+/* bfloat16 x (T, 2I) = [gate | up] -> out (T, I) = silu(gate) * up, silu rounded to bfloat16
+ * before the product as torch's F.silu(gate) * up does. Vectorised, unlike the float32 version:
+ * in bfloat16 torch's two ops cost ~40 us per layer per 1000 tokens of prefill. The sigmoid comes
+ * from e = exp(-|g|), which cannot overflow: 1 / (1 + e) for g >= 0, e / (1 + e) below. */
+void tern_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I) {
+#pragma omp parallel for schedule(static) if ((int64_t)T * I >= 65536)
+    for (int t = 0; t < T; t++) {
+        const uint16_t *g = x + (int64_t)t * 2 * I, *u = g + I;
+        uint16_t *o = out + (int64_t)t * I;
+        int i = 0;
+#ifdef __AVX2__
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = load8_bf16(g + i);
+            __m256 e = exp_nonpositive(_mm256_sub_ps(zero, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), gv)));
+            __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(gv, zero, _CMP_GE_OQ));
+            __m256 silu = round8_bf16(_mm256_mul_ps(gv, _mm256_div_ps(num, _mm256_add_ps(one, e))));
+            store8_bf16(o + i, round8_bf16(_mm256_mul_ps(silu, load8_bf16(u + i))));
+        }
+#endif
+        for (; i < I; i++) {
+            float gi = bf16_to_f32(g[i]);
+            float silu = bf16_to_f32(f32_to_bf16(gi / (1.0f + expf(-gi))));
+            o[i] = f32_to_bf16(silu * bf16_to_f32(u[i]));
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- shared-memory collectives
  * All-reduce and all-gather among the tensor-parallel ranks of one host through a shared segment
  * (workers/shm_collectives.py maps it): gloo's TCP round trip costs about a millisecond per

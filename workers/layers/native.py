@@ -111,6 +111,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]
     lib.tern_silu_and_mul.argtypes = [_vp, _vp, _i32, _i32]
     lib.tern_int8_dequantize.argtypes = [_vp, _vp, _vp, _i32, _i32]
+    lib.tern_silu_and_mul_bf16.restype = None
+    lib.tern_silu_and_mul_bf16.argtypes = lib.tern_silu_and_mul.argtypes
     lib.tern_bf16_gemv_available.restype = _i32
     lib.tern_bf16_gemv.restype = _i32
     lib.tern_bf16_gemv.argtypes = [_vp, _vp, _vp, _vp, _i32, _i32]
@@ -405,13 +407,13 @@ def rotary_neox_(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x (T, 2I) float32 = [gate | up] -> silu(gate) * up, (T, I)."""
+    """x (T, 2I) float32 or bfloat16 = [gate | up] -> silu(gate) * up, (T, I)."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
-    _check(x, torch.float32, "x")
+    _check(x, _float_dtype(x), "x")
     t, two_i = x.shape
     if two_i % 2:
         raise ValueError(f"silu_and_mul needs an even width, got {two_i}")
-    out = torch.empty(t, two_i // 2, dtype=torch.float32)
-    lib.tern_silu_and_mul(_ptr(x), _ptr(out), t, two_i // 2)
+    out = torch.empty(t, two_i // 2, dtype=x.dtype)
+    _elementwise(lib, "tern_silu_and_mul", x.dtype)(_ptr(x), _ptr(out), t, two_i // 2)
     return out
