@@ -71,10 +71,12 @@ def make_steps(batch: int, prompt_len: int, num_decode: int) -> list[SchedulerOu
     return steps
 
 
-def make_config(model: str, tp: int, batch: int, prompt_len: int, num_decode: int) -> Config:
+def make_config(
+    model: str, dtype: str, tp: int, batch: int, prompt_len: int, num_decode: int
+) -> Config:
     num_blocks = batch * -(-(prompt_len + num_decode) // BLOCK_SIZE)
     return Config(
-        model=ModelConfig(path=model, dtype="float32"),
+        model=ModelConfig(path=model, dtype=dtype),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=num_blocks),
         parallel=ParallelConfig(tensor_parallel_size=tp),
     )
@@ -198,6 +200,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the prepared default model")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
@@ -211,12 +214,12 @@ def main() -> None:
     codec = Codec(WorkerCall)
     payloads = [codec.encode(ExecuteModel(s)) for s in steps[1:]]
     print(
-        f"{Path(model).name}, fp32, decode batch {args.batch} after {args.prompt_len}-token "
+        f"{Path(model).name}, {args.dtype}, decode batch {args.batch} after {args.prompt_len}-token "
         f"prompts, {args.steps} steps, step message {len(payloads[0])} B; median/min in ms"
     )
     print(f"{'tp':>3} {'step':>17} {'forward':>17} {'broadcast':>17} {'rest (median)':>14}")
     for tp in args.tp:
-        config = make_config(model, tp, args.batch, args.prompt_len, args.steps)
+        config = make_config(model, args.dtype, tp, args.batch, args.prompt_len, args.steps)
         step = bench_step(config, steps)
         forward = bench_forward(config, steps)
         bcast = bench_broadcast(tp, payloads, gap_s=statistics.median(forward))
