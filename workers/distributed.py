@@ -153,6 +153,38 @@ def shard_heads(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -
     return HeadShard(tp_rank * per_rank, per_rank, tp_rank // (tp_size // num_kv_heads), 1)
 
 
+def mlp_shard(
+    intermediate_size: int, hidden_size: int, head_dim: int, heads: list[HeadShard], tp_rank: int
+) -> tuple[int, int]:
+    """(start, size) of the MLP's intermediate features TP rank `tp_rank` holds, given every rank's
+    attention heads.
+
+    With even heads every rank takes intermediate_size / tp_size. With uneven heads (9 / 3 KV at
+    tp 2: 6 + 3) the ranks with fewer heads take more of the MLP, so that every rank holds about
+    the same weight (in multiples of 16 features): a decode step reads and multiplies the weights
+    once, and the slowest rank sets the pace of every all-reduce.
+    """
+    tp_size = len(heads)
+    attn = [2 * (h.num_heads + h.num_kv_heads) * head_dim * hidden_size for h in heads]
+    if len(set(attn)) == 1:
+        if intermediate_size % tp_size:
+            raise ValueError(
+                f"tensor-parallel size {tp_size} does not divide the MLP's intermediate size "
+                f"{intermediate_size}"
+            )
+        return tp_rank * (intermediate_size // tp_size), intermediate_size // tp_size
+    per_feature = 3 * hidden_size  # a row of gate, a row of up, a column of down
+    target = (sum(attn) + per_feature * intermediate_size) / tp_size
+    sizes = [max(16, round((target - a) / per_feature / 16) * 16) for a in attn]
+    sizes[-1] = intermediate_size - sum(sizes[:-1])
+    if min(sizes) < 1:
+        raise ValueError(
+            f"the MLP's {intermediate_size} features cannot balance the attention heads' weights "
+            f"over {tp_size} ranks"
+        )
+    return sum(sizes[:tp_rank]), sizes[tp_rank]
+
+
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
     """The contiguous decoder layers of pipeline stage `pp_rank` (earlier stages take the extra)."""
     if pp_size > num_layers:
@@ -214,7 +246,14 @@ def init_distributed(parallel: ParallelConfig, rank: int) -> ParallelContext:
             group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), timeout=timeout)
             if stage == rank // tp:
                 tp_group = group
-        if backend == "gloo" and parallel.shm_collectives:
+        first = rank - rank % tp
+        # NOTE: only a group whose ranks all run on this node: ranks of other nodes may map the
+        # same /dev/shm (containers, network namespaces), but a dead peer there must surface as a
+        # failed collective, not as a wait. The decision is the same on every rank of the group.
+        on_one_node = (
+            first // parallel.ranks_per_node == (first + tp - 1) // parallel.ranks_per_node
+        )
+        if backend == "gloo" and parallel.shm_collectives and on_one_node:
             tp_shm = ShmCommunicator.create(
                 tp_group, rank % tp, tp, src=rank - rank % tp, timeout_s=timeout.total_seconds()
             )

@@ -48,6 +48,7 @@ from workers.layers.logprobs import (
     sampled_logprobs_by_request,
 )
 from workers.layers.sampler import Sampler, SamplingTensors
+from workers.models.llama import mlp_shard_of
 from workers.models.registry import ModelArgs, build_model, load_model_args
 from workers.weight_loader import load_checkpoint
 
@@ -62,11 +63,7 @@ def check_parallel_split(args: ModelArgs, parallel: ParallelConfig) -> None:
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     for tp_rank in range(tp):
         shard_heads(args.num_attention_heads, args.num_key_value_heads, tp, tp_rank)
-    if args.intermediate_size % tp:
-        raise ValueError(
-            f"tensor-parallel size {tp} does not divide the MLP's intermediate size "
-            f"{args.intermediate_size}"
-        )
+        mlp_shard_of(args, tp, tp_rank)
     stage_layers(args.num_hidden_layers, pp, 0)
 
 

@@ -273,12 +273,14 @@ def _watch(
                 return 0
             if isinstance(msg, NodeAck):
                 last_ack = time.monotonic()
+        # NOTE: is_alive() reaps an exited worker and sets its exit code, so the codes are read
+        # after it: a killed worker must never pass for one that exited cleanly.
         alive = [p for p in procs if p.is_alive()]
-        if not alive:  # every worker exited cleanly (Shutdown broadcast)
-            return 0
-        wait([p.sentinel for p in alive], timeout=0.2)
         for rank, proc in zip(config.parallel.node_ranks, procs):
             if proc.exitcode not in (None, 0):  # 0: Shutdown, the others follow
                 sock.send(to_core.encode(NodeWorkerExited(node, rank, proc.exitcode)))
                 return 1
+        if not alive:  # every worker exited cleanly (Shutdown broadcast)
+            return 0
+        wait([p.sentinel for p in alive], timeout=0.2)
     return 0

@@ -40,6 +40,7 @@ from enginecore.messages import (
 )
 from tests.integration.test_engine_core_proc import CoreClient, config_for, greedy
 from tests.unit.test_engine_inproc import hf_greedy, make_core, make_prompts, run_to_end, vocab_of
+from workers.distributed import mlp_shard, shard_heads
 from workers.model_runner import check_parallel_split
 from workers.models.registry import load_model_args
 
@@ -104,6 +105,22 @@ def test_splits_a_model_cannot_take_are_named(tiny_llama: Path, tiny_qwen2: Path
         check_parallel_split(odd_mlp, ParallelConfig(tensor_parallel_size=4))
     for tp in (1, 2, 4):  # 4: each KV head replicated on two ranks
         check_parallel_split(llama, ParallelConfig(tensor_parallel_size=tp))
+
+
+def test_uneven_heads_are_balanced_by_the_mlp_split() -> None:
+    """SmolLM2 at tp 2: heads split 6 + 3, so rank 1 takes more MLP features; every rank ends up
+    with about the same weight, and the features cover the MLP exactly once."""
+    hidden, head_dim, inter = 576, 64, 1536
+    heads = [shard_heads(9, 3, 2, r) for r in range(2)]
+    shards = [mlp_shard(inter, hidden, head_dim, heads, r) for r in range(2)]
+    assert shards == [(0, 688), (688, 848)]
+    weights = [
+        2 * (h.num_heads + h.num_kv_heads) * head_dim * hidden + 3 * hidden * size
+        for h, (_, size) in zip(heads, shards)
+    ]
+    assert abs(weights[0] - weights[1]) <= 3 * hidden * 16  # within one step of 16 features
+    even = [shard_heads(4, 2, 2, r) for r in range(2)]
+    assert [mlp_shard(128, 64, 16, even, r) for r in range(2)] == [(0, 64), (64, 64)]
 
 
 @pytest.mark.parametrize("case", ["bad_split", "no_model"])

@@ -226,8 +226,9 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one matrix (gate_up_proj).
 
-    Shard `i` of the checkpoint occupies rows [sum(sizes[:i]), sum(sizes[:i+1])) / tp_size of this
-    rank's weight, so each rank holds its slice of every projection, contiguous per projection.
+    Each rank holds rows [start, start + size) of every projection, contiguous per projection:
+    by default an even split (size = output size / tp_size), or the `shard` (start, size) given,
+    the same for every projection (projections of equal size).
     """
 
     def __init__(
@@ -238,9 +239,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         *,
         ctx: ParallelContext,
         quant: str | None = None,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, ctx=ctx, quant=quant)
+        if shard is None:
+            super().__init__(input_size, sum(output_sizes), bias, ctx=ctx, quant=quant)
+            self.shards = [
+                (ctx.tp_rank * (n // ctx.tp_size), n // ctx.tp_size) for n in output_sizes
+            ]
+        else:
+            start, size = shard
+            if len(set(output_sizes)) != 1 or not 0 <= start < start + size <= output_sizes[0]:
+                raise ValueError(f"shard {shard} does not fit projections of {output_sizes} rows")
+            LinearBase.__init__(self, input_size, size * len(output_sizes), bias, 0, ctx, quant)
+            self.shards = [shard] * len(output_sizes)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
@@ -249,15 +261,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError(
                 f"{type(self).__name__} needs a shard id in 0..{len(self.output_sizes)}"
             )
-        tp = self.ctx.tp_size
-        offset = sum(self.output_sizes[:shard_id]) // tp
-        size = self.output_sizes[shard_id] // tp
-        if loaded_weight.size(0) != size * tp:
+        start, size = self.shards[shard_id]
+        offset = sum(n for _, n in self.shards[:shard_id])
+        if loaded_weight.size(0) != self.output_sizes[shard_id]:
             raise ValueError(
                 f"weight shape mismatch: shard {shard_id} has {loaded_weight.size(0)} rows, "
-                f"expected {size * tp}"
+                f"expected {self.output_sizes[shard_id]}"
             )
-        self._store(param, loaded_weight.narrow(0, self.ctx.tp_rank * size, size), offset, size)
+        self._store(param, loaded_weight.narrow(0, start, size), offset, size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.distributed import ParallelContext, stage_layers
+from workers.distributed import ParallelContext, mlp_shard, shard_heads, stage_layers
 from workers.layers.activation import SiluAndMul
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -73,15 +73,26 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.flatten(1))
 
 
+def mlp_shard_of(args: ModelArgs, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    heads = [
+        shard_heads(args.num_attention_heads, args.num_key_value_heads, tp_size, r)
+        for r in range(tp_size)
+    ]
+    return mlp_shard(args.intermediate_size, args.hidden_size, args.head_dim, heads, tp_rank)
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, args: ModelArgs, ctx: ParallelContext) -> None:
         super().__init__()
         inter = args.intermediate_size
         quant = args.quantization
+        shard = mlp_shard_of(args, ctx.tp_size, ctx.tp_rank)
         self.gate_up_proj = MergedColumnParallelLinear(
-            args.hidden_size, [inter, inter], ctx=ctx, quant=quant
+            args.hidden_size, [inter, inter], ctx=ctx, quant=quant, shard=shard
         )
-        self.down_proj = RowParallelLinear(inter, args.hidden_size, ctx=ctx, quant=quant)
+        self.down_proj = RowParallelLinear(
+            inter, args.hidden_size, ctx=ctx, input_shard=shard, quant=quant
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
