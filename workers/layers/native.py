@@ -300,17 +300,25 @@ def int8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _linear_shape(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, name: str
+) -> tuple[int, int, int]:
+    """(M, N, K) of x (M, K) @ weight (N, K).T + bias (N,), all contiguous CPU `dtype` tensors."""
+    _check(x, dtype, "x")
+    _check(weight, dtype, "weight")
+    if bias is not None:
+        _check(bias, dtype, "bias")
+    (m, k), (n, k_w) = x.shape, weight.shape
+    if k != k_w or (bias is not None and bias.numel() != n):
+        raise ValueError(f"{name}: x {tuple(x.shape)} does not fit weight {(n, k_w)}")
+    return m, n, k
+
+
 def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (M, K) @ weight (N, K).T + bias, all float32: the few-row GEMM of decode steps."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
-    _check(x, torch.float32, "x")
-    _check(weight, torch.float32, "weight")
-    if bias is not None:
-        _check(bias, torch.float32, "bias")
-    (m, k), (n, k_w) = x.shape, weight.shape
-    if k != k_w or (bias is not None and bias.numel() != n):
-        raise ValueError(f"f32 linear: x {tuple(x.shape)} does not fit weight {(n, k_w)}")
+    m, n, k = _linear_shape(x, weight, bias, torch.float32, "f32 linear")
     y = torch.empty(m, n, dtype=torch.float32)
     rc = lib.tern_f32_linear(
         _ptr(x), _ptr(weight), _ptr(bias) if bias is not None else None, _ptr(y), m, n, k
@@ -324,13 +332,9 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     """x (1, K) @ weight (N, K).T + bias, all bfloat16 with float32 accumulation (has_bf16_gemv)."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
-    _check(x, torch.bfloat16, "x")
-    _check(weight, torch.bfloat16, "weight")
-    if bias is not None:
-        _check(bias, torch.bfloat16, "bias")
-    (m, k), (n, k_w) = x.shape, weight.shape
-    if m != 1 or k != k_w or (bias is not None and bias.numel() != n):
-        raise ValueError(f"bf16 gemv: x {tuple(x.shape)} does not fit weight {(n, k_w)}")
+    m, n, k = _linear_shape(x, weight, bias, torch.bfloat16, "bf16 gemv")
+    if m != 1:
+        raise ValueError(f"bf16 gemv: x {tuple(x.shape)} does not fit weight {(n, k)}: one row")
     y = torch.empty(1, n, dtype=torch.bfloat16)
     rc = lib.tern_bf16_gemv(
         _ptr(x), _ptr(weight), _ptr(bias) if bias is not None else None, _ptr(y), n, k
