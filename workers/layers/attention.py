@@ -245,12 +245,10 @@ class Attention(nn.Module):
 
         groups = meta.groups
         if use_kernel:
-            q_dec = q if d.is_whole_batch else q[d.q_tokens]
-            if q_dec.dtype not in (torch.float32, torch.bfloat16):
-                q_dec = q_dec.float()
+            q_dec = q if d.is_whole_batch else q[d.q_tokens]  # the cache's dtype, as q's
             o_dec = native.paged_decode_attention(
                 q_dec.contiguous(), k_cache, v_cache, d.block_tables, d.context_lens, self.scale
-            ).to(q.dtype)
+            )
             if d.is_whole_batch:
                 return o_dec
             out = torch.empty_like(q)
