@@ -234,12 +234,12 @@ class WorkerControl:
             if self._weight_shapes is not None:
                 for name, p in self.model.named_parameters():
                     p.data = torch.zeros(self._weight_shapes[name], dtype=p.dtype, device=p.device)
-                self._weight_shapes = None  # the values come with the next weight update
+                self._weight_shapes = None  # values (and packed copies) come with the next update
             if self._offloaded is not None:
                 for name, p in self.model.named_parameters():
                     p.data = self._offloaded[name].to(p.device)
                 self._offloaded = None
-            self.runner.repack_weights()
+                self.runner.repack_weights()
         if "kv_cache" in tags and self._kv_asleep:
             self.runner.init_kv_cache(self.runner.num_kv_blocks)
             self._kv_asleep = False

@@ -117,14 +117,18 @@ int tern_rotary_neox_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_
 #pragma omp parallel for schedule(static) if (T >= 16)
     for (int t = 0; t < T; t++) {
         const float *c = cos_cache + positions[t] * half, *s = sin_cache + positions[t] * half;
+        float cr[half], sr[half]; /* this token's cos and sin, rounded once for all its heads */
+        for (int i = 0; i < half; i++) {
+            cr[i] = round_bf16(c[i]);
+            sr[i] = round_bf16(s[i]);
+        }
         for (int h = 0; h < H + Hkv; h++) {
             uint16_t *x = h < H ? q + t * q_stride + (int64_t)h * D
                                 : k + t * k_stride + (int64_t)(h - H) * D;
             for (int i = 0; i < half; i++) {
                 float a = bf16_to_f32(x[i]), b = bf16_to_f32(x[i + half]);
-                float ci = round_bf16(c[i]), si = round_bf16(s[i]);
-                x[i] = f32_to_bf16(round_bf16(a * ci) + round_bf16(-b * si));
-                x[i + half] = f32_to_bf16(round_bf16(b * ci) + round_bf16(a * si));
+                x[i] = f32_to_bf16(round_bf16(a * cr[i]) + round_bf16(-b * sr[i]));
+                x[i + half] = f32_to_bf16(round_bf16(b * cr[i]) + round_bf16(a * sr[i]));
             }
         }
     }
