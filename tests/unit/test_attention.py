@@ -21,7 +21,12 @@ needs_kernels = pytest.mark.skipif(native.load() is None, reason="no C compiler"
 
 
 def _batch(
-    query_lens: list[int], start_pos: list[int], block_size: int, num_blocks: int, seed: int
+    query_lens: list[int],
+    start_pos: list[int],
+    block_size: int,
+    num_blocks: int,
+    seed: int,
+    shape: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM),
 ) -> tuple[list[list[int]], torch.Tensor]:
     """Scattered block tables for the sequences, and a cache filled with random K/V."""
     rng = random.Random(seed)
@@ -31,7 +36,7 @@ def _batch(
     for q, s in zip(query_lens, start_pos):
         tables.append([free.pop() for _ in range(-(-(s + q) // block_size))])
     g = torch.Generator().manual_seed(seed)
-    cache = torch.randn(2, num_blocks, block_size, KV_HEADS, HEAD_DIM, generator=g)
+    cache = torch.randn(2, num_blocks, block_size, shape[1], shape[2], generator=g)
     return tables, cache
 
 
@@ -54,7 +59,7 @@ def _reference(
         mask = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]  # (n, ctx)
         qs = q[offset : offset + n].float().transpose(0, 1)  # (H, n, D)
         o = F.scaled_dot_product_attention(
-            qs, k, v, attn_mask=mask, scale=HEAD_DIM**-0.5, enable_gqa=True
+            qs, k, v, attn_mask=mask, scale=q.size(-1) ** -0.5, enable_gqa=True
         )
         out.append(o.transpose(0, 1))
         offset += n
@@ -69,17 +74,20 @@ def _run(
     dtype: torch.dtype = torch.float32,
     use_kernel: bool,
     seed: int = 0,
+    shape: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Attention's output, the reference) for one step; the step's own K/V go in first."""
+    """(Attention's output, the reference) for one step; the step's own K/V go in first.
+    `shape`: (heads, KV heads, head dim)."""
+    heads, kv_heads, head_dim = shape
     num_blocks = sum(-(-(s + q) // block_size) for s, q in zip(start_pos, query_lens)) + 3
-    tables, cache = _batch(query_lens, start_pos, block_size, num_blocks, seed)
+    tables, cache = _batch(query_lens, start_pos, block_size, num_blocks, seed, shape)
     cache = cache.to(dtype)
     g = torch.Generator().manual_seed(seed + 1)
     num_tokens = sum(query_lens)
-    q = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=g).to(dtype)
-    k = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
-    v = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
-    attn = Attention(HEADS, HEAD_DIM, KV_HEADS, HEAD_DIM**-0.5)
+    q = torch.randn(num_tokens, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(num_tokens, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_tokens, kv_heads, head_dim, generator=g).to(dtype)
+    attn = Attention(heads, head_dim, kv_heads, head_dim**-0.5)
     attn.has_decode_kernel = use_kernel
     attn.kv_cache = cache
     meta = build_attention_metadata(start_pos, query_lens, tables, block_size, torch.device("cpu"))
@@ -116,6 +124,27 @@ def test_kernel_with_bf16_cache_and_other_block_sizes(block_size: int) -> None:
         query_lens, start_pos, block_size=block_size, dtype=torch.bfloat16, use_kernel=False
     )
     torch.testing.assert_close(out, fallback, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "shape,block_size",
+    [
+        ((9, 3, 64), 16),  # SmolLM2: 3 query heads per KV head
+        ((14, 2, 64), 16),  # Qwen2-0.5B: 7 per KV head, more than are held in registers at once
+        ((4, 4, 128), 32),  # no grouping, two 64-feature halves, two 16-token chunks per block
+        ((8, 2, 64), 5),  # blocks shorter than a 16-token chunk
+    ],
+)
+def test_bf16_kernel_at_real_models_head_dims(shape: tuple[int, int, int], block_size: int) -> None:
+    """Head dims that are multiples of 64 take the kernel's 16-tokens-at-a-time path; contexts
+    end mid-chunk and mid-block, and a lone decode splits by KV head."""
+    for query_lens, start_pos in ([1, 1, 1, 1], [40, 0, 70, 16]), ([1], [100]):
+        out, ref = _run(
+            query_lens, start_pos, block_size=block_size, dtype=torch.bfloat16,
+            use_kernel=True, shape=shape,
+        )  # fmt: skip
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
 @needs_kernels
