@@ -196,6 +196,7 @@ def summarize(
         "num_prompts": len(results),
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "seed": args.seed,
         "concurrency": args.concurrency,
         "request_rate": args.request_rate,
         "completed": len(ok),

@@ -103,6 +103,8 @@ def _run(
         ([1], [37]),  # one decode: the kernel splits it by KV head
         ([1] * 9, [0, 3, 4, 5, 16, 17, 30, 63, 100]),  # decodes only: one item per sequence
         ([5, 1, 12, 1, 1], [0, 9, 3, 0, 22]),  # prefill chunks and decodes mixed
+        ([7, 1, 3, 12, 9], [0, 9, 0, 5, 0]),  # padded fresh prompts beside a later chunk
+        ([6, 6, 6, 1], [0, 0, 0, 4]),  # fresh prompts of one length, contiguous: viewed
     ],
 )
 def test_matches_per_sequence_reference(

@@ -7,9 +7,11 @@ decodes mixed) and passes it into `forward`. Every attention layer then
 Step 2 serves two kinds of sequences, with no Python loop over sequences:
 - single-token decodes (`DecodeGroup`): on the CPU a native kernel (native.py) reads each sequence's
   K/V straight from its cache blocks; elsewhere they take the padded path below with max_q = 1.
-- the rest (`AttentionGroup`): whole cache blocks of each sequence are gathered into a padded
-  (G, max_blocks * block_size) context and one `scaled_dot_product_attention` call with a boolean
-  mask serves the group.
+- the rest (`AttentionGroup`), in up to two groups of one `scaled_dot_product_attention` call each:
+  prompts computed from their first token (no cached context) attend this step's own K/V, padded to
+  (G, max_q), with `is_causal` (no mask, and the flash kernel skips the blocks above the diagonal);
+  the others (later chunks, prefix-cache hits) gather whole cache blocks into a padded
+  (G, max_blocks * block_size) context under a boolean mask.
 Indices and masks are computed once per step and shared by all layers. The cache layout of one
 layer is (2, num_blocks, block_size, num_kv_heads, head_dim).
 """
@@ -33,9 +35,15 @@ class AttentionGroup:
     q_gather: torch.Tensor  # (G * max_q,) flat token index of each padded query row (pads -> 0)
     q_rows: torch.Tensor  # (N,) padded rows that hold real queries ...
     q_tokens: torch.Tensor  # (N,) ... and the flat token each of them is
-    kv_blocks: torch.Tensor  # (G, max_blocks) cache block of each sequence's context (pads -> 0)
-    mask: torch.Tensor  # (G, 1, max_q, max_blocks * block_size) True where the query may attend
+    # Context from the cache: (G, max_blocks) block of each sequence's context (pads -> 0) and
+    # (G, 1, max_q, max_blocks * block_size) True where the query may attend. Both None for
+    # sequences whose context is exactly their queries (causal over this step's own K/V).
+    kv_blocks: torch.Tensor | None
+    mask: torch.Tensor | None
     max_q: int
+    # Causal groups whose G x max_q query rows are one contiguous run of the flat batch (no
+    # padding): the run's first token, so that they are viewed rather than gathered.
+    first_token: int | None = None
 
 
 @dataclass
@@ -119,9 +127,13 @@ def build_attention_metadata(
             is_whole_batch=not other_seqs,
         )
     groups = []
-    if other_seqs:
+    fresh = [i for i in other_seqs if start_pos[i] == 0]
+    cached = [i for i in other_seqs if start_pos[i] != 0]
+    if fresh:
+        groups.append(_to_device(_build_fresh_group(fresh, query_lens, query_start_loc), device))
+    if cached:
         group = _build_group(
-            other_seqs, query_lens, context_lens, tables, starts, query_start_loc, block_size
+            cached, query_lens, context_lens, tables, starts, query_start_loc, block_size
         )
         groups.append(_to_device(group, device))
     return AttentionMetadata(
@@ -141,6 +153,42 @@ def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> to
     return blocks * block_size + positions % block_size
 
 
+def _padded_queries(
+    seqs: list[int], query_lens: list[int], query_start_loc: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(q_gather, q_valid (G, max_q), q_rows, max_q) of the sequences' queries padded to max_q."""
+    idx = torch.tensor(seqs, dtype=torch.int64)
+    max_q = max(query_lens[i] for i in seqs)
+    q_len = torch.tensor([query_lens[i] for i in seqs], dtype=torch.int64)  # (G,)
+    q_off = torch.arange(max_q)  # (max_q,)
+    q_valid = q_off[None, :] < q_len[:, None]  # (G, max_q)
+    q_tok = query_start_loc[idx][:, None] + q_off[None, :]
+    q_gather = torch.where(q_valid, q_tok, 0).flatten()
+    q_rows = q_valid.flatten().nonzero().squeeze(-1)
+    return q_gather, q_valid, q_rows, max_q
+
+
+def _build_fresh_group(
+    seqs: list[int], query_lens: list[int], query_start_loc: torch.Tensor
+) -> AttentionGroup:
+    """Sequences whose context is exactly this step's tokens: query i sees queries 0..i. Right
+    padding keeps that causal mask right for every real row (pad keys come after them)."""
+    q_gather, _, q_rows, max_q = _padded_queries(seqs, query_lens, query_start_loc)
+    starts = [int(query_start_loc[i]) for i in seqs]
+    contiguous = all(query_lens[i] == max_q for i in seqs) and all(
+        b - a == max_q for a, b in zip(starts, starts[1:])
+    )
+    return AttentionGroup(
+        q_gather=q_gather,
+        q_rows=q_rows,
+        q_tokens=q_gather[q_rows],
+        kv_blocks=None,
+        mask=None,
+        max_q=max_q,
+        first_token=starts[0] if contiguous else None,
+    )
+
+
 def _build_group(
     seqs: list[int],
     query_lens: list[int],
@@ -151,16 +199,11 @@ def _build_group(
     block_size: int,
 ) -> AttentionGroup:
     idx = torch.tensor(seqs, dtype=torch.int64)
-    max_q = max(query_lens[i] for i in seqs)
+    q_gather, q_valid, q_rows, max_q = _padded_queries(seqs, query_lens, query_start_loc)
     num_blocks = max(-(-context_lens[i] // block_size) for i in seqs)
     max_ctx = num_blocks * block_size  # whole blocks are gathered
-    q_len = torch.tensor([query_lens[i] for i in seqs], dtype=torch.int64)  # (G,)
     ctx_len = torch.tensor([context_lens[i] for i in seqs], dtype=torch.int64)
     q_off = torch.arange(max_q)  # (max_q,)
-    q_valid = q_off[None, :] < q_len[:, None]  # (G, max_q)
-    q_tok = query_start_loc[idx][:, None] + q_off[None, :]
-    q_gather = torch.where(q_valid, q_tok, 0).flatten()
-    q_rows = q_valid.flatten().nonzero().squeeze(-1)
 
     kv_pos = torch.arange(max_ctx)  # (max_ctx,)
     kv_valid = kv_pos[None, :] < ctx_len[:, None]  # (G, max_ctx)
@@ -185,9 +228,10 @@ def _to_device(g: AttentionGroup, device: torch.device) -> AttentionGroup:
         q_gather=g.q_gather.to(device),
         q_rows=g.q_rows.to(device),
         q_tokens=g.q_tokens.to(device),
-        kv_blocks=g.kv_blocks.to(device),
-        mask=g.mask.to(device),
+        kv_blocks=None if g.kv_blocks is None else g.kv_blocks.to(device),
+        mask=None if g.mask is None else g.mask.to(device),
         max_q=g.max_q,
+        first_token=g.first_token,
     )
 
 
@@ -258,8 +302,38 @@ class Attention(nn.Module):
             if d is not None:
                 groups = [d.padded, *groups]
         for g in groups:
-            self._attend_padded(q, k_cache, v_cache, g, out)
+            if g.kv_blocks is None:
+                self._attend_fresh(q, k, v, g, out)
+            else:
+                self._attend_padded(q, k_cache, v_cache, g, out)
         return out
+
+    def _attend_fresh(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: AttentionGroup,
+        out: torch.Tensor,
+    ) -> None:
+        num = g.q_gather.numel() // g.max_q
+        if g.first_token is not None:
+            rows = slice(g.first_token, g.first_token + num * g.max_q)
+            qg, kg, vg = q[rows], k[rows], v[rows]
+        else:
+            qg, kg, vg = q[g.q_gather], k[g.q_gather], v[g.q_gather]
+        qg = qg.view(num, g.max_q, self.num_heads, self.head_dim)
+        kg = kg.view(num, g.max_q, self.num_kv_heads, self.head_dim)
+        vg = vg.view(num, g.max_q, self.num_kv_heads, self.head_dim)
+        og = F.scaled_dot_product_attention(
+            qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
+            is_causal=True, scale=self.scale, enable_gqa=True,
+        )  # fmt: skip
+        og = og.transpose(1, 2).reshape(num * g.max_q, self.num_heads, self.head_dim)
+        if g.first_token is not None:
+            out[rows] = og
+        else:
+            out[g.q_tokens] = og[g.q_rows]
 
     def _attend_padded(
         self,
