@@ -48,10 +48,11 @@ def test_rms_norm_with_and_without_residual(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 3, 20])
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: the bfloat16 kernel's 16-wide loop
 def test_rotary_in_place_on_views_of_the_qkv_projection(
-    tokens: int, dtype: torch.dtype, torch_only
+    tokens: int, head_dim: int, dtype: torch.dtype, torch_only
 ) -> None:
-    heads, kv_heads, head_dim = 4, 2, 16
+    heads, kv_heads = 4, 2
     rope = RotaryEmbedding(head_dim, 64, RopeParams(theta=10000.0))
     g = torch.Generator().manual_seed(tokens)
     positions = torch.randint(0, 64, (tokens,), generator=g)

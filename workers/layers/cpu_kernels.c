@@ -414,7 +414,7 @@ static void decode_heads_bf16_x16(const uint16_t *qb, float scale, const uint16_
                 for (int d0 = 0; d0 < D; d0 += 64) {
                     for (int g0 = 0; g0 < G; g0 += PV_HEADS) {
                         int gn = G - g0 < PV_HEADS ? G - g0 : PV_HEADS;
-                        __m512 a[PV_HEADS][4];
+                        __m512 a[PV_HEADS][4] = {{0}};
                         for (int gi = 0; gi < PV_HEADS; gi++) {
                             if (gi >= gn) break;
                             float *ar = acc + (int64_t)(h * G + g0 + gi) * D + d0;
@@ -910,7 +910,7 @@ static inline void store8_bf16(uint16_t *p, __m256 rounded) {
  * in bfloat16 torch's two ops cost ~40 us per layer per 1000 tokens of prefill. The sigmoid comes
  * from e = exp(-|g|), which cannot overflow: 1 / (1 + e) for g >= 0, e / (1 + e) below. */
 void tern_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I) {
-#pragma omp parallel for schedule(static) if ((int64_t)T * I >= 65536)
+#pragma omp parallel for schedule(static) if ((int64_t)T * I >= 16384)
     for (int t = 0; t < T; t++) {
         const uint16_t *g = x + (int64_t)t * 2 * I, *u = g + I;
         uint16_t *o = out + (int64_t)t * I;
