@@ -40,18 +40,23 @@ def test_dense_linear_routes_only_what_the_kernel_handles(monkeypatch) -> None:
         native.f32_linear(torch.randn(2, 5), w, None)
 
 
-@pytest.mark.skipif(not native.has_bf16_gemv(), reason="no AVX512-BF16")
+@pytest.mark.skipif(native.bf16_gemv_max_rows() == 0, reason="no AVX512-BF16")
 @pytest.mark.parametrize("out_features,in_features", [(13, 20), (96, 64), (61, 33), (960, 576)])
-def test_bf16_one_row_kernel_matches_f_linear(out_features: int, in_features: int) -> None:
+@pytest.mark.parametrize("rows", [1, 2])
+def test_bf16_few_row_kernel_matches_f_linear(
+    rows: int, out_features: int, in_features: int
+) -> None:
     g = torch.Generator().manual_seed(out_features)
-    x = torch.randn(1, in_features, generator=g).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     b = torch.randn(out_features, generator=g).bfloat16()
     # float32 accumulation in another order: one bfloat16 rounding step apart at most
     torch.testing.assert_close(native.bf16_gemv(x, w, b), F.linear(x, w, b), atol=0.02, rtol=0.01)
     torch.testing.assert_close(native.bf16_gemv(x, w, None), F.linear(x, w), atol=0.02, rtol=0.01)
     with pytest.raises(ValueError, match="does not fit"):
-        native.bf16_gemv(torch.cat((x, x)), w, None)
+        native.bf16_gemv(x[:, 1:].contiguous(), w, None)
+    with pytest.raises(ValueError, match="rows"):
+        native.bf16_gemv(x.repeat(3, 1), w, None)
 
 
 def test_packed_bf16_weights_give_f_linear() -> None:

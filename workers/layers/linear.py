@@ -57,7 +57,7 @@ def dense_linear(
     """F.linear(x, weight, bias), through `packed` (pack_weight(weight)) when given; a one-row
     bfloat16 or few-row float32 product on the CPU uses tern's kernels."""
     if packed is not None and x.dtype == torch.bfloat16 and x.is_cpu:
-        if x.dim() == 2 and x.size(0) == 1 and x.is_contiguous() and native.has_bf16_gemv():
+        if x.dim() == 2 and x.size(0) <= native.bf16_gemv_max_rows() and x.is_contiguous():
             return native.bf16_gemv(x, weight, bias)  # the weights streamed at memory speed
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     if (

@@ -115,7 +115,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tern_silu_and_mul_bf16.argtypes = lib.tern_silu_and_mul.argtypes
     lib.tern_bf16_gemv_available.restype = _i32
     lib.tern_bf16_gemv.restype = _i32
-    lib.tern_bf16_gemv.argtypes = [_vp, _vp, _vp, _vp, _i32, _i32]
+    lib.tern_bf16_gemv.argtypes = [_vp, _vp, _vp, _vp, _i32, _i32, _i32]
     lib.tern_rms_norm_bf16.restype = None
     lib.tern_rms_norm_bf16.argtypes = lib.tern_rms_norm.argtypes
     lib.tern_rotary_neox_bf16.restype = _i32
@@ -167,10 +167,10 @@ def usable(*tensors: torch.Tensor | None) -> bool:
 
 
 @functools.cache
-def has_bf16_gemv() -> bool:
-    """Whether this CPU and build have tern's one-row bfloat16 linear (AVX512-BF16)."""
+def bf16_gemv_max_rows() -> int:
+    """Rows of x tern's few-row bfloat16 linear takes (AVX512-BF16), 0 where it has none."""
     lib = load()
-    return lib is not None and bool(lib.tern_bf16_gemv_available())
+    return int(lib.tern_bf16_gemv_available()) if lib is not None else 0
 
 
 def _elementwise(lib: ctypes.CDLL, name: str, dtype: torch.dtype) -> Any:
@@ -329,15 +329,16 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (1, K) @ weight (N, K).T + bias, all bfloat16 with float32 accumulation (has_bf16_gemv)."""
+    """x (M, K) @ weight (N, K).T + bias, all bfloat16 with float32 accumulation, for
+    M <= bf16_gemv_max_rows(): each weight is read once for all M rows."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
     m, n, k = _linear_shape(x, weight, bias, torch.bfloat16, "bf16 gemv")
-    if m != 1:
-        raise ValueError(f"bf16 gemv: x {tuple(x.shape)} does not fit weight {(n, k)}: one row")
-    y = torch.empty(1, n, dtype=torch.bfloat16)
+    if not 1 <= m <= bf16_gemv_max_rows():
+        raise ValueError(f"bf16 gemv: {m} rows, this build takes 1-{bf16_gemv_max_rows()}")
+    y = torch.empty(m, n, dtype=torch.bfloat16)
     rc = lib.tern_bf16_gemv(
-        _ptr(x), _ptr(weight), _ptr(bias) if bias is not None else None, _ptr(y), n, k
+        _ptr(x), _ptr(weight), _ptr(bias) if bias is not None else None, _ptr(y), m, n, k
     )
     if rc != 0:
         raise ValueError("bf16 gemv: this build has no AVX512-BF16")
