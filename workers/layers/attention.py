@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (B, max_blocks) int32, padded with 0
     groups: list[AttentionGroup]  # the sequences with several query tokens
     decode: DecodeGroup | None = None  # the sequences with one
+    native_step: Any = None  # fused_decode.StepBuffers, built by the first fused layer of the step
 
 
 def build_attention_metadata(

@@ -1,5 +1,5 @@
-"""Builds and loads tern's CPU kernels (cpu_kernels.c, bf16_kernels.c) with the system C compiler,
-through ctypes.
+"""Builds and loads tern's CPU kernels (cpu_kernels.c, bf16_kernels.c, decode_layer.c) with the
+system C compiler, through ctypes.
 
 The shared library is compiled once per (sources, compiler flags, CPU features) and cached under
 TERN_HOME/kernels, so a later start-up only loads it (a cold build takes about a second). It links
@@ -32,7 +32,9 @@ from enginecore.config import tern_home
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "bf16_kernels.c")]
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("cpu_kernels.c", "bf16_kernels.c", "decode_layer.c")
+]
 ABI_VERSION = 1
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
@@ -120,6 +122,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tern_rms_norm_bf16.argtypes = lib.tern_rms_norm.argtypes
     lib.tern_rotary_neox_bf16.restype = _i32
     lib.tern_rotary_neox_bf16.argtypes = lib.tern_rotary_neox.argtypes
+    lib.tern_decode_layer_bf16.restype = _i32
+    lib.tern_decode_layer_bf16.argtypes = [_vp, _vp, _vp, _vp, _vp, _vp]
 
 
 @functools.cache

@@ -20,6 +20,7 @@ from workers.distributed import ParallelContext, mlp_shard, shard_heads, stage_l
 from workers.layers.activation import SiluAndMul
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.fused_decode import FusedDecodeLayer
 from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
@@ -110,10 +111,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(args, ctx)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.fused_decode = FusedDecodeLayer(self)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = self.fused_decode(x, residual, meta)  # one native call for small decode steps
+        if fused is not None:
+            return fused
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:

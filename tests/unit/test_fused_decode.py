@@ -1,0 +1,81 @@
+"""The fused decoder layer of small bfloat16 decode steps (decode_layer.c) against the module-by-module
+path: the same logprobs bit for bit, for bfloat16 and int8 weights, Llama and Qwen2 (q/k/v bias),
+decode steps of one and of two sequences, after prompts and chunked prefills."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from enginecore.config import CacheConfig, Config, ModelConfig
+from enginecore.messages import SamplingParams
+from tests.unit.test_model_runner import make_prompts, run
+from workers.layers import native
+from workers.layers.fused_decode import FusedDecodeLayer
+from workers.model_runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(
+    native.load() is None or native.bf16_gemv_max_rows() < 2, reason="needs AVX512-BF16 kernels"
+)
+
+
+def _runner(model_dir: Path, quantization: str | None) -> ModelRunner:
+    config = Config(
+        model=ModelConfig(path=str(model_dir), dtype="bfloat16", quantization=quantization),
+        cache=CacheConfig(block_size=4, num_gpu_blocks_override=256),
+    )
+    runner = ModelRunner(config)
+    runner.load_model()
+    runner.init_kv_cache(256)
+    return runner
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
+def test_fused_layer_is_bit_identical_to_the_modules(
+    arch: str, quantization: str | None, request: pytest.FixtureRequest, monkeypatch
+) -> None:
+    model_dir = request.getfixturevalue(arch)
+    prompts = make_prompts(1000)[:3]
+    params = SamplingParams(temperature=0.0, seed=1, max_tokens=16)
+    # Two requests from step 0, a third prefilled in chunks beside their decodes from step 3:
+    # decode-only steps of two sequences, then (after the first two finish) of one.
+    arrivals = (0, 0, 3)
+
+    fused_calls = []
+    original = FusedDecodeLayer.__call__
+
+    def counting(self, x, residual, meta):
+        out = original(self, x, residual, meta)
+        fused_calls.append(None if out is None else x.size(0))
+        return out
+
+    monkeypatch.setattr(FusedDecodeLayer, "__call__", counting)
+    fused = run(_runner(model_dir, quantization), prompts, params, arrival_steps=arrivals,
+                chunk_size=5)  # fmt: skip
+    assert {1, 2} <= set(fused_calls), "decode steps of one and two sequences took the fused path"
+    assert None in fused_calls  # prefill steps did not
+
+    monkeypatch.setattr(FusedDecodeLayer, "__call__", lambda self, x, residual, meta: None)
+    unfused = run(_runner(model_dir, quantization), prompts, params, arrival_steps=arrivals,
+                  chunk_size=5)  # fmt: skip
+    for req_id, r in unfused.items():
+        assert fused[req_id].output == r.output
+        for a, b in zip(fused[req_id].logprobs, r.logprobs):
+            assert torch.equal(a, b)
+
+
+def test_layers_outside_the_fused_path_say_so(tiny_qwen3) -> None:
+    """q/k norm (Qwen3) and float32 keep the module path."""
+    for dtype in ("bfloat16", "float32"):
+        config = Config(
+            model=ModelConfig(path=str(tiny_qwen3), dtype=dtype),
+            cache=CacheConfig(block_size=4, num_gpu_blocks_override=64),
+        )
+        runner = ModelRunner(config)
+        runner.load_model()
+        runner.init_kv_cache(64)
+        layer = runner.model.model.layers[0]
+        assert layer.fused_decode._fixed_struct() is None

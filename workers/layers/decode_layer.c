@@ -1,0 +1,98 @@
+/* One Llama-style decoder layer for a decode step of one or two sequences (bfloat16 activations,
+ * bfloat16 or int8 weights), in one call: at this size the layer's ten kernels take ~270 us and
+ * the Python around them (module calls, wrappers, output tensors) another ~110 us per layer.
+ * Each stage calls the same kernel the layer's modules call one by one (rms norm, few-row linear,
+ * rotary, paged decode attention, SiLU-and-mul), in the same order, so the result is bit for bit
+ * the unfused path's. fused_decode.py decides when a layer qualifies and fills the structs.
+ */
+#include <stdint.h>
+#include <string.h>
+
+/* The kernels, defined in cpu_kernels.c and bf16_kernels.c. */
+int tern_bf16_gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M,
+                   int N, int K);
+int tern_int8_linear_bf16(const uint16_t *x, const int8_t *w, const float *scale,
+                          const uint16_t *bias, uint16_t *y, int M, int N, int K);
+void tern_rms_norm_bf16(const uint16_t *x, const uint16_t *res, uint16_t *res_out,
+                        const uint16_t *w, uint16_t *out, int T, int D, float eps);
+int tern_rotary_neox_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_stride,
+                          const int64_t *positions, int64_t num_positions, const float *cos_cache,
+                          const float *sin_cache, int T, int H, int Hkv, int D);
+int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
+                                const int32_t *block_tables, int64_t table_stride,
+                                const int32_t *context_lens, void *out, int B, int H, int Hkv,
+                                int D, int block_size, float scale, int kv_is_bf16,
+                                int io_is_bf16, const void *k_new, int64_t k_new_stride,
+                                const void *v_new, int64_t v_new_stride, const int64_t *slots,
+                                int64_t num_slots);
+void tern_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I);
+
+/* A linear layer's weight: bfloat16 (n, k) with scale NULL, or int8 (n, k) with float32 scales. */
+typedef struct {
+    const void *weight;
+    const float *scale;
+    const uint16_t *bias; /* (n,) or NULL */
+    int n, k;
+} TernLinear;
+
+/* What stays fixed between steps: weights, norms, rotary tables, this layer's KV cache. */
+typedef struct {
+    TernLinear qkv, o, gate_up, down;
+    const uint16_t *input_norm, *post_norm;
+    float eps, attn_scale;
+    int hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    const float *cos_cache, *sin_cache;
+    int64_t num_positions;
+    void *k_cache, *v_cache;
+    int64_t num_slots;
+    int block_size;
+} TernDecodeLayer;
+
+/* What one step shares across its layers: its sequences and scratch rows for every stage. */
+typedef struct {
+    int num_tokens;
+    const int64_t *positions, *slots;
+    const int32_t *block_tables, *context_lens;
+    int64_t table_stride;
+    uint16_t *normed, *qkv, *q, *attn, *attn_out, *gate_up, *act;
+} TernDecodeStep;
+
+static int linear(const TernLinear *l, const uint16_t *x, uint16_t *y, int m) {
+    if (l->scale == NULL)
+        return tern_bf16_gemv(x, (const uint16_t *)l->weight, l->bias, y, m, l->n, l->k);
+    return tern_int8_linear_bf16(x, (const int8_t *)l->weight, l->scale, l->bias, y, m, l->n,
+                                 l->k);
+}
+
+/* x (T, hidden) and residual (T, hidden), or NULL at the first layer (the residual is then x) ->
+ * out (T, hidden), the MLP's output, and res_out (T, hidden), the residual after attention.
+ * Returns 0; -1 when a kernel refuses the shapes, -2 for a position past the rotary tables or a
+ * KV slot outside the cache (nothing is written to the cache in that case). */
+int tern_decode_layer_bf16(const TernDecodeLayer *L, const TernDecodeStep *S, const uint16_t *x,
+                           const uint16_t *residual, uint16_t *out, uint16_t *res_out) {
+    int T = S->num_tokens, H = L->num_heads, Hkv = L->num_kv_heads, D = L->head_dim;
+    int64_t row = (int64_t)(H + 2 * Hkv) * D; /* one token's q, k and v in S->qkv */
+    if (residual == NULL) {
+        tern_rms_norm_bf16(x, NULL, NULL, L->input_norm, S->normed, T, L->hidden, L->eps);
+        memcpy(res_out, x, sizeof(uint16_t) * (size_t)T * L->hidden);
+    } else {
+        tern_rms_norm_bf16(x, residual, res_out, L->input_norm, S->normed, T, L->hidden, L->eps);
+    }
+    if (linear(&L->qkv, S->normed, S->qkv, T) != 0) return -1;
+    uint16_t *k = S->qkv + (int64_t)H * D, *v = k + (int64_t)Hkv * D;
+    if (tern_rotary_neox_bf16(S->qkv, row, k, row, S->positions, L->num_positions, L->cos_cache,
+                              L->sin_cache, T, H, Hkv, D) != 0)
+        return -2;
+    for (int t = 0; t < T; t++) /* the attention kernel takes the queries contiguous */
+        memcpy(S->q + (int64_t)t * H * D, S->qkv + t * row, sizeof(uint16_t) * (size_t)H * D);
+    int rc = tern_paged_decode_attention(
+        S->q, L->k_cache, L->v_cache, S->block_tables, S->table_stride, S->context_lens, S->attn,
+        T, H, Hkv, D, L->block_size, L->attn_scale, 1, 1, k, row, v, row, S->slots, L->num_slots);
+    if (rc != 0) return rc == -2 ? -2 : -1;
+    if (linear(&L->o, S->attn, S->attn_out, T) != 0) return -1;
+    tern_rms_norm_bf16(S->attn_out, res_out, res_out, L->post_norm, S->normed, T, L->hidden,
+                       L->eps);
+    if (linear(&L->gate_up, S->normed, S->gate_up, T) != 0) return -1;
+    tern_silu_and_mul_bf16(S->gate_up, S->act, T, L->intermediate);
+    return linear(&L->down, S->act, out, T) != 0 ? -1 : 0;
+}

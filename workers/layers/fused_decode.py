@@ -1,0 +1,188 @@
+"""A whole decoder layer in one native call (decode_layer.c) for decode steps of one or two
+sequences: the per-layer Python of such steps (~110 us of ~380 us per layer at one sequence on
+this 2-core machine) is most of what is left besides reading the weights.
+
+A layer takes the fused path only where the unfused one would run exactly these kernels, so its
+output is bit for bit the same: the kernels built with AVX512-BF16, bfloat16 activations and KV
+cache on the CPU, an unsharded layer (tp 1: no all-reduce between its stages), Llama-style (no q/k
+norm), bfloat16 or int8 linears, and a step whose tokens are all single-token decodes, at most
+`native.bf16_gemv_max_rows()` of them. Everything else returns None and runs module by module.
+
+The layer's fixed part (weights, norms, rotary tables, its KV cache) is one ctypes struct, rebuilt
+whenever one of those tensors moves (weight updates, sleep and wake-up replace storage); the
+step's part (positions, block tables, slots, scratch rows) is built once per step and shared by
+the layers through the step's AttentionMetadata.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from workers.layers import native
+from workers.layers.activation import SiluAndMul
+from workers.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from workers.layers.linear import LinearBase
+    from workers.models.llama import LlamaDecoderLayer
+
+_vp, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("weight", _vp), ("scale", _vp), ("bias", _vp), ("n", _i32), ("k", _i32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+        ("input_norm", _vp), ("post_norm", _vp), ("eps", _f32), ("attn_scale", _f32),
+        ("hidden", _i32), ("num_heads", _i32), ("num_kv_heads", _i32), ("head_dim", _i32),
+        ("intermediate", _i32), ("cos_cache", _vp), ("sin_cache", _vp), ("num_positions", _i64),
+        ("k_cache", _vp), ("v_cache", _vp), ("num_slots", _i64), ("block_size", _i32),
+    ]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("num_tokens", _i32), ("positions", _vp), ("slots", _vp), ("block_tables", _vp),
+        ("context_lens", _vp), ("table_stride", _i64), ("normed", _vp), ("qkv", _vp), ("q", _vp),
+        ("attn", _vp), ("attn_out", _vp), ("gate_up", _vp), ("act", _vp),
+    ]  # fmt: skip
+
+
+class StepBuffers:
+    """One step's inputs to the fused layers, and scratch rows sized for `layer`'s shapes."""
+
+    def __init__(self, meta: AttentionMetadata, fixed: _Layer) -> None:
+        d = meta.decode
+        t = d.q_tokens.numel()
+        hidden, heads, dim = fixed.hidden, fixed.num_heads, fixed.head_dim
+
+        def rows(width: int) -> torch.Tensor:
+            return torch.empty(t, width, dtype=torch.bfloat16)
+
+        # NOTE: the tensors are kept on self: the struct holds their addresses only.
+        self._tensors = [
+            rows(hidden), rows(fixed.qkv.n), rows(heads * dim), rows(heads * dim), rows(hidden),
+            rows(fixed.gate_up.n), rows(fixed.intermediate),
+        ]  # fmt: skip
+        self._inputs = (meta.positions, meta.slot_mapping, d.block_tables, d.context_lens)
+        self.struct = _Step(
+            t, meta.positions.data_ptr(), meta.slot_mapping.data_ptr(),
+            d.block_tables.data_ptr(), d.context_lens.data_ptr(), d.block_tables.stride(0),
+            *(b.data_ptr() for b in self._tensors),
+        )  # fmt: skip
+        self.shape = (hidden, fixed.qkv.n, heads * dim, fixed.gate_up.n, fixed.intermediate)
+
+
+class FusedDecodeLayer:
+    """The fused path of one LlamaDecoderLayer (held by it; see the module docstring)."""
+
+    def __init__(self, layer: LlamaDecoderLayer) -> None:
+        self.layer = layer
+        self._key: tuple | None = None
+        self._fixed: _Layer | None = None
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(MLP output, residual) as the layer's forward returns them, or None: not fused."""
+        d = meta.decode
+        if (
+            d is None
+            or not d.is_whole_batch
+            or x.dtype != torch.bfloat16
+            or x.dim() != 2
+            or x.size(0) > native.bf16_gemv_max_rows()
+            or not x.is_contiguous()
+            or (residual is not None and not residual.is_contiguous())
+        ):
+            return None
+        fixed = self._fixed_struct()
+        if fixed is None:
+            return None
+        step = meta.native_step
+        if step is None or step.shape[0] != fixed.hidden:
+            step = meta.native_step = StepBuffers(meta, fixed)
+        out, res_out = torch.empty_like(x), torch.empty_like(x)
+        rc = native.load().tern_decode_layer_bf16(
+            ctypes.byref(fixed), ctypes.byref(step.struct), x.data_ptr(),
+            residual.data_ptr() if residual is not None else None, out.data_ptr(),
+            res_out.data_ptr(),
+        )  # fmt: skip
+        if rc == -2:
+            raise ValueError("a position is past the rotary tables or a KV slot outside the cache")
+        if rc != 0:
+            raise RuntimeError("the fused decode layer's kernels refused their inputs")
+        return out, res_out
+
+    def _fixed_struct(self) -> _Layer | None:
+        layer = self.layer
+        attn, mlp = layer.self_attn, layer.mlp
+        tensors = [
+            lin.weight for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ] + [
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            attn.attn.kv_cache, attn.rotary_emb.cos_cache,
+        ]  # fmt: skip
+        # NOTE: whether each bf16 linear is packed decides whether the unfused path would take the
+        # few-row kernel, so it is part of the key.
+        key = tuple(t.data_ptr() for t in tensors) + tuple(
+            lin.packed_weight is None
+            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        )
+        if key != self._key:
+            self._fixed, self._key = _build_fixed(layer), key
+        return self._fixed
+
+
+def _linear(lin: LinearBase) -> _Linear | None:
+    """The struct of a linear the unfused path would run on the few-row kernels, else None."""
+    bias = lin.bias
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return None
+    bias_ptr = bias.data_ptr() if bias is not None else None
+    if lin.quant is None:
+        w = lin.weight
+        if lin.packed_weight is None or w.dtype != torch.bfloat16 or not w.is_contiguous():
+            return None
+        return _Linear(w.data_ptr(), None, bias_ptr, w.size(0), w.size(1))
+    if lin.quant != "int8":
+        return None
+    w, scale = lin._int8.views(lin.weight)
+    if not (w.is_contiguous() and scale.is_contiguous() and scale.dtype == torch.float32):
+        return None
+    return _Linear(w.data_ptr(), scale.data_ptr(), bias_ptr, w.size(0), w.size(1))
+
+
+def _build_fixed(layer: LlamaDecoderLayer) -> _Layer | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    a = attn.attn
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if (
+        native.bf16_gemv_max_rows() == 0
+        or attn.qkv_proj.ctx.tp_size != 1
+        or attn.qk_norm
+        or not isinstance(mlp.act_fn, SiluAndMul)
+        or not a._uses_decode_kernel
+        or a.kv_cache.dtype != torch.bfloat16
+        or any(n.weight.dtype != torch.bfloat16 or n.eps != norms[0].eps for n in norms)
+    ):
+        return None
+    linears = [_linear(x) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    if any(x is None for x in linears):
+        return None
+    rope = attn.rotary_emb
+    k_cache = a._k_cache  # (num_blocks, block_size, Hkv, D)
+    return _Layer(
+        *linears,
+        norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].eps, a.scale,
+        linears[1].n, a.num_heads, a.num_kv_heads, a.head_dim, linears[3].k,
+        rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr(), rope.cos_cache.size(0),
+        k_cache.data_ptr(), a._v_cache.data_ptr(), k_cache.size(0) * k_cache.size(1),
+        k_cache.size(1),
+    )  # fmt: skip
