@@ -59,6 +59,24 @@ def test_bf16_few_row_kernel_matches_f_linear(
         native.bf16_gemv(x.repeat(3, 1), w, None)
 
 
+@pytest.mark.skipif(native.bf16_amx_max_rows() == 0, reason="no AMX")
+@pytest.mark.parametrize("rows", [3, 8, 16])
+@pytest.mark.parametrize("out_features,in_features", [(48, 64), (960, 576), (576, 1536)])
+def test_bf16_amx_kernel_matches_f_linear(rows: int, out_features: int, in_features: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16()
+    ref = F.linear(x.float(), w.float(), b.float()).bfloat16()
+    torch.testing.assert_close(native.bf16_amx_linear(x, w, b), ref, atol=0.05, rtol=0.01)
+    packed = linear.pack_weight(w)  # dense_linear routes these rows here
+    torch.testing.assert_close(
+        linear.dense_linear(x, w, b, packed), native.bf16_amx_linear(x, w, b)
+    )
+    with pytest.raises(ValueError, match="not a supported shape"):
+        native.bf16_amx_linear(x[:, :-16].contiguous(), w[:, :-16].contiguous(), None)  # K % 32
+
+
 def test_packed_bf16_weights_give_f_linear() -> None:
     g = torch.Generator().manual_seed(3)
     w = torch.randn(40, 24, generator=g).bfloat16()

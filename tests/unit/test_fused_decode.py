@@ -1,6 +1,7 @@
 """The fused decoder layer of small bfloat16 decode steps (decode_layer.c) against the module-by-module
 path: the same logprobs bit for bit, for bfloat16 and int8 weights, Llama and Qwen2 (q/k/v bias),
-decode steps of one and of two sequences, after prompts and chunked prefills."""
+decode steps of one to five sequences (the few-row kernel, and AMX where the CPU has it), after
+prompts and chunked prefills."""
 
 from __future__ import annotations
 
@@ -38,11 +39,11 @@ def test_fused_layer_is_bit_identical_to_the_modules(
     arch: str, quantization: str | None, request: pytest.FixtureRequest, monkeypatch
 ) -> None:
     model_dir = request.getfixturevalue(arch)
-    prompts = make_prompts(1000)[:3]
+    prompts = make_prompts(1000)[:5]
     params = SamplingParams(temperature=0.0, seed=1, max_tokens=16)
-    # Two requests from step 0, a third prefilled in chunks beside their decodes from step 3:
-    # decode-only steps of two sequences, then (after the first two finish) of one.
-    arrivals = (0, 0, 3)
+    # Staggered arrivals, later prompts prefilled in chunks beside the running decodes: decode-only
+    # steps of one to five sequences as requests join and finish.
+    arrivals = (0, 0, 2, 9, 20)
 
     fused_calls = []
     original = FusedDecodeLayer.__call__
@@ -55,7 +56,10 @@ def test_fused_layer_is_bit_identical_to_the_modules(
     monkeypatch.setattr(FusedDecodeLayer, "__call__", counting)
     fused = run(_runner(model_dir, quantization), prompts, params, arrival_steps=arrivals,
                 chunk_size=5)  # fmt: skip
-    assert {1, 2} <= set(fused_calls), "decode steps of one and two sequences took the fused path"
+    sizes = set(fused_calls) - {None}
+    assert {1, 2} <= sizes, "decode steps of one and two sequences took the fused path"
+    if native.bf16_amx_max_rows() >= 3:
+        assert max(sizes) >= 3, "and larger ones, on AMX"
     assert None in fused_calls  # prefill steps did not
 
     monkeypatch.setattr(FusedDecodeLayer, "__call__", lambda self, x, residual, meta: None)

@@ -1,4 +1,4 @@
-/* One Llama-style decoder layer for a decode step of one or two sequences (bfloat16 activations,
+/* One Llama-style decoder layer for a decode step of a few sequences (bfloat16 activations,
  * bfloat16 or int8 weights), in one call: at this size the layer's ten kernels take ~270 us and
  * the Python around them (module calls, wrappers, output tensors) another ~110 us per layer.
  * Each stage calls the same kernel the layer's modules call one by one (rms norm, few-row linear,
@@ -11,6 +11,9 @@
 /* The kernels, defined in cpu_kernels.c and bf16_kernels.c. */
 int tern_bf16_gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M,
                    int N, int K);
+int tern_bf16_gemv_available(void);
+int tern_bf16_amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                         int M, int N, int K);
 int tern_int8_linear_bf16(const uint16_t *x, const int8_t *w, const float *scale,
                           const uint16_t *bias, uint16_t *y, int M, int N, int K);
 void tern_rms_norm_bf16(const uint16_t *x, const uint16_t *res, uint16_t *res_out,
@@ -57,9 +60,12 @@ typedef struct {
     uint16_t *normed, *qkv, *q, *attn, *attn_out, *gate_up, *act;
 } TernDecodeStep;
 
+/* The kernel dense_linear (linear.py) picks for these rows: the few-row one, then AMX. */
 static int linear(const TernLinear *l, const uint16_t *x, uint16_t *y, int m) {
-    if (l->scale == NULL)
+    if (l->scale == NULL && m <= tern_bf16_gemv_available())
         return tern_bf16_gemv(x, (const uint16_t *)l->weight, l->bias, y, m, l->n, l->k);
+    if (l->scale == NULL)
+        return tern_bf16_amx_linear(x, (const uint16_t *)l->weight, l->bias, y, m, l->n, l->k);
     return tern_int8_linear_bf16(x, (const int8_t *)l->weight, l->scale, l->bias, y, m, l->n,
                                  l->k);
 }

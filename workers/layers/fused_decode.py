@@ -1,12 +1,11 @@
-"""A whole decoder layer in one native call (decode_layer.c) for decode steps of one or two
-sequences: the per-layer Python of such steps (~110 us of ~380 us per layer at one sequence on
+"""A whole decoder layer in one native call (decode_layer.c) for decode steps of a few sequences: the per-layer Python of such steps (~110 us of ~380 us per layer at one sequence on
 this 2-core machine) is most of what is left besides reading the weights.
 
 A layer takes the fused path only where the unfused one would run exactly these kernels, so its
 output is bit for bit the same: the kernels built with AVX512-BF16, bfloat16 activations and KV
 cache on the CPU, an unsharded layer (tp 1: no all-reduce between its stages), Llama-style (no q/k
 norm), bfloat16 or int8 linears, and a step whose tokens are all single-token decodes, at most
-`native.bf16_gemv_max_rows()` of them. Everything else returns None and runs module by module.
+`max_rows()` of them (the rows tern's few-row bfloat16 kernels take: 2, or 16 with AMX). Everything else returns None and runs module by module.
 
 The layer's fixed part (weights, norms, rotary tables, its KV cache) is one ctypes struct, rebuilt
 whenever one of those tensors moves (weight updates, sleep and wake-up replace storage); the
@@ -17,6 +16,7 @@ the layers through the step's AttentionMetadata.
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,6 +52,11 @@ class _Step(ctypes.Structure):
         ("context_lens", _vp), ("table_stride", _i64), ("normed", _vp), ("qkv", _vp), ("q", _vp),
         ("attn", _vp), ("attn_out", _vp), ("gate_up", _vp), ("act", _vp),
     ]  # fmt: skip
+
+
+@functools.cache
+def max_rows() -> int:
+    return max(native.bf16_gemv_max_rows(), native.bf16_amx_max_rows())
 
 
 class StepBuffers:
@@ -97,7 +102,7 @@ class FusedDecodeLayer:
             or not d.is_whole_batch
             or x.dtype != torch.bfloat16
             or x.dim() != 2
-            or x.size(0) > native.bf16_gemv_max_rows()
+            or x.size(0) > max_rows()
             or not x.is_contiguous()
             or (residual is not None and not residual.is_contiguous())
         ):
@@ -150,6 +155,10 @@ def _linear(lin: LinearBase) -> _Linear | None:
         w = lin.weight
         if lin.packed_weight is None or w.dtype != torch.bfloat16 or not w.is_contiguous():
             return None
+        if max_rows() > native.bf16_gemv_max_rows() and not native.amx_fits(
+            max_rows(), w.size(0), w.size(1)
+        ):
+            return None  # dense_linear would take oneDNN for some row counts
         return _Linear(w.data_ptr(), None, bias_ptr, w.size(0), w.size(1))
     if lin.quant != "int8":
         return None

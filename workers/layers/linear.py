@@ -54,11 +54,15 @@ def dense_linear(
     bias: torch.Tensor | None,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """F.linear(x, weight, bias), through `packed` (pack_weight(weight)) when given; a one-row
-    bfloat16 or few-row float32 product on the CPU uses tern's kernels."""
+    """F.linear(x, weight, bias), through `packed` (pack_weight(weight)) when given; few-row
+    bfloat16 (1-2 rows, and up to 16 with AMX) and float32 products on the CPU use tern's
+    kernels."""
     if packed is not None and x.dtype == torch.bfloat16 and x.is_cpu:
-        if x.dim() == 2 and x.size(0) <= native.bf16_gemv_max_rows() and x.is_contiguous():
-            return native.bf16_gemv(x, weight, bias)  # the weights streamed at memory speed
+        if x.dim() == 2 and x.is_contiguous():  # few rows: the weights streamed at memory speed
+            if x.size(0) <= native.bf16_gemv_max_rows():
+                return native.bf16_gemv(x, weight, bias)
+            if native.amx_fits(x.size(0), weight.size(0), weight.size(1)):
+                return native.bf16_amx_linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     if (
         x.dim() == 2

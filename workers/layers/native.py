@@ -122,6 +122,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tern_rms_norm_bf16.argtypes = lib.tern_rms_norm.argtypes
     lib.tern_rotary_neox_bf16.restype = _i32
     lib.tern_rotary_neox_bf16.argtypes = lib.tern_rotary_neox.argtypes
+    lib.tern_bf16_amx_max_rows.restype = _i32
+    lib.tern_bf16_amx_linear.restype = _i32
+    lib.tern_bf16_amx_linear.argtypes = lib.tern_bf16_gemv.argtypes
     lib.tern_decode_layer_bf16.restype = _i32
     lib.tern_decode_layer_bf16.argtypes = [_vp, _vp, _vp, _vp, _vp, _vp]
 
@@ -330,6 +333,36 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     if rc != 0:
         raise MemoryError("f32 linear: no memory for a scratch tile")
     return y
+
+
+@functools.cache
+def bf16_amx_max_rows() -> int:
+    """Rows of x tern's AMX bfloat16 linear takes, 0 where the CPU, build or OS has no AMX."""
+    lib = load()
+    return int(lib.tern_bf16_amx_max_rows()) if lib is not None else 0
+
+
+def bf16_amx_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x (M, K) @ weight (N, K).T + bias, bfloat16, for M <= bf16_amx_max_rows(), K % 32 == 0
+    and N % 16 == 0 (`amx_fits`): each weight is read once for all M rows."""
+    lib = load()
+    assert lib is not None, "the CPU kernels are not available"
+    m, n, k = _linear_shape(x, weight, bias, torch.bfloat16, "bf16 AMX linear")
+    if not amx_fits(m, n, k):
+        raise ValueError(f"bf16 AMX linear: ({m}, {k}) @ ({n}, {k}).T is not a supported shape")
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    rc = lib.tern_bf16_amx_linear(
+        _ptr(x), _ptr(weight), _ptr(bias) if bias is not None else None, _ptr(y), m, n, k
+    )
+    if rc != 0:
+        raise ValueError("bf16 AMX linear: not available")
+    return y
+
+
+def amx_fits(m: int, n: int, k: int) -> bool:
+    return 1 <= m <= bf16_amx_max_rows() and k % 32 == 0 and n % 16 == 0
 
 
 def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
