@@ -60,7 +60,7 @@ def test_bf16_few_row_kernel_matches_f_linear(
 
 
 @pytest.mark.skipif(native.bf16_amx_max_rows() == 0, reason="no AMX")
-@pytest.mark.parametrize("rows", [3, 8, 16])
+@pytest.mark.parametrize("rows", [3, 8, 16, 17, 32])  # 17+: a second tile of x's rows
 @pytest.mark.parametrize("out_features,in_features", [(48, 64), (960, 576), (576, 1536)])
 def test_bf16_amx_kernel_matches_f_linear(rows: int, out_features: int, in_features: int) -> None:
     g = torch.Generator().manual_seed(rows)

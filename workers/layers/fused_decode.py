@@ -5,7 +5,7 @@ A layer takes the fused path only where the unfused one would run exactly these 
 output is bit for bit the same: the kernels built with AVX512-BF16, bfloat16 activations and KV
 cache on the CPU, an unsharded layer (tp 1: no all-reduce between its stages), Llama-style (no q/k
 norm), bfloat16 or int8 linears, and a step whose tokens are all single-token decodes, at most
-`max_rows()` of them (the rows tern's few-row bfloat16 kernels take: 2, or 16 with AMX). Everything else returns None and runs module by module.
+`max_rows()` of them (the rows tern's few-row bfloat16 kernels take: 2, or 32 with AMX). Everything else returns None and runs module by module.
 
 The layer's fixed part (weights, norms, rotary tables, its KV cache) is one ctypes struct, rebuilt
 whenever one of those tensors moves (weight updates, sleep and wake-up replace storage); the

@@ -55,7 +55,7 @@ def dense_linear(
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias), through `packed` (pack_weight(weight)) when given; few-row
-    bfloat16 (1-2 rows, and up to 16 with AMX) and float32 products on the CPU use tern's
+    bfloat16 (1-2 rows, and up to 32 with AMX) and float32 products on the CPU use tern's
     kernels."""
     if packed is not None and x.dtype == torch.bfloat16 and x.is_cpu:
         if x.dim() == 2 and x.is_contiguous():  # few rows: the weights streamed at memory speed
