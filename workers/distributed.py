@@ -161,7 +161,8 @@ def mlp_shard(
 
     With even heads every rank takes intermediate_size / tp_size. With uneven heads (9 / 3 KV at
     tp 2: 6 + 3) the ranks with fewer heads take more of the MLP, so that every rank holds about
-    the same weight (in multiples of 16 features): a decode step reads and multiplies the weights
+    the same weight (in multiples of 32 features, so that the down projection's inner size stays
+    a multiple of 32, as the AMX kernel needs): a decode step reads and multiplies the weights
     once, and the slowest rank sets the pace of every all-reduce.
     """
     tp_size = len(heads)
@@ -175,7 +176,7 @@ def mlp_shard(
         return tp_rank * (intermediate_size // tp_size), intermediate_size // tp_size
     per_feature = 3 * hidden_size  # a row of gate, a row of up, a column of down
     target = (sum(attn) + per_feature * intermediate_size) / tp_size
-    sizes = [max(16, round((target - a) / per_feature / 16) * 16) for a in attn]
+    sizes = [max(32, round((target - a) / per_feature / 32) * 32) for a in attn]
     sizes[-1] = intermediate_size - sum(sizes[:-1])
     if min(sizes) < 1:
         raise ValueError(

@@ -89,6 +89,17 @@ class ShmCommunicator:
             return None
         return cls(segment, tp_rank, tp_size, slot_bytes, timeout_s)
 
+    @property
+    def base(self) -> int:
+        """Address of the mapped segment, for native code that runs collectives itself."""
+        return self._base
+
+    def take_sequence_numbers(self, n: int) -> int:
+        """The first of n sequence numbers for collectives run by native code (in order)."""
+        first = self._seq + 1
+        self._seq += n
+        return first
+
     def fits(self, x: torch.Tensor) -> bool:
         return (
             x.dtype in _DTYPES

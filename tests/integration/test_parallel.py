@@ -113,12 +113,12 @@ def test_uneven_heads_are_balanced_by_the_mlp_split() -> None:
     hidden, head_dim, inter = 576, 64, 1536
     heads = [shard_heads(9, 3, 2, r) for r in range(2)]
     shards = [mlp_shard(inter, hidden, head_dim, heads, r) for r in range(2)]
-    assert shards == [(0, 688), (688, 848)]
+    assert shards == [(0, 672), (672, 864)]
     weights = [
         2 * (h.num_heads + h.num_kv_heads) * head_dim * hidden + 3 * hidden * size
         for h, (_, size) in zip(heads, shards)
     ]
-    assert abs(weights[0] - weights[1]) <= 3 * hidden * 16  # within one step of 16 features
+    assert abs(weights[0] - weights[1]) <= 3 * hidden * 32  # within one step of 32 features
     even = [shard_heads(4, 2, 2, r) for r in range(2)]
     assert [mlp_shard(128, 64, 16, even, r) for r in range(2)] == [(0, 64), (64, 64)]
 

@@ -29,6 +29,8 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
                                 const void *v_new, int64_t v_new_stride, const int64_t *slots,
                                 int64_t num_slots);
 void tern_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I);
+int tern_shm_all_reduce(char *seg, int rank, int world, int64_t seq, int64_t slot_bytes, void *x,
+                        int64_t n, int is_bf16, double timeout_s);
 
 /* A linear layer's weight: bfloat16 (n, k) with scale NULL, or int8 (n, k) with float32 scales. */
 typedef struct {
@@ -49,6 +51,11 @@ typedef struct {
     void *k_cache, *v_cache;
     int64_t num_slots;
     int block_size;
+    /* tensor parallelism: the TP group's shared-memory segment (shm_collectives.py), or tp_size 1 */
+    char *shm;
+    int tp_rank, tp_size;
+    int64_t shm_slot_bytes;
+    double shm_timeout_s;
 } TernDecodeLayer;
 
 /* What one step shares across its layers: its sequences and scratch rows for every stage. */
@@ -70,12 +77,23 @@ static int linear(const TernLinear *l, const uint16_t *x, uint16_t *y, int m) {
                                  l->k);
 }
 
+/* The row-parallel projections' sum over the TP ranks, as ParallelContext.all_reduce. */
+static int all_reduce(const TernDecodeLayer *L, uint16_t *x, int T, int64_t seq) {
+    if (L->tp_size == 1) return 0;
+    int rc = tern_shm_all_reduce(L->shm, L->tp_rank, L->tp_size, seq, L->shm_slot_bytes, x,
+                                 (int64_t)T * L->hidden, 1, L->shm_timeout_s);
+    return rc == 0 ? 0 : rc == -1 ? -3 : -1;
+}
+
 /* x (T, hidden) and residual (T, hidden), or NULL at the first layer (the residual is then x) ->
  * out (T, hidden), the MLP's output, and res_out (T, hidden), the residual after attention.
+ * With tp_size > 1 the layer's two all-reduces take sequence numbers seq and seq + 1.
  * Returns 0; -1 when a kernel refuses the shapes, -2 for a position past the rotary tables or a
- * KV slot outside the cache (nothing is written to the cache in that case). */
+ * KV slot outside the cache (nothing is written to the cache in that case), -3 when a peer rank
+ * did not reach an all-reduce in time. */
 int tern_decode_layer_bf16(const TernDecodeLayer *L, const TernDecodeStep *S, const uint16_t *x,
-                           const uint16_t *residual, uint16_t *out, uint16_t *res_out) {
+                           const uint16_t *residual, uint16_t *out, uint16_t *res_out,
+                           int64_t seq) {
     int T = S->num_tokens, H = L->num_heads, Hkv = L->num_kv_heads, D = L->head_dim;
     int64_t row = (int64_t)(H + 2 * Hkv) * D; /* one token's q, k and v in S->qkv */
     if (residual == NULL) {
@@ -96,9 +114,11 @@ int tern_decode_layer_bf16(const TernDecodeLayer *L, const TernDecodeStep *S, co
         T, H, Hkv, D, L->block_size, L->attn_scale, 1, 1, k, row, v, row, S->slots, L->num_slots);
     if (rc != 0) return rc == -2 ? -2 : -1;
     if (linear(&L->o, S->attn, S->attn_out, T) != 0) return -1;
+    if ((rc = all_reduce(L, S->attn_out, T, seq)) != 0) return rc;
     tern_rms_norm_bf16(S->attn_out, res_out, res_out, L->post_norm, S->normed, T, L->hidden,
                        L->eps);
     if (linear(&L->gate_up, S->normed, S->gate_up, T) != 0) return -1;
     tern_silu_and_mul_bf16(S->gate_up, S->act, T, L->intermediate);
-    return linear(&L->down, S->act, out, T) != 0 ? -1 : 0;
+    if (linear(&L->down, S->act, out, T) != 0) return -1;
+    return all_reduce(L, out, T, seq + 1);
 }

@@ -3,7 +3,8 @@ this 2-core machine) is most of what is left besides reading the weights.
 
 A layer takes the fused path only where the unfused one would run exactly these kernels, so its
 output is bit for bit the same: the kernels built with AVX512-BF16, bfloat16 activations and KV
-cache on the CPU, an unsharded layer (tp 1: no all-reduce between its stages), Llama-style (no q/k
+cache on the CPU, a layer unsharded or tensor-parallel within one host (the two all-reduces then
+run in the native call, on the shared-memory segment of shm_collectives.py), Llama-style (no q/k
 norm), bfloat16 or int8 linears, and a step whose tokens are all single-token decodes, at most
 `max_rows()` of them (the rows tern's few-row bfloat16 kernels take: 2, or 32 with AMX). Everything else returns None and runs module by module.
 
@@ -43,6 +44,8 @@ class _Layer(ctypes.Structure):
         ("hidden", _i32), ("num_heads", _i32), ("num_kv_heads", _i32), ("head_dim", _i32),
         ("intermediate", _i32), ("cos_cache", _vp), ("sin_cache", _vp), ("num_positions", _i64),
         ("k_cache", _vp), ("v_cache", _vp), ("num_slots", _i64), ("block_size", _i32),
+        ("shm", _vp), ("tp_rank", _i32), ("tp_size", _i32), ("shm_slot_bytes", _i64),
+        ("shm_timeout_s", ctypes.c_double),
     ]  # fmt: skip
 
 
@@ -114,13 +117,22 @@ class FusedDecodeLayer:
         if step is None or step.shape[0] != fixed.hidden:
             step = meta.native_step = StepBuffers(meta, fixed)
         out, res_out = torch.empty_like(x), torch.empty_like(x)
+        shm = self.layer.self_attn.qkv_proj.ctx.tp_shm
+        if shm is not None and x.numel() * x.element_size() > shm.slot_bytes:
+            return None
+        seq = shm.take_sequence_numbers(2) if fixed.tp_size > 1 else 0
         rc = native.load().tern_decode_layer_bf16(
             ctypes.byref(fixed), ctypes.byref(step.struct), x.data_ptr(),
             residual.data_ptr() if residual is not None else None, out.data_ptr(),
-            res_out.data_ptr(),
+            res_out.data_ptr(), seq,
         )  # fmt: skip
         if rc == -2:
             raise ValueError("a position is past the rotary tables or a KV slot outside the cache")
+        if rc == -3:
+            raise RuntimeError(
+                f"tensor-parallel all-reduce: a peer rank did not arrive within "
+                f"{shm.timeout_s:.0f} s"
+            )
         if rc != 0:
             raise RuntimeError("the fused decode layer's kernels refused their inputs")
         return out, res_out
@@ -145,9 +157,10 @@ class FusedDecodeLayer:
         return self._fixed
 
 
-def _linear(lin: LinearBase) -> _Linear | None:
-    """The struct of a linear the unfused path would run on the few-row kernels, else None."""
-    bias = lin.bias
+def _linear(lin: LinearBase, row_parallel: bool = False) -> _Linear | None:
+    """The struct of a linear the unfused path would run on the few-row kernels, else None.
+    Row-parallel layers add their bias on TP rank 0 only (before the all-reduce)."""
+    bias = None if row_parallel and lin.ctx.tp_rank != 0 else lin.bias
     if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         return None
     bias_ptr = bias.data_ptr() if bias is not None else None
@@ -172,9 +185,10 @@ def _build_fixed(layer: LlamaDecoderLayer) -> _Layer | None:
     attn, mlp = layer.self_attn, layer.mlp
     a = attn.attn
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    ctx = attn.qkv_proj.ctx
     if (
         native.bf16_gemv_max_rows() == 0
-        or attn.qkv_proj.ctx.tp_size != 1
+        or (ctx.tp_size > 1 and ctx.tp_shm is None)  # the all-reduces run in the native call
         or attn.qk_norm
         or not isinstance(mlp.act_fn, SiluAndMul)
         or not a._uses_decode_kernel
@@ -182,7 +196,10 @@ def _build_fixed(layer: LlamaDecoderLayer) -> _Layer | None:
         or any(n.weight.dtype != torch.bfloat16 or n.eps != norms[0].eps for n in norms)
     ):
         return None
-    linears = [_linear(x) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    linears = [
+        _linear(attn.qkv_proj), _linear(attn.o_proj, row_parallel=True),
+        _linear(mlp.gate_up_proj), _linear(mlp.down_proj, row_parallel=True),
+    ]  # fmt: skip
     if any(x is None for x in linears):
         return None
     rope = attn.rotary_emb
@@ -194,4 +211,7 @@ def _build_fixed(layer: LlamaDecoderLayer) -> _Layer | None:
         rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr(), rope.cos_cache.size(0),
         k_cache.data_ptr(), a._v_cache.data_ptr(), k_cache.size(0) * k_cache.size(1),
         k_cache.size(1),
+        ctx.tp_shm.base if ctx.tp_size > 1 else None, ctx.tp_rank, ctx.tp_size,
+        ctx.tp_shm.slot_bytes if ctx.tp_size > 1 else 0,
+        ctx.tp_shm.timeout_s if ctx.tp_size > 1 else 0.0,
     )  # fmt: skip

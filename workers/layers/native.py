@@ -126,7 +126,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tern_bf16_amx_linear.restype = _i32
     lib.tern_bf16_amx_linear.argtypes = lib.tern_bf16_gemv.argtypes
     lib.tern_decode_layer_bf16.restype = _i32
-    lib.tern_decode_layer_bf16.argtypes = [_vp, _vp, _vp, _vp, _vp, _vp]
+    lib.tern_decode_layer_bf16.argtypes = [_vp, _vp, _vp, _vp, _vp, _vp, _i64]
 
 
 @functools.cache
