@@ -146,9 +146,6 @@ def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) ->
 
         is_driver = runner.parallel.is_driver
         control = WorkerControl(runner, rank)
-        _trace = []
-        import time
-
         while not stop:
             try:
                 data = mq.dequeue(timeout=PARENT_CHECK_S)
@@ -160,24 +157,12 @@ def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) ->
                 continue
             call = call_codec.decode(data)
             if isinstance(call, Shutdown):
-                import json as _j
-
-                open(f"/tmp/t/trace_{rank}.json", "w").write(_j.dumps(_trace))
                 break
             if isinstance(call, InitKVCache):
                 runner.init_kv_cache(call.num_blocks)
                 replies.send(reply_codec.encode(WorkerResult(rank=rank)))
             elif isinstance(call, ExecuteModel):
-                _t0 = time.perf_counter()
                 output = runner.execute_model(call.step)
-                _trace.append(
-                    (
-                        _t0,
-                        time.perf_counter() - _t0,
-                        sum(len(r.token_ids) for r in call.step.requests),
-                        len(call.step.requests),
-                    )
-                )
                 if is_driver:
                     replies.send(reply_codec.encode(WorkerResult(rank=rank, output=output)))
             elif isinstance(call, CONTROL_CALLS):
