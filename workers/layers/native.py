@@ -347,18 +347,7 @@ def bf16_amx_linear(
 ) -> torch.Tensor:
     """x (M, K) @ weight (N, K).T + bias, bfloat16, for M <= bf16_amx_max_rows(), K % 32 == 0
     and N % 16 == 0 (`amx_fits`): each weight is read once for all M rows."""
-    lib = load()
-    assert lib is not None, "the CPU kernels are not available"
-    m, n, k = _linear_shape(x, weight, bias, torch.bfloat16, "bf16 AMX linear")
-    if not amx_fits(m, n, k):
-        raise ValueError(f"bf16 AMX linear: ({m}, {k}) @ ({n}, {k}).T is not a supported shape")
-    y = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = lib.tern_bf16_amx_linear(
-        _ptr(x), _ptr(weight), _ptr(bias) if bias is not None else None, _ptr(y), m, n, k
-    )
-    if rc != 0:
-        raise ValueError("bf16 AMX linear: not available")
-    return y
+    return _bf16_linear("tern_bf16_amx_linear", "bf16 AMX linear", amx_fits, x, weight, bias)
 
 
 def amx_fits(m: int, n: int, k: int) -> bool:
@@ -368,17 +357,33 @@ def amx_fits(m: int, n: int, k: int) -> bool:
 def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (M, K) @ weight (N, K).T + bias, all bfloat16 with float32 accumulation, for
     M <= bf16_gemv_max_rows(): each weight is read once for all M rows."""
+
+    def fits(m: int, n: int, k: int) -> bool:
+        return 1 <= m <= bf16_gemv_max_rows()
+
+    return _bf16_linear("tern_bf16_gemv", "bf16 gemv", fits, x, weight, bias)
+
+
+def _bf16_linear(
+    entry: str,
+    name: str,
+    fits: Any,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """One of the few-row bfloat16 linears: checks, the output, the call."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
-    m, n, k = _linear_shape(x, weight, bias, torch.bfloat16, "bf16 gemv")
-    if not 1 <= m <= bf16_gemv_max_rows():
-        raise ValueError(f"bf16 gemv: {m} rows, this build takes 1-{bf16_gemv_max_rows()}")
+    m, n, k = _linear_shape(x, weight, bias, torch.bfloat16, name)
+    if not fits(m, n, k):
+        raise ValueError(f"{name}: ({m}, {k}) rows @ ({n}, {k}).T is not a supported shape")
     y = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = lib.tern_bf16_gemv(
+    rc = getattr(lib, entry)(
         _ptr(x), _ptr(weight), _ptr(bias) if bias is not None else None, _ptr(y), m, n, k
     )
     if rc != 0:
-        raise ValueError("bf16 gemv: this build has no AVX512-BF16")
+        raise ValueError(f"{name}: not available in this build")
     return y
 
 
