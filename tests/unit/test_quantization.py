@@ -89,6 +89,20 @@ def test_int8_matmul_in_bfloat16(num_rows: int) -> None:
             assert _rel_err(y.float(), ref) < 0.03
 
 
+@pytest.mark.skipif(native.bf16_amx_max_rows() == 0, reason="no AMX")
+@pytest.mark.parametrize("num_rows", [3, 17, 32])
+def test_int8_bfloat16_rows_on_amx(num_rows: int) -> None:
+    """3-32 bfloat16 rows against shapes AMX takes (K % 32, N % 16): the int8 tiles are widened
+    on the way in and the scales applied to the sums."""
+    g = torch.Generator().manual_seed(num_rows)
+    w, x = torch.randn(48, 96, generator=g), torch.randn(num_rows, 96, generator=g).bfloat16()
+    bias = torch.randn(48, generator=g).bfloat16()
+    q, scale = quantization.quantize_rows(w)
+    y = native.int8_linear(x, q, scale, bias)
+    ref = F.linear(x.float(), q.float() * scale[:, None], bias.float())  # the int8 weight, exactly
+    torch.testing.assert_close(y.float(), ref, atol=0.05, rtol=0.01)  # bfloat16 output rounding
+
+
 def test_quantized_layers_load_through_their_weight_loaders() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 32, generator=g)

@@ -164,6 +164,10 @@ static void rms_norm_row16(const uint16_t *xt, const uint16_t *rt, uint16_t *rs,
  * (oneDNN's packed weights: 12.4 / 12.4 / 16.1 ms; tern's one-row kernel 8.7 ms). */
 #define AMX_MAX_ROWS 32
 
+/* GCC's tile load/store intrinsics are asm with no memory operands: without this the compiler
+ * may drop stores to a buffer only a tile load reads, or read a tile store's target too early. */
+#define MEMORY_BARRIER() __asm__ __volatile__("" ::: "memory")
+
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -188,45 +192,73 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* Outputs [n0, n0 + 16 * nt) (nt = 1 or 2 blocks of 16 weight rows) for all M rows. x_pairs
- * holds one (K / 2, 16, 2) array per 16 rows of x. */
-static void amx_block(const uint16_t *x_pairs, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                      int M, int N, int K, int n0, int nt) {
+/* 16 rows x 32 values of an int8 weight (row stride K) as bfloat16 (exact: |w| <= 128). */
+static void int8_rows_to_bf16(const int8_t *w, int K, uint16_t *out) {
+    for (int r = 0; r < 16; r++) {
+        __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + (int64_t)r * K)));
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
+        _mm512_storeu_si512(out + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* The A tile of 16 weight rows at column k: straight from a bfloat16 matrix, or an int8 one
+ * widened into buf. */
+static inline void load_weight_tile_4(const uint16_t *w, const int8_t *w8, int K, int k,
+                                      uint16_t *buf) {
+    if (w8 == NULL) {
+        _tile_loadd(4, w + k, K * 2);
+    } else {
+        int8_rows_to_bf16(w8 + k, K, buf);
+        MEMORY_BARRIER();
+        _tile_loadd(4, buf, 64);
+    }
+}
+static inline void load_weight_tile_5(const uint16_t *w, const int8_t *w8, int K, int k,
+                                      uint16_t *buf) {
+    if (w8 == NULL) {
+        _tile_loadd(5, w + k, K * 2);
+    } else {
+        int8_rows_to_bf16(w8 + k, K, buf);
+        MEMORY_BARRIER();
+        _tile_loadd(5, buf, 64);
+    }
+}
+
+/* Outputs [n0, n0 + 16 * nt) (nt = 1 or 2 blocks of 16 weight rows) for all M rows, from the
+ * bfloat16 weight w or (w8 != NULL) the int8 weight w8 with its per-row scales. x_pairs holds one
+ * (K / 2, 16, 2) array per 16 rows of x. */
+static void amx_block(const uint16_t *x_pairs, const uint16_t *w, const int8_t *w8,
+                      const float *scale, const uint16_t *bias, uint16_t *y, int M, int N, int K,
+                      int n0, int nt) {
     float c[4][16][16]; /* [2 * block + half][weight row][x row] */
-    const uint16_t *w0 = w + (int64_t)n0 * K, *w1 = w0 + (int64_t)16 * K;
+    uint16_t buf[2][16 * 32];
+    const uint16_t *w0 = w8 == NULL ? w + (int64_t)n0 * K : NULL;
+    const uint16_t *w1 = w8 == NULL ? w0 + (int64_t)16 * K : NULL;
+    const int8_t *v0 = w8 != NULL ? w8 + (int64_t)n0 * K : NULL;
+    const int8_t *v1 = w8 != NULL ? v0 + (int64_t)16 * K : NULL;
     const uint16_t *x1 = x_pairs + (int64_t)K * 16;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    if (M > 16) {
-        for (int k = 0; k < K; k += 32) {
-            _tile_loadd(6, x_pairs + (int64_t)k * 16, 64);
-            _tile_loadd(7, x1 + (int64_t)k * 16, 64);
-            _tile_loadd(4, w0 + k, K * 2);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (nt == 2) {
-                _tile_loadd(5, w1 + k, K * 2);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-        }
-    } else {
-        for (int k = 0; k < K; k += 32) {
-            _tile_loadd(6, x_pairs + (int64_t)k * 16, 64);
-            _tile_loadd(4, w0 + k, K * 2);
-            _tile_dpbf16ps(0, 4, 6);
-            if (nt == 2) {
-                _tile_loadd(5, w1 + k, K * 2);
-                _tile_dpbf16ps(2, 5, 6);
-            }
+    for (int k = 0; k < K; k += 32) {
+        _tile_loadd(6, x_pairs + (int64_t)k * 16, 64);
+        if (M > 16) _tile_loadd(7, x1 + (int64_t)k * 16, 64);
+        load_weight_tile_4(w0, v0, K, k, buf[0]);
+        _tile_dpbf16ps(0, 4, 6);
+        if (M > 16) _tile_dpbf16ps(1, 4, 7);
+        if (nt == 2) {
+            load_weight_tile_5(w1, v1, K, k, buf[1]);
+            _tile_dpbf16ps(2, 5, 6);
+            if (M > 16) _tile_dpbf16ps(3, 5, 7);
         }
     }
     _tile_stored(0, c[0], 64);
     _tile_stored(1, c[1], 64);
     _tile_stored(2, c[2], 64);
     _tile_stored(3, c[3], 64);
+    MEMORY_BARRIER();
     /* y[m][n0 + 16 b + r] = c[2 b + m / 16][r][m % 16]: a column of a C tile per 16 outputs */
     const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
                                                                5, 4, 3, 2, 1, 0),
@@ -234,9 +266,10 @@ static void amx_block(const uint16_t *x_pairs, const uint16_t *w, const uint16_t
     for (int b = 0; b < nt; b++) {
         int n = n0 + 16 * b;
         __m512 add = bias != NULL ? load16(bias + n) : _mm512_setzero_ps();
+        __m512 mul = scale != NULL ? _mm512_loadu_ps(scale + n) : _mm512_set1_ps(1.f);
         for (int m = 0; m < M; m++) {
             __m512 v = _mm512_i32gather_ps(column, &c[2 * b + m / 16][0][m % 16], 4);
-            store16(y + (int64_t)m * N + n, _mm512_add_ps(v, add));
+            store16(y + (int64_t)m * N + n, _mm512_fmadd_ps(v, mul, add));
         }
     }
 }
@@ -245,8 +278,8 @@ int tern_bf16_amx_max_rows(void) { return amx_permitted() ? AMX_MAX_ROWS : 0; }
 
 /* y (M, N) = x (M, K) @ w (N, K).T + bias (N,) or NULL, bfloat16, float32 accumulation, for
  * M <= tern_bf16_amx_max_rows(), K % 32 == 0, N % 16 == 0. Returns 0, -1 when these do not hold. */
-int tern_bf16_amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                         int M, int N, int K) {
+static int amx_linear(const uint16_t *x, const uint16_t *w, const int8_t *w8, const float *scale,
+                      const uint16_t *bias, uint16_t *y, int M, int N, int K) {
     if (!amx_permitted() || M < 1 || M > AMX_MAX_ROWS || K % 32 || N % 16) return -1;
     /* x as B tiles: for rows m of x, pair p of half m / 16 holds (x[m][2p], x[m][2p + 1]) at
      * column m % 16 (zeros for rows past M) */
@@ -263,13 +296,31 @@ int tern_bf16_amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *b
         amx_configure();
 #pragma omp for schedule(static)
         for (int b = 0; b < num_pairs + odd; b++)
-            amx_block(x_pairs, w, bias, y, M, N, K, 32 * b, b < num_pairs ? 2 : 1);
+            amx_block(x_pairs, w, w8, scale, bias, y, M, N, K, 32 * b, b < num_pairs ? 2 : 1);
         _tile_release();
     }
     free(x_pairs);
     return 0;
 }
+
+int tern_bf16_amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                         int M, int N, int K) {
+    return amx_linear(x, w, NULL, NULL, bias, y, M, N, K);
+}
+
+/* y (M, N) = x (M, K) @ (w (N, K) int8 * scale (N,)).T + bias, bfloat16 x, bias and y, on the
+ * same terms as tern_bf16_amx_linear: each 16 x 32 weight tile is widened to bfloat16 (exactly)
+ * on the way into AMX, the scales applied to the sums. The int8 linear's path for 3-32 rows. */
+int tern_int8_amx_linear_bf16(const uint16_t *x, const int8_t *w, const float *scale,
+                              const uint16_t *bias, uint16_t *y, int M, int N, int K) {
+    return amx_linear(x, NULL, w, scale, bias, y, M, N, K);
+}
 #else
+int tern_int8_amx_linear_bf16(const uint16_t *x, const int8_t *w, const float *scale,
+                              const uint16_t *bias, uint16_t *y, int M, int N, int K) {
+    (void)x, (void)w, (void)scale, (void)bias, (void)y, (void)M, (void)N, (void)K;
+    return -1;
+}
 int tern_bf16_amx_max_rows(void) { return 0; }
 int tern_bf16_amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                          int M, int N, int K) {
