@@ -202,28 +202,18 @@ static void int8_rows_to_bf16(const int8_t *w, int K, uint16_t *out) {
     }
 }
 
-/* The A tile of 16 weight rows at column k: straight from a bfloat16 matrix, or an int8 one
- * widened into buf. */
-static inline void load_weight_tile_4(const uint16_t *w, const int8_t *w8, int K, int k,
-                                      uint16_t *buf) {
-    if (w8 == NULL) {
-        _tile_loadd(4, w + k, K * 2);
-    } else {
-        int8_rows_to_bf16(w8 + k, K, buf);
-        MEMORY_BARRIER();
-        _tile_loadd(4, buf, 64);
-    }
-}
-static inline void load_weight_tile_5(const uint16_t *w, const int8_t *w8, int K, int k,
-                                      uint16_t *buf) {
-    if (w8 == NULL) {
-        _tile_loadd(5, w + k, K * 2);
-    } else {
-        int8_rows_to_bf16(w8 + k, K, buf);
-        MEMORY_BARRIER();
-        _tile_loadd(5, buf, 64);
-    }
-}
+/* Load A tile `tile` (a constant: tile numbers are immediates) with 16 weight rows at column k:
+ * straight from the bfloat16 matrix w, or from the int8 one w8 widened into buf. */
+#define LOAD_WEIGHT_TILE(tile, w, w8, K, k, buf)  \
+    do {                                          \
+        if ((w8) == NULL) {                       \
+            _tile_loadd(tile, (w) + (k), (K) * 2); \
+        } else {                                  \
+            int8_rows_to_bf16((w8) + (k), K, buf); \
+            MEMORY_BARRIER();                     \
+            _tile_loadd(tile, buf, 64);           \
+        }                                         \
+    } while (0)
 
 /* Outputs [n0, n0 + 16 * nt) (nt = 1 or 2 blocks of 16 weight rows) for all M rows, from the
  * bfloat16 weight w or (w8 != NULL) the int8 weight w8 with its per-row scales. x_pairs holds one
@@ -245,11 +235,11 @@ static void amx_block(const uint16_t *x_pairs, const uint16_t *w, const int8_t *
     for (int k = 0; k < K; k += 32) {
         _tile_loadd(6, x_pairs + (int64_t)k * 16, 64);
         if (M > 16) _tile_loadd(7, x1 + (int64_t)k * 16, 64);
-        load_weight_tile_4(w0, v0, K, k, buf[0]);
+        LOAD_WEIGHT_TILE(4, w0, v0, K, k, buf[0]);
         _tile_dpbf16ps(0, 4, 6);
         if (M > 16) _tile_dpbf16ps(1, 4, 7);
         if (nt == 2) {
-            load_weight_tile_5(w1, v1, K, k, buf[1]);
+            LOAD_WEIGHT_TILE(5, w1, v1, K, k, buf[1]);
             _tile_dpbf16ps(2, 5, 6);
             if (M > 16) _tile_dpbf16ps(3, 5, 7);
         }

@@ -708,11 +708,11 @@ int tern_int8_linear(const float *x, const int8_t *w, const float *scale, const 
     return failed ? -1 : 0;
 }
 
-/* tern_int8_linear for bfloat16 x, bias and y: converted here, saving the caller two tensor ops
- * per call. Returns 0, or -1 when there is no memory for the float32 copies. */
 int tern_int8_amx_linear_bf16(const uint16_t *x, const int8_t *w, const float *scale,
                               const uint16_t *bias, uint16_t *y, int M, int N, int K);
 
+/* tern_int8_linear for bfloat16 x, bias and y: converted here, saving the caller two tensor ops
+ * per call. Returns 0, or -1 when there is no memory for the float32 copies. */
 int tern_int8_linear_bf16(const uint16_t *x, const int8_t *w, const float *scale,
                           const uint16_t *bias, uint16_t *y, int M, int N, int K) {
     /* 3-32 rows: AMX where the CPU has it and the shape fits (the AVX2 float32 tiles below

@@ -62,29 +62,28 @@ def max_rows() -> int:
     return max(native.bf16_gemv_max_rows(), native.bf16_amx_max_rows())
 
 
-class StepBuffers:
-    """One step's inputs to the fused layers, and scratch rows sized for `layer`'s shapes."""
+def _scratch_widths(fixed: _Layer) -> tuple[int, ...]:
+    """Row widths of the step's scratch buffers, in _Step's order (normed .. act)."""
+    attn = fixed.num_heads * fixed.head_dim
+    return (fixed.hidden, fixed.qkv.n, attn, attn, fixed.hidden, fixed.gate_up.n,
+            fixed.intermediate)  # fmt: skip
 
-    def __init__(self, meta: AttentionMetadata, fixed: _Layer) -> None:
+
+class StepBuffers:
+    """One step's inputs to the fused layers, and scratch rows of `widths`. Lives on the step's
+    AttentionMetadata, which also holds the input tensors the struct points at."""
+
+    def __init__(self, meta: AttentionMetadata, widths: tuple[int, ...]) -> None:
         d = meta.decode
         t = d.q_tokens.numel()
-        hidden, heads, dim = fixed.hidden, fixed.num_heads, fixed.head_dim
-
-        def rows(width: int) -> torch.Tensor:
-            return torch.empty(t, width, dtype=torch.bfloat16)
-
+        self.widths = widths
         # NOTE: the tensors are kept on self: the struct holds their addresses only.
-        self._tensors = [
-            rows(hidden), rows(fixed.qkv.n), rows(heads * dim), rows(heads * dim), rows(hidden),
-            rows(fixed.gate_up.n), rows(fixed.intermediate),
-        ]  # fmt: skip
-        self._inputs = (meta.positions, meta.slot_mapping, d.block_tables, d.context_lens)
+        self._scratch = [torch.empty(t, w, dtype=torch.bfloat16) for w in widths]
         self.struct = _Step(
             t, meta.positions.data_ptr(), meta.slot_mapping.data_ptr(),
             d.block_tables.data_ptr(), d.context_lens.data_ptr(), d.block_tables.stride(0),
-            *(b.data_ptr() for b in self._tensors),
+            *(b.data_ptr() for b in self._scratch),
         )  # fmt: skip
-        self.shape = (hidden, fixed.qkv.n, heads * dim, fixed.gate_up.n, fixed.intermediate)
 
 
 class FusedDecodeLayer:
@@ -94,6 +93,7 @@ class FusedDecodeLayer:
         self.layer = layer
         self._key: tuple | None = None
         self._fixed: _Layer | None = None
+        self._widths: tuple[int, ...] = ()  # _scratch_widths(self._fixed)
 
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
@@ -114,12 +114,10 @@ class FusedDecodeLayer:
         if fixed is None:
             return None
         step = meta.native_step
-        if step is None or step.shape[0] != fixed.hidden:
-            step = meta.native_step = StepBuffers(meta, fixed)
+        if step is None or step.widths != self._widths:
+            step = meta.native_step = StepBuffers(meta, self._widths)
         out, res_out = torch.empty_like(x), torch.empty_like(x)
         shm = self.layer.self_attn.qkv_proj.ctx.tp_shm
-        if shm is not None and x.numel() * x.element_size() > shm.slot_bytes:
-            return None
         seq = shm.take_sequence_numbers(2) if fixed.tp_size > 1 else 0
         rc = native.load().tern_decode_layer_bf16(
             ctypes.byref(fixed), ctypes.byref(step.struct), x.data_ptr(),
@@ -154,6 +152,7 @@ class FusedDecodeLayer:
         )
         if key != self._key:
             self._fixed, self._key = _build_fixed(layer), key
+            self._widths = _scratch_widths(self._fixed) if self._fixed is not None else ()
         return self._fixed
 
 
@@ -188,7 +187,14 @@ def _build_fixed(layer: LlamaDecoderLayer) -> _Layer | None:
     ctx = attn.qkv_proj.ctx
     if (
         native.bf16_gemv_max_rows() == 0
-        or (ctx.tp_size > 1 and ctx.tp_shm is None)  # the all-reduces run in the native call
+        # the all-reduces run in the native call: on the shared segment, rows of the largest step
+        or (
+            ctx.tp_size > 1
+            and (
+                ctx.tp_shm is None
+                or max_rows() * norms[0].weight.numel() * 2 > ctx.tp_shm.slot_bytes
+            )
+        )
         or attn.qk_norm
         or not isinstance(mlp.act_fn, SiluAndMul)
         or not a._uses_decode_kernel
