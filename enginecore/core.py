@@ -7,6 +7,7 @@ scripts/bench_step.py with an in-process executor.
 from __future__ import annotations
 
 import random
+from concurrent.futures import FIRST_COMPLETED, wait
 
 from enginecore.config import Config
 from enginecore.executor import Executor
@@ -19,6 +20,10 @@ from enginecore.messages import (
 )
 from enginecore.request import Request
 from enginecore.scheduler import Scheduler
+from enginecore.structured_output import GrammarCompiler, RequestGrammar
+
+# How long a step with nothing to run waits for a compiling grammar before going back to its inputs.
+GRAMMAR_WAIT_S = 0.02
 
 
 class EngineCore:
@@ -28,6 +33,8 @@ class EngineCore:
         self.max_model_len = executor.max_model_len
         self.scheduler = Scheduler(config, executor.num_kv_blocks, self.max_model_len)
         self._rng = random.Random()
+        self.grammars = GrammarCompiler(config.model.path, executor.vocab_size)
+        self._compiling: dict[str, Request] = {}  # waiting requests whose grammar is compiling
 
     def add_request(self, req: EngineCoreRequest) -> list[EngineCoreOutput]:
         """Queues a request. Returns an error output at once for a request that cannot be served."""
@@ -37,7 +44,18 @@ class EngineCore:
         params = req.sampling_params
         if params.seed is None:
             params.seed = self._rng.getrandbits(63)
-        request = Request(req.request_id, req.prompt_token_ids, params, req.arrival_time or None)
+        request = Request(
+            req.request_id,
+            req.prompt_token_ids,
+            params,
+            req.arrival_time or None,
+            req.structured_output,
+        )
+        if req.structured_output is not None:
+            request.grammar_future = self.grammars.submit(
+                req.structured_output, params.eos_token_ids
+            )
+            self._compiling[req.request_id] = request
         self.scheduler.add_request(request)
         return []
 
@@ -48,16 +66,46 @@ class EngineCore:
         """One step. admit_waiting=False runs only the requests already running (a pause)."""
         if not self.scheduler.has_requests:
             return []
+        failed = self._take_compiled_grammars()
         step = self.scheduler.schedule(admit_waiting)
         if not step.requests:
-            return []
+            if self._compiling and not failed:
+                wait([r.grammar_future for r in self._compiling.values()], GRAMMAR_WAIT_S,
+                     FIRST_COMPLETED)  # fmt: skip
+            return failed
+        for scheduled in step.requests:
+            grammar = self.scheduler.requests[scheduled.req_id].grammar
+            if grammar is not None and scheduled.sample_index >= 0:
+                scheduled.token_bitmask = grammar.bitmask()
         output = self.executor.execute_model(step)
-        return self.scheduler.update_from_output(step, output)
+        return failed + self.scheduler.update_from_output(step, output)
+
+    def _take_compiled_grammars(self) -> list[EngineCoreOutput]:
+        """Gives each request whose grammar has compiled its matcher; fails those that did not."""
+        failed = []
+        for request_id, request in list(self._compiling.items()):
+            future = request.grammar_future
+            assert future is not None and request.structured_output is not None
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            if request.is_finished:
+                continue  # aborted while compiling
+            try:
+                compiled = future.result()
+            except Exception as e:
+                out = self.scheduler.fail_request(request_id, f"the grammar did not compile: {e}")
+                failed += [out] if out is not None else []
+                continue
+            end = request.structured_output.reasoning_end_token_ids
+            request.grammar = RequestGrammar(compiled, self.grammars, end)
+        return failed
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         self.executor.shutdown()
 
     def _validate(self, req: EngineCoreRequest) -> str | None:

@@ -145,11 +145,36 @@ class RequestType(bytes, enum.Enum):
     UTILITY = b"\x02"
 
 
+class StructuredOutputKind(str, enum.Enum):
+    JSON = "json"  # spec: a JSON schema (JSON text)
+    JSON_OBJECT = "json_object"  # any JSON object; spec unused
+    REGEX = "regex"
+    GRAMMAR = "grammar"  # EBNF (GBNF): `root ::= ...`
+    STRUCTURAL_TAG = "structural_tag"  # spec: xgrammar's structural tag (JSON text)
+
+
+class StructuredOutputSpec(msgspec.Struct, omit_defaults=True):
+    """A constraint on a request's output, compiled by the engine core (xgrammar).
+
+    The frontend has validated it (a bad one is the client's 400); the engine core compiles it off
+    its step loop and masks each sampled token by it.
+    """
+
+    kind: StructuredOutputKind
+    spec: str = ""
+    # JSON schemas: allow any whitespace between tokens (else the compact form xgrammar prefers).
+    any_whitespace: bool = True
+    # The output's reasoning ends with these tokens: the constraint applies from the token after
+    # them. Empty: from the first output token.
+    reasoning_end_token_ids: list[int] = []
+
+
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    structured_output: StructuredOutputSpec | None = None
 
 
 class EngineCoreAbort(msgspec.Struct):
@@ -267,6 +292,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # worker never computes, and how many of them are the prompt.
     history_token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
+    # The tokens the grammar allows for the token sampled this step, as xgrammar packs them: one bit
+    # per vocabulary id, little-endian int32 words (ceil(vocab / 32) of them). None: unconstrained.
+    token_bitmask: bytes | None = None
 
 
 class SchedulerOutput(msgspec.Struct, omit_defaults=True):

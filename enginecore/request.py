@@ -9,7 +9,19 @@ from __future__ import annotations
 import enum
 import time
 
-from enginecore.messages import FinishReason, Logprobs, PromptLogprobs, SamplingParams
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from enginecore.messages import (
+    FinishReason,
+    Logprobs,
+    PromptLogprobs,
+    SamplingParams,
+    StructuredOutputSpec,
+)
+
+if TYPE_CHECKING:
+    from enginecore.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -26,6 +38,7 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
+        structured_output: StructuredOutputSpec | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -49,6 +62,10 @@ class Request:
         # Logprobs of prompt tokens 1, 2, ... received so far (when the request asked for them).
         self._prompt_logprobs: list[Logprobs] = []
         self.num_prompt_logprobs = 0
+        # Structured output: the grammar compiling (the request waits for it), then its matcher.
+        self.structured_output = structured_output
+        self.grammar_future: Future[Any] | None = None
+        self.grammar: RequestGrammar | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +82,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def is_waiting_for_grammar(self) -> bool:
+        return self.structured_output is not None and self.grammar is None
 
     @property
     def skips_prefix_cache(self) -> bool:

@@ -64,6 +64,15 @@ class Scheduler:
             outputs.append(EngineCoreOutput(request_id, [], FinishReason.ABORT))
         return outputs
 
+    def fail_request(self, request_id: str, error: str) -> EngineCoreOutput | None:
+        """Ends one waiting request with an error (its grammar did not compile)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status == RequestStatus.RUNNING:
+            return None
+        self.waiting.remove(request)
+        self._finish(request, FinishReason.ERROR)
+        return EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error)
+
     def fail_all(self, error: str) -> list[EngineCoreOutput]:
         """Ends every request with an error (the workers can no longer serve)."""
         outputs = []
@@ -106,10 +115,14 @@ class Scheduler:
             i += 1
 
         # A step that had to preempt admits nobody new: the pool is the bottleneck.
+        not_ready: list[Request] = []  # grammars still compiling: they keep their place
         while admit_waiting and self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
+            if request.is_waiting_for_grammar:
+                not_ready.append(self.waiting.popleft())
+                continue
             cached_blocks, num_cached = [], 0
             if not request.skips_prefix_cache:
                 cached_blocks, num_cached = self.kv.find_cached_prefix(request)
@@ -130,6 +143,7 @@ class Scheduler:
             scheduled.append(self._schedule_chunk(request, num_new, new_block_ids))
             budget -= num_new
 
+        self.waiting.extendleft(reversed(not_ready))
         finished, self._finished_req_ids = self._finished_req_ids, []
         return SchedulerOutput(self._step_id, scheduled, finished)
 
@@ -184,9 +198,16 @@ class Scheduler:
                 continue  # aborted or preempted while the step ran
             request.append_output_token(token_id)
             self.num_generated_tokens_total += 1
-            finish_reason = self._check_stop(request, token_id)
+            error = None
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                error = f"token {token_id} was sampled against the request's grammar"
+            finish_reason = FinishReason.ERROR if error else self._check_stop(request, token_id)
             out = EngineCoreOutput(
-                request_id, [token_id], finish_reason, num_cached_tokens=request.num_cached_tokens
+                request_id,
+                [token_id],
+                finish_reason,
+                num_cached_tokens=request.num_cached_tokens,
+                error=error,
             )
             out.new_logprobs = output.logprobs.get(request_id)
             if request.num_output_tokens == 1:
@@ -207,6 +228,8 @@ class Scheduler:
                 return FinishReason.STOP
             if token_id in params.stop_token_ids:
                 return FinishReason.STOP
+        if request.grammar is not None and request.grammar.is_terminated:
+            return FinishReason.STOP  # the grammar's output is complete: nothing may follow
         if request.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
         if request.num_tokens >= self.max_model_len:

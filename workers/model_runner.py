@@ -354,6 +354,7 @@ class ModelRunner:
             logits.size(-1),
             self.device,
             [states[i].history for i in sampling],
+            [reqs[i].token_bitmask for i in sampling],
         )
         sampled = self.sampler(logits, tensors)
         req_ids = [reqs[i].req_id for i in sampling]

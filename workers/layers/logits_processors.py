@@ -2,6 +2,8 @@
 repetition, frequency and presence penalties.
 
 Order and meaning follow vLLM, whose definitions are Hugging Face's and OpenAI's:
+0. the grammar's token bitmask (structured output, computed by the engine core): tokens whose bit
+   is clear get -inf;
 1. allowed_token_ids: every other token gets -inf;
 2. logit_bias: logits[t] += bias[t];
 3. min_tokens: EOS and stop_token_ids get -inf while fewer than min_tokens tokens were sampled;
@@ -71,6 +73,8 @@ class TokenHistory:
 class LogitsProcessorTensors:
     """One step's logits processing, for the rows (of the sampling batch) it applies to."""
 
+    grammar_rows: torch.Tensor | None = None  # (G,) rows constrained by a grammar
+    grammar_mask: torch.Tensor | None = None  # (G, V) bool: what the grammar allows
     allowed_rows: torch.Tensor | None = None  # (A,) rows restricted to allowed_mask
     allowed_mask: torch.Tensor | None = None  # (A, V) bool
     bias_index: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids), (B,) each
@@ -91,8 +95,12 @@ class LogitsProcessorTensors:
         histories: list[TokenHistory | None],
         vocab_size: int,
         device: torch.device,
+        bitmasks: list[bytes | None] | None = None,
     ) -> LogitsProcessorTensors | None:
-        """None when no row needs any processing (the common case costs nothing)."""
+        """None when no row needs any processing (the common case costs nothing).
+
+        `bitmasks`: each row's grammar bitmask (ScheduledRequest.token_bitmask), or None."""
+        constrained = [i for i, b in enumerate(bitmasks or []) if b is not None]
         allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
         suppress = [
@@ -102,9 +110,13 @@ class LogitsProcessorTensors:
             for t in dict.fromkeys(p.eos_token_ids + p.stop_token_ids)
         ]
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
-        if not (allowed or bias or suppress or penalized):
+        if not (constrained or allowed or bias or suppress or penalized):
             return None
         t = cls()
+        if constrained:
+            assert bitmasks is not None
+            t.grammar_rows = _ints(constrained, device)
+            t.grammar_mask = unpack_bitmask([bitmasks[i] for i in constrained], vocab_size, device)
         if allowed:
             t.allowed_rows = _ints(allowed, device)
             t.allowed_mask = torch.zeros(len(allowed), vocab_size, dtype=torch.bool, device=device)
@@ -149,6 +161,16 @@ class LogitsProcessorTensors:
         self.presence = _floats([p.presence_penalty for p in params], device)[:, None]
 
 
+def unpack_bitmask(rows: list[bytes], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """xgrammar's packed bitmasks (bit j of int32 word w: token 32 w + j) -> (R, V) bool."""
+    words = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.int32).view(len(rows), -1)
+    if words.size(1) * 32 < vocab_size:
+        raise ValueError(f"a token bitmask of {words.size(1)} words is short of {vocab_size} ids")
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (words.unsqueeze(-1) >> shifts) & 1  # (R, W, 32)
+    return bits.view(len(rows), -1)[:, :vocab_size].to(device=device, dtype=torch.bool)
+
+
 def _ints(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
@@ -160,6 +182,10 @@ def _floats(values: list[float], device: torch.device) -> torch.Tensor:
 def apply_logits_processors(logits: torch.Tensor, t: LogitsProcessorTensors) -> torch.Tensor:
     """Logits (N, V) float32 -> processed logits (a new tensor; the input stays the raw logits)."""
     logits = logits.clone()
+    if t.grammar_rows is not None:
+        assert t.grammar_mask is not None
+        rows = logits[t.grammar_rows]
+        logits[t.grammar_rows] = rows.masked_fill(~t.grammar_mask, float("-inf"))
     if t.allowed_rows is not None:
         assert t.allowed_mask is not None
         rows = logits[t.allowed_rows]

@@ -52,8 +52,10 @@ class SamplingTensors:
         vocab_size: int,
         device: torch.device,
         histories: list[TokenHistory | None] | None = None,
+        bitmasks: list[bytes | None] | None = None,
     ) -> SamplingTensors:
-        """`histories`: each row's tokens, needed by the rows with penalties."""
+        """`histories`: each row's tokens, needed by the rows with penalties. `bitmasks`: each
+        row's grammar bitmask, for structured output."""
         if any(p.seed is None for p in params):
             raise ValueError("every request needs a sampling seed (the engine core assigns one)")
         greedy = [p.is_greedy for p in params]
@@ -88,7 +90,12 @@ class SamplingTensors:
             use_min_p=any(p.min_p > 0.0 for p in sampled),
             max_top_k=max(top_k),
             processors=LogitsProcessorTensors.build(
-                params, sample_indices, histories or [None] * len(params), vocab_size, device
+                params,
+                sample_indices,
+                histories or [None] * len(params),
+                vocab_size,
+                device,
+                bitmasks,
             ),
         )
 
@@ -121,9 +128,11 @@ def hash_row_keys(
 def exponential_noise(row_keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Exp(1) noise (N, K) float32 for token ids (N, K) or (K,): a pure function of (row key, id)."""
     h = mix32(row_keys[:, None] ^ mix32(token_ids + 0x632BE5AB))
-    # 24 bits fit a float32 exactly; +0.5 keeps u strictly inside (0, 1).
+    # 24 bits fit a float32 exactly; +0.5 keeps u above 0.
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(u)
+    # NOTE: the largest u rounds to 1.0 in float32: the clamp keeps the noise positive, else a
+    # masked token (probability 0) would score 0 / 0 = NaN, which argmax picks.
+    return (-torch.log(u)).clamp_min(2.0**-25)
 
 
 def candidates(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:

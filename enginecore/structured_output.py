@@ -1,0 +1,149 @@
+"""Structured output in the engine core: grammars compiled off the step loop, one matcher per request.
+
+xgrammar does the work. The model's tokenizer info is built once, on the compile thread, the first
+time a constrained request arrives (loading the tokenizer and xgrammar takes a second or two that
+the step loop must not wait for); compiled grammars are cached by xgrammar's compiler, bounded in
+bytes. Each step, a constrained request that samples gets its allowed-token bitmask computed from
+its matcher and sent with the step (ScheduledRequest.token_bitmask); each token it samples then
+advances the matcher. Preemption keeps the matcher: the request keeps its output tokens, so the
+matcher is already in the state the resumed request continues from.
+
+With a reasoning model the constraint starts after the reasoning: tokens up to and including
+`reasoning_end_token_ids` pass unconstrained.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from enginecore.messages import StructuredOutputKind, StructuredOutputSpec
+
+if TYPE_CHECKING:
+    import torch
+    import xgrammar
+
+logger = logging.getLogger("tern.engine")
+
+GRAMMAR_CACHE_BYTES = 256 << 20
+# Whitespace between JSON tokens, at most (enough to indent a pretty-printed document 8 levels
+# deep): unbounded, a weak model can pad with whitespace until max_tokens and never close the JSON.
+MAX_JSON_WHITESPACE = 17
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputSpecs on one background thread; results are cached by xgrammar."""
+
+    def __init__(self, tokenizer_path: str | Path, vocab_size: int) -> None:
+        self.tokenizer_path = str(tokenizer_path)
+        self.vocab_size = vocab_size
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._lock = threading.Lock()
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._bitmask: torch.Tensor | None = None  # (1, words) int32, filled on the step loop
+
+    def submit(self, spec: StructuredOutputSpec, stop_token_ids: list[int]) -> Future[Any]:
+        """A future of the compiled grammar. `stop_token_ids` (the model's EOS ids, the same for
+        every request) end a grammar's output; they are read on the first call only."""
+        return self._pool.submit(self._compile, spec, list(stop_token_ids))
+
+    def _compile(self, spec: StructuredOutputSpec, stop_token_ids: list[int]) -> Any:
+        compiler = self._get_compiler(stop_token_ids)
+        kind = spec.kind
+        if kind == StructuredOutputKind.JSON:
+            return compiler.compile_json_schema(
+                spec.spec,
+                any_whitespace=spec.any_whitespace,
+                max_whitespace_cnt=MAX_JSON_WHITESPACE if spec.any_whitespace else None,
+            )
+        if kind == StructuredOutputKind.JSON_OBJECT:
+            return compiler.compile_builtin_json_grammar()
+        if kind == StructuredOutputKind.REGEX:
+            return compiler.compile_regex(spec.spec)
+        if kind == StructuredOutputKind.GRAMMAR:
+            return compiler.compile_grammar(spec.spec)
+        if kind == StructuredOutputKind.STRUCTURAL_TAG:
+            return compile_structural_tag(compiler, spec.spec)
+        raise ValueError(f"unknown structured output kind {kind!r}")
+
+    def _get_compiler(self, stop_token_ids: list[int]) -> xgrammar.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                import torch
+                import xgrammar as xgr
+                from transformers import AutoTokenizer
+
+                # NOTE: the engine core shares the cores with the workers; the bitmask tensor
+                # needs no torch threads.
+                torch.set_num_threads(1)
+                tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop_token_ids or None
+                )
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES
+                )
+                self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+            return self._compiler
+
+    def fill_bitmask(self, matcher: xgrammar.GrammarMatcher) -> bytes:
+        """The matcher's allowed next tokens, packed (see ScheduledRequest.token_bitmask)."""
+        assert self._bitmask is not None, "a matcher exists only after a compile"
+        matcher.fill_next_token_bitmask(self._bitmask, 0)
+        return self._bitmask.numpy().tobytes()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def compile_structural_tag(compiler: Any, spec: str) -> Any:
+    """vLLM's structural tag, in either form: {"structures": [{begin, schema, end}], "triggers"}
+    (the original), or xgrammar's {"type": "structural_tag", "format": {...}}."""
+    import xgrammar as xgr
+
+    tag = json.loads(spec)
+    if isinstance(tag, dict) and "structures" in tag:
+        items = [
+            xgr.StructuralTagItem(
+                begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"]
+            )
+            for s in tag["structures"]
+        ]
+        return compiler.compile_structural_tag(items, tag.get("triggers", []))
+    return compiler.compile_structural_tag(spec)
+
+
+class RequestGrammar:
+    """One request's matcher, and whether the constraint has started (after the reasoning)."""
+
+    def __init__(self, compiled: Any, compiler: GrammarCompiler, reasoning_end: list[int]) -> None:
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.compiler = compiler
+        self.reasoning_end = list(reasoning_end)
+        self.is_active = not self.reasoning_end
+        self._recent: list[int] = []  # the last output tokens, while the reasoning goes on
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar's output is complete and its stop token was sampled."""
+        return self.is_active and self.matcher.is_terminated()
+
+    def bitmask(self) -> bytes | None:
+        """The allowed next tokens; None while the reasoning goes on (anything goes)."""
+        return self.compiler.fill_bitmask(self.matcher) if self.is_active else None
+
+    def accept(self, token_id: int) -> bool:
+        """Advances the matcher by a sampled token; False if the grammar does not allow it."""
+        if self.is_active:
+            return bool(self.matcher.accept_token(token_id))
+        self._recent.append(token_id)
+        n = len(self.reasoning_end)
+        del self._recent[:-n]
+        self.is_active = self._recent == self.reasoning_end
+        return True
