@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 import time
-
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
