@@ -60,7 +60,7 @@ def build_app(
     assert engine.ready is not None
     ready = engine.ready
     started = int(time.time())
-    chat = ChatServing(serving)
+    chat = ChatServing(serving, frontend.chat_options)
     completion = CompletionServing(serving)
     responses = ResponsesServing(serving)
     native = NativeServing(serving)

@@ -23,6 +23,9 @@ from enginecore.config import (
     SchedulerConfig,
     ServerConfig,
 )
+from frontend.chat_options import ChatOptions
+from frontend.reasoning_parsers import REASONING_PARSERS
+from frontend.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 
@@ -36,6 +39,7 @@ class FrontendConfig:
     allowed_origins: tuple[str, ...] = ()
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     chat_template: str | None = None  # the template's text
+    chat_options: ChatOptions = ChatOptions()
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -44,6 +48,9 @@ class FrontendConfig:
             raise ValueError("--served-model-name lists a name twice")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
+        options = self.chat_options
+        if options.enable_auto_tool_choice and options.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.max_request_body_bytes < 1:
             raise ValueError("--max-request-body-bytes must be positive")
 
@@ -137,6 +144,24 @@ def make_parser() -> argparse.ArgumentParser:
         "--chat-template",
         default=None,
         help="a Jinja chat template file, or the template itself, replacing the model's",
+    )
+    launch.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs '
+        "--tool-call-parser",
+    )
+    launch.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSERS,
+        default=None,
+        help="how tool calls are written in the model's output",
+    )
+    launch.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split <think>...</think> off into message.reasoning_content",
     )
     launch.add_argument("--seed", type=int, default=0)
     parallel = launch.add_argument_group("parallelism")
@@ -238,6 +263,11 @@ def frontend_config_from_args(args: argparse.Namespace, config: Config) -> Front
         allowed_origins=parse_origins(args.allowed_origins or []),
         max_request_body_bytes=args.max_request_body_bytes,
         chat_template=load_chat_template(args.chat_template),
+        chat_options=ChatOptions(
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+        ),
     )
 
 

@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
-from enginecore.messages import EngineCoreRequest, FinishReason, Logprobs, SamplingParams
+from enginecore.messages import (
+    EngineCoreRequest,
+    FinishReason,
+    Logprobs,
+    SamplingParams,
+    StructuredOutputSpec,
+)
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.errors import APIError, engine_dead_error
@@ -43,6 +49,7 @@ class Generation:
         detokenizer: IncrementalDetokenizer,
         metrics: Metrics | None = None,
         discard_output: bool = False,
+        structured_output: StructuredOutputSpec | None = None,
     ) -> None:
         """`discard_output`: the output is not wanted (completions' echo with max_tokens 0): the
         request runs only for its prompt logprobs, and finishes with "length" and no tokens."""
@@ -72,7 +79,13 @@ class Generation:
         self._first_token_time: float | None = None
         self._is_recorded = False
         self.stream = engine.add_request(
-            EngineCoreRequest(request_id, prompt_token_ids, params, arrival_time=time.time())
+            EngineCoreRequest(
+                request_id,
+                prompt_token_ids,
+                params,
+                arrival_time=time.time(),
+                structured_output=structured_output,
+            )
         )
 
     @property

@@ -9,6 +9,7 @@ it instead of being silently ignored. Fields no client sends are rejected by msg
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, TypeVar
 
@@ -19,7 +20,7 @@ from frontend.errors import bad_request
 
 T = TypeVar("T")
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # most likely tokens per position (vLLM's default --max-logprobs)
@@ -33,14 +34,6 @@ _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "early_stopping": (None, False),
     "bad_words": (None, []),
     "logits_processors": (None,),
-    "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structural_tag": (None,),
-    "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
     "priority": (None, 0),
     "cache_salt": (None,),
@@ -55,14 +48,11 @@ _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     **_COMMON_UNSUPPORTED,
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None,),
     "function_call": (None, "none"),
     "documents": (None,),
     "chat_template": (None,),
     "reasoning_effort": (None,),
-    "include_reasoning": (None, True),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "web_search_options": (None,),
@@ -104,6 +94,15 @@ class _RequestBase(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
+    # Structured output (frontend/structured_outputs.py reads and checks these).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+
     # Logits processing on the worker (enginecore/messages.py SamplingParams).
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -127,14 +126,6 @@ class _RequestBase(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     early_stopping: Any = UNSET
     bad_words: Any = UNSET
     logits_processors: Any = UNSET
-    response_format: Any = UNSET
-    structured_outputs: Any = UNSET
-    guided_json: Any = UNSET
-    guided_regex: Any = UNSET
-    guided_choice: Any = UNSET
-    guided_grammar: Any = UNSET
-    structural_tag: Any = UNSET
-    guided_decoding_backend: Any = UNSET
     guided_whitespace_pattern: Any = UNSET
     priority: Any = UNSET
     cache_salt: Any = UNSET
@@ -244,14 +235,15 @@ class ChatCompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=Tr
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    tools: Any = UNSET
-    tool_choice: Any = UNSET
+    # Tool calling and reasoning (frontend/tool_calling.py, frontend/chat_output.py).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    include_reasoning: bool = True
     functions: Any = UNSET
     function_call: Any = UNSET
     documents: Any = UNSET
     chat_template: Any = UNSET
     reasoning_effort: Any = UNSET
-    include_reasoning: Any = UNSET
     modalities: Any = UNSET
     audio: Any = UNSET
     web_search_options: Any = UNSET
@@ -401,7 +393,37 @@ def _normalize_message(i: int, message: dict[str, Any]) -> dict[str, Any]:
         message = {**message, "content": "\n".join(texts)}
     elif not isinstance(content, str):
         raise bad_request("content must be a string or a list of parts", f"messages[{i}].content")
+    if role == "developer":  # OpenAI's newer name for system instructions; templates know system
+        message = {**message, "role": "system"}
+    if message.get("tool_calls") is not None:
+        message = {**message, "tool_calls": _template_tool_calls(i, message)}
+    if role == "tool" and not isinstance(message.get("tool_call_id", ""), str):
+        raise bad_request("tool_call_id must be a string", f"messages[{i}].tool_call_id")
     return message
+
+
+def _template_tool_calls(i: int, message: dict[str, Any]) -> list[dict[str, Any]]:
+    """An assistant message's tool calls as chat templates read them: arguments as an object (as
+    vLLM passes them; templates render them with tojson), not OpenAI's JSON string."""
+    param = f"messages[{i}].tool_calls"
+    calls = message["tool_calls"]
+    if message.get("role") != "assistant" or not isinstance(calls, list):
+        raise bad_request("tool_calls must be a list, on an assistant message", param)
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request("a tool call needs function.name", f"{param}[{j}]")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except json.JSONDecodeError as e:
+                raise bad_request(
+                    f"function.arguments is not valid JSON: {e}", f"{param}[{j}]"
+                ) from None
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
 
 
 # --------------------------------------------------------------------------- request decoding
@@ -506,10 +528,38 @@ class PromptLogprob(msgspec.Struct):
 PromptLogprobsList = list[dict[str, PromptLogprob] | None]
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | None
-    tool_calls: list[Any] = []
+    # With --reasoning-parser: the model's reasoning, under the names vLLM has used for it.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = []
+
+
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """A streamed tool call: index, id, type and name on its first chunk, then argument pieces."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatCompletionResponseChoice(msgspec.Struct):
@@ -536,6 +586,9 @@ class ChatCompletionResponse(msgspec.Struct):
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(msgspec.Struct):

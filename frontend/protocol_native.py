@@ -47,6 +47,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # The tokenizers backend never puts spaces around special tokens (see protocol.py).
     spaces_between_special_tokens: bool | UnsetType | None = UNSET
     return_logprob: bool | None = None  # meta_info.output_token_logprobs: [logprob, token id]
+    # LMDeploy's chat route has it: json_schema, regex_schema or json_object (structured_outputs.py).
+    response_format: dict[str, Any] | None = None
 
     image_data: Any = UNSET
     top_logprobs_num: Any = UNSET

@@ -15,8 +15,10 @@ from typing import Any
 import msgspec
 from msgspec import UNSET
 
+from enginecore.messages import StructuredOutputSpec
 from frontend.errors import bad_request
 from frontend.protocol import check_unsupported, normalize_messages
+from frontend.structured_outputs import from_response_format, structured_output_spec
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _TEXT_FORMAT = {"format": {"type": "text"}}
@@ -33,7 +35,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "include": (None, []),
     "prompt": (None,),
     "reasoning": (None,),
-    "text": (None, {}, _TEXT_FORMAT),
     "top_logprobs": (None, 0),
     "truncation": (None, "disabled"),
     "service_tier": (None, "auto", "default"),
@@ -46,7 +47,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "vllm_xargs": (None,),
     "mm_processor_kwargs": (None,),
     "media_io_kwargs": (None,),
-    "structured_outputs": (None,),
     "enable_response_messages": (None, False),
     "previous_input_messages": (None,),
 }
@@ -86,7 +86,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     include: Any = UNSET
     prompt: Any = UNSET
     reasoning: Any = UNSET
-    text: Any = UNSET
+    text: dict[str, Any] | None = None  # text.format: the output constraint, if any
     top_logprobs: Any = UNSET
     truncation: Any = UNSET
     service_tier: Any = UNSET
@@ -99,7 +99,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     vllm_xargs: Any = UNSET
     mm_processor_kwargs: Any = UNSET
     media_io_kwargs: Any = UNSET
-    structured_outputs: Any = UNSET
+    structured_outputs: dict[str, Any] | None = None  # vLLM's
     enable_response_messages: Any = UNSET
     previous_input_messages: Any = UNSET
 
@@ -139,6 +139,24 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
             raise bad_request("seed must fit in a signed 64-bit integer", "seed")
         if any(s == "" for s in self.stop_strings):
             raise bad_request("stop strings must not be empty", "stop")
+
+    def output_constraint(self) -> StructuredOutputSpec | None:
+        """text.format (OpenAI's json_schema / json_object), or vLLM's structured_outputs."""
+        text_format = (self.text or {}).get("format")
+        if text_format is not None and self.structured_outputs is not None:
+            raise bad_request(
+                "set at most one output constraint; got text.format and structured_outputs",
+                "structured_outputs",
+            )
+        if self.structured_outputs is not None:
+            return structured_output_spec(self)
+        if text_format is None:
+            return None
+        if isinstance(text_format, dict) and text_format.get("type") == "json_schema":
+            # The Responses API's format is flat: {"type", "name", "schema", "strict"}.
+            schema = {k: v for k, v in text_format.items() if k != "type"}
+            text_format = {"type": "json_schema", "json_schema": schema}
+        return from_response_format(text_format, "text.format")
 
     def messages(self) -> list[dict[str, Any]]:
         """The chat messages the prompt is rendered from: instructions first, then the input."""

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from enginecore.messages import SamplingParams
+from enginecore.messages import SamplingParams, StructuredOutputSpec
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.errors import APIError, bad_request, engine_dead_error
@@ -156,12 +156,14 @@ class OpenAIServing:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         discard_output: bool = False,
+        structured_output: StructuredOutputSpec | None = None,
     ) -> RequestGroup:
         """Checks every prompt, then starts n engine requests per prompt (all or none): samples
         0..n-1 of prompt 0, then of prompt 1... (frontend/sampling.py says how they differ).
 
         `logprobs` / `prompt_logprobs`: how many most likely tokens the logprobs of each output /
         prompt token show (None: no logprobs). `discard_output`: see Generation.
+        `structured_output`: the grammar every sample's output follows.
         """
         params = [self.sampling_params(req, ids, prompt_param) for ids in prompts]
         if self.engine.is_dead:
@@ -181,7 +183,7 @@ class OpenAIServing:
                     )
                     gen = Generation(
                         self.engine, next(engine_ids), prompt_ids, p, detokenizer, self.metrics,
-                        discard_output,
+                        discard_output, structured_output,
                     )  # fmt: skip
                     gens.append(gen)
         except EngineDeadError as e:

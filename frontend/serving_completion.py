@@ -30,6 +30,7 @@ from frontend.protocol import (
 )
 from frontend.sampling import truncate_prompt
 from frontend.serving import OpenAIServing, json_response, sse, usage_options
+from frontend.structured_outputs import structured_output_spec
 
 
 class CompletionServing:
@@ -56,7 +57,7 @@ class CompletionServing:
         group = s.start(
             request_id, keys, req, prompts, "prompt",
             n=req.n or 1, logprobs=req.logprobs, prompt_logprobs=num_prompt_top,
-            discard_output=req.is_echo_only,
+            discard_output=req.is_echo_only, structured_output=structured_output_spec(req),
         )  # fmt: skip
         view = _CompletionView(req, s, prompt_texts, group.n)
         created = int(time.time())

@@ -36,6 +36,7 @@ from frontend.protocol_native import (
     TokenizeResponse,
 )
 from frontend.serving import OpenAIServing, json_response, sse
+from frontend.structured_outputs import structured_output_spec
 
 
 class NativeServing:
@@ -59,8 +60,9 @@ class NativeServing:
         request_id, keys, headers = s.request_ids(http_request, "generate-")
         logprobs = 0 if req.return_logprob else None  # the sampled token's only
         group = s.start(
-            request_id, keys, req, [prompt_ids], param, session_id=session_id, logprobs=logprobs
-        )
+            request_id, keys, req, [prompt_ids], param, session_id=session_id, logprobs=logprobs,
+            structured_output=structured_output_spec(req),
+        )  # fmt: skip
         if req.is_stream:
             return s.sse_response(self._generate_stream(group), group, headers)
         texts = await group.collect_unless_disconnected(http_request)

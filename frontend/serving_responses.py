@@ -47,7 +47,9 @@ class ResponsesServing:
         s.check_model(req.model)
         prompt_ids = s.tokenizer.apply_chat_template(req.messages(), add_generation_prompt=True)
         response_id, keys, headers = s.request_ids(http_request, "resp_", req.request_id)
-        group = s.start(response_id, keys, req, [prompt_ids], "input")
+        group = s.start(
+            response_id, keys, req, [prompt_ids], "input", structured_output=req.output_constraint()
+        )
         params = group.gens[0].params
         draft = _Draft(req, response_id, s.model_name, params.temperature, params.top_p)
         if req.is_stream:
@@ -127,6 +129,7 @@ class _Draft:
             tool_choice=req.tool_choice if isinstance(req.tool_choice, str) else "auto",
             top_p=self.top_p,
             user=req.user,
+            text=req.text or {"format": {"type": "text"}},
             **fields,
         )
 

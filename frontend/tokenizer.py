@@ -79,8 +79,30 @@ class Tokenizer:
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Renders the chat template and tokenizes it. Template errors are the client's (400)."""
+        text = self.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+        )
+        # NOTE: the rendered template already holds the special tokens it wants (BOS, role markers);
+        # vLLM tokenizes it without adding more unless the client asks for add_special_tokens.
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The chat template's text for these messages (and tools, if the template shows them)."""
         if not self.has_chat_template:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         kwargs = dict(chat_template_kwargs or {})
@@ -97,13 +119,12 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=False,
+                tools=tools or None,
                 **kwargs,
             )
         except (TemplateError, ValueError, TypeError, KeyError) as e:
             raise bad_request(f"the chat template failed on these messages: {e}", "messages") from e
-        # NOTE: the rendered template already holds the special tokens it wants (BOS, role markers);
-        # vLLM tokenizes it without adding more unless the client asks for add_special_tokens.
-        return self.encode(text, add_special_tokens=add_special_tokens)
+        return text
 
 
 def _read_json(path: Path) -> dict[str, Any]:
