@@ -144,7 +144,7 @@ def _build(kind: str, value: Any, param: str, any_whitespace: bool = True) -> St
                 raise bad_request(f"{param} is not valid JSON: {e}", param) from None
         if not isinstance(value, (dict, bool)):
             raise bad_request(f"{param} must be a JSON schema (an object)", param)
-        text = json.dumps(value, ensure_ascii=False)
+        text = json.dumps(_strict_json_strings(value), ensure_ascii=False)
     elif kind == "json_object":
         text = ""
     elif kind == "choice":
@@ -172,6 +172,26 @@ def _build(kind: str, value: Any, param: str, any_whitespace: bool = True) -> St
     if error is not None:
         raise bad_request(f"{param}: {error}", param)
     return StructuredOutputSpec(so_kind, text, any_whitespace=any_whitespace)
+
+
+def _strict_json_strings(schema: Any) -> Any:
+    """The schema with every length-bounded string as a pattern of the same lengths.
+
+    NOTE: xgrammar (0.2) lets a string with minLength/maxLength hold raw control characters
+    (tabs, NUL...), which strict JSON parsers (Python's json, pydantic) reject; its patterns are
+    JSON-escaped. The pattern excludes quotes, backslashes and control characters.
+    """
+    if isinstance(schema, list):
+        return [_strict_json_strings(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict_json_strings(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    free = not any(k in out for k in ("pattern", "format", "enum", "const"))
+    if out.get("type") == "string" and bounded and free:
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = r'^[^"\\\x00-\x1f]{' + f"{low},{high}" + "}$"
+    return out
 
 
 def choice_grammar(choices: list[str]) -> str:

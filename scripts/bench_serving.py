@@ -9,6 +9,13 @@ prints a table and writes the summary as JSON (--result-file). Output tokens com
 of the last chunk (stream_options.include_usage), else from the number of text chunks. The metrics
 are those of `vllm bench serve` (same definitions), so results of both tools can sit side by side.
 
+--structured adds one output constraint to every request: `json_schema` (response_format, chat),
+`regex` (vLLM's structured_outputs, either endpoint) or `tools` (two functions, tool_choice
+"required", chat). Each allows outputs longer than 128 tokens, so TPOT is measured over long
+outputs; a request still ends early ("stop") if the model completes the grammar's output. With
+`tools` the calls arrive whole, one chunk per closed call: TTFT is the first chunk of the reply
+(its role, sent with the first token) and ITL is the gap between calls.
+
 `plot` draws summaries (of one or more servers, told apart by --label) against concurrency:
 output throughput, TTFT p50 and TPOT p50, one line per label (needs matplotlib).
 
@@ -34,6 +41,49 @@ import tokenizers
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# --structured: constraints that allow long outputs (up to 64 short strings, 200 words).
+_WORDS = {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 64}
+JSON_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "count": {"type": "integer", "minimum": 0, "maximum": 1000},
+        "score": {"type": "number"},
+        "done": {"type": "boolean"},
+        "tags": _WORDS,
+    },
+    "required": ["title", "count", "score", "done", "tags"],
+    "additionalProperties": False,
+}
+REGEX = "([a-z]{3,10} ){0,200}"
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Searches documents for keywords.",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string", "maxLength": 40}, "keywords": _WORDS},
+                "required": ["query", "keywords"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "tag_items",
+            "description": "Tags items with labels.",
+            "parameters": {
+                "type": "object",
+                "properties": {"labels": _WORDS, "limit": {"type": "integer", "minimum": 1}},
+                "required": ["labels", "limit"],
+            },
+        },
+    },
+]
+CHAT_ONLY = ("json_schema", "tools")
+
 
 @dataclass
 class RequestResult:
@@ -43,6 +93,7 @@ class RequestResult:
     output_tokens: int = 0
     ttft: float = 0.0
     e2e: float = 0.0
+    finish_reason: str = ""
     itl: list[float] = field(default_factory=list)
 
     @property
@@ -93,19 +144,41 @@ def request_body(args: argparse.Namespace, model: str, prompt: str) -> dict[str,
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
+    if args.structured == "json_schema":
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "record", "schema": JSON_SCHEMA},
+        }
+    elif args.structured == "regex":
+        body["structured_outputs"] = {"regex": REGEX}
+    elif args.structured == "tools":
+        body["tools"] = TOOLS
+        body["tool_choice"] = "required"
     return body
 
 
 def chunk_text(endpoint: str, chunk: dict[str, Any]) -> str:
+    """The chunk's output text: content, or the arguments of the tool calls it carries."""
     choice = chunk["choices"][0]
     if endpoint == "chat":
-        return choice.get("delta", {}).get("content") or ""
+        delta = choice.get("delta", {})
+        calls = delta.get("tool_calls") or []
+        return (delta.get("content") or "") + "".join(
+            c.get("function", {}).get("arguments") or "" for c in calls
+        )
     return choice.get("text") or ""
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], endpoint: str, prompt_len: int
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    endpoint: str,
+    prompt_len: int,
+    ttft_on_role: bool = False,
 ) -> RequestResult:
+    """`ttft_on_role`: the first token is the chunk with the reply's role (tool calls, which arrive
+    whole, only when they close)."""
     res = RequestResult(prompt_len=prompt_len)
     n_chunks = 0
     start = last = time.perf_counter()
@@ -125,7 +198,10 @@ async def one_request(
                     res.error = str(chunk["error"].get("message", chunk["error"]))
                     return res
                 now = time.perf_counter()
-                if chunk.get("choices") and chunk_text(endpoint, chunk):
+                choice = (chunk.get("choices") or [{}])[0]
+                res.finish_reason = choice.get("finish_reason") or res.finish_reason
+                is_role = ttft_on_role and n_chunks == 0 and "role" in choice.get("delta", {})
+                if choice and (is_role or chunk_text(endpoint, chunk)):
                     if n_chunks == 0:
                         res.ttft = now - start
                     else:
@@ -155,9 +231,9 @@ async def run(args: argparse.Namespace, model: str, prompts: list[tuple[str, int
 
         async def limited(prompt: str, n: int) -> RequestResult:
             async with sem:
-                return await one_request(
-                    client, url, request_body(args, model, prompt), args.endpoint, n
-                )
+                body = request_body(args, model, prompt)
+                is_tools = args.structured == "tools"
+                return await one_request(client, url, body, args.endpoint, n, is_tools)
 
         start = time.perf_counter()
         tasks = []
@@ -188,11 +264,15 @@ def summarize(
     n_in = sum(r.prompt_len for r in ok)
     n_out = sum(r.output_tokens for r in ok)
     errors = sorted({r.error for r in results if not r.ok})
+    finish_reasons: dict[str, int] = {}
+    for r in ok:
+        finish_reasons[r.finish_reason or "?"] = finish_reasons.get(r.finish_reason or "?", 0) + 1
     return {
         "label": args.label or model,
         "base_url": args.base_url,
         "model": model,
         "endpoint": args.endpoint,
+        "structured": args.structured,
         "num_prompts": len(results),
         "input_len": args.input_len,
         "output_len": args.output_len,
@@ -202,6 +282,7 @@ def summarize(
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "errors": errors[:5],
+        "finish_reasons": dict(sorted(finish_reasons.items())),
         "duration_s": duration,
         "total_input_tokens": n_in,
         "total_output_tokens": n_out,
@@ -219,8 +300,10 @@ def print_table(s: dict[str, Any]) -> None:
     rows = [
         ("Model", s["model"]),
         ("Endpoint", s["endpoint"]),
+        ("Structured output", s.get("structured") or "none"),
         ("Successful requests", s["completed"]),
         ("Failed requests", s["failed"]),
+        ("Finish reasons", ", ".join(f"{k} {v}" for k, v in s["finish_reasons"].items()) or "-"),
         ("Duration (s)", f"{s['duration_s']:.2f}"),
         ("Total input tokens", s["total_input_tokens"]),
         ("Total output tokens", s["total_output_tokens"]),
@@ -250,7 +333,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument(
+        "--endpoint",
+        choices=["completions", "chat"],
+        default=None,
+        help="default: chat with --structured json_schema or tools, else completions",
+    )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
@@ -266,7 +354,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800.0, help="per request, in seconds")
     p.add_argument("--result-file", type=Path, default=None)
     p.add_argument("--label", default=None, help="name of this server in plots (default: model)")
+    p.add_argument(
+        "--structured",
+        choices=["json_schema", "regex", "tools"],
+        default=None,
+        help="constrain every request's output (json_schema and tools: chat endpoint only)",
+    )
     args = p.parse_args(argv)
+    if args.structured in CHAT_ONLY and args.endpoint == "completions":
+        p.error(f"--structured {args.structured} needs the chat endpoint (--endpoint chat)")
+    if args.endpoint is None:
+        args.endpoint = "chat" if args.structured in CHAT_ONLY else "completions"
     if args.concurrency is not None and args.concurrency < 1:
         p.error("--concurrency must be positive")
     if args.request_rate <= 0:

@@ -499,9 +499,7 @@ def test_lmdeploy_generate_example_with_return_logprob(server: Any, hf) -> None:
         ("/v1/completions", "best_of", 3),
         ("/v1/completions", "logprobs", 21),
         ("/v1/completions", "suffix", "end"),
-        ("/v1/chat/completions", "response_format", {"type": "json_object"}),
         ("/v1/chat/completions", "top_logprobs", 3),  # without logprobs: true
-        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("/v1/chat/completions", "logit_bias", {"999999": 5}),
         ("/v1/chat/completions", "min_tokens", 50),
         ("/generate", "top_logprobs_num", 2),

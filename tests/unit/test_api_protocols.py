@@ -103,7 +103,6 @@ def test_responses_non_text_input_is_400(item: dict[str, Any]) -> None:
         ("store", True),
         ("background", True),
         ("reasoning", {"effort": "low"}),
-        ("text", {"format": {"type": "json_object"}}),
         ("top_logprobs", 2),
         ("include", ["message.output_text.logprobs"]),
         ("truncation", "auto"),

@@ -130,16 +130,13 @@ def test_stream_options_need_stream() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "auto"),
-        ("response_format", {"type": "json_object"}),
         ("use_beam_search", True),
-        ("guided_choice", ["a", "b"]),
         ("chat_template", "{{ messages }}"),
+        ("functions", [{"name": "f"}]),
+        ("guided_whitespace_pattern", " *"),
         ("best_of", 2),
         ("bad_words", ["x"]),
         ("logits_processors", ["a.b"]),
-        ("structured_outputs", {"choice": ["a"]}),
     ],
 )
 def test_known_unsupported_fields_are_400_when_used(field: str, value: Any) -> None:
