@@ -73,11 +73,17 @@ class EngineCore:
                 wait([r.grammar_future for r in self._compiling.values()], GRAMMAR_WAIT_S,
                      FIRST_COMPLETED)  # fmt: skip
             return failed
+        constrained = []
         for scheduled in step.requests:
             grammar = self.scheduler.requests[scheduled.req_id].grammar
-            if grammar is not None and scheduled.sample_index >= 0:
-                scheduled.token_bitmask = grammar.bitmask()
-        output = self.executor.execute_model(step)
+            if grammar is not None and grammar.is_active and scheduled.sample_index >= 0:
+                constrained.append((scheduled.req_id, grammar))
+        step.grammar_bitmasks_follow = bool(constrained)
+
+        def bitmasks() -> dict[str, bytes]:
+            return {req_id: grammar.bitmask() for req_id, grammar in constrained}
+
+        output = self.executor.execute_model(step, bitmasks if constrained else None)
         return failed + self.scheduler.update_from_output(step, output)
 
     def _take_compiled_grammars(self) -> list[EngineCoreOutput]:

@@ -34,6 +34,7 @@ from enginecore.messages import (
     ControlCall,
     CoreToNode,
     ExecuteModel,
+    GrammarBitmasks,
     InitKVCache,
     ModelRunnerOutput,
     NodeAck,
@@ -61,6 +62,10 @@ KILLED_PEER_GRACE_S = 1.0
 NODE_TIMEOUT_S = 5.0
 
 
+# The grammar bitmasks of a step's constrained requests, by request id (GrammarBitmasks).
+BitmaskSource = Callable[[], dict[str, bytes]]
+
+
 class WorkerDied(RuntimeError):
     """A worker process exited while the engine needed it."""
 
@@ -75,7 +80,12 @@ class Executor(Protocol):
     vocab_size: int
     model_summary: str
 
-    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(
+        self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None
+    ) -> ModelRunnerOutput:
+        """`bitmasks` (when step.grammar_bitmasks_follow): computes the grammar bitmasks; called
+        while the workers run the forward pass."""
+        ...
 
     def run_control(self, call: ControlCall, timeout: float | None) -> list[str]: ...
 
@@ -98,8 +108,10 @@ class InProcExecutor:
         self.vocab_size = self.runner.vocab_size
         self.model_summary = self.runner.model_summary
 
-    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(step)
+    def execute_model(
+        self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None
+    ) -> ModelRunnerOutput:
+        return self.runner.execute_model(step, bitmasks)
 
     def run_control(self, call: ControlCall, timeout: float | None) -> list[str]:
         try:
@@ -192,8 +204,13 @@ class MultiprocExecutor:
         self.vocab_size = driver.vocab_size
         self.model_summary = driver.model_summary
 
-    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None
+    ) -> ModelRunnerOutput:
         self._broadcast(ExecuteModel(step))
+        if step.grammar_bitmasks_follow:
+            assert bitmasks is not None, "the step promises grammar bitmasks"
+            self._broadcast(GrammarBitmasks(step.step_id, bitmasks()))
         (result,) = self._gather(WorkerResult, timeout=None, ranks=1)
         assert result.rank == self.driver_rank and result.output is not None, result
         return result.output

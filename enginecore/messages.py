@@ -292,15 +292,15 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # worker never computes, and how many of them are the prompt.
     history_token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
-    # The tokens the grammar allows for the token sampled this step, as xgrammar packs them: one bit
-    # per vocabulary id, little-endian int32 words (ceil(vocab / 32) of them). None: unconstrained.
-    token_bitmask: bytes | None = None
 
 
 class SchedulerOutput(msgspec.Struct, omit_defaults=True):
     step_id: int
     requests: list[ScheduledRequest] = []
     finished_req_ids: list[str] = []  # the worker forgets these (finished, aborted or preempted)
+    # Some requests sample under a grammar: their bitmasks follow as the next broadcast
+    # (GrammarBitmasks), computed by the engine core while the workers run the forward pass.
+    grammar_bitmasks_follow: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -309,6 +309,15 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True):
 
 class ExecuteModel(msgspec.Struct, tag="execute"):
     step: SchedulerOutput
+
+
+class GrammarBitmasks(msgspec.Struct, tag="grammar_bitmasks"):
+    """The tokens each constrained request may sample this step, as xgrammar packs them: one bit
+    per vocabulary id in little-endian int32 words (ceil(vocab / 32) of them), by request id.
+    Read by the sampling rank just before it samples; the other ranks skip it."""
+
+    step_id: int
+    bitmasks: dict[str, bytes]
 
 
 class InitKVCache(msgspec.Struct, tag="init_kv_cache"):
@@ -380,6 +389,7 @@ CONTROL_CALLS = typing.get_args(ControlCall)  # for isinstance
 
 WorkerCall = (
     ExecuteModel
+    | GrammarBitmasks
     | InitKVCache
     | Shutdown
     | UpdateWeightsFromDisk

@@ -4,9 +4,10 @@ xgrammar does the work. The model's tokenizer info is built once, on the compile
 time a constrained request arrives (loading the tokenizer and xgrammar takes a second or two that
 the step loop must not wait for); compiled grammars are cached by xgrammar's compiler, bounded in
 bytes. Each step, a constrained request that samples gets its allowed-token bitmask computed from
-its matcher and sent with the step (ScheduledRequest.token_bitmask); each token it samples then
-advances the matcher. Preemption keeps the matcher: the request keeps its output tokens, so the
-matcher is already in the state the resumed request continues from.
+its matcher while the workers run the forward pass, sent right after the step (GrammarBitmasks) to
+the sampling rank; each token it samples then advances the matcher. Preemption keeps the matcher:
+the request keeps its output tokens, so the matcher is already in the state the resumed request
+continues from.
 
 With a reasoning model the constraint starts after the reasoning: tokens up to and including
 `reasoning_end_token_ids` pass unconstrained.
@@ -55,11 +56,7 @@ class GrammarCompiler:
         compiler = self._get_compiler(stop_token_ids)
         kind = spec.kind
         if kind == StructuredOutputKind.JSON:
-            return compiler.compile_json_schema(
-                spec.spec,
-                any_whitespace=spec.any_whitespace,
-                max_whitespace_cnt=MAX_JSON_WHITESPACE if spec.any_whitespace else None,
-            )
+            return compiler.compile_grammar(json_schema_grammar(spec.spec, spec.any_whitespace))
         if kind == StructuredOutputKind.JSON_OBJECT:
             return compiler.compile_builtin_json_grammar()
         if kind == StructuredOutputKind.REGEX:
@@ -91,13 +88,34 @@ class GrammarCompiler:
             return self._compiler
 
     def fill_bitmask(self, matcher: xgrammar.GrammarMatcher) -> bytes:
-        """The matcher's allowed next tokens, packed (see ScheduledRequest.token_bitmask)."""
+        """The matcher's allowed next tokens, packed (see messages.GrammarBitmasks)."""
         assert self._bitmask is not None, "a matcher exists only after a compile"
         matcher.fill_next_token_bitmask(self._bitmask, 0)
         return self._bitmask.numpy().tobytes()
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def json_schema_grammar(schema: str, any_whitespace: bool) -> str:
+    """The EBNF grammar of a JSON schema (xgrammar's), strict JSON. Raises on a bad schema.
+
+    NOTE: xgrammar (0.2) lets a string with minLength / maxLength hold raw control characters
+    (tab, NUL...), which strict JSON parsers (Python's json, pydantic) reject: its character class
+    for them excludes only quote, backslash, CR and LF. Its other strings exclude U+0000-U+001F.
+    """
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(
+        schema,
+        any_whitespace=any_whitespace,
+        max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None,
+    )
+    return str(grammar).replace(_LENIENT_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+_LENIENT_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
 
 def compile_structural_tag(compiler: Any, spec: str) -> Any:
@@ -134,9 +152,10 @@ class RequestGrammar:
         """The grammar's output is complete and its stop token was sampled."""
         return self.is_active and self.matcher.is_terminated()
 
-    def bitmask(self) -> bytes | None:
-        """The allowed next tokens; None while the reasoning goes on (anything goes)."""
-        return self.compiler.fill_bitmask(self.matcher) if self.is_active else None
+    def bitmask(self) -> bytes:
+        """The allowed next tokens (the constraint must have started: is_active)."""
+        assert self.is_active, "no constraint during the reasoning"
+        return self.compiler.fill_bitmask(self.matcher)
 
     def accept(self, token_id: int) -> bool:
         """Advances the matcher by a sampled token; False if the grammar does not allow it."""

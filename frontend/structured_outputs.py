@@ -21,6 +21,7 @@ import json
 from typing import Any
 
 from enginecore.messages import StructuredOutputKind, StructuredOutputSpec
+from enginecore.structured_output import json_schema_grammar
 from frontend.errors import bad_request
 from frontend.sampling import request_field
 
@@ -144,7 +145,7 @@ def _build(kind: str, value: Any, param: str, any_whitespace: bool = True) -> St
                 raise bad_request(f"{param} is not valid JSON: {e}", param) from None
         if not isinstance(value, (dict, bool)):
             raise bad_request(f"{param} must be a JSON schema (an object)", param)
-        text = json.dumps(_strict_json_strings(value), ensure_ascii=False)
+        text = json.dumps(value, ensure_ascii=False)
     elif kind == "json_object":
         text = ""
     elif kind == "choice":
@@ -174,26 +175,6 @@ def _build(kind: str, value: Any, param: str, any_whitespace: bool = True) -> St
     return StructuredOutputSpec(so_kind, text, any_whitespace=any_whitespace)
 
 
-def _strict_json_strings(schema: Any) -> Any:
-    """The schema with every length-bounded string as a pattern of the same lengths.
-
-    NOTE: xgrammar (0.2) lets a string with minLength/maxLength hold raw control characters
-    (tabs, NUL...), which strict JSON parsers (Python's json, pydantic) reject; its patterns are
-    JSON-escaped. The pattern excludes quotes, backslashes and control characters.
-    """
-    if isinstance(schema, list):
-        return [_strict_json_strings(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _strict_json_strings(v) for k, v in schema.items()}
-    bounded = "minLength" in out or "maxLength" in out
-    free = not any(k in out for k in ("pattern", "format", "enum", "const"))
-    if out.get("type") == "string" and bounded and free:
-        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
-        out["pattern"] = r'^[^"\\\x00-\x1f]{' + f"{low},{high}" + "}$"
-    return out
-
-
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar whose language is exactly `choices`."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -206,7 +187,7 @@ def _check(kind: StructuredOutputKind, text: str, any_whitespace: bool) -> str |
 
     try:
         if kind == _K.JSON:
-            xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace)
+            xgr.Grammar.from_ebnf(json_schema_grammar(text, any_whitespace))
         elif kind == _K.REGEX:
             xgr.Grammar.from_regex(text)
         elif kind == _K.GRAMMAR:

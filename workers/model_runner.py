@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -237,8 +237,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the step
 
-    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        output, _ = self._execute(step, want_logprobs=False)
+    def execute_model(
+        self, step: SchedulerOutput, bitmasks: Callable[[], dict[str, bytes]] | None = None
+    ) -> ModelRunnerOutput:
+        """`bitmasks`: the grammar bitmasks of the step's constrained requests (GrammarBitmasks),
+        needed when step.grammar_bitmasks_follow; called by the sampling rank after the forward."""
+        output, _ = self._execute(step, want_logprobs=False, bitmasks=bitmasks)
         return output
 
     def execute_model_with_logprobs(
@@ -290,7 +294,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(
-        self, step: SchedulerOutput, want_logprobs: bool
+        self,
+        step: SchedulerOutput,
+        want_logprobs: bool,
+        bitmasks: Callable[[], dict[str, bytes]] | None = None,
     ) -> tuple[ModelRunnerOutput, torch.Tensor | None]:
         if self.model is None or self.kv_cache is None:
             raise RuntimeError("the model and the KV cache must be initialised before a step")
@@ -348,13 +355,18 @@ class ModelRunner:
         if not p.is_driver:  # the logits were a collective; the driver samples
             return ModelRunnerOutput(step.step_id, [], []), None
         params = [states[i].sampling_params for i in sampling]
+        masks: dict[str, bytes] = {}
+        if step.grammar_bitmasks_follow:
+            if bitmasks is None:
+                raise ValueError(f"step {step.step_id} needs grammar bitmasks; none were given")
+            masks = bitmasks()
         tensors = SamplingTensors.from_params(
             params,
             [reqs[i].sample_index for i in sampling],
             logits.size(-1),
             self.device,
             [states[i].history for i in sampling],
-            [reqs[i].token_bitmask for i in sampling],
+            [masks.get(reqs[i].req_id) for i in sampling],
         )
         sampled = self.sampler(logits, tensors)
         req_ids = [reqs[i].req_id for i in sampling]

@@ -36,6 +36,7 @@ from enginecore.messages import (
     ControlCall,
     CoreToNode,
     ExecuteModel,
+    GrammarBitmasks,
     InitKVCache,
     NodeAck,
     NodeBootstrap,
@@ -100,6 +101,23 @@ def _build_runner(config: Config, rank: int, mq: MessageQueue) -> ModelRunner:
     return runner
 
 
+def _next_bitmasks(
+    mq: MessageQueue, codec: Codec, step_id: int, parent_pid: int
+) -> dict[str, bytes]:
+    """The grammar bitmasks that follow step `step_id` on the broadcast (the sampling rank's)."""
+    while True:
+        try:
+            data = mq.dequeue(timeout=PARENT_CHECK_S)
+            break
+        except TimeoutError:
+            if os.getppid() != parent_pid:
+                raise RuntimeError("the engine core is gone") from None
+    call = codec.decode(data)
+    if not isinstance(call, GrammarBitmasks) or call.step_id != step_id:
+        raise RuntimeError(f"expected the grammar bitmasks of step {step_id}, got {call!r:.80}")
+    return call.bitmasks
+
+
 def _run_control(control: WorkerControl, call: ControlCall, rank: int) -> WorkerResult:
     """A failed control call (bad checkpoint path, trainer gone) is the caller's error, not fatal."""
     try:
@@ -162,9 +180,17 @@ def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) ->
                 runner.init_kv_cache(call.num_blocks)
                 replies.send(reply_codec.encode(WorkerResult(rank=rank)))
             elif isinstance(call, ExecuteModel):
-                output = runner.execute_model(call.step)
+                step = call.step
+                output = runner.execute_model(
+                    step,
+                    lambda step_id=step.step_id: _next_bitmasks(
+                        mq, call_codec, step_id, parent_pid
+                    ),
+                )
                 if is_driver:
                     replies.send(reply_codec.encode(WorkerResult(rank=rank, output=output)))
+            elif isinstance(call, GrammarBitmasks):
+                pass  # the sampling rank read its own inside its step; the others skip it
             elif isinstance(call, CONTROL_CALLS):
                 replies.send(reply_codec.encode(_run_control(control, call, rank)))
         if exit_code == 0:

@@ -98,3 +98,32 @@ def test_preempted_requests_keep_their_grammar(model_dir: Path) -> None:
         assert finish == FinishReason.STOP, (name, finish)
         items = json.loads(tok.decode(ids, skip_special_tokens=True))
         assert 8 <= len(items) <= 10 and set(items) <= {"alpha", "beta"}
+
+
+def test_json_strings_are_strict_json(model_dir: Path) -> None:
+    """No raw control character in any JSON string, length-bounded or not (xgrammar's own grammar
+    lets bounded ones hold tabs); the bounds still hold."""
+    import xgrammar as xgr
+
+    from enginecore.structured_output import GrammarCompiler
+
+    config = json.loads((model_dir / "config.json").read_text())
+    compiler = GrammarCompiler(model_dir, config["vocab_size"])
+    schema = {
+        "type": "object",
+        "properties": {
+            "short": {"type": "string", "minLength": 1, "maxLength": 4},
+            "free": {"type": "string"},
+        },
+    }
+    spec = StructuredOutputSpec(StructuredOutputKind.JSON, json.dumps(schema))
+    compiled = compiler.submit(spec, [2]).result()
+    compiler.shutdown()
+
+    def accepts(text: str) -> bool:
+        return xgr.GrammarMatcher(compiled).accept_string(text)
+
+    assert accepts('{"short": "abc", "free": "x\\ny"}')  # an escaped newline: fine
+    assert not accepts('{"short": "a\tb"}')
+    assert not accepts('{"free": "a\tb"}')
+    assert not accepts('{"short": "abcde"}')
