@@ -450,6 +450,8 @@ def decode_request(body: bytes, typ: type[T]) -> T:
         raise bad_request(msg, m.group(1) if m else None) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"malformed JSON body: {e}") from None
+    except UnicodeDecodeError as e:  # msgspec's error for strings that are not UTF-8
+        raise bad_request(f"the request body is not valid UTF-8: {e}") from None
     validate = getattr(req, "validate", None)
     if validate is not None:
         validate()

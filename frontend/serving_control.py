@@ -110,7 +110,7 @@ async def _body(request: Request, typ: type) -> Any:
         return msgspec.json.decode(raw or b"{}", type=typ)
     except msgspec.ValidationError as e:
         raise bad_request(f"invalid request: {e}") from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec checks UTF-8 with the latter
         raise bad_request(f"malformed JSON: {e}") from None
 
 

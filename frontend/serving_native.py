@@ -130,7 +130,7 @@ class NativeServing:
         body = await http_request.body()
         try:
             is_chat = "messages" in _as_dict(msgspec.json.decode(body))
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec: invalid UTF-8
             raise bad_request(f"malformed JSON body: {e}") from None
         if is_chat:
             chat = decode_request(body, TokenizeChatRequest)

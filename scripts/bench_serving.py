@@ -10,11 +10,12 @@ of the last chunk (stream_options.include_usage), else from the number of text c
 are those of `vllm bench serve` (same definitions), so results of both tools can sit side by side.
 
 --structured adds one output constraint to every request: `json_schema` (response_format, chat),
-`regex` (vLLM's structured_outputs, either endpoint) or `tools` (two functions, tool_choice
-"required", chat). Each allows outputs longer than 128 tokens, so TPOT is measured over long
-outputs; a request still ends early ("stop") if the model completes the grammar's output. With
-`tools` the calls arrive whole, one chunk per closed call: TTFT is the first chunk of the reply
-(its role, sent with the first token) and ITL is the gap between calls.
+`regex` (vLLM's structured_outputs, either endpoint; --regex PATTERN replaces the default) or
+`tools` (two functions, tool_choice "required", chat). Each allows outputs longer than 128
+tokens, so TPOT is measured over long outputs; a request still ends early ("stop") if the model
+completes the grammar's output. With `tools` the calls arrive whole, one chunk per closed call:
+TTFT is the first chunk of the reply (its role, sent with the first token) and ITL is the gap
+between calls.
 
 `plot` draws summaries (of one or more servers, told apart by --label) against concurrency:
 output throughput, TTFT p50 and TPOT p50, one line per label (needs matplotlib).
@@ -150,7 +151,7 @@ def request_body(args: argparse.Namespace, model: str, prompt: str) -> dict[str,
             "json_schema": {"name": "record", "schema": JSON_SCHEMA},
         }
     elif args.structured == "regex":
-        body["structured_outputs"] = {"regex": REGEX}
+        body["structured_outputs"] = {"regex": args.regex}
     elif args.structured == "tools":
         body["tools"] = TOOLS
         body["tool_choice"] = "required"
@@ -273,6 +274,7 @@ def summarize(
         "model": model,
         "endpoint": args.endpoint,
         "structured": args.structured,
+        "regex": args.regex,
         "num_prompts": len(results),
         "input_len": args.input_len,
         "output_len": args.output_len,
@@ -301,6 +303,7 @@ def print_table(s: dict[str, Any]) -> None:
         ("Model", s["model"]),
         ("Endpoint", s["endpoint"]),
         ("Structured output", s.get("structured") or "none"),
+        *([("Regex", s["regex"])] if s.get("regex") else []),
         ("Successful requests", s["completed"]),
         ("Failed requests", s["failed"]),
         ("Finish reasons", ", ".join(f"{k} {v}" for k, v in s["finish_reasons"].items()) or "-"),
@@ -360,9 +363,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="constrain every request's output (json_schema and tools: chat endpoint only)",
     )
+    p.add_argument(
+        "--regex",
+        default=None,
+        metavar="PATTERN",
+        help=f"the pattern of --structured regex (default: {REGEX.replace('%', '%%')})",
+    )
     args = p.parse_args(argv)
     if args.structured in CHAT_ONLY and args.endpoint == "completions":
         p.error(f"--structured {args.structured} needs the chat endpoint (--endpoint chat)")
+    if args.regex is not None and args.structured != "regex":
+        p.error("--regex needs --structured regex")
+    if args.structured == "regex" and args.regex is None:
+        args.regex = REGEX
     if args.endpoint is None:
         args.endpoint = "chat" if args.structured in CHAT_ONLY else "completions"
     if args.concurrency is not None and args.concurrency < 1:

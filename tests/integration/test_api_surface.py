@@ -137,6 +137,20 @@ def test_suffix_and_mixed_batches_are_400(server: Any) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_bodies_that_are_not_utf8_are_400(server: Any) -> None:
+    """msgspec reports invalid UTF-8 in a string as UnicodeDecodeError: still the client's 400."""
+    for path, body in [
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}'),
+        ("/v1/completions", b'{"prompt": "\xc3\x28"}'),
+        ("/tokenize", b'{"prompt": "\xff"}'),
+        ("/pause_generation", b'{"mode": "\xff"}'),
+    ]:
+        r = httpx.post(f"{server.base_url}{path}", content=body, timeout=60,
+                       headers={"Content-Type": "application/json"})  # fmt: skip
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
 def test_x_request_id_is_echoed_and_names_the_response(client: openai.OpenAI, server: Any) -> None:
     raw = client.completions.with_raw_response.create(
         model="tiny", prompt="Hi", max_tokens=2, extra_headers={"X-Request-Id": "job-42"}

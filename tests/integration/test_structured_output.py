@@ -2,9 +2,9 @@
 
 Their output is noise, so only the grammar makes it valid: every sampled answer (temperature 1)
 must validate against its JSON schema, full-match its regex, be one of its choices, or be a tool
-call whose arguments validate. The same holds with n = 4, at --tp 2 with a KV cache small enough
-to preempt, and with prefix caching. Streamed tool calls and reasoning reassemble to the unstreamed
-message; bad constraints are 400s naming the problem.
+call whose arguments validate. The same holds with n = 4, at --tp 2 --pp 2 with a KV cache small
+enough to preempt, and with prefix caching. Streamed tool calls and reasoning reassemble to the
+unstreamed message; bad constraints are 400s naming the problem.
 """
 
 from __future__ import annotations
@@ -197,6 +197,28 @@ def test_regex_and_choice_answers_match(client: openai.OpenAI) -> None:
         picks = [t for ts in pool.map(choice, range(5)) for t in ts]
     assert len(mails) == 50 and all(re.fullmatch(REGEX, m) for m in mails), mails
     assert len(picks) == 50 and set(picks) <= set(CHOICES), picks
+
+
+def test_structural_tag_and_json_object(client: openai.OpenAI) -> None:
+    """A structural tag constrains what follows its trigger (xgrammar's two formats compile);
+    json_object gives any JSON object."""
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f=add>", "schema": SCHEMAS["add"], "end": "</f>"}],
+        "triggers": ["<f="],
+    }
+    r = client.chat.completions.create(
+        model=MODEL, messages=_messages(3), max_tokens=16, temperature=1.0, seed=3,
+        extra_body={"structured_outputs": {"structural_tag": json.dumps(tag)}},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason in ("stop", "length")
+    r = client.chat.completions.create(
+        model=MODEL, messages=_messages(3), max_tokens=MAX_TOKENS, temperature=1.0, seed=4, n=4,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    for c in r.choices:
+        if c.finish_reason == "stop":  # an open-ended object may run to max_tokens
+            assert isinstance(json.loads(c.message.content), dict)
 
 
 def _check_calls(calls: list[Any], max_calls: int | None = None) -> None:
@@ -418,16 +440,23 @@ def test_bad_constraints_are_400_with_the_reason(
     assert error["type"] == "invalid_request_error"
 
 
-def test_parallel_tp_preemption_and_prefix_caching(module_server: Any, model_dir: Path) -> None:
-    """--tp 2, a 40-block KV cache (8 requests of ~300 tokens preempt each other), prefix caching
-    on (the n = 4 samples share their prompt's blocks): every answer still validates."""
+def test_parallel_tp_pp_preemption_and_prefix_caching(module_server: Any, model_dir: Path) -> None:
+    """--tp 2 --pp 2 (the last stage's first rank samples), a 40-block KV cache (8 requests of ~300
+    tokens preempt each other), prefix caching on (the n = 4 samples share their prompt's
+    blocks): every answer still validates, and so does every required tool call."""
     server = _launch(
-        module_server, model_dir, "--tp", "2", "--num-gpu-blocks-override", "40",
+        module_server, model_dir, "--tp", "2", "--pp", "2", "--num-gpu-blocks-override", "40",
         "--max-model-len", "600", "--max-num-seqs", "16",
     )  # fmt: skip
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
                            timeout=600)  # fmt: skip
     _check_json_answers(_json_answers(client, 4, 4))
+    r = client.chat.completions.create(
+        model=MODEL, messages=_messages(9), n=4, temperature=1.0, seed=9, max_tokens=300,
+        tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+    )  # fmt: skip
+    for choice in r.choices:
+        _check_calls(choice.message.tool_calls, 1)
     metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
     preempted = [line for line in metrics.splitlines() if line.startswith("tern:num_preemptions")]
     assert preempted and float(preempted[0].split()[-1]) > 0, preempted

@@ -115,3 +115,27 @@ def test_masks_and_temperature_give_the_right_distribution(params, expected) -> 
     assert (freq[expected == 0] == 0).all()
     # Binomial standard error at p=0.3 and n=40000 is 0.0023; 0.01 is over 4 sigma.
     torch.testing.assert_close(freq, expected, atol=0.01, rtol=0)
+
+
+@pytest.mark.parametrize("vocab", [100, 49152])
+def test_grammar_bitmask_native_and_torch_paths_agree(vocab: int, monkeypatch) -> None:
+    """The native kernel and the torch fallback forbid exactly the tokens whose bit is clear."""
+    from workers.layers import logits_processors, native
+
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(-(2**31), 2**31 - 1, (3, (vocab + 31) // 32), generator=g)
+    words = words.to(torch.int32)
+    words[0, 1] = 0  # a whole word forbidden
+    words[1, 0] = -1  # a whole word allowed
+    rows = [0, 2, 3]
+    logits = torch.randn(4, vocab, generator=g)
+    expected = logits.clone()
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    expected[rows] = expected[rows].masked_fill(bits.view(3, -1)[:, :vocab] == 0, float("-inf"))
+    out = logits.clone()
+    logits_processors.apply_grammar_bitmask(out, words, rows)
+    assert torch.equal(out, expected)
+    monkeypatch.setattr(native, "apply_token_bitmask", lambda *args: False)
+    out = logits.clone()
+    logits_processors.apply_grammar_bitmask(out, words, rows)
+    assert torch.equal(out, expected)

@@ -1040,3 +1040,30 @@ int tern_shm_all_gather(char *seg, int rank, int world, int64_t seq, int64_t slo
         memcpy((char *)out + j * nbytes, shm_slot(seg, world, seq, slot_bytes, j), nbytes);
     return 0;
 }
+
+/* ------------------------------------------------------------------ grammar token bitmask
+ * logits[rows[r]][t] = -inf where bit t of bitmask[r] is clear (xgrammar's packing: bit j of
+ * int32 word w is token 32 w + j). Most words of a grammar's mask are all-clear or all-set, so
+ * those take one pass of stores or none; the others go bit by bit. */
+void tern_apply_token_bitmask(float *logits, int64_t row_stride, const int32_t *bitmask,
+                              int64_t words_per_row, const int64_t *rows, int n_rows, int vocab) {
+    const float neg_inf = -__builtin_inff();
+    for (int r = 0; r < n_rows; r++) {
+        float *row = logits + rows[r] * row_stride;
+        const int32_t *bits = bitmask + (int64_t)r * words_per_row;
+        for (int64_t w = 0; w < words_per_row; w++) {
+            const uint32_t word = (uint32_t)bits[w];
+            if (word == 0xFFFFFFFFu) continue;
+            const int64_t t0 = w * 32;
+            const int n = vocab - t0 < 32 ? (int)(vocab - t0) : 32;
+            if (n <= 0) break;
+            float *p = row + t0;
+            if (word == 0) {
+                for (int j = 0; j < n; j++) p[j] = neg_inf;
+            } else {
+                for (int j = 0; j < n; j++)
+                    if (!((word >> j) & 1u)) p[j] = neg_inf;
+            }
+        }
+    }
+}

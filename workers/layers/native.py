@@ -86,6 +86,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         _vp, _i64, _vp, _i64, _vp, _i64, _vp, _vp, _i32, _i32, _i32, _i32
     ]  # fmt: skip
     lib.tern_silu_and_mul.restype = None
+    lib.tern_apply_token_bitmask.restype = None
+    lib.tern_apply_token_bitmask.argtypes = [_vp, _i64, _vp, _i64, _vp, _i32, _i32]
     lib.tern_shm_header_bytes.restype = _i64
     lib.tern_shm_all_reduce.restype = _i32
     lib.tern_shm_all_reduce.argtypes = [
@@ -195,6 +197,26 @@ def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
         raise ValueError(
             f"{name} must be a contiguous CPU {dtype} tensor, got {t.dtype} {t.device}"
         )
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> bool:
+    """logits[rows[i]] = -inf where bitmask[i] (xgrammar's packed int32 words) has a clear bit,
+    in place. False when the kernels are not available (the caller falls back)."""
+    lib = load()
+    if lib is None:
+        return False
+    _check(logits, torch.float32, "logits")
+    _check(bitmask, torch.int32, "bitmask")
+    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.size(0) != len(rows):
+        raise ValueError(f"bitmask {tuple(bitmask.shape)} does not fit {len(rows)} rows of logits")
+    if bitmask.size(1) * 32 < logits.size(1) or not all(0 <= r < logits.size(0) for r in rows):
+        raise ValueError("the bitmask is narrower than the logits, or a row is out of range")
+    index = torch.tensor(rows, dtype=torch.int64)
+    lib.tern_apply_token_bitmask(
+        _ptr(logits), logits.size(1), _ptr(bitmask), bitmask.size(1), _ptr(index), len(rows),
+        logits.size(1),
+    )  # fmt: skip
+    return True
 
 
 def paged_decode_attention(
