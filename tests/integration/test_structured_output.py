@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -197,6 +198,48 @@ def test_regex_and_choice_answers_match(client: openai.OpenAI) -> None:
         picks = [t for ts in pool.map(choice, range(5)) for t in ts]
     assert len(mails) == 50 and all(re.fullmatch(REGEX, m) for m in mails), mails
     assert len(picks) == 50 and set(picks) <= set(CHOICES), picks
+
+
+def test_every_sampling_parameter_logprobs_length_and_abort(
+    client: openai.OpenAI, server: Any
+) -> None:
+    """The mask composes with top-k / top-p / min-p, penalties, logit bias and logprobs (taken from
+    the raw logits); max_tokens first ends with "length"; a client that leaves mid-stream frees its
+    request, and the next constrained one is served."""
+    body: dict[str, Any] = {
+        "model": MODEL, "messages": _messages(5), "temperature": 0.9, "top_p": 0.9, "seed": 5,
+        "max_tokens": MAX_TOKENS, "frequency_penalty": 0.5, "presence_penalty": 0.3,
+        "logprobs": True, "top_logprobs": 2, "logit_bias": {"90": 5},
+        "extra_body": {"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1,
+                       "structured_outputs": {"regex": REGEX}},
+    }  # fmt: skip
+    choice = client.chat.completions.create(**body).choices[0]
+    assert re.fullmatch(REGEX, choice.message.content), choice.message.content
+    tokens = choice.logprobs.content
+    assert "".join(t.token for t in tokens[:-1]) == choice.message.content  # then EOS
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in tokens)
+    short = client.chat.completions.create(
+        model=MODEL, messages=_messages(5), max_tokens=5, temperature=1.0, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+    ).choices[0]  # fmt: skip
+    assert short.finish_reason == "length" and short.message.content.startswith("{")
+    stream = client.chat.completions.create(
+        model=MODEL, messages=_messages(6), max_tokens=MAX_TOKENS, temperature=1.0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    stats: dict[str, Any] = {}
+    for _ in range(200):  # bounded: the abort reaches the engine within a step or two
+        stats = httpx.get(f"{server.base_url}/server_info", timeout=30).json()["scheduler_stats"]
+        if stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0:
+            break
+        time.sleep(0.1)
+    assert stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0, stats
+    _check_json_answers(_json_answers(client, 1, 1))
 
 
 def test_structural_tag_and_json_object(client: openai.OpenAI) -> None:
@@ -443,10 +486,11 @@ def test_bad_constraints_are_400_with_the_reason(
 def test_parallel_tp_pp_preemption_and_prefix_caching(module_server: Any, model_dir: Path) -> None:
     """--tp 2 --pp 2 (the last stage's first rank samples), a 40-block KV cache (8 requests of ~300
     tokens preempt each other), prefix caching on (the n = 4 samples share their prompt's
-    blocks): every answer still validates, and so does every required tool call."""
+    blocks), prompts prefilled in chunks of 64 tokens: every answer still validates, and so does
+    every required tool call."""
     server = _launch(
         module_server, model_dir, "--tp", "2", "--pp", "2", "--num-gpu-blocks-override", "40",
-        "--max-model-len", "600", "--max-num-seqs", "16",
+        "--max-model-len", "600", "--max-num-seqs", "16", "--max-num-batched-tokens", "64",
     )  # fmt: skip
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
                            timeout=600)  # fmt: skip
