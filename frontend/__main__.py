@@ -28,6 +28,7 @@ from frontend.api_server import build_app
 from frontend.args import FrontendConfig, config_from_args, frontend_config_from_args, make_parser
 from frontend.engine_client import EngineClient, EngineStartupError
 from frontend.metrics import Metrics
+from frontend.middleware import access_warnings
 from frontend.serving import OpenAIServing
 
 if TYPE_CHECKING:
@@ -138,6 +139,8 @@ class Launcher:
             return 1 if self.engine.is_dead else 0
         host, port = sock.getsockname()[:2]
         logger.info("serving %r at %s", serving.model_name, _url(host, port))
+        for warning in access_warnings(self.frontend_config, host):
+            logger.warning("%s", warning)
         await self.server.serve(sockets=[sock])
         return 1 if self.engine.is_dead else 0
 

@@ -3,7 +3,7 @@
 Generating routes live in serving_chat.py, serving_completion.py, serving_responses.py
 (/v1/responses) and serving_native.py (/generate, /abort_request, /tokenize, /detokenize); this
 module maps URLs to them, serves the small informational routes (/v1/models, /health, /ping,
-/version, /server_info, /metrics), and turns every exception into an OpenAI-style error body.
+/version, /server_info, /metrics, /openapi.json and its page /docs), and turns every exception into an OpenAI-style error body.
 """
 
 from __future__ import annotations
@@ -15,20 +15,29 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from swagger_ui_bundle import swagger_ui_path
 
 from enginecore.config import Config
 from frontend.args import FrontendConfig
 from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.errors import APIError, engine_dead_error
 from frontend.metrics import CONTENT_TYPE_LATEST
-from frontend.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from frontend.middleware import (
+    DOCS_STATIC,
+    AccessMiddleware,
+    BodyLimitMiddleware,
+    RequestIdMiddleware,
+)
+from frontend.openapi import docs_page, openapi_document
 from frontend.protocol import ModelCard, ModelList
 from frontend.serving import OpenAIServing, error_response, json_response
 from frontend.serving_chat import ChatServing
@@ -39,6 +48,7 @@ from frontend.serving_responses import ResponsesServing
 
 logger = logging.getLogger("tern.frontend")
 
+_json = msgspec.json.Encoder()
 _VERSIONED_PACKAGES = ("tern", "torch", "transformers", "tokenizers", "msgspec", "starlette")
 
 
@@ -123,6 +133,14 @@ def build_app(
         }
         return json_response(info)
 
+    document = _json.encode(openapi_document("tern", tern_version()))
+
+    async def openapi_json(request: Request) -> Response:
+        return Response(document, media_type="application/json")
+
+    async def docs(request: Request) -> Response:
+        return HTMLResponse(docs_page("/openapi.json", DOCS_STATIC, "tern API"))
+
     routes = [
         Route("/v1/chat/completions", chat.create, methods=["POST"]),
         Route("/v1/completions", completion.create, methods=["POST"]),
@@ -155,6 +173,9 @@ def build_app(
         Route("/wakeup", control.wake_up, methods=["POST"]),
         Route("/wake_up", control.wake_up, methods=["POST"]),
         Route("/is_sleeping", control.is_sleeping, methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
+        Route("/docs", docs, methods=["GET"]),
+        Mount(DOCS_STATIC, StaticFiles(directory=swagger_ui_path), name="docs_static"),
     ]
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
     middleware = [*_middleware(frontend), Middleware(GenerationGate, control=control)]
@@ -174,8 +195,16 @@ def _middleware(frontend: FrontendConfig) -> list[Middleware]:
                 expose_headers=["X-Request-Id"],
             )
         )
-    if frontend.api_key is not None:
-        stack.append(Middleware(ApiKeyMiddleware, api_key=frontend.api_key))
+    has_key = frontend.api_key is not None or frontend.admin_api_key is not None
+    if has_key or not frontend.allow_remote_control:
+        stack.append(
+            Middleware(
+                AccessMiddleware,
+                api_key=frontend.api_key,
+                admin_api_key=frontend.admin_api_key,
+                allow_remote_control=frontend.allow_remote_control,
+            )
+        )
     stack.append(Middleware(BodyLimitMiddleware, max_bytes=frontend.max_request_body_bytes))
     stack.append(Middleware(RequestIdMiddleware))
     return stack
@@ -188,7 +217,9 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    return error_response(APIError(str(exc.detail), exc.status_code))
+    response = error_response(APIError(str(exc.detail), exc.status_code))
+    response.headers.update(exc.headers or {})  # e.g. 405's Allow (RFC 9110)
+    return response
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:

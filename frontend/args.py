@@ -1,8 +1,8 @@
 """Command-line arguments of `tern launch`, and the configuration they build: the one Config that
 every process gets, plus the FrontendConfig (HTTP-only settings: names, access, limits, template).
 
-Names follow `vllm serve` where the two overlap, so that scripts carry over. TERN_API_KEY is read
-here, once.
+Names follow `vllm serve` where the two overlap, so that scripts carry over. TERN_API_KEY and
+TERN_ADMIN_API_KEY are read here, once.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ class FrontendConfig:
 
     served_model_names: tuple[str, ...]
     api_key: str | None = None
+    admin_api_key: str | None = None  # when set, the control routes need it (and only they)
+    allow_remote_control: bool = False  # control routes for non-loopback clients without a key
     allowed_origins: tuple[str, ...] = ()
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     chat_template: str | None = None  # the template's text
@@ -48,6 +50,8 @@ class FrontendConfig:
             raise ValueError("--served-model-name lists a name twice")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
+        if self.admin_api_key is not None and not self.admin_api_key:
+            raise ValueError("--admin-api-key must not be empty")
         options = self.chat_options
         if options.enable_auto_tool_choice and options.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
@@ -60,10 +64,12 @@ class FrontendConfig:
         return self.served_model_names[0]
 
     def public_dict(self) -> dict[str, object]:
-        """For /server_info: everything but the API key's value."""
+        """For /server_info: everything but the keys' values."""
         return {
             "served_model_names": list(self.served_model_names),
             "api_key_required": self.api_key is not None,
+            "admin_api_key_required": self.admin_api_key is not None,
+            "allow_remote_control": self.allow_remote_control,
             "allowed_origins": list(self.allowed_origins),
             "max_request_body_bytes": self.max_request_body_bytes,
             "chat_template": self.chat_template,
@@ -126,6 +132,18 @@ def make_parser() -> argparse.ArgumentParser:
         default=None,
         help="require 'Authorization: Bearer <key>' on every route but /health, /metrics, "
         "/version and /ping (default: $TERN_API_KEY)",
+    )
+    launch.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the key the control routes (weight updates, sleep/wake, pause/resume, "
+        "reset_prefix_cache) need instead of --api-key (default: $TERN_ADMIN_API_KEY)",
+    )
+    launch.add_argument(
+        "--allow-remote-control",
+        action="store_true",
+        help="serve the control routes to clients on other hosts when no key guards them "
+        "(default: loopback clients only)",
     )
     launch.add_argument(
         "--allowed-origins",
@@ -256,10 +274,11 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
 def frontend_config_from_args(args: argparse.Namespace, config: Config) -> FrontendConfig:
     """The frontend's settings; raises ValueError with a message for the user."""
     names = tuple(args.served_model_name or [config.model.served_model_name])
-    api_key = args.api_key if args.api_key is not None else os.environ.get("TERN_API_KEY") or None
     return FrontendConfig(
         served_model_names=names,
-        api_key=api_key,
+        api_key=_flag_or_env(args.api_key, "TERN_API_KEY"),
+        admin_api_key=_flag_or_env(args.admin_api_key, "TERN_ADMIN_API_KEY"),
+        allow_remote_control=args.allow_remote_control,
         allowed_origins=parse_origins(args.allowed_origins or []),
         max_request_body_bytes=args.max_request_body_bytes,
         chat_template=load_chat_template(args.chat_template),
@@ -269,6 +288,11 @@ def frontend_config_from_args(args: argparse.Namespace, config: Config) -> Front
             reasoning_parser=args.reasoning_parser,
         ),
     )
+
+
+def _flag_or_env(value: str | None, env: str) -> str | None:
+    """The flag's value, else the environment variable's when set and not empty."""
+    return value if value is not None else os.environ.get(env) or None
 
 
 def parse_origins(values: list[str]) -> tuple[str, ...]:

@@ -1,19 +1,28 @@
-"""ASGI middleware of the HTTP server: API keys, request-body limits, X-Request-Id echo.
+"""ASGI middleware of the HTTP server: access control, request-body limits, X-Request-Id echo.
 
 Order (outermost first, set up in api_server.py): CORS (starlette's; answers preflights itself),
-ApiKeyMiddleware (401 before anything reads the body or reaches the engine), BodyLimitMiddleware
-(413), RequestIdMiddleware. Each is a plain ASGI callable: streaming responses pass through untouched.
+AccessMiddleware (401 or 403 before anything reads the body or reaches the engine; left out when
+it has nothing to check), BodyLimitMiddleware (413), RequestIdMiddleware. Each is a plain ASGI
+callable: streaming responses pass through untouched.
+
+Access: OPEN_PATHS need nothing; CONTROL_PATHS (they change what every user gets) need the admin key
+when one is set, else the API key when one is set, else a loopback client (unless remote control is
+allowed); every other route needs the API key when one is set.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from frontend.errors import APIError
+
+if TYPE_CHECKING:
+    from frontend.args import FrontendConfig
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -22,7 +31,26 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Routes open without a key: liveness, monitoring, the version.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/openapi.json", "/docs"})
+DOCS_STATIC = "/docs/static"  # Swagger UI's files, for /docs: open too
+# Routes that change the engine's state for every user: weights, sleep, pause, the prefix cache.
+# NOTE: every state-changing control.* route of api_server.py must be here (a unit test checks).
+CONTROL_PATHS = frozenset(
+    {
+        "/pause_generation",
+        "/resume_generation",
+        "/reset_prefix_cache",
+        "/update_weights_from_disk",
+        "/update_weights",
+        "/update_weights_from_tensor",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/destroy_weights_update_group",
+        "/sleep",
+        "/wakeup",
+        "/wake_up",
+    }
+)
 
 _json = msgspec.json.Encoder()
 
@@ -52,30 +80,103 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-class ApiKeyMiddleware:
-    """Every route but OPEN_PATHS needs `Authorization: Bearer <key>`; otherwise 401 at once."""
+def is_loopback(host: str | None) -> bool:
+    """True for 127.0.0.0/8, ::1 and their IPv4-mapped forms; False for names and None."""
+    try:
+        address = ipaddress.ip_address(host or "")
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # a dual-stack socket sees 127.0.0.1 as ::ffff:127.0.0.1
+    return address.is_loopback
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+
+def access_warnings(frontend: FrontendConfig, host: str) -> list[str]:
+    """What start-up warns about, for a server listening on `host` (the bound address)."""
+    if frontend.api_key is not None or frontend.admin_api_key is not None:
+        return []
+    warnings = []
+    if not is_loopback(host):
+        control = (
+            "" if frontend.allow_remote_control else "; control routes answer clients on this host"
+        )
+        warnings.append(
+            f"listening on {host} with no --api-key: every client that reaches the port can use "
+            f"the API{control}"
+        )
+    if frontend.allow_remote_control:
+        warnings.append(
+            "--allow-remote-control with no --admin-api-key or --api-key: every client that "
+            "reaches the port can update the weights, pause, sleep and reset the server"
+        )
+    return warnings
+
+
+class AccessMiddleware:
+    """Answers 401 (wrong or missing key) or 403 (remote client, control route) at once."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        admin_api_key: str | None = None,
+        allow_remote_control: bool = False,
+    ) -> None:
         self.app = app
-        self._expected = b"Bearer " + api_key.encode()
+        self._api_key = None if api_key is None else b"Bearer " + api_key.encode()
+        control_key = admin_api_key if admin_api_key is not None else api_key
+        self._control_key = None if control_key is None else b"Bearer " + control_key.encode()
+        self._is_admin_key = admin_api_key is not None
+        self.allow_remote_control = allow_remote_control
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = _header(scope, b"authorization") or b""
-            # NOTE: constant-time comparison: response timing must not reveal the key's prefix.
-            if not hmac.compare_digest(given, self._expected):
-                err = APIError(
-                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                    401,
-                    None,
-                    "invalid_api_key",
-                )
-                await send_error(send, err, ((b"www-authenticate", b"Bearer"),))
+        path = scope.get("path", "")
+        if (
+            scope["type"] == "http"
+            and path not in OPEN_PATHS
+            and not path.startswith(DOCS_STATIC + "/")
+        ):
+            err = self._check(scope)
+            if err is not None:
+                headers = ((b"www-authenticate", b"Bearer"),) if err.status == 401 else ()
+                await send_error(send, err, headers)
                 return
         await self.app(scope, receive, send)
 
+    def _check(self, scope: Scope) -> APIError | None:
+        if scope["path"] not in CONTROL_PATHS:
+            return None if self._api_key is None else _check_key(scope, self._api_key, "API key")
+        if self._control_key is not None:
+            what = "admin API key (--admin-api-key)" if self._is_admin_key else "API key"
+            return _check_key(scope, self._control_key, what)
+        client = scope.get("client")
+        if self.allow_remote_control or is_loopback(client[0] if client else None):
+            return None
+        return APIError(
+            f"{scope['path']} changes the server for every user and is served only to clients on "
+            "this host when no key is set: start tern with --admin-api-key (or --api-key) and "
+            "send 'Authorization: Bearer <key>', or with --allow-remote-control",
+            403,
+            None,
+            "remote_control_forbidden",
+        )
+
+
+def _check_key(scope: Scope, expected: bytes, what: str) -> APIError | None:
+    given = _header(scope, b"authorization") or b""
+    # NOTE: constant-time comparison: response timing must not reveal the key's prefix.
+    if hmac.compare_digest(given, expected):
+        return None
+    return APIError(
+        f"Incorrect or missing {what}: send 'Authorization: Bearer <key>'",
+        401,
+        None,
+        "invalid_api_key",
+    )
+
 
 UNLIMITED_BODY_PATHS = frozenset({"/update_weights", "/update_weights_from_tensor"})
+assert UNLIMITED_BODY_PATHS <= CONTROL_PATHS  # unlimited bodies only behind the control guard
 
 
 class BodyLimitMiddleware:
@@ -86,7 +187,7 @@ class BodyLimitMiddleware:
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # Weight pushes carry whole checkpoints; those routes need the API key when one is set.
+        # Weight pushes carry whole checkpoints; those routes are guarded (CONTROL_PATHS).
         if scope["type"] != "http" or scope["path"] in UNLIMITED_BODY_PATHS:
             await self.app(scope, receive, send)
             return

@@ -1,7 +1,9 @@
-"""Access control of a real server started with --api-key, --allowed-origins and a small
---max-request-body-bytes: 401 on every protected route without or with a wrong key (and the engine
-never sees those requests), 200 with it; open routes stay open; 413 for oversized bodies (by
-Content-Length and chunked); CORS preflights allowed for the listed origin only.
+"""Access control of a real server started with --api-key, --admin-api-key, --allowed-origins and a
+small --max-request-body-bytes: 401 on every protected route without or with a wrong key (and the
+engine never sees those requests), 200 with it; control routes open to the admin key alone; open
+routes stay open; 413 for oversized bodies (by Content-Length and chunked); CORS preflights allowed
+for the listed origin only. Control routes served to loopback clients only when no key is set: see
+tests/unit/test_access_control.py (tests reach servers only through 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -14,12 +16,16 @@ import httpx
 import openai
 import pytest
 
+from frontend.middleware import CONTROL_PATHS
+
 pytestmark = pytest.mark.timeout(600)
 
 KEY = "test-key-123"
 GOOD_ORIGIN = "http://good.example"
 BODY_LIMIT = 65536
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN_KEY = "admin-key-456"
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 # (method, path, JSON body) of every protected route, each valid (200) once the key is right.
 PROTECTED: list[tuple[str, str, dict[str, Any] | None]] = [
@@ -47,7 +53,7 @@ def server(module_server: Any, tiny_llama: Path, tokenizer_dir: Path | None) -> 
         pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
     return module_server(
         "--model", str(tiny_llama), "--dtype", "float32", "--max-model-len", "512",
-        "--api-key", KEY, "--served-model-name", "m1", "m2",
+        "--api-key", KEY, "--admin-api-key", ADMIN_KEY, "--served-model-name", "m1", "m2",
         "--allowed-origins", f'["{GOOD_ORIGIN}"]',
         "--max-request-body-bytes", str(BODY_LIMIT),
     )  # fmt: skip
@@ -76,6 +82,35 @@ def test_protected_routes_need_the_key(server: Any) -> None:
         r = call(server, method, path, body, headers=AUTH)
         assert r.status_code == 200, (path, r.text)
     assert engine_counters(server) != before
+
+
+def test_control_routes_need_the_admin_key(server: Any) -> None:
+    for path in sorted(CONTROL_PATHS):
+        for headers in ({}, AUTH, {"Authorization": "Bearer wrong"}):
+            r = call(server, "POST", path, {}, headers=headers)
+            assert r.status_code == 401, (path, headers, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            assert "--admin-api-key" in r.json()["error"]["message"]
+    admin_calls = [
+        ("/reset_prefix_cache", None),
+        ("/pause_generation", {"mode": "wait"}),
+        ("/resume_generation", None),
+    ]
+    for path, body in admin_calls:
+        r = call(server, "POST", path, body, headers=ADMIN_AUTH)
+        assert r.status_code == 200 and r.json()["success"], (path, r.text)
+    # The admin key opens the control routes only; the API key the rest, read-only control too.
+    completion = {"model": "m1", "prompt": "Hi", "max_tokens": 2}
+    assert (
+        call(server, "POST", "/v1/completions", completion, headers=ADMIN_AUTH).status_code == 401
+    )
+    assert call(server, "POST", "/v1/completions", completion, headers=AUTH).status_code == 200
+    for path in ("/weight_version", "/is_sleeping"):
+        assert call(server, "GET", path, headers=ADMIN_AUTH).status_code == 401, path
+        assert call(server, "GET", path, headers=AUTH).status_code == 200, path
+    info = call(server, "GET", "/server_info", headers=AUTH).json()["frontend"]
+    assert info["api_key_required"] and info["admin_api_key_required"]
+    assert ADMIN_KEY not in repr(info)
 
 
 def test_open_routes_need_no_key(server: Any) -> None:

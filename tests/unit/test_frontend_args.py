@@ -1,5 +1,6 @@
-"""`tern launch` arguments of the HTTP frontend: served names, API key (flag or TERN_API_KEY),
-CORS origins, body limit, chat template (file or string)."""
+"""`tern launch` arguments of the HTTP frontend: served names, API key (flag or TERN_API_KEY), admin
+key (flag or TERN_ADMIN_API_KEY) and remote control, CORS origins, body limit, chat template (file
+or string)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ def parse(*argv: str):
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TERN_API_KEY", raising=False)
+    monkeypatch.delenv("TERN_ADMIN_API_KEY", raising=False)
     fc = parse()
     assert fc.served_model_names == ("default-name",) and fc.model_name == "default-name"
+    assert fc.admin_api_key is None and not fc.allow_remote_control
     assert fc.api_key is None and fc.allowed_origins == () and fc.chat_template is None
     assert fc.max_request_body_bytes == 16 * 2**20
 
@@ -43,6 +46,22 @@ def test_api_key_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> No
         parse("--api-key", "")
     fc = parse("--api-key", "secret")
     assert "secret" not in repr(fc.public_dict()) and fc.public_dict()["api_key_required"]
+
+
+def test_admin_key_and_remote_control(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TERN_API_KEY", raising=False)
+    monkeypatch.setenv("TERN_ADMIN_API_KEY", "admin-env")
+    fc = parse("--api-key", "user")
+    assert fc.api_key == "user" and fc.admin_api_key == "admin-env"
+    fc = parse("--admin-api-key", "admin-flag", "--allow-remote-control")
+    assert fc.api_key is None and fc.admin_api_key == "admin-flag" and fc.allow_remote_control
+    info = fc.public_dict()
+    assert "admin-flag" not in repr(info) and info["admin_api_key_required"]
+    assert info["allow_remote_control"] and not info["api_key_required"]
+    monkeypatch.setenv("TERN_ADMIN_API_KEY", "")
+    assert parse().admin_api_key is None
+    with pytest.raises(ValueError, match="admin-api-key"):
+        parse("--admin-api-key", "")
 
 
 def test_allowed_origins_as_json_list_or_plain() -> None:
