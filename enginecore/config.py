@@ -151,6 +151,9 @@ class Config:
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     # Seconds a child process has to acknowledge it is ready (model loading included).
     startup_timeout_s: float = float(os.environ.get("TERN_STARTUP_TIMEOUT", "300"))
+    # Seconds without any message from the engine core (it sends a heartbeat every second, even
+    # inside a long step) after which the frontend deems it hung, kills it and answers 503.
+    engine_heartbeat_timeout_s: float = float(os.environ.get("TERN_ENGINE_HEARTBEAT_TIMEOUT", "20"))
 
     def ipc_path(self, name: str) -> str:
         return f"ipc://{self.ipc_dir}/{name}"

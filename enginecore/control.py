@@ -72,11 +72,11 @@ class EngineControl:
         s = self.core.scheduler
         if not self.can_run:
             return False
-        return bool(s.running) or (bool(s.waiting) and self.can_admit)
+        return s.has_started_requests or (bool(s.waiting) and self.can_admit)
 
     def poll_deferred(self) -> list[UtilityResult]:
         """Answers "wait" pauses once nothing runs any more."""
-        if not self._deferred_pauses or self.core.scheduler.running:
+        if not self._deferred_pauses or self.core.scheduler.has_started_requests:
             return []
         done, self._deferred_pauses = self._deferred_pauses, []
         return [UtilityResult(call_id, self.state()) for call_id in done]
@@ -136,7 +136,9 @@ class EngineControl:
         self.pause_mode = mode
         if mode == "abort":
             self._abort_all(aborted)
-        if mode == "wait" and self.core.scheduler.running:
+        # NOTE: preempted requests count too: resumed after an update, they would end with
+        # tokens of two weight versions.
+        if mode == "wait" and self.core.scheduler.has_started_requests:
             return _DEFERRED
         return self.state()
 

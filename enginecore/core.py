@@ -63,7 +63,7 @@ class EngineCore:
         return self.scheduler.abort_requests(request_ids)
 
     def step(self, admit_waiting: bool = True) -> list[EngineCoreOutput]:
-        """One step. admit_waiting=False runs only the requests already running (a pause)."""
+        """One step. admit_waiting=False runs only the requests already started (a pause)."""
         if not self.scheduler.has_requests:
             return []
         failed = self._take_compiled_grammars()

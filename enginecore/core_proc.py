@@ -9,7 +9,9 @@ SchedulerStats ride along with the outputs at most every STATS_INTERVAL_S, and a
 that leaves the engine idle (so the frontend's gauges come back to zero). While busy, one log line
 every LOG_INTERVAL_S gives throughput, queue lengths, KV-cache usage and prefix-cache hit rate.
 A worker that dies, or a step that fails, ends every request with an error, tells the frontend
-(`engine_dead`) and exits non-zero after stopping the remaining workers.
+(`engine_dead`) and exits non-zero after stopping the remaining workers. A heartbeat thread sends an
+empty EngineCoreOutputs every HEARTBEAT_INTERVAL_S on its own socket, also inside long steps and
+control calls, so that the frontend can tell a stopped or frozen process from a slow step.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -49,6 +52,7 @@ logger = logging.getLogger("tern.engine")
 IDLE_POLL_MS = 500
 STATS_INTERVAL_S = 0.5
 LOG_INTERVAL_S = 5.0
+HEARTBEAT_INTERVAL_S = 1.0
 
 
 class EngineCoreProc:
@@ -182,6 +186,44 @@ class EngineCoreProc:
             self.core.shutdown()
 
 
+class Heartbeat:
+    """A thread sending an empty EngineCoreOutputs every HEARTBEAT_INTERVAL_S: proof of life.
+
+    NOTE: it proves the process runs, not that the busy loop progresses: a step or a weight load may
+    rightly block the loop for minutes, and the frontend must not take that for a hang.
+    """
+
+    def __init__(self, config: Config, ctx: zmq.Context) -> None:
+        self._address = config.ipc_path("engine_output")
+        self._ctx = ctx
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tern-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        # NOTE: a socket of its own (zmq sockets are not thread-safe); the frontend's PULL socket
+        # takes both. Started after EngineReady, which must be the first message.
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._address)
+        beat = msgspec.msgpack.encode(EngineCoreOutputs())
+        try:
+            while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+                try:
+                    sock.send(beat, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the frontend is not reading: it has bigger problems than our heartbeat
+        finally:
+            sock.close(linger=0)
+
+
 class StatsLogger:
     """One line every LOG_INTERVAL_S while there is work: rates over the interval since the last."""
 
@@ -222,6 +264,7 @@ def run_engine_core(config: Config) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
     ctx = zmq.Context()
     proc = EngineCoreProc(config, ctx)
+    heartbeat = Heartbeat(config, ctx)
 
     def on_sigterm(signum: int, frame: object) -> None:
         proc.should_stop = True
@@ -233,6 +276,7 @@ def run_engine_core(config: Config) -> None:
     try:
         proc.start()
         started = True
+        heartbeat.start()
         proc.run()
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
@@ -243,6 +287,7 @@ def run_engine_core(config: Config) -> None:
             proc.output.send(Codec(EngineStartupFailed).encode(EngineStartupFailed(error)))
         exit_code = 1
     finally:
+        heartbeat.stop()
         proc.shutdown()
         proc.input.close()
         proc.output.close()

@@ -89,9 +89,16 @@ class Scheduler:
     def has_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def has_started_requests(self) -> bool:
+        """Some request has computed tokens: it runs, or waits to resume after preemption."""
+        return bool(self.running) or any(r.status == RequestStatus.PREEMPTED for r in self.waiting)
+
     # ----------------------------------------------------------------------------- one step
 
     def schedule(self, admit_waiting: bool = True) -> SchedulerOutput:
+        """The next step. admit_waiting=False (a pause that drains): running and preempted
+        requests only, so that every started request finishes under the weights it began with."""
         self._step_id += 1
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
@@ -116,10 +123,12 @@ class Scheduler:
 
         # A step that had to preempt admits nobody new: the pool is the bottleneck.
         not_ready: list[Request] = []  # grammars still compiling: they keep their place
-        while admit_waiting and self.waiting and budget > 0 and not preempted:
+        while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
+            if not admit_waiting and request.status != RequestStatus.PREEMPTED:
+                break  # a pause resumes only started requests (preempted ones lead the queue)
             if request.is_waiting_for_grammar:
                 not_ready.append(self.waiting.popleft())
                 continue

@@ -205,7 +205,13 @@ def _middleware(frontend: FrontendConfig) -> list[Middleware]:
                 allow_remote_control=frontend.allow_remote_control,
             )
         )
-    stack.append(Middleware(BodyLimitMiddleware, max_bytes=frontend.max_request_body_bytes))
+    stack.append(
+        Middleware(
+            BodyLimitMiddleware,
+            max_bytes=frontend.max_request_body_bytes,
+            timeout_s=frontend.request_body_timeout_s,
+        )
+    )
     stack.append(Middleware(RequestIdMiddleware))
     return stack
 

@@ -28,6 +28,7 @@ from frontend.reasoning_parsers import REASONING_PARSERS
 from frontend.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class FrontendConfig:
     allow_remote_control: bool = False  # control routes for non-loopback clients without a key
     allowed_origins: tuple[str, ...] = ()
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S  # whole body, else 408
     chat_template: str | None = None  # the template's text
     chat_options: ChatOptions = ChatOptions()
 
@@ -57,6 +59,8 @@ class FrontendConfig:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.max_request_body_bytes < 1:
             raise ValueError("--max-request-body-bytes must be positive")
+        if not self.request_body_timeout_s > 0:
+            raise ValueError("--request-body-timeout must be positive")
 
     @property
     def model_name(self) -> str:
@@ -72,6 +76,7 @@ class FrontendConfig:
             "allow_remote_control": self.allow_remote_control,
             "allowed_origins": list(self.allowed_origins),
             "max_request_body_bytes": self.max_request_body_bytes,
+            "request_body_timeout_s": self.request_body_timeout_s,
             "chat_template": self.chat_template,
         }
 
@@ -157,6 +162,13 @@ def make_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies get 413 (default: 16 MiB)",
+    )
+    launch.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
+        help="seconds a client has to send a whole request body, else 408: slow clients cannot "
+        "hold connections (default: 30; weight pushes to /update_weights* are exempt)",
     )
     launch.add_argument(
         "--chat-template",
@@ -281,6 +293,7 @@ def frontend_config_from_args(args: argparse.Namespace, config: Config) -> Front
         allow_remote_control=args.allow_remote_control,
         allowed_origins=parse_origins(args.allowed_origins or []),
         max_request_body_bytes=args.max_request_body_bytes,
+        request_body_timeout_s=args.request_body_timeout,
         chat_template=load_chat_template(args.chat_template),
         chat_options=ChatOptions(
             enable_auto_tool_choice=args.enable_auto_tool_choice,

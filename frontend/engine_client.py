@@ -3,8 +3,10 @@
 EngineClient binds a PUSH socket (requests, aborts, utility calls) and a PULL socket (outputs),
 spawns the engine-core process, and waits for its EngineReady. A background task routes each
 EngineCoreOutputs to the queue of its request or to the future of its utility call; another
-watches the process. When the engine is gone (process exit or `engine_dead`), every request in
-flight ends with EngineDeadError and `on_dead` callbacks run: the server then answers 503 and stops.
+watches the process. When the engine is gone (process exit, `engine_dead`, or no message for
+`engine_heartbeat_timeout_s` although it sends a heartbeat every second: a stopped or frozen process,
+which is then killed), every request in flight ends with EngineDeadError and `on_dead` callbacks
+run: the server then answers 503 and stops.
 This module knows nothing about HTTP or text.
 """
 
@@ -130,6 +132,7 @@ class EngineClient:
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._is_shutting_down = False
         self._engine_children: list[psutil.Process] = []
+        self._last_message_time = time.monotonic()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -161,6 +164,7 @@ class EngineClient:
         self._proc.start()
         self.ready = await self._wait_ready()
         self._engine_children = _children(self._proc.pid)
+        self._last_message_time = time.monotonic()
         self._tasks = [
             asyncio.create_task(self._output_loop(), name="tern-engine-outputs"),
             asyncio.create_task(self._watch_process(), name="tern-engine-liveness"),
@@ -300,6 +304,7 @@ class EngineClient:
         try:
             while True:
                 frames = await self._output.recv_multipart(copy=False)
+                self._last_message_time = time.monotonic()
                 msg: EngineCoreOutputs = self._decoder.decode(frames[-1].buffer)
                 self._dispatch(msg)
         except asyncio.CancelledError:
@@ -332,8 +337,23 @@ class EngineClient:
 
     async def _watch_process(self) -> None:
         assert self._proc is not None
+        timeout = self.config.engine_heartbeat_timeout_s
         while self._proc.is_alive():
+            before = time.monotonic()
             await asyncio.sleep(LIVENESS_INTERVAL_S)
+            now = time.monotonic()
+            if now - before > LIVENESS_INTERVAL_S + 2.0:
+                # NOTE: our own event loop was blocked: the engine's messages wait unread in the
+                # socket, so its silence proves nothing yet.
+                self._last_message_time = now
+            if now - self._last_message_time > timeout and not self._is_shutting_down:
+                self._mark_dead(
+                    f"the engine core sent nothing for {timeout:g} s (stopped or hung; "
+                    "TERN_ENGINE_HEARTBEAT_TIMEOUT); it was killed"
+                )
+                # SIGKILL works on a stopped process too; its workers see it gone and exit.
+                self._proc.kill()
+                return
         if not self._is_shutting_down:
             self._mark_dead(f"the engine core process exited with code {self._proc.exitcode}")
 

@@ -2,7 +2,7 @@
 
 Order (outermost first, set up in api_server.py): CORS (starlette's; answers preflights itself),
 AccessMiddleware (401 or 403 before anything reads the body or reaches the engine; left out when
-it has nothing to check), BodyLimitMiddleware (413), RequestIdMiddleware. Each is a plain ASGI
+it has nothing to check), BodyLimitMiddleware (413, 408), RequestIdMiddleware. Each is a plain ASGI
 callable: streaming responses pass through untouched.
 
 Access: OPEN_PATHS need nothing; CONTROL_PATHS (they change what every user gets) need the admin key
@@ -12,8 +12,10 @@ allowed); every other route needs the API key when one is set.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
@@ -180,11 +182,14 @@ assert UNLIMITED_BODY_PATHS <= CONTROL_PATHS  # unlimited bodies only behind the
 
 
 class BodyLimitMiddleware:
-    """Request bodies over `max_bytes` get 413: at once by Content-Length, else while reading."""
+    """Request bodies over `max_bytes` get 413: at once by Content-Length, else while reading.
+    Bodies not complete within `timeout_s` of the request's start get 408 (a client sending one
+    byte a second must not hold a connection and a task forever)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Weight pushes carry whole checkpoints; those routes are guarded (CONTROL_PATHS).
@@ -196,15 +201,29 @@ class BodyLimitMiddleware:
             await send_error(send, self._too_large())
             return
         received = 0
+        is_body_complete = False
+        deadline = time.monotonic() + self.timeout_s
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, is_body_complete
+            if is_body_complete:
+                # NOTE: no deadline once the body is in: streaming responses wait here for the
+                # client's disconnect for as long as they stream.
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - time.monotonic())
+            except TimeoutError:
+                # Raised inside the route's body read: the app's APIError handler answers 408,
+                # and the server then closes the connection (the body was not read to its end).
+                raise self._timed_out() from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     # Raised inside the route's body read: the app's APIError handler answers 413.
                     raise self._too_large()
+                is_body_complete = not message.get("more_body", False)
+            else:
+                is_body_complete = True  # http.disconnect: nothing more will come
             return message
 
         await self.app(scope, limited_receive, send)
@@ -213,6 +232,12 @@ class BodyLimitMiddleware:
         return APIError(
             f"request body too large (the limit is {self.max_bytes} bytes)", 413, None,
             "request_too_large",
+        )  # fmt: skip
+
+    def _timed_out(self) -> APIError:
+        return APIError(
+            f"request body not received within {self.timeout_s:g} s (--request-body-timeout)",
+            408, None, "request_timeout",
         )  # fmt: skip
 
 

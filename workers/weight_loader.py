@@ -38,7 +38,11 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as e:  # noqa: BLE001 - SafetensorError (truncated, corrupt) or OSError
+            raise ValueError(f"cannot read {file} (truncated or not safetensors?): {e}") from e
+        with handle as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 yield name, f.get_tensor(name)
 
@@ -76,7 +80,11 @@ def iter_safetensors_lazy(model_dir: str | Path) -> Iterator[tuple[str, LazyWeig
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as e:  # noqa: BLE001 - SafetensorError (truncated, corrupt) or OSError
+            raise ValueError(f"cannot read {file} (truncated or not safetensors?): {e}") from e
+        with handle as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 yield name, LazyWeight(f.get_slice(name))
 

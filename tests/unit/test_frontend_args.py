@@ -78,6 +78,10 @@ def test_body_limit_must_be_positive() -> None:
     assert parse("--max-request-body-bytes", "1024").max_request_body_bytes == 1024
     with pytest.raises(ValueError, match="max-request-body-bytes"):
         parse("--max-request-body-bytes", "0")
+    assert parse().request_body_timeout_s == 30.0
+    assert parse("--request-body-timeout", "2.5").request_body_timeout_s == 2.5
+    with pytest.raises(ValueError, match="request-body-timeout"):
+        parse("--request-body-timeout", "0")
 
 
 def test_chat_template_from_file_or_string(tmp_path: Path) -> None:

@@ -242,3 +242,29 @@ def test_bf16_packed_weights_follow_every_change(tiny_llama: Path, tiny_llama_pe
     assert all((m.packed_weight is not None) == packs for m in linears)
     assert greedy(control, prompts, "d")[0] == expected[tiny_llama]
     control.core.shutdown()
+
+
+def test_wait_pause_drains_preempted_requests_too(tiny_llama: Path):
+    """A request preempted while a "wait" pause drains is resumed and finished before the pause is
+    answered: else a weight update in the pause would give it tokens of two weight versions."""
+    control = EngineControl(make_core(tiny_llama, num_blocks=6))
+    core = control.core
+    prompts = make_prompts(vocab_of(tiny_llama), n=3)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        core.add_request(EngineCoreRequest(f"r{i}", p, params))
+    for _ in range(3):
+        core.step()
+    assert len(core.scheduler.running) == 3
+    aborted: list = []
+    assert control.handle(7, UtilityMethod.PAUSE, {"mode": "wait"}, aborted) is None
+    finished = []
+    for _ in range(1000):
+        if not control.is_busy():
+            break
+        finished += [o.request_id for o in core.step(admit_waiting=control.can_admit)
+                     if o.finish_reason is not None]  # fmt: skip
+    assert core.scheduler.num_preempted_total > 0, "the 6-block cache preempts"
+    assert sorted(finished) == ["r0", "r1", "r2"] and not core.scheduler.has_requests
+    (answer,) = control.poll_deferred()
+    assert answer.call_id == 7

@@ -1,0 +1,60 @@
+"""A short soak (scripts/soak.py): 60 mixed requests at concurrency 8 against a launched tiny server
+while 2-3 control cycles pause, swap the two tiny Llama checkpoints, sleep and reset the prefix
+cache; every check of the soak must pass, and no process the soak started may survive it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_soak():
+    spec = importlib.util.spec_from_file_location("soak", ROOT / "scripts/soak.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_short_soak(tiny_llama: Path, tiny_llama_perturbed: Path, tmp_path: Path):
+    soak = _load_soak()
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    result_file = tmp_path / "soak.json"
+    t0 = time.monotonic()
+    rc = soak.main(
+        ["--num-requests", "60", "--concurrency", "8", "--checkpoint-a", str(tiny_llama),
+         "--checkpoint-b", str(tiny_llama_perturbed), "--max-control-cycles", "3",
+         "--control-interval", "0.3", "--request-timeout", "30", "--result-file", str(result_file)]
+    )  # fmt: skip
+    elapsed = time.monotonic() - t0
+    res = json.loads(result_file.read_text())
+    assert rc == 0, json.dumps(res, indent=1)[:4000]
+    assert all(res["checks"].values()), res["checks"]
+    assert res["num_failures"] == 0 and not res["survivors"]
+    assert sum(res["requests_by_outcome"].values()) == 60
+    assert res["control_actions"].get("pause_abort", 0) >= 1
+    assert res["probes"], "no probe was checked against the weight versions"
+    assert elapsed < 120, f"the short soak took {elapsed:.0f} s"
+    deadline = time.monotonic() + 10
+    while (left := _new_children(before)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes survived the soak: {left}"
+
+
+def _new_children(before: set[int]) -> list[psutil.Process]:
+    """Live descendants of this process not in `before` (zombies count as dead)."""
+    alive = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.Error:
+            pass
+    return alive
