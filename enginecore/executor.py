@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 import msgspec
+import psutil
 import zmq
 
 from enginecore.config import Config, ParallelConfig
@@ -58,12 +59,21 @@ logger = logging.getLogger("tern.executor")
 POLL_INTERVAL_MS = 200
 # How long an error reply waits for a killed peer to show up as dead (see _raise_if_peer_killed).
 KILLED_PEER_GRACE_S = 1.0
+# A worker stopped (SIGSTOP) for this long counts as dead: it would hold every step forever.
+STOPPED_WORKER_GRACE_S = 5.0
 # A node whose launcher sends no heartbeat for this long counts as dead (and node 0, to the others).
 NODE_TIMEOUT_S = 5.0
 
 
 # The grammar bitmasks of a step's constrained requests, by request id (GrammarBitmasks).
 BitmaskSource = Callable[[], dict[str, bytes]]
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
 
 
 class WorkerDied(RuntimeError):
@@ -147,6 +157,7 @@ class MultiprocExecutor:
         self._call_codec = Codec(WorkerCall)
         self._reply_codec = Codec(WorkerReply)
         self._failed = False
+        self._stopped_since: dict[int, float] = {}  # pid -> when first seen stopped
         self._nodes: NodeMonitor | None = None
         self.procs: list[BaseProcess] = []
         self._ctx = zmq.Context()
@@ -222,10 +233,22 @@ class MultiprocExecutor:
         return [f"rank {r.rank}: {r.control_error}" for r in results if r.control_error]
 
     def check_health(self) -> None:
+        now = time.monotonic()
         for proc in self.procs:
             if not proc.is_alive():
                 self._failed = True
                 raise WorkerDied(f"worker {proc.name} died (exit code {proc.exitcode})")
+            # NOTE: a stopped worker (SIGSTOP) is alive but never answers: the step would wait
+            # forever (at --tp 1 no collective times out), so it counts as dead after a grace.
+            if _is_stopped(proc.pid):
+                since = self._stopped_since.setdefault(proc.pid, now)
+                if now - since > STOPPED_WORKER_GRACE_S:
+                    self._failed = True
+                    raise WorkerDied(
+                        f"worker {proc.name} has been stopped (SIGSTOP) for {now - since:.0f} s"
+                    )
+            else:
+                self._stopped_since.pop(proc.pid, None)
         if self._nodes is not None and self._nodes.error is not None:
             self._failed = True
             raise WorkerDied(self._nodes.error)

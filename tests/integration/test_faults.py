@@ -1,5 +1,5 @@
 """Faults against a real `tern launch`: a truncated checkpoint, a 1 GiB body, a slowloris client and
-a frozen (SIGSTOPped) engine core. Each must end with a clear error, bounded time and memory, and
+a frozen (SIGSTOPped) engine core or worker. Each must end with a clear error, bounded time and memory, and
 a server that either still serves or exits non-zero; the fixtures check that no process survives.
 
 Killed workers and a killed engine core are covered by test_server.py and test_parallel.py.
@@ -236,3 +236,41 @@ def test_a_stopped_engine_core_fails_requests_and_the_server_exits(
         with contextlib.suppress(psutil.Error):
             core.send_signal(signal.SIGCONT)
             core.kill()
+
+
+def test_a_stopped_worker_fails_requests_and_the_server_exits(launch_server: Any, tiny_model: Path):
+    """At --tp 1 no collective times out: the engine core itself notices the stopped worker."""
+    server = launch_server(
+        "--model", str(tiny_model), "--dtype", "float32", "--max-model-len", "2048"
+    )  # fmt: skip
+    core = psutil.Process(server.server_info()["engine"]["engine_core_pid"])
+    (worker,) = core.children()
+    events: list[str] = []
+    try:
+        with httpx.stream(
+            "POST",
+            f"{server.base_url}/v1/completions",
+            json={"model": str(tiny_model), "prompt": PROMPT, "max_tokens": 2000,
+                  "ignore_eos": True, "stream": True},
+            timeout=60,
+        ) as r:  # fmt: skip
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                events.append(line)
+                if len(events) == 2:
+                    worker.send_signal(signal.SIGSTOP)
+                    stopped = time.monotonic()
+        ended = time.monotonic() - stopped
+        assert ended < 20, ended
+        assert events[-1] == "data: [DONE]", events[-3:]
+        error = json.loads(events[-2].removeprefix("data:"))
+        # The engine core fails the request (engine_error), tells the frontend and exits.
+        assert openai_error(error)["code"] in ("engine_error", "engine_dead"), error
+        assert "stopped (SIGSTOP)" in error["error"]["message"], error
+        assert server.proc.wait(30) == 1
+    finally:
+        with contextlib.suppress(psutil.Error):
+            worker.send_signal(signal.SIGCONT)
+            worker.kill()
