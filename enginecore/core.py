@@ -7,7 +7,8 @@ scripts/bench_step.py with an in-process executor.
 from __future__ import annotations
 
 import random
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
 
 from enginecore.config import Config
 from enginecore.executor import Executor
@@ -34,7 +35,8 @@ class EngineCore:
         self.scheduler = Scheduler(config, executor.num_kv_blocks, self.max_model_len)
         self._rng = random.Random()
         self.grammars = GrammarCompiler(config.model.path, executor.vocab_size)
-        self._compiling: dict[str, Request] = {}  # waiting requests whose grammar is compiling
+        # Waiting requests whose grammar is compiling, and its future.
+        self._compiling: dict[str, tuple[Request, Future[Any]]] = {}
 
     def add_request(self, req: EngineCoreRequest) -> list[EngineCoreOutput]:
         """Queues a request. Returns an error output at once for a request that cannot be served."""
@@ -52,10 +54,8 @@ class EngineCore:
             req.structured_output,
         )
         if req.structured_output is not None:
-            request.grammar_future = self.grammars.submit(
-                req.structured_output, params.eos_token_ids
-            )
-            self._compiling[req.request_id] = request
+            future = self.grammars.submit(req.structured_output, params.eos_token_ids)
+            self._compiling[req.request_id] = (request, future)
         self.scheduler.add_request(request)
         return []
 
@@ -70,8 +70,8 @@ class EngineCore:
         step = self.scheduler.schedule(admit_waiting)
         if not step.requests:
             if self._compiling and not failed:
-                wait([r.grammar_future for r in self._compiling.values()], GRAMMAR_WAIT_S,
-                     FIRST_COMPLETED)  # fmt: skip
+                futures = [future for _, future in self._compiling.values()]
+                wait(futures, GRAMMAR_WAIT_S, FIRST_COMPLETED)
             return failed
         constrained = []
         for scheduled in step.requests:
@@ -89,9 +89,8 @@ class EngineCore:
     def _take_compiled_grammars(self) -> list[EngineCoreOutput]:
         """Gives each request whose grammar has compiled its matcher; fails those that did not."""
         failed = []
-        for request_id, request in list(self._compiling.items()):
-            future = request.grammar_future
-            assert future is not None and request.structured_output is not None
+        for request_id, (request, future) in list(self._compiling.items()):
+            assert request.structured_output is not None
             if not future.done():
                 continue
             del self._compiling[request_id]

@@ -31,6 +31,7 @@ import zmq
 
 from enginecore.config import Config, ParallelConfig
 from enginecore.messages import (
+    BitmaskSource,
     Codec,
     ControlCall,
     CoreToNode,
@@ -63,10 +64,6 @@ KILLED_PEER_GRACE_S = 1.0
 STOPPED_WORKER_GRACE_S = 5.0
 # A node whose launcher sends no heartbeat for this long counts as dead (and node 0, to the others).
 NODE_TIMEOUT_S = 5.0
-
-
-# The grammar bitmasks of a step's constrained requests, by request id (GrammarBitmasks).
-BitmaskSource = Callable[[], dict[str, bytes]]
 
 
 def _is_stopped(pid: int) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -318,6 +319,10 @@ class GrammarBitmasks(msgspec.Struct, tag="grammar_bitmasks"):
 
     step_id: int
     bitmasks: dict[str, bytes]
+
+
+# Computes a step's GrammarBitmasks.bitmasks: called while the workers run its forward pass.
+BitmaskSource = Callable[[], dict[str, bytes]]
 
 
 class InitKVCache(msgspec.Struct, tag="init_kv_cache"):

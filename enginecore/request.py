@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from enginecore.messages import (
     FinishReason,
@@ -61,9 +60,8 @@ class Request:
         # Logprobs of prompt tokens 1, 2, ... received so far (when the request asked for them).
         self._prompt_logprobs: list[Logprobs] = []
         self.num_prompt_logprobs = 0
-        # Structured output: the grammar compiling (the request waits for it), then its matcher.
+        # Structured output: its matcher once the grammar has compiled (the request waits for it).
         self.structured_output = structured_output
-        self.grammar_future: Future[Any] | None = None
         self.grammar: RequestGrammar | None = None
 
     @property

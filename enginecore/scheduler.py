@@ -92,7 +92,10 @@ class Scheduler:
     @property
     def has_started_requests(self) -> bool:
         """Some request has computed tokens: it runs, or waits to resume after preemption."""
-        return bool(self.running) or any(r.status == RequestStatus.PREEMPTED for r in self.waiting)
+        # NOTE: preempted requests lead the waiting queue (_preempt puts them in front).
+        return bool(self.running) or (
+            bool(self.waiting) and self.waiting[0].status == RequestStatus.PREEMPTED
+        )
 
     # ----------------------------------------------------------------------------- one step
 

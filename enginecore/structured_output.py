@@ -15,6 +15,7 @@ With a reasoning model the constraint starts after the reasoning: tokens up to a
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -64,7 +65,7 @@ class GrammarCompiler:
         if kind == StructuredOutputKind.GRAMMAR:
             return compiler.compile_grammar(spec.spec)
         if kind == StructuredOutputKind.STRUCTURAL_TAG:
-            return compile_structural_tag(compiler, spec.spec)
+            return compiler.compile_structural_tag(*structural_tag_args(spec.spec))
         raise ValueError(f"unknown structured output kind {kind!r}")
 
     def _get_compiler(self, stop_token_ids: list[int]) -> xgrammar.GrammarCompiler:
@@ -97,6 +98,7 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+@functools.lru_cache(maxsize=256)
 def json_schema_grammar(schema: str, any_whitespace: bool) -> str:
     """The EBNF grammar of a JSON schema (xgrammar's), strict JSON. Raises on a bad schema.
 
@@ -118,9 +120,10 @@ _LENIENT_STRING_CHAR = r"[^\"\\\r\n]"
 _JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
 
-def compile_structural_tag(compiler: Any, spec: str) -> Any:
-    """vLLM's structural tag, in either form: {"structures": [{begin, schema, end}], "triggers"}
-    (the original), or xgrammar's {"type": "structural_tag", "format": {...}}."""
+def structural_tag_args(spec: str) -> tuple[Any, ...]:
+    """The arguments of xgrammar's structural-tag constructors for vLLM's tag, in either form:
+    {"structures": [{begin, schema, end}], "triggers"} (the original: (items, triggers)), or
+    xgrammar's {"type": "structural_tag", "format": {...}} (the JSON text itself)."""
     import xgrammar as xgr
 
     tag = json.loads(spec)
@@ -131,8 +134,8 @@ def compile_structural_tag(compiler: Any, spec: str) -> Any:
             )
             for s in tag["structures"]
         ]
-        return compiler.compile_structural_tag(items, tag.get("triggers", []))
-    return compiler.compile_structural_tag(spec)
+        return items, tag.get("triggers", [])
+    return (spec,)
 
 
 class RequestGrammar:

@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from enginecore.messages import StructuredOutputKind, StructuredOutputSpec
-from enginecore.structured_output import json_schema_grammar
+from enginecore.structured_output import json_schema_grammar, structural_tag_args
 from frontend.errors import bad_request
 from frontend.sampling import request_field
 
@@ -138,11 +138,7 @@ def _build(kind: str, value: Any, param: str, any_whitespace: bool = True) -> St
     """The spec of one constraint (kind: a structured_outputs key), checked."""
     so_kind = _STRUCTURED_OUTPUTS_KINDS[kind]
     if kind == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise bad_request(f"{param} is not valid JSON: {e}", param) from None
+        value = _parsed(value, param)
         if not isinstance(value, (dict, bool)):
             raise bad_request(f"{param} must be a JSON schema (an object)", param)
         text = json.dumps(value, ensure_ascii=False)
@@ -157,11 +153,7 @@ def _build(kind: str, value: Any, param: str, any_whitespace: bool = True) -> St
             raise bad_request(f"{param} must be a non-empty list of non-empty strings", param)
         text = choice_grammar(value)
     elif kind == "structural_tag":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise bad_request(f"{param} is not valid JSON: {e}", param) from None
+        value = _parsed(value, param)
         if not isinstance(value, dict):
             raise bad_request(f"{param} must be a structural tag object", param)
         text = json.dumps(value, ensure_ascii=False)
@@ -173,6 +165,16 @@ def _build(kind: str, value: Any, param: str, any_whitespace: bool = True) -> St
     if error is not None:
         raise bad_request(f"{param}: {error}", param)
     return StructuredOutputSpec(so_kind, text, any_whitespace=any_whitespace)
+
+
+def _parsed(value: Any, param: str) -> Any:
+    """A JSON value given as an object or as its JSON text."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"{param} is not valid JSON: {e}", param) from None
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -187,32 +189,16 @@ def _check(kind: StructuredOutputKind, text: str, any_whitespace: bool) -> str |
 
     try:
         if kind == _K.JSON:
-            xgr.Grammar.from_ebnf(json_schema_grammar(text, any_whitespace))
+            json_schema_grammar(text, any_whitespace)  # raises on a bad schema
         elif kind == _K.REGEX:
             xgr.Grammar.from_regex(text)
         elif kind == _K.GRAMMAR:
             xgr.Grammar.from_ebnf(text)
         elif kind == _K.STRUCTURAL_TAG:
-            _check_structural_tag(text)
+            xgr.Grammar.from_structural_tag(*structural_tag_args(text))
     except Exception as e:  # xgrammar raises RuntimeError, ValueError, its own errors...
         return _clean_error(e)
     return None
-
-
-def _check_structural_tag(text: str) -> None:
-    import xgrammar as xgr
-
-    tag = json.loads(text)
-    if "structures" in tag:
-        items = [
-            xgr.StructuralTagItem(
-                begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"]
-            )
-            for s in tag["structures"]
-        ]
-        xgr.Grammar.from_structural_tag(items, tag.get("triggers", []))
-    else:
-        xgr.Grammar.from_structural_tag(text)
 
 
 def _clean_error(e: Exception) -> str:

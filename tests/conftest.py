@@ -75,3 +75,11 @@ def tiny_llama_perturbed(
     return make_tiny_model(
         "llama", tmp_path_factory.mktemp("tiny_llama_perturbed"), tokenizer_dir, 1
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_with_tokenizer(tiny_llama: Path, tokenizer_dir: Path | None) -> Path:
+    """The tiny Llama, for tests that go through text (it has the default model's tokenizer)."""
+    if tokenizer_dir is None:
+        pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
+    return tiny_llama

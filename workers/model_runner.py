@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -32,6 +32,7 @@ import torch
 
 from enginecore.config import Config, ParallelConfig
 from enginecore.messages import (
+    BitmaskSource,
     ModelRunnerOutput,
     SamplingParams,
     ScheduledRequest,
@@ -238,7 +239,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ the step
 
     def execute_model(
-        self, step: SchedulerOutput, bitmasks: Callable[[], dict[str, bytes]] | None = None
+        self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None
     ) -> ModelRunnerOutput:
         """`bitmasks`: the grammar bitmasks of the step's constrained requests (GrammarBitmasks),
         needed when step.grammar_bitmasks_follow; called by the sampling rank after the forward."""
@@ -297,7 +298,7 @@ class ModelRunner:
         self,
         step: SchedulerOutput,
         want_logprobs: bool,
-        bitmasks: Callable[[], dict[str, bytes]] | None = None,
+        bitmasks: BitmaskSource | None = None,
     ) -> tuple[ModelRunnerOutput, torch.Tensor | None]:
         if self.model is None or self.kv_cache is None:
             raise RuntimeError("the model and the KV cache must be initialised before a step")

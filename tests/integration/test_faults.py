@@ -31,10 +31,8 @@ PROMPT = [101, 2024, 318, 257]
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tiny_llama: Path, tokenizer_dir: Path | None) -> Path:
-    if tokenizer_dir is None:
-        pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
-    return tiny_llama
+def tiny_model(tiny_llama_with_tokenizer: Path) -> Path:
+    return tiny_llama_with_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +52,28 @@ def greedy(server: Any, model: Path) -> str:
     )  # fmt: skip
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
+
+
+def stream_and_stop(server: Any, model: Path, proc: psutil.Process) -> tuple[list[str], float]:
+    """Streams a long completion, SIGSTOPs `proc` after its second event; returns the stream's
+    events and the seconds from the stop to the stream's end."""
+    events: list[str] = []
+    with httpx.stream(
+        "POST",
+        f"{server.base_url}/v1/completions",
+        json={"model": str(model), "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True,
+              "stream": True},
+        timeout=60,
+    ) as r:  # fmt: skip
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            events.append(line)
+            if len(events) == 2:
+                proc.send_signal(signal.SIGSTOP)
+                stopped = time.monotonic()
+    return events, time.monotonic() - stopped
 
 
 def frontend_rss(server: Any) -> int:
@@ -203,24 +223,8 @@ def test_a_stopped_engine_core_fails_requests_and_the_server_exits(
     time.sleep(HEARTBEAT_TIMEOUT_S + 2)
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     core = psutil.Process(server.server_info()["engine"]["engine_core_pid"])
-    events: list[str] = []
     try:
-        with httpx.stream(
-            "POST",
-            f"{server.base_url}/v1/completions",
-            json={"model": str(tiny_model), "prompt": PROMPT, "max_tokens": 2000,
-                  "ignore_eos": True, "stream": True},
-            timeout=60,
-        ) as r:  # fmt: skip
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                events.append(line)
-                if len(events) == 2:
-                    core.send_signal(signal.SIGSTOP)
-                    stopped = time.monotonic()
-        ended = time.monotonic() - stopped
+        events, ended = stream_and_stop(server, tiny_model, core)
         assert ended < HEARTBEAT_TIMEOUT_S + 10, ended
         assert events[-1] == "data: [DONE]", events[-3:]
         error = json.loads(events[-2].removeprefix("data:"))
@@ -245,24 +249,8 @@ def test_a_stopped_worker_fails_requests_and_the_server_exits(launch_server: Any
     )  # fmt: skip
     core = psutil.Process(server.server_info()["engine"]["engine_core_pid"])
     (worker,) = core.children()
-    events: list[str] = []
     try:
-        with httpx.stream(
-            "POST",
-            f"{server.base_url}/v1/completions",
-            json={"model": str(tiny_model), "prompt": PROMPT, "max_tokens": 2000,
-                  "ignore_eos": True, "stream": True},
-            timeout=60,
-        ) as r:  # fmt: skip
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                events.append(line)
-                if len(events) == 2:
-                    worker.send_signal(signal.SIGSTOP)
-                    stopped = time.monotonic()
-        ended = time.monotonic() - stopped
+        events, ended = stream_and_stop(server, tiny_model, worker)
         assert ended < 20, ended
         assert events[-1] == "data: [DONE]", events[-3:]
         error = json.loads(events[-2].removeprefix("data:"))

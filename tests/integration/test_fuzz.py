@@ -25,11 +25,9 @@ GREEDY = {"prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0, "ignore_eos
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(module_server: Any, tiny_llama: Path, tokenizer_dir: Path | None) -> Any:
-    if tokenizer_dir is None:
-        pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
+def fuzz_server(module_server: Any, tiny_llama_with_tokenizer: Path) -> Any:
     return module_server(
-        "--model", str(tiny_llama), "--dtype", "float32", "--max-model-len", "256",
+        "--model", str(tiny_llama_with_tokenizer), "--dtype", "float32", "--max-model-len", "256",
         "--served-model-name", "tiny",
     )  # fmt: skip
 

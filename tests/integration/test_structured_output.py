@@ -115,10 +115,8 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_llama: Path, tokenizer_dir: Path | None) -> Path:
-    if tokenizer_dir is None:
-        pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
-    return tiny_llama
+def model_dir(tiny_llama_with_tokenizer: Path) -> Path:
+    return tiny_llama_with_tokenizer
 
 
 def _launch(module_server: Any, model_dir: Path, *extra: str) -> Any:

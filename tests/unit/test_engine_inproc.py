@@ -60,13 +60,18 @@ def make_core(model_dir: Path, **kw) -> EngineCore:
 def run_to_end(core: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]):
     for req_id, (prompt, params) in requests.items():
         assert core.add_request(EngineCoreRequest(req_id, prompt, params)) == []
-    outs: dict[str, list[int]] = {req_id: [] for req_id in requests}
+    return drain(core)
+
+
+def drain(core: EngineCore) -> tuple[dict[str, list[int]], dict[str, FinishReason]]:
+    """Steps until every request has finished: (output tokens, finish reason) by request id."""
+    outs: dict[str, list[int]] = {}
     reasons: dict[str, FinishReason] = {}
     for _ in range(10_000):
         if not core.scheduler.has_requests:
             break
         for out in core.step():
-            outs[out.request_id] += out.new_token_ids
+            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finish_reason is not None:
                 reasons[out.request_id] = out.finish_reason
     assert not core.scheduler.has_requests

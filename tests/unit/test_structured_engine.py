@@ -18,31 +18,21 @@ from enginecore.messages import (
     StructuredOutputKind,
     StructuredOutputSpec,
 )
-from tests.unit.test_engine_inproc import make_core
+from tests.unit.test_engine_inproc import drain, make_core
 
 REGEX = r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_llama: Path, tokenizer_dir: Path | None) -> Path:
-    if tokenizer_dir is None:
-        pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
-    return tiny_llama
+def model_dir(tiny_llama_with_tokenizer: Path) -> Path:
+    return tiny_llama_with_tokenizer
 
 
 def _run(core, requests: dict[str, EngineCoreRequest]) -> dict[str, tuple[list[int], object]]:
     for req in requests.values():
         assert core.add_request(req) == []
-    outs: dict[str, list[int]] = {k: [] for k in requests}
-    finish = {}
-    for _ in range(5000):
-        if not core.scheduler.has_requests:
-            break
-        for out in core.step():
-            outs[out.request_id] += out.new_token_ids
-            if out.finish_reason is not None:
-                finish[out.request_id] = out.finish_reason
-    return {k: (outs[k], finish[k]) for k in requests}
+    outs, finish = drain(core)
+    return {k: (outs.get(k, []), finish[k]) for k in requests}
 
 
 def test_constraint_from_the_start_and_after_reasoning(model_dir: Path) -> None:
