@@ -108,6 +108,34 @@ def _untracked() -> Iterator[None]:
         resource_tracker.register = original
 
 
+def _create_reserved(size: int) -> shared_memory.SharedMemory:
+    """A new segment whose pages are all reserved now: a full /dev/shm is a clear error here, not
+    a SIGBUS in whichever process first touches a page the tmpfs cannot back."""
+    shm = shared_memory.SharedMemory(
+        name=f"tern_mq_{uuid.uuid4().hex[:16]}", create=True, size=size
+    )
+    try:
+        os.posix_fallocate(shm._fd, 0, size)  # the POSIX SharedMemory keeps its descriptor here
+    except OSError as e:
+        shm.close()
+        shm.unlink()
+        raise OSError(e.errno, f"{shm_space_message(size)} ({e.strerror})") from None
+    return shm
+
+
+def shm_space_message(needed: int) -> str:
+    """What to tell the user when /dev/shm cannot hold `needed` bytes."""
+    try:
+        st = os.statvfs("/dev/shm")
+        free = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.1f} MiB"
+    except OSError:
+        free = "its size unknown"
+    return (
+        f"/dev/shm has no room for {needed / 2**20:.1f} MiB of shared memory ({free}): give the "
+        "container more (docker run --shm-size=1g) or free /dev/shm"
+    )
+
+
 def _attach(name: str) -> shared_memory.SharedMemory:
     if sys.version_info >= (3, 13):
         return shared_memory.SharedMemory(name=name, track=False)
@@ -196,11 +224,7 @@ class MessageQueue:
         addrs: dict[str, str] = {}
         self._data_sock = self._remote_sock = None
         if n_local_reader > 0:
-            shm = shared_memory.SharedMemory(
-                name=f"tern_mq_{uuid.uuid4().hex[:16]}",
-                create=True,
-                size=_segment_size(n_local_reader, max_chunk_bytes, max_chunks),
-            )
+            shm = _create_reserved(_segment_size(n_local_reader, max_chunk_bytes, max_chunks))
             ipc_dir = tempfile.mkdtemp(prefix="tern-mq-")
             self._data_sock = self._xpub(ctx, addrs, "local_data_addr", f"ipc://{ipc_dir}/data")
             for slot in range(1 + n_local_reader):

@@ -27,6 +27,7 @@ from enginecore.config import Config
 from frontend.api_server import build_app
 from frontend.args import FrontendConfig, config_from_args, frontend_config_from_args, make_parser
 from frontend.engine_client import EngineClient, EngineStartupError
+from frontend.http_protocol import KeepAliveSafeH11Protocol
 from frontend.metrics import Metrics
 from frontend.middleware import access_warnings
 from frontend.serving import OpenAIServing
@@ -131,7 +132,8 @@ class Launcher:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=2,
-            timeout_keep_alive=5,
+            timeout_keep_alive=self.frontend_config.keep_alive_timeout_s,
+            http=KeepAliveSafeH11Protocol,
         )
         self.server = Server(uv_config, on_shutdown=self._fail_requests)
         self.engine.on_dead.append(self._on_engine_dead)

@@ -24,6 +24,7 @@ from enginecore.config import (
     ServerConfig,
 )
 from frontend.chat_options import ChatOptions
+from frontend.http_protocol import DEFAULT_KEEP_ALIVE_S
 from frontend.reasoning_parsers import REASONING_PARSERS
 from frontend.tool_parsers import TOOL_PARSERS
 
@@ -42,6 +43,7 @@ class FrontendConfig:
     allowed_origins: tuple[str, ...] = ()
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S  # whole body, else 408
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_S  # an idle connection's lifetime
     chat_template: str | None = None  # the template's text
     chat_options: ChatOptions = ChatOptions()
 
@@ -61,6 +63,8 @@ class FrontendConfig:
             raise ValueError("--max-request-body-bytes must be positive")
         if not self.request_body_timeout_s > 0:
             raise ValueError("--request-body-timeout must be positive")
+        if not self.keep_alive_timeout_s > 0:
+            raise ValueError("--timeout-keep-alive must be positive")
 
     @property
     def model_name(self) -> str:
@@ -77,6 +81,7 @@ class FrontendConfig:
             "allowed_origins": list(self.allowed_origins),
             "max_request_body_bytes": self.max_request_body_bytes,
             "request_body_timeout_s": self.request_body_timeout_s,
+            "keep_alive_timeout_s": self.keep_alive_timeout_s,
             "chat_template": self.chat_template,
         }
 
@@ -169,6 +174,13 @@ def make_parser() -> argparse.ArgumentParser:
         default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
         help="seconds a client has to send a whole request body, else 408: slow clients cannot "
         "hold connections (default: 30; weight pushes to /update_weights* are exempt)",
+    )
+    launch.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=DEFAULT_KEEP_ALIVE_S,
+        help="seconds an idle HTTP connection stays open (default: 120, longer than the "
+        "connection pools of aiohttp, vllm bench, Go and reqwest clients, so they close first)",
     )
     launch.add_argument(
         "--chat-template",
@@ -294,6 +306,7 @@ def frontend_config_from_args(args: argparse.Namespace, config: Config) -> Front
         allowed_origins=parse_origins(args.allowed_origins or []),
         max_request_body_bytes=args.max_request_body_bytes,
         request_body_timeout_s=args.request_body_timeout,
+        keep_alive_timeout_s=args.timeout_keep_alive,
         chat_template=load_chat_template(args.chat_template),
         chat_options=ChatOptions(
             enable_auto_tool_choice=args.enable_auto_tool_choice,

@@ -17,7 +17,15 @@ structured output fails); each probe's tokens are the greedy output of the check
 the server's processes grows by at most --max-rss-growth-mib after the warm-up; no process of a
 launched server survives its stop.
 
+With --fault, a process of the launched server is killed (SIGKILL) or frozen (SIGSTOP: a hung rank)
+--fault-after seconds into the traffic: a worker (the last rank; use --tp 2 for a rank whose peers
+wait on it in a collective) or the engine core. Then the server must fail what is in flight with
+clear errors (an SSE error event, or a 5xx OpenAI error body saying the engine died), refuse or close
+what comes after (it is exiting), and exit with code 1 within --exit-within seconds, leaving no
+process behind. No request may hang, end without a finish reason, or be cut without an error.
+
     scripts/soak --num-requests 1000 --concurrency 16 --result-file /tmp/soak.json
+    scripts/soak --num-requests 200 --concurrency 8 --tp 2 --fault stop-worker
 """
 
 from __future__ import annotations
@@ -66,6 +74,10 @@ KINDS = (
 OK, ABORTED, ERROR_BODY, SSE_ERROR, REJECTED, DISCONNECTED = (
     "ok", "aborted", "error_body", "sse_error", "rejected_400", "disconnected",
 )  # fmt: skip
+# Only after a --fault: a 5xx error body naming the dead engine, and a refused or closed connection.
+ENGINE_FAILED, SERVER_GONE = "engine_failed", "server_gone"
+FAULTS = ("kill-worker", "stop-worker", "kill-engine-core", "stop-engine-core")
+FAULT_HEARTBEAT_TIMEOUT_S = 5.0  # TERN_ENGINE_HEARTBEAT_TIMEOUT for a launched server under --fault
 
 
 @dataclass
@@ -85,6 +97,8 @@ class Soak:
     control: Counter = field(default_factory=Counter)
     control_failures: list[str] = field(default_factory=list)
     version: str = "default"  # the weights loaded last
+    fault_at: float | None = None  # time.monotonic() of the injected fault
+    control_after_fault: Counter = field(default_factory=Counter)
 
 
 # ---------------------------------------------------------------------------------- the server
@@ -99,15 +113,21 @@ def free_port() -> int:
 class LaunchedServer:
     """`python -m frontend launch` on a free port; stop() is SIGTERM, then SIGKILL."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, tp: int = 1, env: dict[str, str] | None = None) -> None:
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}"
         self.log_path = Path(tempfile.mkstemp(prefix="tern-soak-", suffix=".log")[1])
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
         cmd = [sys.executable, "-m", "frontend", "launch", "--host", "127.0.0.1", "--port",
                str(port), "--model", model, "--dtype", "float32", "--max-model-len", "512",
-               "--num-gpu-blocks-override", "64"]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+               "--num-gpu-blocks-override", "64", "--tp", str(tp)]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
         self.descendants: dict[int, psutil.Process] = {}
 
     def wait_ready(self, timeout: float = 300.0) -> None:
@@ -201,12 +221,15 @@ def _judge(reasons: list[str | None]) -> str:
 
 
 def _judge_error(status: int, text: str) -> str:
-    """A non-200 answer to a valid request: a 503 (asleep) error body is clear, anything else fails."""
+    """A non-200 answer to a valid request: a 503 (asleep) error body is clear, and so is a 5xx one
+    saying the engine died (a failure unless a fault was injected); anything else fails."""
     try:
-        has_error = "error" in json.loads(text)
-    except ValueError:
-        has_error = False
-    if status == 503 and has_error:
+        error = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        error = None
+    if isinstance(error, dict) and error.get("code") in ("engine_dead", "engine_error"):
+        return ENGINE_FAILED
+    if status == 503 and error:
         return ERROR_BODY
     return f"FAIL: status {status}: {text[:200]}"
 
@@ -412,10 +435,23 @@ def check_probe(soak: Soak, probe: tuple[int, list[int], str | None], outcome: s
 # ---------------------------------------------------------------------------------- control
 
 
+class ServerGone(Exception):
+    """A control call failed after the injected fault: the control loop ends."""
+
+
 async def control_call(soak: Soak, client: httpx.AsyncClient, name: str, path: str, body: dict):
-    r = await client.post(path, json=body, timeout=300)
+    try:
+        r = await client.post(path, json=body, timeout=300)
+    except httpx.HTTPError as e:
+        if soak.fault_at is None:
+            raise
+        soak.control_after_fault[f"{name}: {type(e).__name__}"] += 1
+        raise ServerGone from e
     soak.control[name] += 1
     if r.status_code != 200:
+        if soak.fault_at is not None and _judge_error(r.status_code, r.text) == ENGINE_FAILED:
+            soak.control_after_fault[f"{name}: {r.status_code}"] += 1
+            raise ServerGone
         soak.control_failures.append(f"{name}: {r.status_code} {r.text[:200]}")
     return r
 
@@ -444,6 +480,8 @@ async def control_loop(
 
     try:
         while max_cycles is None or cycle < max_cycles:
+            if soak.fault_at is not None:
+                break
             mode = modes[cycle % 3]
             await control_call(soak, client, f"pause_{mode}", "/pause_generation", {"mode": mode})
             await asyncio.sleep(rng.uniform(0.1, 0.5))
@@ -466,6 +504,8 @@ async def control_loop(
             cycle += 1
             if await gap():
                 break
+    except ServerGone:
+        return
     finally:
         with contextlib.suppress(httpx.HTTPError):
             await client.post("/resume_generation", json={}, timeout=60)
@@ -490,6 +530,11 @@ async def run_traffic(
                 )
             except asyncio.TimeoutError:
                 outcome, probe = f"FAIL: timeout after {timeout} s", None
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
+                outcome = (
+                    SERVER_GONE if soak.fault_at is not None else f"FAIL: {type(e).__name__}: {e}"
+                )
+                probe = None
             except (httpx.HTTPError, ValueError) as e:
                 outcome, probe = f"FAIL: {type(e).__name__}: {e}", None
             result = Result(kind, outcome, time.perf_counter() - t0, probe)
@@ -529,12 +574,41 @@ async def drained_stats(client: httpx.AsyncClient, wait_s: float = 15.0) -> dict
         await asyncio.sleep(0.5)
 
 
+async def inject_fault(soak: Soak, fault: str, after_s: float, core_pid: int) -> dict:
+    """Kills or stops the engine core or its last worker `after_s` into the traffic."""
+    await asyncio.sleep(after_s)
+    core = psutil.Process(core_pid)
+    target = core if fault.endswith("engine-core") else core.children()[-1]
+    sig = signal.SIGKILL if fault.startswith("kill") else signal.SIGSTOP
+    info = {"fault": fault, "pid": target.pid, "cmdline": _cmdline(target)}
+    target.send_signal(sig)
+    soak.fault_at = time.monotonic()
+    return info
+
+
+async def wait_exit(proc: subprocess.Popen, fault_at: float, within_s: float) -> dict:
+    """The launched server's exit code and how long after the fault it came."""
+    deadline = fault_at + within_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    code = proc.poll()
+    return {
+        "exit_code": code,
+        "exit_after_s": time.monotonic() - fault_at if code is not None else None,
+    }
+
+
 def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
-async def soak_async(args: argparse.Namespace, base_url: str, root_pid: int | None) -> dict:
+async def soak_async(
+    args: argparse.Namespace,
+    base_url: str,
+    root_pid: int | None,
+    proc: subprocess.Popen | None = None,
+) -> dict:
     rng = random.Random(args.seed)
     t_start = time.perf_counter()
     timeout = httpx.Timeout(args.request_timeout, connect=10)
@@ -564,6 +638,10 @@ async def soak_async(args: argparse.Namespace, base_url: str, root_pid: int | No
         control = asyncio.create_task(
             control_loop(soak, client, done, rng, args.control_interval, args.max_control_cycles)
         )
+        fault = None
+        if args.fault:
+            core_pid = (await client.get("/server_info")).json()["engine"]["engine_core_pid"]
+            fault = asyncio.create_task(inject_fault(soak, args.fault, args.fault_after, core_pid))
         try:
             results = await run_traffic(
                 soak, client, kinds, args.concurrency, args.seed, args.request_timeout
@@ -572,6 +650,12 @@ async def soak_async(args: argparse.Namespace, base_url: str, root_pid: int | No
             done.set()
             await control
         soak_wall = time.perf_counter() - t0
+        if fault is not None:
+            assert proc is not None and fault.done(), "the traffic ended before the fault"
+            info = fault.result()
+            info.update(await wait_exit(proc, soak.fault_at, args.exit_within))
+            return summarize(soak, args, results, warm_results, None, rss_warm, None, soak_wall,
+                             t_start, info)  # fmt: skip
         kv = await drained_stats(client)
         rss_end = rss_mib(root_pid)
     return summarize(soak, args, results, warm_results, kv, rss_warm, rss_end, soak_wall, t_start)
@@ -579,8 +663,10 @@ async def soak_async(args: argparse.Namespace, base_url: str, root_pid: int | No
 
 def summarize(
     soak: Soak, args: argparse.Namespace, results: list[Result], warm_results: list[Result],
-    kv: dict, rss_warm: float, rss_end: float, soak_wall: float, t_start: float,
+    kv: dict | None, rss_warm: float, rss_end: float | None, soak_wall: float, t_start: float,
+    fault: dict | None = None,
 ) -> dict:  # fmt: skip
+    """The report; with a fault, the KV and RSS checks give way to the server's exit."""
     by_kind: dict[str, Counter] = defaultdict(Counter)
     failures = []
     probes: Counter = Counter()
@@ -592,6 +678,8 @@ def summarize(
                 outcome = verdict
             elif outcome == OK:
                 probes[f"checked_{r.probe[2]}"] += 1
+        if outcome == ENGINE_FAILED and fault is None:
+            outcome = "FAIL: a 5xx 'engine died' error without a fault"
         kind_outcome = "FAIL" if outcome.startswith("FAIL") else outcome
         by_kind[r.kind][kind_outcome] += 1
         if outcome.startswith("FAIL"):
@@ -599,16 +687,25 @@ def summarize(
     by_outcome = sum(by_kind.values(), Counter())
     warm_failures = [f"{r.kind}: {r.outcome}" for r in warm_results if r.outcome.startswith("FAIL")]
     latencies = [r.latency_s for r in results]
-    rss_growth = rss_end - rss_warm
+    rss_growth = rss_end - rss_warm if rss_end is not None else None
     checks = {
         "every request ended cleanly": not failures and not warm_failures,
         "no response mixed weight versions": not any("weight_version" in f for f in failures)
-        and sum(probes.values()) > 0,
+        and (sum(probes.values()) > 0 or fault is not None),
         "every control call succeeded": not soak.control_failures,
-        "KV cache empty at the end": kv["empty"],
-        f"RSS growth <= {args.max_rss_growth_mib} MiB": rss_growth <= args.max_rss_growth_mib,
     }
+    if fault is None:
+        checks["KV cache empty at the end"] = kv["empty"]
+        checks[f"RSS growth <= {args.max_rss_growth_mib} MiB"] = (
+            rss_growth <= args.max_rss_growth_mib
+        )
+    else:
+        checks[f"the server exited 1 within {args.exit_within:g} s of the fault"] = (
+            fault["exit_code"] == 1
+        )
     return {
+        "fault": fault,
+        "control_after_fault": dict(soak.control_after_fault),
         "num_requests": len(results),
         "concurrency": args.concurrency,
         "seed": args.seed,
@@ -643,13 +740,19 @@ def print_report(res: dict) -> None:
     rows += [
         ("latency p50 / p99 / max", f"{lat['p50']:.2f} / {lat['p99']:.2f} / {lat['max']:.2f} s")
     ]
-    rss = res["rss_mib"]
-    rows += [("RSS after warm-up / end", f"{rss['after_warmup']:.0f} / {rss['end']:.0f} MiB "
-              f"(growth {rss['growth']:+.1f} MiB)")]  # fmt: skip
-    kv = res["kv_at_end"]
-    rows += [("KV at end", f"{kv['num_free_blocks']}/{kv['num_total_blocks']} blocks free, "
-              f"{kv['num_running_reqs']} running, {kv['num_waiting_reqs']} waiting, "
-              f"{kv['num_preempted_total']} preemptions in all")]  # fmt: skip
+    rss, kv, fault = res["rss_mib"], res["kv_at_end"], res["fault"]
+    if fault is None:
+        rows += [("RSS after warm-up / end", f"{rss['after_warmup']:.0f} / {rss['end']:.0f} MiB "
+                  f"(growth {rss['growth']:+.1f} MiB)")]  # fmt: skip
+        rows += [("KV at end", f"{kv['num_free_blocks']}/{kv['num_total_blocks']} blocks free, "
+                  f"{kv['num_running_reqs']} running, {kv['num_waiting_reqs']} waiting, "
+                  f"{kv['num_preempted_total']} preemptions in all")]  # fmt: skip
+    else:
+        after = fault["exit_after_s"]
+        rows += [("fault", f"{fault['fault']} (pid {fault['pid']}: {fault['cmdline'][:60]})")]
+        rows += [("server exit", f"code {fault['exit_code']}"
+                  + (f", {after:.1f} s after the fault" if after is not None else ""))]  # fmt: skip
+        rows += [("control calls after the fault", str(res["control_after_fault"]))]
     if "survivors" in res:
         rows += [("processes left after stop", str(len(res["survivors"])))]
     rows += [("soak / total wall time", f"{res['soak_wall_s']:.1f} / {res['total_wall_s']:.1f} s")]
@@ -689,9 +792,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--control-interval", type=float, default=1.0, help="mean gap, seconds")
     p.add_argument("--max-control-cycles", type=int, help="default: until the traffic ends")
     p.add_argument("--max-rss-growth-mib", type=float, default=64.0)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the launched server")
+    p.add_argument("--fault", choices=FAULTS, help="kill or stop a process during the traffic")
+    p.add_argument("--fault-after", type=float, default=3.0, help="seconds into the traffic")
+    p.add_argument("--exit-within", type=float, default=30.0, help="seconds, after a --fault")
     args = p.parse_args(argv)
     if args.base_url and not (args.checkpoint_a and args.checkpoint_b):
         p.error("--base-url needs --checkpoint-a and --checkpoint-b (paths the server can load)")
+    if args.base_url and args.fault:
+        p.error("--fault needs a server the soak launches (no --base-url)")
     return args
 
 
@@ -705,10 +814,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.base_url:
             res = asyncio.run(soak_async(args, args.base_url.rstrip("/"), None))
         else:
-            server = LaunchedServer(args.checkpoint_a)
+            env = (
+                {"TERN_ENGINE_HEARTBEAT_TIMEOUT": str(FAULT_HEARTBEAT_TIMEOUT_S)}
+                if args.fault
+                else {}
+            )
+            server = LaunchedServer(args.checkpoint_a, args.tp, env)
             try:
                 server.wait_ready()
-                res = asyncio.run(soak_async(args, server.base_url, server.proc.pid))
+                res = asyncio.run(soak_async(args, server.base_url, server.proc.pid, server.proc))
             finally:
                 survivors = server.stop()
             res["survivors"] = survivors

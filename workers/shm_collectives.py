@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from enginecore.shm_broadcast import shm_space_message
 from workers.layers import native
 
 logger = logging.getLogger(__name__)
@@ -67,8 +68,17 @@ class ShmCommunicator:
         if tp_rank == 0 and lib is not None:
             shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
             fd, path[0] = tempfile.mkstemp(prefix="tern-tp-", dir=shm_dir)
-            os.ftruncate(fd, size)
-            os.close(fd)
+            try:
+                # Reserved now: a page a full tmpfs cannot back would be a SIGBUS mid-step.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                logger.warning(
+                    "tensor-parallel collectives: %s (%s)", shm_space_message(size), e.strerror
+                )
+                os.unlink(path[0])
+                path[0] = None
+            finally:
+                os.close(fd)
         dist.broadcast_object_list(path, src=src, group=group)
         segment = None
         if lib is not None and path[0] is not None:

@@ -33,12 +33,15 @@ def free_port() -> int:
 
 
 class TernServer:
-    def __init__(self, args: list[str], port: int | None = None) -> None:
+    def __init__(
+        self, args: list[str], port: int | None = None, wrapper: tuple[str, ...] = ()
+    ) -> None:
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="tern-server-", suffix=".log")[1])
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
-        cmd = [sys.executable, "-m", "frontend", "launch", "--host", "127.0.0.1"]
+        # `wrapper` must exec the command, so that self.proc is the frontend itself.
+        cmd = [*wrapper, sys.executable, "-m", "frontend", "launch", "--host", "127.0.0.1"]
         cmd += ["--port", str(self.port), *args]
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ)
@@ -118,11 +121,14 @@ def _stop_all(servers: list[TernServer]) -> None:
 
 @pytest.fixture
 def launch_server() -> Iterator[Callable[..., TernServer]]:
-    """launch(*args, wait=True, port=None) -> TernServer; all are stopped and checked after."""
+    """launch(*args, wait=True, port=None, wrapper=()) -> TernServer; all are stopped and checked
+    after."""
     servers: list[TernServer] = []
 
-    def launch(*args: str, wait: bool = True, port: int | None = None) -> TernServer:
-        server = TernServer(list(args), port)
+    def launch(
+        *args: str, wait: bool = True, port: int | None = None, wrapper: tuple[str, ...] = ()
+    ) -> TernServer:
+        server = TernServer(list(args), port, wrapper)
         servers.append(server)
         if wait:
             server.wait_ready()

@@ -14,6 +14,7 @@ import select
 import shutil
 import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -262,3 +263,88 @@ def test_a_stopped_worker_fails_requests_and_the_server_exits(launch_server: Any
         with contextlib.suppress(psutil.Error):
             worker.send_signal(signal.SIGCONT)
             worker.kill()
+
+
+def _get(sock: socket.socket, port: int, path: str) -> None:
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+
+
+def _read_one_response(sock: socket.socket, timeout: float) -> tuple[int, bytes]:
+    """(status, body) of one Content-Length response on a kept-alive connection."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    length = next(int(v) for k, _, v in (h.partition(":") for h in lines[1:])
+                  if k.lower() == "content-length")  # fmt: skip
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection mid-body"
+        body += chunk
+    return int(lines[0].split()[1]), body
+
+
+def test_a_request_sent_while_the_frontend_stalls_is_served_not_dropped(
+    launch_server: Any, tiny_model: Path
+):
+    """The `vllm bench serve` "Server disconnected" defect: a starved event loop let the keep-alive
+    timer close a connection whose next request was already waiting in its socket."""
+    server = launch_server("--model", str(tiny_model), "--dtype", "float32",
+                           "--timeout-keep-alive", "1")  # fmt: skip
+    frontend = psutil.Process(server.proc.pid)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        _get(sock, server.port, "/v1/models")
+        assert _read_one_response(sock, 30)[0] == 200
+        frontend.send_signal(signal.SIGSTOP)  # the loop stalls past the keep-alive time...
+        try:
+            _get(sock, server.port, "/v1/models")  # ...with the next request already sent
+            time.sleep(2.5)
+        finally:
+            frontend.send_signal(signal.SIGCONT)
+        status, body = _read_one_response(sock, 30)
+        assert status == 200 and json.loads(body)["data"], body
+        # An idle connection still ends after --timeout-keep-alive.
+        sock.settimeout(10)
+        t0 = time.monotonic()
+        assert sock.recv(1) == b""
+        assert 0.5 < time.monotonic() - t0 < 5
+    assert server.server_info()["frontend"]["keep_alive_timeout_s"] == 1
+
+
+def _small_dev_shm(mib: int) -> tuple[str, ...]:
+    """A command prefix that runs tern with a /dev/shm of `mib` MiB (a private mount namespace,
+    as in a container started without --shm-size)."""
+    probe = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "-o", "size=1m",
+         "tmpfs", "/dev/shm"], capture_output=True,
+    )  # fmt: skip
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a small /dev/shm here: {probe.stderr.decode().strip()}")
+    script = f'mount -t tmpfs -o size={mib}m tmpfs /dev/shm && exec "$@"'
+    return ("unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh")
+
+
+def test_a_full_dev_shm_is_a_clear_start_up_error(launch_server: Any, tiny_model: Path):
+    """The step ring buffer (8 MiB) does not fit: tern says so and exits 1, instead of a SIGBUS in
+    the first step that touches a page the tmpfs cannot back."""
+    server = launch_server("--model", str(tiny_model), "--dtype", "float32",
+                           wait=False, wrapper=_small_dev_shm(1))  # fmt: skip
+    assert server.proc.wait(120) == 1, server.log[-3000:]
+    assert "/dev/shm has no room for" in server.log, server.log[-3000:]
+    assert "--shm-size" in server.log
+
+
+def test_tp_collectives_fall_back_when_dev_shm_is_small(launch_server: Any, tiny_model: Path):
+    """The ring buffer fits, the tensor-parallel segment (32 MiB at --tp 2) does not: the ranks
+    agree to use the process group, warn, and answer exactly as with shared memory."""
+    args = ("--model", str(tiny_model), "--dtype", "float32", "--tp", "2", "--max-model-len", "512")
+    small = launch_server(*args, wrapper=_small_dev_shm(16))
+    text = greedy(small, tiny_model)
+    assert "/dev/shm has no room for" in small.log
+    assert "collectives stay on the process group" in small.log
+    small.stop()
+    assert greedy(launch_server(*args), tiny_model) == text

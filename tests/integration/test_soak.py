@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,3 +59,35 @@ def _new_children(before: set[int]) -> list[psutil.Process]:
         except psutil.Error:
             pass
     return alive
+
+
+@pytest.mark.parametrize(
+    "fault,tp",
+    [("kill-worker", 2), ("stop-worker", 2), ("kill-engine-core", 1), ("stop-engine-core", 1)],
+)
+def test_soak_with_a_fault(fault: str, tp: int, tiny_llama: Path, tiny_llama_perturbed: Path,
+                           tmp_path: Path):  # fmt: skip
+    """A worker rank or the engine core is killed or frozen mid-soak: what is in flight fails with
+    clear errors, nothing hangs, the server exits 1 within 30 s and leaves no process behind."""
+    soak = _load_soak()
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    result_file = tmp_path / "soak.json"
+    rc = soak.main(
+        ["--num-requests", "48", "--concurrency", "8", "--checkpoint-a", str(tiny_llama),
+         "--checkpoint-b", str(tiny_llama_perturbed), "--control-interval", "0.3",
+         "--request-timeout", "60", "--result-file", str(result_file), "--tp", str(tp),
+         "--fault", fault, "--fault-after", "1.0", "--exit-within", "30"]
+    )  # fmt: skip
+    res = json.loads(result_file.read_text())
+    assert rc == 0, json.dumps({k: v for k, v in res.items() if k != "expected_probe_tokens"},
+                               indent=1)[:4000]  # fmt: skip
+    assert res["fault"]["exit_code"] == 1 and res["fault"]["exit_after_s"] < 30, res["fault"]
+    outcomes = res["requests_by_outcome"]
+    assert sum(outcomes.values()) == 48
+    # Something was in flight when the fault hit, and it failed with a clear error.
+    assert outcomes.get("engine_failed", 0) + outcomes.get("sse_error", 0) >= 1, outcomes
+    assert not res["survivors"]
+    deadline = time.monotonic() + 10
+    while (left := _new_children(before)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes survived the soak: {left}"
