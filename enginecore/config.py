@@ -20,6 +20,13 @@ def tern_home() -> Path:
     return Path(os.environ.get("TERN_HOME") or Path.home() / ".cache" / "tern")
 
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+# What the served model does (--task; auto: from config.json, see enginecore/model_task.py) and how
+# a pooling model pools a prompt's final hidden states (--pooling-type).
+TASKS = ("auto", "generate", "embed", "classify", "reward")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str
@@ -29,8 +36,27 @@ class ModelConfig:
     seed: int = 0
     # Weight-only quantization applied at load time (workers/layers/quantization.py): None | int8
     quantization: str | None = None
+    # What sampled tokens' logprobs describe (vLLM's names): raw_logprobs, the model's distribution,
+    # or processed_logprobs, the one the sampler drew from (workers/layers/logprobs.py).
+    logprobs_mode: str = "raw_logprobs"
+    task: str = "auto"
+    # A pooling task's pooling of each prompt: its last token (LAST, as Hugging Face's sequence
+    # classifiers), the mean over its tokens (MEAN) or its first token (CLS).
+    pooling_type: str = "LAST"
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"--task must be one of {', '.join(TASKS)}, not {self.task!r}")
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(
+                f"--pooling-type must be one of {', '.join(POOLING_TYPES)}, "
+                f"not {self.pooling_type!r}"
+            )
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, "
+                f"not {self.logprobs_mode!r}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}"

@@ -6,6 +6,8 @@ The state here decides when the engine may step:
 - asleep (KV cache and maybe the weights freed: nothing runs until woken),
 - weights not valid (woken after sleep level 2, before new weights arrived),
 - a bucketed weight update is open (between its first and its `finished` bucket).
+Each UtilityMethod is answered by the method of EngineControl named after it (`handle` finds it),
+which returns the JSON answer of the HTTP route.
 A weight update is a transaction on the workers: it commits on every rank or is rolled back on every
 rank, so no step ever runs on half-updated weights. After a commit, every cached prefix computed with
 the old weights is forgotten and the weight version changes; requests in flight continue with the
@@ -34,8 +36,13 @@ from enginecore.messages import (
 
 logger = logging.getLogger("tern.engine")
 
-PAUSE_MODES = ("abort", "wait", "keep")
-WAKE_TAGS = ("weights", "kv_cache")
+# SGLang's names: "in_place" is tern's "keep"; "retract" also frees the running requests' KV cache
+# (they are recomputed after the resume and continue).
+PAUSE_MODES = ("abort", "wait", "keep", "in_place", "retract")
+# What sleep frees and wake-up brings back. tern has no CUDA graphs: "cuda_graph" (SGLang's third
+# tag) holds no memory, so releasing or resuming it is done as soon as asked.
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+WAKE_TAGS = MEMORY_TAGS
 
 
 class ControlError(ValueError):
@@ -58,7 +65,7 @@ class EngineControl:
     @property
     def can_run(self) -> bool:
         return (
-            self.pause_mode != "keep"
+            self.pause_mode not in ("keep", "in_place", "retract")
             and not self.asleep_tags
             and self.weights_valid
             and not self.update_open
@@ -101,19 +108,7 @@ class EngineControl:
         aborted: list[EngineCoreOutput],
     ) -> UtilityResult | None:
         """Runs one call. Requests it aborts go to `aborted`. None: the answer comes later."""
-        handler = {
-            UtilityMethod.PAUSE: self._pause,
-            UtilityMethod.RESUME: self._resume,
-            UtilityMethod.RESET_PREFIX_CACHE: self._reset_prefix_cache,
-            UtilityMethod.UPDATE_WEIGHTS_FROM_DISK: self._update_from_disk,
-            UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS: self._update_from_tensors,
-            UtilityMethod.INIT_WEIGHTS_UPDATE_GROUP: self._init_group,
-            UtilityMethod.UPDATE_WEIGHTS_FROM_DISTRIBUTED: self._update_from_distributed,
-            UtilityMethod.DESTROY_WEIGHTS_UPDATE_GROUP: self._destroy_group,
-            UtilityMethod.SLEEP: self._sleep,
-            UtilityMethod.WAKE_UP: self._wake_up,
-            UtilityMethod.GET_CONTROL_STATE: lambda args, aborted: self.state(),
-        }[method]
+        handler = getattr(self, f"_{method.value}")
         try:
             result = handler(args, aborted)
         except (ControlError, KeyError, TypeError) as e:
@@ -129,6 +124,9 @@ class EngineControl:
         ids = [r.request_id for r in list(s.running) + list(s.waiting)]
         aborted.extend(self.core.abort_requests(ids))
 
+    def _get_control_state(self, args: dict[str, Any], aborted: list[EngineCoreOutput]) -> object:
+        return self.state()
+
     def _pause(self, args: dict[str, Any], aborted: list[EngineCoreOutput]) -> object:
         mode = args.get("mode", "abort")
         if mode not in PAUSE_MODES:
@@ -136,6 +134,9 @@ class EngineControl:
         self.pause_mode = mode
         if mode == "abort":
             self._abort_all(aborted)
+        elif mode == "retract":
+            retracted = self.core.scheduler.retract_running()
+            logger.info("pause (retract): %d running requests retracted", retracted)
         # NOTE: preempted requests count too: resumed after an update, they would end with
         # tokens of two weight versions.
         if mode == "wait" and self.core.scheduler.has_started_requests:
@@ -148,7 +149,7 @@ class EngineControl:
 
     def _reset_prefix_cache(self, args: dict[str, Any], aborted: list[EngineCoreOutput]) -> object:
         self.core.scheduler.kv.invalidate_prefix_cache()
-        return {"success": True}
+        return {"success": True, "message": "prefix cache reset"}
 
     # ------------------------------------------------------------------ weights
 
@@ -178,7 +179,9 @@ class EngineControl:
         self.weights_valid = True
         self._num_updates += 1
         self.weight_version = str(args.get("weight_version") or self._num_updates)
-        self.core.scheduler.kv.invalidate_prefix_cache()
+        # flush_cache=False (SGLang's option) keeps prefixes computed with the old weights.
+        if args.get("flush_cache", True):
+            self.core.scheduler.kv.invalidate_prefix_cache()
         logger.info("weights updated: version %s", self.weight_version)
         return {
             "success": True,
@@ -186,26 +189,27 @@ class EngineControl:
             "weight_version": self.weight_version,
         }
 
-    def _update_from_disk(self, args: dict[str, Any], aborted: list) -> object:
+    def _update_weights_from_disk(self, args: dict[str, Any], aborted: list) -> object:
         call = UpdateWeightsFromDisk(model_path=str(args["model_path"]))
         return self._transaction(call, args, aborted, finished=True)
 
-    def _update_from_tensors(self, args: dict[str, Any], aborted: list) -> object:
+    def _update_weights_from_tensors(self, args: dict[str, Any], aborted: list) -> object:
         call = UpdateWeightsFromTensors(
             blobs=list(args.get("blobs", [])), shm_paths=list(args.get("shm_paths", []))
         )
         return self._transaction(call, args, aborted, finished=bool(args.get("finished", True)))
 
-    def _update_from_distributed(self, args: dict[str, Any], aborted: list) -> object:
+    def _update_weights_from_distributed(self, args: dict[str, Any], aborted: list) -> object:
         call = UpdateWeightsFromDistributed(
             group_name=args["group_name"],
             names=list(args["names"]),
             dtypes=list(args["dtypes"]),
             shapes=[list(s) for s in args["shapes"]],
+            flattened=args.get("load_format") == "flattened_bucket",
         )
         return self._transaction(call, args, aborted, finished=bool(args.get("finished", True)))
 
-    def _init_group(self, args: dict[str, Any], aborted: list) -> object:
+    def _init_weights_update_group(self, args: dict[str, Any], aborted: list) -> object:
         call = InitWeightsUpdateGroup(
             master_address=str(args["master_address"]),
             master_port=int(args["master_port"]),
@@ -218,32 +222,43 @@ class EngineControl:
         self._run(call)
         return {"success": True, "message": f"joined weight-update group {call.group_name!r}"}
 
-    def _destroy_group(self, args: dict[str, Any], aborted: list) -> object:
+    def _destroy_weights_update_group(self, args: dict[str, Any], aborted: list) -> object:
         self._run(DestroyWeightsUpdateGroup(group_name=str(args["group_name"])))
-        return {"success": True}
+        return {"success": True, "message": f"destroyed {args['group_name']!r}"}
 
     # ------------------------------------------------------------------ sleep
 
     def _sleep(self, args: dict[str, Any], aborted: list) -> object:
-        level = int(args.get("level", 1))
+        """Level 1 frees the KV cache, level 2 the weights too; `tags` (SGLang's
+        release_memory_occupation) name what to free instead."""
+        level = int(args.get("level") or 1)
         if level not in (1, 2):
             raise ControlError(f"level must be 1 or 2, not {level}")
-        self._abort_all(aborted)  # the KV cache goes: nothing in flight can continue
-        self._run(Sleep(level=level))
+        tags = _memory_tags(args.get("tags")) or (["kv_cache", "weights"][:level])
+        self._abort_all(aborted)  # nothing in flight can continue without its cache or weights
+        self._run(Sleep(level=level, tags=[t for t in tags if t != "cuda_graph"]))
         self.core.scheduler.kv.invalidate_prefix_cache()
-        self.asleep_tags |= {"kv_cache"} | ({"weights"} if level == 2 else set())
-        if level == 2:
+        self.asleep_tags |= set(tags) - {"cuda_graph"}  # it holds nothing: never kept asleep
+        if "weights" in tags:
             self.weights_valid = False
-        return self.state()
+        return {"success": True, "message": f"released {sorted(set(tags))}", **self.state()}
 
     def _wake_up(self, args: dict[str, Any], aborted: list) -> object:
-        tags = list(args.get("tags") or WAKE_TAGS)
-        unknown = set(tags) - set(WAKE_TAGS)
-        if unknown:
-            raise ControlError(f"unknown tags {sorted(unknown)}: use {list(WAKE_TAGS)}")
-        self._run(WakeUp(tags=tags))
+        tags = _memory_tags(args.get("tags")) or list(WAKE_TAGS)
+        self._run(WakeUp(tags=[t for t in tags if t != "cuda_graph"]))
         self.asleep_tags -= set(tags)
-        return self.state()
+        return {"success": True, "message": f"resumed {sorted(set(tags))}", **self.state()}
+
+
+def _memory_tags(tags: object) -> list[str]:
+    if not tags:
+        return []
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise ControlError(f"tags must be a list of {list(MEMORY_TAGS)}")
+    unknown = set(tags) - set(MEMORY_TAGS)
+    if unknown:
+        raise ControlError(f"unknown tags {sorted(unknown)}: use {list(MEMORY_TAGS)}")
+    return list(dict.fromkeys(tags))
 
 
 _DEFERRED = object()

@@ -2,6 +2,9 @@
 
 step() = schedule -> execute on the workers -> update request state. Used directly by tests and
 scripts/bench_step.py with an in-process executor.
+
+The served model either generates or pools (`model_task`, from config.json and --task): requests of
+the other kind are refused with an error output, as are those that cannot be served at all.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from enginecore.messages import (
     SamplingParams,
     SchedulerStats,
 )
+from enginecore.model_task import ModelTask, read_model_task
 from enginecore.request import Request
 from enginecore.scheduler import Scheduler
 from enginecore.structured_output import GrammarCompiler, RequestGrammar
@@ -31,6 +35,7 @@ class EngineCore:
     def __init__(self, config: Config, executor: Executor) -> None:
         self.config = config
         self.executor = executor
+        self.model_task: ModelTask = read_model_task(config.model.path, config.model.task)
         self.max_model_len = executor.max_model_len
         self.scheduler = Scheduler(config, executor.num_kv_blocks, self.max_model_len)
         self._rng = random.Random()
@@ -43,6 +48,17 @@ class EngineCore:
         error = self._validate(req)
         if error is not None:
             return [EngineCoreOutput(req.request_id, [], FinishReason.ERROR, error=error)]
+        if req.pooling:
+            # NOTE: neutral parameters: the worker must not read the client's (prompt logprobs...).
+            request = Request(
+                req.request_id,
+                req.prompt_token_ids,
+                SamplingParams(),
+                req.arrival_time or None,
+                pooling_type=self.config.model.pooling_type,
+            )
+            self.scheduler.add_request(request)
+            return []
         params = req.sampling_params
         if params.seed is None:
             params.seed = self._rng.getrandbits(63)
@@ -116,16 +132,30 @@ class EngineCore:
     def _validate(self, req: EngineCoreRequest) -> str | None:
         if req.request_id in self.scheduler.requests:
             return f"duplicate request id {req.request_id!r}"
+        task = self.model_task
+        if req.pooling and not task.is_pooling:
+            return (
+                "this model is served for text generation (task generate); embedding, "
+                "classification and reward requests need a model served with --task embed, "
+                "classify or reward"
+            )
+        if not req.pooling and task.is_pooling:
+            return f"this model is served for task {task.task!r}: it cannot generate text"
         n = len(req.prompt_token_ids)
         if n == 0:
             return "the prompt is empty"
-        if n >= self.max_model_len:
+        # A pooling request may fill the context: no token follows its prompt.
+        if n > self.max_model_len or (n == self.max_model_len and not req.pooling):
             return f"the prompt has {n} tokens; the context length is {self.max_model_len}"
-        if req.sampling_params.max_tokens < 1:
-            return "max_tokens must be at least 1"
         vocab = self.executor.vocab_size
         if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
             return f"prompt token ids must be in [0, {vocab})"
+        if req.pooling:
+            if req.structured_output is not None:
+                return "a pooling request cannot have a structured output"
+            return None
+        if req.sampling_params.max_tokens < 1:
+            return "max_tokens must be at least 1"
         return _validate_sampling(req.sampling_params, vocab)
 
 

@@ -95,6 +95,10 @@ class EngineCoreProc:
             max_model_len=executor.max_model_len,
             vocab_size=executor.vocab_size,
             model_summary=executor.model_summary,
+            task=self.core.model_task.task,
+            pooling_type=self.config.model.pooling_type,
+            pooled_size=self.core.model_task.pooled_size,
+            id2label=self.core.model_task.id2label,
         )
         self.output.send(Codec(EngineReady).encode(ready))
 

@@ -56,7 +56,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     # Logprobs of the sampled tokens / of the prompt's tokens, each with this many most likely
-    # tokens besides; None: not computed. Taken from the raw logits (before everything above).
+    # tokens besides; None: not computed. Taken from the raw logits (before everything above),
+    # except with --logprobs-mode processed_logprobs: then the sampled tokens' are after it all.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
 
@@ -79,7 +80,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
 
 
 class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True):
-    """log_softmax of the raw logits at consecutive positions of one request.
+    """log_softmax of the raw logits (or of the processed ones: --logprobs-mode) at consecutive
+    positions of one request.
 
     Position i: the logprob and rank (1 = most likely; ties count against it) of its token (the
     sampled one, or the prompt's next token), and the `num_top` most likely tokens, best first,
@@ -176,6 +178,10 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     structured_output: StructuredOutputSpec | None = None
+    # A pooling request (embedding, classification, reward; the served model's task): prefill only,
+    # nothing sampled (sampling_params unused). Its one output carries `pooled` and finishes (STOP)
+    # once every prompt token is computed; its KV blocks are freed then.
+    pooling: bool = False
 
 
 class EngineCoreAbort(msgspec.Struct):
@@ -228,6 +234,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # logprobs of its prompt tokens 1..n-1.
     new_logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
+    # A pooling request's result: the pooled hidden state (task "embed", not normalized: the
+    # frontend truncates to `dimensions` and normalizes) or the score head's logits ("classify",
+    # "reward"; no softmax).
+    pooled: list[float] | None = None
 
 
 class SchedulerStats(msgspec.Struct):
@@ -261,6 +271,13 @@ class EngineReady(msgspec.Struct, tag="ready"):
     max_model_len: int
     vocab_size: int
     model_summary: str
+    # What the served model does: "generate", or a pooling task ("embed", "classify", "reward"),
+    # with the pooling type (LAST, MEAN, CLS), the pooled vector's size (hidden size for "embed",
+    # num_labels otherwise) and the classifier's labels.
+    task: str = "generate"
+    pooling_type: str = "LAST"
+    pooled_size: int = 0
+    id2label: dict[int, str] = {}
 
 
 class EngineStartupFailed(msgspec.Struct, tag="failed"):
@@ -360,6 +377,9 @@ class UpdateWeightsFromDistributed(msgspec.Struct, tag="update_from_distributed"
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
+    # SGLang's "flattened_bucket": the trainer broadcasts the tensors as one flat tensor (their
+    # concatenation, in the common dtype torch.cat gives them) instead of one broadcast each.
+    flattened: bool = False
 
 
 class DestroyWeightsUpdateGroup(msgspec.Struct, tag="destroy_update_group"):
@@ -373,7 +393,8 @@ class FinishWeightUpdate(msgspec.Struct, tag="finish_update"):
 
 
 class Sleep(msgspec.Struct, tag="sleep"):
-    level: int  # 1: discard the KV cache; 2: discard the KV cache and the weights
+    level: int  # 1: discard the KV cache (on GPU, weights go to host memory); 2: also the weights
+    tags: list[str] = msgspec.field(default_factory=lambda: ["kv_cache"])  # "kv_cache", "weights"
 
 
 class WakeUp(msgspec.Struct, tag="wake_up"):
@@ -392,20 +413,8 @@ ControlCall = (
 )
 CONTROL_CALLS = typing.get_args(ControlCall)  # for isinstance
 
-WorkerCall = (
-    ExecuteModel
-    | GrammarBitmasks
-    | InitKVCache
-    | Shutdown
-    | UpdateWeightsFromDisk
-    | UpdateWeightsFromTensors
-    | InitWeightsUpdateGroup
-    | UpdateWeightsFromDistributed
-    | DestroyWeightsUpdateGroup
-    | FinishWeightUpdate
-    | Sleep
-    | WakeUp
-)
+# A new control call only joins ControlCall: the workers' union and dispatch follow from it.
+WorkerCall = typing.Union[(ExecuteModel, GrammarBitmasks, InitKVCache, Shutdown, *CONTROL_CALLS)]  # noqa: UP007
 
 
 # --------------------------------------------------------------------------- workers -> core
@@ -419,6 +428,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     # logprobs), and those of the prompt tokens this step's chunk predicts (prompt_logprobs).
     logprobs: dict[str, Logprobs] = {}
     prompt_logprobs: dict[str, PromptLogprobs] = {}
+    # Pooling models: by request id, the output of each request whose prompt ended this step
+    # (EngineCoreOutput.pooled); such a request is finished. Nothing is sampled on these models.
+    pooled: dict[str, list[float]] = {}
 
 
 class WorkerReady(msgspec.Struct, tag="ready"):

@@ -2,6 +2,8 @@
 
 There is no prefill or decode phase: `num_computed_tokens` catches up to `num_tokens` (prompt plus
 outputs so far). A request whose computed tokens reach the end samples one new token per step.
+A pooling request (`pooling_type` set) only has the prompt: it finishes when its last prompt chunk
+is computed, with the model's output on the pooled hidden states instead of a token.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
         structured_output: StructuredOutputSpec | None = None,
+        pooling_type: str | None = None,
     ) -> None:
+        """`pooling_type`: LAST, MEAN or CLS for a pooling request (sampling_params unused)."""
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
@@ -63,6 +67,7 @@ class Request:
         # Structured output: its matcher once the grammar has compiled (the request waits for it).
         self.structured_output = structured_output
         self.grammar: RequestGrammar | None = None
+        self.pooling_type = pooling_type
 
     @property
     def num_tokens(self) -> int:
@@ -85,8 +90,16 @@ class Request:
         return self.structured_output is not None and self.grammar is None
 
     @property
+    def is_pooling(self) -> bool:
+        return self.pooling_type is not None
+
+    @property
     def skips_prefix_cache(self) -> bool:
-        """Prompt logprobs need logits at every prompt position: nothing may come from the cache."""
+        """Prompt logprobs need logits at every prompt position, MEAN and CLS pooling the hidden
+        states of every position (of position 0): nothing may come from the cache. LAST pooling
+        needs the last position only, which is always computed."""
+        if self.pooling_type in ("MEAN", "CLS"):
+            return True
         return self.sampling_params.prompt_logprobs is not None
 
     def append_output_token(self, token_id: int) -> None:

@@ -6,6 +6,9 @@ requests in arrival order (preempted ones at the front), within --max-num-batche
 its blocks are freed and it later recomputes prompt + outputs (mostly from the prefix cache), so its
 output is the same as if it had never been interrupted.
 
+Pooling requests (embeddings, classification, rewards) are scheduled the same way, prompt only: the
+step that computes a pooling request's last prompt chunk returns its pooled output, and it finishes.
+
 The scheduler knows token ids and blocks only; it never sees text or tensors.
 """
 
@@ -183,6 +186,14 @@ class Scheduler:
             scheduled.num_prompt_tokens = request.num_prompt_tokens
         return scheduled
 
+    def retract_running(self) -> int:
+        """Preempts every running request (SGLang's "retract" pause): their KV blocks are freed and
+        they wait, in their order, to be recomputed and continue."""
+        running = list(self.running)
+        for request in reversed(running):
+            self._preempt(request)
+        return len(running)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
@@ -199,7 +210,7 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Appends sampled tokens, finishes requests that stop, and returns what the frontend must see."""
         assert output.step_id == step.step_id, (output.step_id, step.step_id)
-        outputs = []
+        outputs = self._finish_pooled(output.pooled)
         for request_id, chunk in output.prompt_logprobs.items():
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
@@ -231,6 +242,28 @@ class Scheduler:
             if finish_reason is not None:
                 self.running.remove(request)
                 self._finish(request, finish_reason)
+        return outputs
+
+    def _finish_pooled(self, pooled: dict[str, list[float]]) -> list[EngineCoreOutput]:
+        """Pooling requests whose prompt the step completed: their one output, and they finish."""
+        outputs = []
+        for request_id, vector in pooled.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            outputs.append(
+                EngineCoreOutput(
+                    request_id,
+                    [],
+                    FinishReason.STOP,
+                    num_cached_tokens=request.num_cached_tokens,
+                    queued_time=request.queued_time,
+                    first_scheduled_time=request.first_scheduled_time,
+                    pooled=vector,
+                )
+            )
+            self.running.remove(request)
+            self._finish(request, FinishReason.STOP)
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:

@@ -1,7 +1,9 @@
 """The HTTP routes (starlette) of a tern server, and the middleware around them.
 
 Generating routes live in serving_chat.py, serving_completion.py, serving_responses.py
-(/v1/responses) and serving_native.py (/generate, /abort_request, /tokenize, /detokenize); this
+(/v1/responses) and serving_native.py (/generate, /abort_request, /tokenize, /detokenize); those of
+pooling models (/v1/embeddings, /pooling, /classify, /score) and /v1/encode in serving_pooling.py,
+which also guards the generating routes of a pooling model (a 400 naming its task); this
 module maps URLs to them, serves the small informational routes (/v1/models, /health, /ping,
 /version, /server_info, /metrics, /openapi.json and its page /docs), and turns every exception into an OpenAI-style error body.
 """
@@ -28,6 +30,7 @@ from swagger_ui_bundle import swagger_ui_path
 
 from enginecore.config import Config
 from frontend.args import FrontendConfig
+from frontend.control_routes import CONTROL_ROUTES
 from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.errors import APIError, engine_dead_error
 from frontend.metrics import CONTENT_TYPE_LATEST
@@ -44,6 +47,7 @@ from frontend.serving_chat import ChatServing
 from frontend.serving_completion import CompletionServing
 from frontend.serving_control import ControlServing, GenerationGate
 from frontend.serving_native import NativeServing
+from frontend.serving_pooling import Endpoint, PoolingServing, require_task
 from frontend.serving_responses import ResponsesServing
 
 logger = logging.getLogger("tern.frontend")
@@ -74,6 +78,11 @@ def build_app(
     completion = CompletionServing(serving)
     responses = ResponsesServing(serving)
     native = NativeServing(serving)
+    pooling = PoolingServing(serving)
+
+    def generating(endpoint: Endpoint) -> Endpoint:
+        return require_task(engine, ("generate",), endpoint)
+
     control = ControlServing(engine)
 
     def card(name: str) -> ModelCard:
@@ -99,12 +108,12 @@ def build_app(
         assert serving.metrics is not None
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def server_info(request: Request) -> Response:
+    async def server_info_dict() -> dict[str, Any]:
         try:
             stats = await engine.get_stats()
         except EngineDeadError as e:
             raise engine_dead_error(str(e)) from e
-        info: dict[str, Any] = {
+        return {
             "version": tern_version(),
             "versions": {
                 "python": platform.python_version(),
@@ -116,6 +125,7 @@ def build_app(
             "frontend": frontend.public_dict(),
             "engine": {
                 "model_summary": ready.model_summary,
+                "task": ready.task,
                 "num_kv_blocks": ready.num_kv_blocks,
                 "block_size": ready.block_size,
                 "max_model_len": ready.max_model_len,
@@ -131,7 +141,42 @@ def build_app(
             "num_requests_in_flight": engine.num_in_flight,
             "scheduler_stats": stats,
         }
-        return json_response(info)
+
+    async def server_info(request: Request) -> Response:
+        return json_response(await server_info_dict())
+
+    async def get_server_info(request: Request) -> Response:
+        """SGLang's /get_server_info: its server-argument names beside tern's /server_info."""
+        info = await server_info_dict()
+        await control.get_weight_version(request)  # refreshes the control state
+        parallel = config.parallel
+        return json_response({
+            **info,
+            "model_path": config.model.path,
+            "tokenizer_path": config.model.path,
+            "tp_size": parallel.tensor_parallel_size,
+            "pp_size": parallel.pipeline_parallel_size,
+            "dp_size": 1,
+            "context_length": ready.max_model_len,
+            "max_total_num_tokens": ready.num_kv_blocks * ready.block_size,
+            "weight_version": control.weight_version,
+            "internal_states": [{"weight_version": control.weight_version}],
+        })  # fmt: skip
+
+    async def get_model_info(request: Request) -> Response:
+        """SGLang's /get_model_info."""
+        await control.get_weight_version(request)
+        return json_response({
+            "model_path": config.model.path,
+            "tokenizer_path": config.model.path,
+            "served_model_name": serving.model_name,
+            "is_generation": ready.task == "generate",
+            "preferred_sampling_params": None,
+            "weight_version": control.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "architectures": [ready.model_summary.split(":")[0]],
+        })  # fmt: skip
 
     document = _json.encode(openapi_document("tern", tern_version()))
 
@@ -142,12 +187,17 @@ def build_app(
         return HTMLResponse(docs_page("/openapi.json", DOCS_STATIC, "tern API"))
 
     routes = [
-        Route("/v1/chat/completions", chat.create, methods=["POST"]),
-        Route("/v1/completions", completion.create, methods=["POST"]),
-        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/chat/completions", generating(chat.create), methods=["POST"]),
+        Route("/v1/completions", generating(completion.create), methods=["POST"]),
+        Route("/v1/responses", generating(responses.create), methods=["POST"]),
+        Route("/v1/embeddings", pooling.embeddings, methods=["POST"]),
+        Route("/pooling", pooling.pooling, methods=["POST"]),
+        Route("/classify", pooling.classify, methods=["POST"]),
+        Route("/score", pooling.score, methods=["POST"]),
+        Route("/v1/encode", pooling.encode, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
-        Route("/generate", native.generate, methods=["POST"]),
+        Route("/generate", generating(native.generate), methods=["POST"]),
         Route("/abort_request", native.abort_request, methods=["POST"]),
         Route("/tokenize", native.tokenize, methods=["POST"]),
         Route("/detokenize", native.detokenize, methods=["POST"]),
@@ -156,22 +206,15 @@ def build_app(
         Route("/version", server_version, methods=["GET"]),
         Route("/server_info", server_info, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        Route("/pause_generation", control.pause, methods=["POST"]),
-        Route("/resume_generation", control.resume, methods=["POST"]),
-        Route("/reset_prefix_cache", control.reset_prefix_cache, methods=["POST"]),
-        Route("/update_weights_from_disk", control.update_from_disk, methods=["POST"]),
-        Route("/update_weights", control.update_from_tensor, methods=["POST"]),
-        Route("/update_weights_from_tensor", control.update_from_tensor, methods=["POST"]),
-        Route("/init_weights_update_group", control.init_group, methods=["POST"]),
-        Route(
-            "/update_weights_from_distributed", control.update_from_distributed, methods=["POST"]
+        *(
+            Route(path, control.endpoint(route), methods=list(route.http_methods))
+            for route in CONTROL_ROUTES
+            for path in route.paths
         ),
-        Route("/destroy_weights_update_group", control.destroy_group, methods=["POST"]),
         Route("/weight_version", control.get_weight_version, methods=["GET"]),
         Route("/get_weight_version", control.get_weight_version, methods=["GET"]),
-        Route("/sleep", control.sleep, methods=["POST"]),
-        Route("/wakeup", control.wake_up, methods=["POST"]),
-        Route("/wake_up", control.wake_up, methods=["POST"]),
+        Route("/get_model_info", get_model_info, methods=["GET"]),
+        Route("/get_server_info", get_server_info, methods=["GET"]),
         Route("/is_sleeping", control.is_sleeping, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
         Route("/docs", docs, methods=["GET"]),

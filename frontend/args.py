@@ -16,6 +16,9 @@ from pathlib import Path
 import jinja2
 
 from enginecore.config import (
+    LOGPROBS_MODES,
+    POOLING_TYPES,
+    TASKS,
     CacheConfig,
     Config,
     ModelConfig,
@@ -206,6 +209,35 @@ def make_parser() -> argparse.ArgumentParser:
         help="split <think>...</think> off into message.reasoning_content",
     )
     launch.add_argument("--seed", type=int, default=0)
+    launch.add_argument(
+        "--logprobs-mode",
+        choices=LOGPROBS_MODES,
+        default="raw_logprobs",
+        help="what the sampled tokens' logprobs and top logprobs describe: raw_logprobs (default), "
+        "log_softmax of the model's logits; processed_logprobs, the distribution each token was "
+        "sampled from, after the grammar, allowed_token_ids, logit_bias, min_tokens, penalties, "
+        "temperature, top_k, top_p and min_p (masked tokens: -9999.0). At temperature 0, as "
+        "vLLM: log_softmax of the logits after the processors, without temperature or top-k/p. "
+        "Prompt logprobs are always raw",
+    )
+    launch.add_argument(
+        "--task",
+        choices=TASKS,
+        default="auto",
+        help="what the model serves: generate (text), or a pooling task: embed (the pooled final "
+        "hidden state; any decoder), classify (a *ForSequenceClassification's logits), reward "
+        "(Qwen2ForRewardModel, or a one-label classifier). auto (default): from the "
+        "checkpoint's architectures (*ForCausalLM: generate; *ForSequenceClassification: "
+        "classify; Qwen2ForRewardModel: reward; bare *Model: embed)",
+    )
+    launch.add_argument(
+        "--pooling-type",
+        choices=POOLING_TYPES,
+        type=str.upper,
+        default="LAST",
+        help="how a pooling task pools a prompt's final hidden states: LAST token (default, as "
+        "Hugging Face's classifiers), MEAN over its tokens, or CLS (its first token)",
+    )
     parallel = launch.add_argument_group("parallelism")
     parallel.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tp")
     parallel.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1, dest="pp")
@@ -262,6 +294,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
             max_model_len=args.max_model_len,
             served_model_name=served_name,
             seed=args.seed,
+            logprobs_mode=args.logprobs_mode,
+            task=args.task,
+            pooling_type=args.pooling_type,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -109,6 +109,7 @@ def _merge(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
         b.weight_version if b.weight_version is not None else a.weight_version,
         new_logprobs,
         a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+        b.pooled if b.pooled is not None else a.pooled,
     )
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from frontend.control_routes import CONTROL_PATHS
 from frontend.errors import APIError
 
 if TYPE_CHECKING:
@@ -35,25 +36,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 # Routes open without a key: liveness, monitoring, the version.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/openapi.json", "/docs"})
 DOCS_STATIC = "/docs/static"  # Swagger UI's files, for /docs: open too
-# Routes that change the engine's state for every user: weights, sleep, pause, the prefix cache.
-# NOTE: every state-changing control.* route of api_server.py must be here (a unit test checks).
-CONTROL_PATHS = frozenset(
-    {
-        "/pause_generation",
-        "/resume_generation",
-        "/reset_prefix_cache",
-        "/update_weights_from_disk",
-        "/update_weights",
-        "/update_weights_from_tensor",
-        "/init_weights_update_group",
-        "/update_weights_from_distributed",
-        "/destroy_weights_update_group",
-        "/sleep",
-        "/wakeup",
-        "/wake_up",
-    }
-)
-
+# Routes that change the engine's state for every user (weights, sleep, pause, the prefix cache) are
+# declared in control_routes.py.
 _json = msgspec.json.Encoder()
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from frontend.control_routes import CONTROL_ROUTES
 from frontend.errors import ErrorResponse
 from frontend.protocol import (
     ChatCompletionRequest,
@@ -34,17 +35,20 @@ from frontend.protocol_native import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from frontend.protocol_responses import ResponseObject, ResponsesRequest
-from frontend.serving_control import (
-    DestroyGroupRequest,
-    InitGroupRequest,
-    PauseRequest,
-    SleepRequest,
-    UpdateFromDiskRequest,
-    UpdateFromDistributedRequest,
-    UpdateFromTensorRequest,
-    WakeUpRequest,
+from frontend.protocol_pooling import (
+    ClassificationRequest,
+    ClassificationResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EncodeRequest,
+    EncodeResponse,
+    PoolingRequest,
+    PoolingResponse,
+    ScoreRequest,
+    ScoreResponse,
 )
+from frontend.protocol_responses import ResponseObject, ResponsesRequest
+from frontend.protocol_sglang import SGLangGenerateOutput, SGLangGenerateRequest
 
 _REF = "#/components/schemas/{name}"
 _ERROR_STATUSES = {
@@ -63,7 +67,7 @@ class RouteDoc:
     summary: str
     tag: str
     request: Any = None  # a msgspec type, or a tuple of them (any of)
-    response: Any = None  # None: a JSON object this document does not detail
+    response: Any = None  # None: a JSON object this document does not detail; a tuple: any of
     stream: Any = None  # the SSE chunk's type, for routes with `stream: true`
     text: bool = False  # the response is text/plain (Prometheus metrics)
     html: bool = False  # the response is a web page
@@ -71,6 +75,7 @@ class RouteDoc:
 
 
 _OPENAI, _NATIVE, _CONTROL, _OPS = "OpenAI", "Native", "Control (RL trainers)", "Operations"
+_POOLING = "Pooling models (embedding, classification, reward)"
 
 ROUTES: tuple[RouteDoc, ...] = (
     RouteDoc("/v1/chat/completions", "post", "Chat completion", _OPENAI, ChatCompletionRequest,
@@ -79,38 +84,37 @@ ROUTES: tuple[RouteDoc, ...] = (
              CompletionResponse, CompletionStreamResponse),
     RouteDoc("/v1/responses", "post", "Response (OpenAI's Responses API, text)", _OPENAI,
              ResponsesRequest, ResponseObject),
+    RouteDoc("/v1/embeddings", "post", "Embeddings (task embed)", _OPENAI, EmbeddingRequest,
+             EmbeddingResponse),
     RouteDoc("/v1/models", "get", "Served models", _OPENAI, response=ModelList),
     RouteDoc("/v1/models/{model}", "get", "One served model", _OPENAI, response=ModelCard),
-    RouteDoc("/generate", "post", "LMDeploy's /generate", _NATIVE, GenerateRequest,
-             GenerateResponse),
+    RouteDoc("/generate", "post", "LMDeploy's or SGLang's /generate (told apart by the body)",
+             _NATIVE, (GenerateRequest, SGLangGenerateRequest),
+             (GenerateResponse, SGLangGenerateOutput, list[SGLangGenerateOutput])),
     RouteDoc("/abort_request", "post", "Abort requests by id or session", _NATIVE, AbortRequest),
     RouteDoc("/tokenize", "post", "Tokenize a prompt or chat messages", _NATIVE,
              (TokenizeCompletionRequest, TokenizeChatRequest), TokenizeResponse),
     RouteDoc("/detokenize", "post", "Token ids to text", _NATIVE, DetokenizeRequest,
              DetokenizeResponse),
-    RouteDoc("/pause_generation", "post", "Pause generation (abort, wait or keep)", _CONTROL,
-             PauseRequest),
-    RouteDoc("/resume_generation", "post", "Resume generation", _CONTROL),
-    RouteDoc("/reset_prefix_cache", "post", "Forget cached prefixes", _CONTROL),
-    RouteDoc("/update_weights_from_disk", "post", "Reload weights from a checkpoint", _CONTROL,
-             UpdateFromDiskRequest),
-    RouteDoc("/update_weights", "post", "Push weights as tensors", _CONTROL,
-             UpdateFromTensorRequest),
-    RouteDoc("/update_weights_from_tensor", "post", "Push weights as tensors", _CONTROL,
-             UpdateFromTensorRequest),
-    RouteDoc("/init_weights_update_group", "post", "Join the trainer's process group", _CONTROL,
-             InitGroupRequest),
-    RouteDoc("/update_weights_from_distributed", "post", "Receive a broadcast of weights",
-             _CONTROL, UpdateFromDistributedRequest),
-    RouteDoc("/destroy_weights_update_group", "post", "Leave the trainer's group", _CONTROL,
-             DestroyGroupRequest),
+    RouteDoc("/pooling", "post", "Pooled vectors or scores (vLLM's and LMDeploy's /pooling)",
+             _POOLING, PoolingRequest, PoolingResponse),
+    RouteDoc("/classify", "post", "Label probabilities (task classify)", _POOLING,
+             ClassificationRequest, ClassificationResponse),
+    RouteDoc("/score", "post", "Scores of text pairs (cross-encoders, embedding models)",
+             _POOLING, ScoreRequest, ScoreResponse),
+    RouteDoc("/v1/encode", "post", "LMDeploy's tokenization", _NATIVE, EncodeRequest,
+             EncodeResponse),
     RouteDoc("/weight_version", "get", "The weights' version", _CONTROL),
     RouteDoc("/get_weight_version", "get", "The weights' version", _CONTROL),
-    RouteDoc("/sleep", "post", "Free the KV cache (level 1) and the weights (level 2)", _CONTROL,
-             SleepRequest),
-    RouteDoc("/wakeup", "post", "Bring back what sleep freed", _CONTROL, WakeUpRequest),
-    RouteDoc("/wake_up", "post", "Bring back what sleep freed", _CONTROL, WakeUpRequest),
     RouteDoc("/is_sleeping", "get", "Whether the server sleeps", _CONTROL),
+    RouteDoc("/get_model_info", "get", "The model (SGLang's names)", _CONTROL),
+    RouteDoc("/get_server_info", "get", "/server_info with SGLang's names", _CONTROL),
+    *(
+        RouteDoc(path, method.lower(), route.summary, _CONTROL, route.body)
+        for route in CONTROL_ROUTES
+        for path in route.paths
+        for method in route.http_methods
+    ),
     RouteDoc("/health", "get", "200 while the engine serves, 503 otherwise", _OPS, empty=True),
     RouteDoc("/ping", "get", "Same as /health", _OPS, empty=True),
     RouteDoc("/ping", "post", "Same as /health", _OPS, empty=True),
@@ -131,8 +135,9 @@ def openapi_document(title: str, version: str) -> dict[str, Any]:
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     schema_of = dict(zip(map(_key, types), schemas))
     for r in ROUTES:
-        if isinstance(r.request, tuple):
-            schema_of[_key(r.request)] = {"anyOf": [schema_of[_key(t)] for t in r.request]}
+        for t in (r.request, r.response):
+            if isinstance(t, tuple):
+                schema_of[_key(t)] = {"anyOf": [schema_of[_key(x)] for x in t]}
     paths: dict[str, dict[str, Any]] = {}
     for r in ROUTES:
         paths.setdefault(r.path, {})[r.method] = _operation(r, schema_of)
@@ -190,8 +195,13 @@ def _operation(r: RouteDoc, schema_of: dict[str, Any]) -> dict[str, Any]:
     return op
 
 
-# Control routes whose body may be left out (their fields all have defaults).
-_OPTIONAL_BODY = frozenset({"/pause_generation", "/sleep", "/wakeup", "/wake_up"})
+# Routes whose body may be left out: the control routes whose fields all have defaults.
+_OPTIONAL_BODY = frozenset(
+    path
+    for route in CONTROL_ROUTES
+    if not any(f.required for f in msgspec.structs.fields(route.body))
+    for path in route.paths
+)
 
 
 def docs_page(openapi_url: str, static_url: str, title: str) -> str:

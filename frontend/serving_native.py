@@ -7,6 +7,9 @@ the stream ends with [DONE], as LMDeploy's does. A /generate request runs under 
 client's, or a new one) by which /abort_request can stop it; any request can also be aborted by its
 response id or X-Request-Id, or all at once. An aborted request ends normally with finish reason
 "abort" and the text it had so far.
+
+SGLang's /generate shares the path: bodies protocol_sglang.is_sglang_generate recognises go to
+serving_sglang.py.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from frontend.protocol_native import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from frontend.protocol_sglang import is_sglang_generate
 from frontend.serving import OpenAIServing, json_response, sse
+from frontend.serving_sglang import SGLangServing
 from frontend.structured_outputs import structured_output_spec
 
 
@@ -43,12 +48,16 @@ class NativeServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
         self._session_ids = itertools.count(1)
+        self.sglang = SGLangServing(serving)
 
     # ------------------------------------------------------------------ /generate
 
     async def generate(self, http_request: Request) -> Response:
         s = self.serving
-        req = decode_request(await http_request.body(), GenerateRequest)
+        body = await http_request.body()
+        if is_sglang_generate(body):
+            return await self.sglang.generate(http_request, body)
+        req = decode_request(body, GenerateRequest)
         session_id = self._session_id(req.session_id)
         if req.prompt is not None:
             prompt_ids = s.encode_prompt(req.prompt, True, "prompt")

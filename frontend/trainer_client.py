@@ -31,7 +31,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save, save_file
 
-from workers.weight_sync import destroy_weights_update_group, init_weights_update_group
+from workers.weight_sync import (
+    destroy_weights_update_group,
+    flattened_bucket,
+    init_weights_update_group,
+)
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -188,7 +192,10 @@ class TrainerClient:
         state_dict: Mapping[str, torch.Tensor],
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         weight_version: str | None = None,
+        load_format: str | None = None,
     ) -> dict[str, Any]:
+        """Broadcasts the tensors bucket by bucket; load_format "flattened_bucket" (SGLang's) sends
+        each bucket as one flat tensor, one collective per bucket instead of one per tensor."""
         if self._group is None:
             raise RuntimeError("call init_weights_update_group first")
         parts = list(buckets(state_dict, bucket_bytes))
@@ -201,10 +208,14 @@ class TrainerClient:
                 "group_name": self._group_name,
                 "finished": i == len(parts) - 1,
                 "weight_version": weight_version,
+                "load_format": load_format,
             }
+            tensors = [t.detach().contiguous() for t in part.values()]
+            if load_format == "flattened_bucket":
+                tensors = [flattened_bucket(tensors)]
             with _InBackground(self.post, "/update_weights_from_distributed", body) as call:
-                for tensor in part.values():
-                    dist.broadcast(tensor.detach().contiguous(), src=0, group=self._group)
+                for tensor in tensors:
+                    dist.broadcast(tensor, src=0, group=self._group)
             result = call.result()
         return result
 

@@ -9,7 +9,14 @@ Three flavours, each exercising a different path of the worker's model code:
 All have hidden size 64, 4 heads / 2 KV heads, and vocab 49152 with the tokenizer files of
 `tokenizer_dir` copied in, else vocab 512 and no tokenizer.
 
+`head` picks the model on the decoder: "lm_head" (*ForCausalLM, the default), "score"
+(*ForSequenceClassification with `num_labels`), "none" (the bare *Model), or, for qwen2 only,
+"score_mlp": a Qwen2ForRewardModel checkpoint as Qwen2.5-Math-RM's (transformers has no such
+class: a Qwen2Model's weights under `model.`, plus `score.0` Linear(64, 64) and `score.2`
+Linear(64, 1) with biases).
+
 CLI: python scripts/make_tiny_model.py ARCH OUT_DIR [--tokenizer-dir DIR] [--seed N]
+     [--head HEAD] [--num-labels N]
 """
 
 from __future__ import annotations
@@ -31,6 +38,14 @@ TOKENIZER_FILES = (
     "added_tokens.json",
 )
 ARCHS = ("llama", "qwen2", "qwen3")
+_FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+# Head -> the transformers class built (its family's name + this).
+HEADS = {
+    "lm_head": "ForCausalLM",
+    "score": "ForSequenceClassification",
+    "none": "Model",
+    "score_mlp": "Model",
+}
 # Random weights of the usual scale (0.02) give near-uniform logits whose argmax ties break
 # differently in any two implementations; larger weights give decisive, varied greedy outputs.
 INIT_STD = 0.25
@@ -92,24 +107,49 @@ def _to_transformers4_style(config_path: Path) -> None:
     config_path.write_text(json.dumps(cfg, indent=2))
 
 
+def _save_reward_model(model: Any, out_dir: Path) -> None:
+    """A Qwen2Model plus a random score MLP, saved under Qwen2ForRewardModel's names."""
+    import torch
+    from safetensors.torch import save_file
+
+    h = model.config.hidden_size
+    tensors = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}
+    tensors["score.0.weight"] = torch.randn(h, h) * h**-0.5
+    tensors["score.0.bias"] = torch.randn(h) * INIT_STD
+    tensors["score.2.weight"] = torch.randn(1, h) * h**-0.5
+    tensors["score.2.bias"] = torch.randn(1) * INIT_STD
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    model.config.architectures = ["Qwen2ForRewardModel"]
+    model.config.save_pretrained(out_dir)
+
+
 def make_tiny_model(
-    arch: str, out_dir: Path, tokenizer_dir: Path | None = None, seed: int = 0
+    arch: str,
+    out_dir: Path,
+    tokenizer_dir: Path | None = None,
+    seed: int = 0,
+    head: str = "lm_head",
+    num_labels: int = 1,
 ) -> Path:
-    """Write a random tiny `arch` checkpoint to out_dir (created) and return out_dir."""
+    """Write a random tiny `arch` checkpoint (with `head`) to out_dir (created); return out_dir."""
     import torch
     import transformers
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab_size = 49152 if tokenizer_dir is not None else 512
-    config_class, model_class = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    }.get(arch, (None, None))
-    if config_class is None:
+    if arch not in _FAMILIES:
         raise ValueError(f"unknown tiny architecture {arch!r} (one of {ARCHS})")
-    config = config_class(**_config_kwargs(arch, vocab_size))
+    if head not in HEADS or (head == "score_mlp" and arch != "qwen2"):
+        raise ValueError(
+            f"unknown head {head!r} for {arch} (one of {sorted(HEADS)}; score_mlp: qwen2)"
+        )
+    config_class = getattr(transformers, f"{_FAMILIES[arch]}Config")
+    model_class = getattr(transformers, _FAMILIES[arch] + HEADS[head])
+    kwargs = _config_kwargs(arch, vocab_size)
+    if head == "score":
+        kwargs["num_labels"] = num_labels
+    config = config_class(**kwargs)
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
     with torch.no_grad():  # norms start at 1.0: perturb them so a wrong norm weight shows
@@ -118,7 +158,10 @@ def make_tiny_model(
                 p.add_(torch.randn_like(p) * 0.2)
             elif name.endswith(".bias"):
                 p.normal_(0.0, INIT_STD)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    if head == "score_mlp":
+        _save_reward_model(model, out_dir)
+    else:
+        model.save_pretrained(out_dir, safe_serialization=True)
     if arch == "qwen2":
         _to_transformers4_style(out_dir / "config.json")
 
@@ -140,8 +183,14 @@ def main() -> None:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--tokenizer-dir", type=Path, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--head", choices=sorted(HEADS), default="lm_head")
+    parser.add_argument("--num-labels", type=int, default=1)
     args = parser.parse_args()
-    print(make_tiny_model(args.arch, args.out_dir, args.tokenizer_dir, args.seed))
+    print(
+        make_tiny_model(
+            args.arch, args.out_dir, args.tokenizer_dir, args.seed, args.head, args.num_labels
+        )
+    )
 
 
 if __name__ == "__main__":

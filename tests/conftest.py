@@ -8,6 +8,7 @@ and no tokenizer. Torch runs on few threads: the machine's cores are shared.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,34 @@ def tiny_llama_with_tokenizer(tiny_llama: Path, tokenizer_dir: Path | None) -> P
     if tokenizer_dir is None:
         pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
     return tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_pooling_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory of tiny pooling checkpoints, each built once: (arch, head, num_labels) -> directory.
+
+    head "score": <Arch>ForSequenceClassification with num_labels; "score_mlp" (qwen2): a
+    Qwen2ForRewardModel checkpoint; "none": the bare <Arch>Model (scripts/make_tiny_model.py).
+    """
+    made: dict[tuple[str, str, int, int], Path] = {}
+
+    def make(arch: str, head: str, num_labels: int = 1, seed: int = 0) -> Path:
+        key = (arch, head, num_labels, seed)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"tiny_{arch}_{head}{num_labels}_s{seed}")
+            made[key] = make_tiny_model(arch, out, None, seed, head, num_labels)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_classifier(tiny_pooling_model: Callable[..., Path]) -> Path:
+    """Qwen3ForSequenceClassification with 3 labels (served as classify by --task auto)."""
+    return tiny_pooling_model("qwen3", "score", 3)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_reward(tiny_pooling_model: Callable[..., Path]) -> Path:
+    """A Qwen2ForRewardModel checkpoint (score MLP; served as reward by --task auto)."""
+    return tiny_pooling_model("qwen2", "score_mlp")

@@ -10,13 +10,17 @@ stop conditions or text. Each step it
    on the prompt positions of requests that asked for prompt logprobs);
 4. samples those rows (logits processors first) and returns the tokens in batch order, with the
    logprobs of the requests that asked for them.
+A pooling model (--task embed, classify, reward) samples nothing: step 3 adds each request's
+chunk to its pooling state (workers/layers/pooler.py) and, for the requests whose prompt ends this
+step, runs the model's head on the pooled hidden state and returns the vectors by request id.
 
 Under tensor/pipeline parallelism every rank runs every step (all read the same broadcast and keep
 the same block tables). A pipeline stage other than the first receives the previous stage's hidden
 states instead of embedding tokens, and one other than the last sends its own on and returns an
 empty output; one micro-batch is in flight at a time, so stages do not overlap. Only the driver
 (TP rank 0 of the last stage) samples: the other last-stage ranks take part in the LM head's
-all-gather and return an empty output.
+all-gather and return an empty output. Pooled vectors travel the same way: every last-stage rank
+pools (the hidden states are replicated after the all-reduce) and runs the head, the driver returns.
 """
 
 from __future__ import annotations
@@ -44,10 +48,12 @@ from workers.layers.embedding import ParallelLMHead
 from workers.layers.linear import LinearBase
 from workers.layers.logits_processors import TokenHistory
 from workers.layers.logprobs import (
+    logprob_rows,
     prompt_logprobs,
     prompt_logprobs_jobs,
     sampled_logprobs_by_request,
 )
+from workers.layers.pooler import Pooler, PoolingState
 from workers.layers.sampler import Sampler, SamplingTensors
 from workers.models.llama import mlp_shard_of
 from workers.models.registry import ModelArgs, build_model, load_model_args
@@ -108,6 +114,7 @@ class _RequestState:
     block_table: list[int]
     sampling_params: SamplingParams
     history: TokenHistory | None = None  # every token, when sampling reads them (penalties...)
+    pooling: PoolingState | None = None  # pooling models: the prompt's pooling so far
 
 
 class ModelRunner:
@@ -129,8 +136,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         self.args = replace(
-            load_model_args(config.model.path), quantization=config.model.quantization
+            load_model_args(config.model.path, config.model.task),
+            quantization=config.model.quantization,
         )
+        self.pooler = None if self.args.task == "generate" else Pooler(config.model.pooling_type)
         self.model: torch.nn.Module | None = None
         self.attn_layers: list[Attention] = []
         self.kv_cache: torch.Tensor | None = None
@@ -139,6 +148,7 @@ class ModelRunner:
         self.weights_valid = True
         self.requests: dict[str, _RequestState] = {}
         self.sampler = Sampler()
+        self._processed_logprobs = config.model.logprobs_mode == "processed_logprobs"
         # Seconds spent in each phase of the last step (scripts/bench_step.py reads it).
         self.last_step_timings: dict[str, float] = {}
 
@@ -230,6 +240,8 @@ class ModelRunner:
             params = f", {num / 1e6:.1f}M params{scope}"
         if tp * pp > 1:
             params += f", tp {tp} x pp {pp}"
+        if self.pooler is not None:
+            params += f", task {a.task} ({self.pooler.pooling_type} pooling)"
         dtype = str(self.dtype).removeprefix("torch.")
         return (
             f"{a.architecture}: {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
@@ -261,7 +273,10 @@ class ModelRunner:
         for r in step.requests:
             if r.sampling_params is not None:  # first schedule, or resumed after preemption
                 self.requests[r.req_id] = _RequestState(
-                    list(r.new_block_ids), r.sampling_params, _new_history(r)
+                    list(r.new_block_ids),
+                    r.sampling_params,
+                    _new_history(r),
+                    PoolingState() if self.pooler is not None else None,
                 )
             elif r.req_id in self.requests:
                 self.requests[r.req_id].block_table.extend(r.new_block_ids)
@@ -334,6 +349,10 @@ class ModelRunner:
         if not p.is_last_stage:
             p.send_to_next_stage(hidden)
             return ModelRunnerOutput(step.step_id, [], []), None
+        if self.pooler is not None:
+            output = self._pool(step, hidden, meta.query_start_loc.tolist())
+            timings["pool"] = time.perf_counter() - t2
+            return output, None
 
         sampling = [i for i, r in enumerate(reqs) if r.sample_index >= 0]
         states = [self.requests[r.req_id] for r in reqs]
@@ -369,18 +388,45 @@ class ModelRunner:
             [states[i].history for i in sampling],
             [masks.get(reqs[i].req_id) for i in sampling],
         )
-        sampled = self.sampler(logits, tensors)
+        num_tops = [q.logprobs for q in params]
+        # processed_logprobs: the sampler also returns the distributions it drew the rows from.
+        processed_rows = logprob_rows(num_tops) if self._processed_logprobs else None
+        sampled, processed = self.sampler.sample(logits, tensors, processed_rows)
         req_ids = [reqs[i].req_id for i in sampling]
         output = ModelRunnerOutput(
             step.step_id,
             req_ids,
             sampled.tolist(),
-            sampled_logprobs_by_request(logits, sampled, req_ids, [q.logprobs for q in params]),
+            sampled_logprobs_by_request(logits, sampled, req_ids, num_tops, processed),
             prompt_lps,
         )
         logprobs = logits.log_softmax(dim=-1).cpu() if want_logprobs else None
         timings["sample"] = time.perf_counter() - t3
         return output, logprobs
+
+    def _pool(
+        self, step: SchedulerOutput, hidden: torch.Tensor, starts: list[int]
+    ) -> ModelRunnerOutput:
+        """Adds each request's chunk (rows starts[i]:starts[i + 1] of `hidden`) to its pooling;
+        the requests whose prompt ends this step get the head's output on their pooled state."""
+        assert self.pooler is not None
+        ending: list[tuple[str, PoolingState]] = []
+        for i, r in enumerate(step.requests):
+            state = self.requests[r.req_id].pooling
+            assert state is not None
+            self.pooler.add_chunk(state, hidden[starts[i] : starts[i + 1]], r.start_pos)
+            if r.sample_index >= 0:  # the prompt's last chunk
+                ending.append((r.req_id, state))
+        if not ending:
+            return ModelRunnerOutput(step.step_id, [], [])
+        pooled = torch.stack([self.pooler.pooled(state) for _, state in ending])  # (N, hidden)
+        vectors = self.model.compute_pooled(pooled)  # (N, pooled_size) float32
+        if not self.parallel.is_driver:  # the head may have been a collective; the driver answers
+            return ModelRunnerOutput(step.step_id, [], [])
+        rows = vectors.cpu().tolist()
+        return ModelRunnerOutput(
+            step.step_id, [], [], pooled={req_id: row for (req_id, _), row in zip(ending, rows)}
+        )
 
 
 def _new_history(r: ScheduledRequest) -> TokenHistory | None:

@@ -13,6 +13,9 @@ imports no tern code, so a trainer can import it without starting a server.
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -72,3 +75,28 @@ def init_weights_update_group(
 
 def destroy_weights_update_group(group: dist.ProcessGroup) -> None:
     dist.destroy_process_group(group)
+
+
+def flattened_bucket(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """SGLang's "flattened_bucket" layout of a bucket: the tensors flattened and concatenated, in the
+    dtype torch.cat promotes them to. The trainer broadcasts this one tensor."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def receive_flattened(
+    names: list[str],
+    dtypes: list[torch.dtype],
+    shapes: list[list[int]],
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Receives one flattened bucket and yields its tensors, each in its own dtype and shape."""
+    numels = [math.prod(shape) for shape in shapes]
+    flat = torch.empty(
+        sum(numels), dtype=functools.reduce(torch.promote_types, dtypes), device=device
+    )
+    dist.broadcast(flat, src=0, group=group)
+    offset = 0
+    for name, dtype, shape, numel in zip(names, dtypes, shapes, numels):
+        yield name, flat[offset : offset + numel].view(shape).to(dtype)
+        offset += numel

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 
 from enginecore.messages import (
+    ControlCall,
     DestroyWeightsUpdateGroup,
     FinishWeightUpdate,
     InitWeightsUpdateGroup,
@@ -43,6 +44,7 @@ from workers.weight_sync import (
     destroy_weights_update_group,
     init_weights_update_group,
     parse_dtype,
+    receive_flattened,
 )
 
 logger = logging.getLogger("tern.worker")
@@ -87,25 +89,13 @@ class WorkerControl:
         assert self.runner.model is not None
         return self.runner.model
 
-    def handle(self, call: object) -> None:
-        if isinstance(call, UpdateWeightsFromDisk):
-            self.update_from_disk(call.model_path)
-        elif isinstance(call, UpdateWeightsFromTensors):
-            self.update_from_tensors(call)
-        elif isinstance(call, InitWeightsUpdateGroup):
-            self.init_group(call)
-        elif isinstance(call, UpdateWeightsFromDistributed):
-            self.update_from_distributed(call)
-        elif isinstance(call, DestroyWeightsUpdateGroup):
-            self.destroy_group(call.group_name)
-        elif isinstance(call, FinishWeightUpdate):
-            self.finish(call.commit)
-        elif isinstance(call, Sleep):
-            self.sleep(call.level)
-        elif isinstance(call, WakeUp):
-            self.wake_up(call.tags)
-        else:
+    def handle(self, call: ControlCall) -> None:
+        """Runs the method named after the call's message tag (enginecore/messages.py)."""
+        tag = type(call).__struct_config__.tag
+        method = getattr(self, f"on_{tag}", None)
+        if method is None:
             raise TypeError(f"not a control call: {type(call).__name__}")
+        method(call)
 
     # ------------------------------------------------------------------ weight updates
 
@@ -117,7 +107,8 @@ class WorkerControl:
                 name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()
             }
 
-    def finish(self, commit: bool) -> None:
+    def on_finish_update(self, call: FinishWeightUpdate) -> None:
+        commit = call.commit
         if self._snapshot is not None and not commit:
             with torch.no_grad():
                 for name, p in self.model.named_parameters():
@@ -126,9 +117,12 @@ class WorkerControl:
         self._snapshot = None
         self.runner.weights_valid = self.runner.weights_valid or commit
         self.runner.repack_weights()
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
         return_memory_to_system()
 
-    def update_from_disk(self, model_path: str) -> None:
+    def on_update_from_disk(self, call: UpdateWeightsFromDisk) -> None:
+        model_path = call.model_path
         path = Path(model_path)
         if not path.is_dir():
             raise ValueError(f"model_path {model_path!r} is not a directory")
@@ -138,7 +132,7 @@ class WorkerControl:
         if missing:
             raise ValueError(f"checkpoint {model_path} lacks weights: {sorted(missing)[:8]}")
 
-    def update_from_tensors(self, call: UpdateWeightsFromTensors) -> None:
+    def on_update_from_tensors(self, call: UpdateWeightsFromTensors) -> None:
         self._begin()
         for blob in call.blobs:
             tensors = load_safetensors(bytes(blob))
@@ -158,7 +152,7 @@ class WorkerControl:
 
         load_weights(self.model, checked())
 
-    def init_group(self, call: InitWeightsUpdateGroup) -> None:
+    def on_init_update_group(self, call: InitWeightsUpdateGroup) -> None:
         if call.group_name in self._groups:
             raise ValueError(f"weight-update group {call.group_name!r} already exists")
         self._groups[call.group_name] = init_weights_update_group(
@@ -171,7 +165,7 @@ class WorkerControl:
             call.timeout_s,
         )
 
-    def update_from_distributed(self, call: UpdateWeightsFromDistributed) -> None:
+    def on_update_from_distributed(self, call: UpdateWeightsFromDistributed) -> None:
         group = self._groups.get(call.group_name)
         if group is None:
             raise ValueError(f"no weight-update group {call.group_name!r}: call init first")
@@ -182,6 +176,9 @@ class WorkerControl:
         device = self.runner.device
 
         def received():
+            if call.flattened:
+                yield from receive_flattened(call.names, dtypes, call.shapes, group, device)
+                return
             for name, dtype, shape in zip(call.names, dtypes, call.shapes):
                 tensor = torch.empty(shape, dtype=dtype, device=device)
                 dist.broadcast(tensor, src=0, group=group)
@@ -197,7 +194,8 @@ class WorkerControl:
         if errors:
             raise ValueError("; ".join(errors[:4]))
 
-    def destroy_group(self, group_name: str) -> None:
+    def on_destroy_update_group(self, call: DestroyWeightsUpdateGroup) -> None:
+        group_name = call.group_name
         group = self._groups.pop(group_name, None)
         if group is None:
             raise ValueError(f"no weight-update group {group_name!r}")
@@ -205,12 +203,14 @@ class WorkerControl:
 
     # ------------------------------------------------------------------ sleep and wake-up
 
-    def sleep(self, level: int) -> None:
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, not {level}")
-        self.runner.release_kv_cache()
-        self._kv_asleep = True
-        if level == 2 and self._weight_shapes is None:
+    def on_sleep(self, call: Sleep) -> None:
+        level, tags = call.level, set(call.tags)
+        if level not in (1, 2) or not tags <= {"kv_cache", "weights"}:
+            raise ValueError(f"sleep: level 1 or 2 and tags kv_cache/weights, not {call}")
+        if "kv_cache" in tags:
+            self.runner.release_kv_cache()
+            self._kv_asleep = True
+        if "weights" in tags and self._weight_shapes is None:
             self._weight_shapes = {}
             for name, p in self.model.named_parameters():
                 self._weight_shapes[name] = p.shape
@@ -226,7 +226,8 @@ class WorkerControl:
             torch.cuda.empty_cache()
         return_memory_to_system()
 
-    def wake_up(self, tags: list[str]) -> None:
+    def on_wake_up(self, call: WakeUp) -> None:
+        tags = call.tags
         unknown = set(tags) - {"weights", "kv_cache"}
         if unknown:
             raise ValueError(f"unknown wake-up tags {sorted(unknown)}: use weights, kv_cache")

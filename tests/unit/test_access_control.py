@@ -108,13 +108,18 @@ def test_control_paths_are_the_state_changing_control_routes() -> None:
     engine = SimpleNamespace(ready=SimpleNamespace(max_model_len=64))
     config = Config(model=ModelConfig(path="/m", served_model_name="m"))
     app = build_app(config, FrontendConfig(("m",)), engine, MagicMock())  # type: ignore[arg-type]
-    control_posts = {
+    state_changing = {
+        route.path for route in app.routes if hasattr(getattr(route, "endpoint", None), "control")
+    }
+    assert state_changing == CONTROL_PATHS
+    # ControlServing's other routes only read.
+    readers = {
         route.path
         for route in app.routes
         if isinstance(getattr(getattr(route, "endpoint", None), "__self__", None), ControlServing)
-        and "POST" in route.methods
     }
-    assert control_posts == CONTROL_PATHS
+    assert readers and not readers & CONTROL_PATHS
+    assert all(route.methods <= {"GET", "HEAD"} for route in app.routes if route.path in readers)
 
 
 def test_is_loopback() -> None:

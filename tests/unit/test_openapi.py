@@ -4,24 +4,28 @@ which checks it as an OpenAPI document.)"""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
+from types import SimpleNamespace
+from unittest.mock import MagicMock
 
+from starlette.routing import Route
+
+from enginecore.config import Config, ModelConfig
+from frontend.api_server import build_app
+from frontend.args import FrontendConfig
 from frontend.openapi import ROUTES, openapi_document
-
-API_SERVER = Path(__file__).resolve().parents[2] / "frontend" / "api_server.py"
 
 
 def _registered_routes() -> set[tuple[str, str]]:
-    """(path, method) of every `Route("/path", handler, methods=[...])` in api_server.py."""
+    """(path, method) of every route of the app api_server.py builds."""
+    engine = SimpleNamespace(ready=SimpleNamespace(max_model_len=64))
+    config = Config(model=ModelConfig(path="/m", served_model_name="m"))
+    app = build_app(config, FrontendConfig(("m",)), engine, MagicMock())  # type: ignore[arg-type]
     routes = set()
-    for node in ast.walk(ast.parse(API_SERVER.read_text())):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Route":
-            path = node.args[0].value
-            methods = next(k.value for k in node.keywords if k.arg == "methods")
-            for m in methods.elts:
+    for route in app.routes:
+        if isinstance(route, Route):
+            for m in route.methods - {"HEAD"}:
                 # starlette's {name:path} converter is OpenAPI's {name}
-                routes.add((path.replace(":path}", "}"), m.value.lower()))
+                routes.add((route.path.replace(":path}", "}"), m.lower()))
     return routes
 
 

@@ -11,7 +11,8 @@ Order and meaning follow vLLM, whose definitions are Hugging Face's and OpenAI's
    prompt and of the output so far: a positive logit is divided by the penalty, another multiplied;
 5. frequency and presence penalties, as OpenAI's, over output tokens only:
    logits[t] -= frequency * count[t] + presence * (count[t] > 0).
-Logprobs are not affected: they are taken from the raw logits (workers/layers/logprobs.py).
+Logprobs see all of this only with --logprobs-mode processed_logprobs; by default they are
+taken from the raw logits (workers/layers/logprobs.py).
 
 The penalties need each request's tokens. The worker computes all of them except those the prefix
 cache served, which the engine core sends with the request's state (ScheduledRequest.

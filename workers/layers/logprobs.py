@@ -1,6 +1,11 @@
-"""Logprobs for the API, computed only for the requests that ask: the log_softmax of the raw logits
-(before logit bias, penalties and temperature, as vLLM's default "raw_logprobs"), for the chosen
-token (the sampled one, or the prompt's next token) with its rank, plus the k most likely tokens.
+"""Logprobs for the API, computed only for the requests that ask, for the chosen token (the sampled
+one, or the prompt's next token) with its rank, plus the k most likely tokens.
+
+Which distribution they describe is --logprobs-mode's (vLLM's names): "raw_logprobs", the default,
+is the log_softmax of the raw logits (before the grammar, logit bias, penalties and temperature);
+"processed_logprobs" is the distribution the sampler drew from (workers/layers/sampler.py computes
+it), so that a trainer gets log p(token) under the behaviour policy. Prompt logprobs are always raw:
+prompt tokens are not sampled (vLLM says the same of its modes).
 
 Prompt logprobs need logits at every prompt position, not just the last: those rows of the hidden
 states go through the LM head in slices, so a long prefill chunk never holds (T, vocab) at once.
@@ -35,10 +40,9 @@ def select_logprobs(
 
 
 def sampled_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, num_tops: list[int]
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_tops: list[int]
 ) -> list[Logprobs]:
-    """One position per row: raw logits (N, V), sampled ids (N,), each row's k -> N Logprobs."""
-    logprobs = logits.float().log_softmax(dim=-1)
+    """One position per row: logprobs (N, V), sampled ids (N,), each row's k -> N Logprobs."""
     chosen, ranks, top_ids, top_lp = select_logprobs(logprobs, token_ids, max(num_tops))
     return [
         Logprobs([int(t)], [chosen[i]], [ranks[i]], k, top_ids[i][:k], top_lp[i][:k])
@@ -46,18 +50,32 @@ def sampled_logprobs(
     ]
 
 
+def logprob_rows(num_tops: list[int | None]) -> list[int]:
+    """The rows whose request asked for the sampled tokens' logprobs (num_top not None)."""
+    return [i for i, k in enumerate(num_tops) if k is not None]
+
+
 def sampled_logprobs_by_request(
-    logits: torch.Tensor, sampled: torch.Tensor, req_ids: list[str], num_tops: list[int | None]
+    logits: torch.Tensor,
+    sampled: torch.Tensor,
+    req_ids: list[str],
+    num_tops: list[int | None],
+    processed: torch.Tensor | None = None,
 ) -> dict[str, Logprobs]:
-    """The sampled tokens' logprobs of the rows whose request asked (num_top not None)."""
-    rows = [i for i, k in enumerate(num_tops) if k is not None]
+    """The sampled tokens' logprobs of the rows whose request asked (logprob_rows): raw, from
+    `logits` (N, V), or `processed` (R, V), the sampler's logprobs of exactly those rows."""
+    rows = logprob_rows(num_tops)
     if not rows:
         return {}
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    ks = [num_tops[i] or 0 for i in rows]
-    return dict(
-        zip([req_ids[i] for i in rows], sampled_logprobs(logits[index], sampled[index], ks))
-    )
+    if processed is None:
+        # NOTE: the asking rows only: the others never pay a full-vocab pass.
+        logprobs = logits[index].float().log_softmax(dim=-1)
+    else:
+        assert processed.size(0) == len(rows), "processed logprobs are the asking rows'"
+        logprobs = processed
+    chosen = sampled_logprobs(logprobs, sampled[index], [num_tops[i] or 0 for i in rows])
+    return dict(zip([req_ids[i] for i in rows], chosen))
 
 
 @dataclass

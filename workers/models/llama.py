@@ -1,8 +1,10 @@
-"""Llama decoder (LlamaForCausalLM) in plain torch, built from the tensor-parallel layers.
+"""The Llama decoder (LlamaModel, LlamaForCausalLM) in plain torch, from the tensor-parallel layers.
 
-The same blocks serve Qwen2 (bias on q/k/v) and Qwen3 (per-head RMSNorm on q and k): the variants
-are constructor arguments, chosen by each architecture's `__init__`. Module names mirror Hugging Face
-(`model.layers.N.self_attn.qkv_proj`, ...) so the weight loader only has to map q/k/v and gate/up.
+The same blocks serve Qwen2 (bias on q/k/v) and Qwen3 (per-head RMSNorm on q and k): how a family
+differs is a `DecoderVariant`, given by its module's `decoder_variant(args)`. Module names mirror
+Hugging Face (`model.layers.N.self_attn.qkv_proj`, ...) so the weight loader only has to map q/k/v
+and gate/up. Pooling models (embeddings, classifiers, reward models) put another head on the same
+LlamaModel: workers/models/pooling.py.
 
 Pipeline parallelism: a stage builds only its own decoder layers (the others are parameterless
 `MissingLayer` placeholders, so layer N keeps the name `model.layers.N`), the embedding only on the
@@ -12,6 +14,8 @@ hidden states and residual stacked (2, T, hidden) for the next stage, which pass
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,10 +31,22 @@ from workers.layers.rotary import RotaryEmbedding
 from workers.models.registry import ModelArgs
 
 
+@dataclass(frozen=True)
+class DecoderVariant:
+    """How a family's decoder layers differ from Llama's."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+
+
+def decoder_variant(args: ModelArgs) -> DecoderVariant:
+    """Llama: biases on q/k/v/o when config.json's `attention_bias` says so."""
+    return DecoderVariant(qkv_bias=args.attention_bias, o_bias=args.attention_bias)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(
-        self, args: ModelArgs, ctx: ParallelContext, *, qkv_bias: bool, o_bias: bool, qk_norm: bool
-    ) -> None:
+    def __init__(self, args: ModelArgs, ctx: ParallelContext, variant: DecoderVariant) -> None:
         super().__init__()
         head_dim = args.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -38,7 +54,7 @@ class LlamaAttention(nn.Module):
             head_dim,
             args.num_attention_heads,
             args.num_key_value_heads,
-            bias=qkv_bias,
+            bias=variant.qkv_bias,
             ctx=ctx,
             quant=args.quantization,
         )
@@ -48,17 +64,17 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             args.num_attention_heads * head_dim,
             args.hidden_size,
-            bias=o_bias,
+            bias=variant.o_bias,
             ctx=ctx,
             input_shard=(self.qkv_proj.head_start * head_dim, self.num_heads * head_dim),
             quant=args.quantization,
         )
         self.rotary_emb = RotaryEmbedding(head_dim, args.max_position_embeddings, args.rope)
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5)
-        if qk_norm:
+        if variant.qk_norm:
             self.q_norm = RMSNorm(head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, args.rms_norm_eps)
-        self.qk_norm = qk_norm
+        self.qk_norm = variant.qk_norm
 
     def forward(self, hidden_states: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # (T, (H + 2 Hkv) D)
@@ -101,13 +117,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, args: ModelArgs, ctx: ParallelContext, *, qkv_bias: bool, o_bias: bool, qk_norm: bool
-    ) -> None:
+    def __init__(self, args: ModelArgs, ctx: ParallelContext, variant: DecoderVariant) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(
-            args, ctx, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm
-        )
+        self.self_attn = LlamaAttention(args, ctx, variant)
         self.mlp = LlamaMLP(args, ctx)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -136,10 +148,10 @@ class MissingLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(
-        self, args: ModelArgs, ctx: ParallelContext, *, qkv_bias: bool, o_bias: bool, qk_norm: bool
-    ) -> None:
+    def __init__(self, args: ModelArgs, ctx: ParallelContext, variant: DecoderVariant) -> None:
         super().__init__()
+        if args.mlp_bias:
+            raise ValueError("mlp_bias=true is not supported")
         self.ctx = ctx
         self.stage_layers = stage_layers(args.num_hidden_layers, ctx.pp_size, ctx.pp_rank)
         self.embed_tokens = (
@@ -150,9 +162,7 @@ class LlamaModel(nn.Module):
             else None
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(args, ctx, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
-            if i in self.stage_layers
-            else MissingLayer()
+            LlamaDecoderLayer(args, ctx, variant) if i in self.stage_layers else MissingLayer()
             for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if ctx.is_last_stage else None
@@ -178,26 +188,27 @@ class LlamaModel(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
+    def holds(self, name: str) -> bool:
+        """Whether this pipeline stage holds checkpoint tensor `name` (model.*)."""
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            return int(parts[2]) in self.stage_layers
+        if parts[:2] == ["model", "embed_tokens"]:
+            return self.embed_tokens is not None
+        if parts[:2] == ["model", "norm"]:
+            return self.norm is not None
+        return True
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self,
-        args: ModelArgs,
-        ctx: ParallelContext,
-        *,
-        qkv_bias: bool | None = None,
-        o_bias: bool | None = None,
-        qk_norm: bool = False,
+        self, args: ModelArgs, ctx: ParallelContext, variant: DecoderVariant | None = None
     ) -> None:
-        """The bias and norm switches are for the variants; Llama reads `attention_bias`."""
+        """`variant`: the family's (Qwen2, Qwen3); by default Llama's, from `args`."""
         super().__init__()
-        if args.mlp_bias:
-            raise ValueError("mlp_bias=true is not supported")
-        qkv_bias = args.attention_bias if qkv_bias is None else qkv_bias
-        o_bias = args.attention_bias if o_bias is None else o_bias
         self.args = args
         self.ctx = ctx
-        self.model = LlamaModel(args, ctx, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
+        self.model = LlamaModel(args, ctx, variant or decoder_variant(args))
         self.lm_head = None
         if ctx.is_last_stage:
             self.lm_head = ParallelLMHead(
@@ -223,17 +234,13 @@ class LlamaForCausalLM(nn.Module):
         With tied embeddings, a last stage without the embedding loads it as its LM head.
         """
         parts = name.split(".")
-        if parts[:2] == ["model", "layers"]:
-            return name if int(parts[2]) in self.model.stage_layers else None
-        if parts[:2] == ["model", "embed_tokens"]:
-            if self.model.embed_tokens is not None:
-                return name
+        if parts[:2] == ["model", "embed_tokens"] and self.model.embed_tokens is None:
             if self.lm_head is not None and self.args.tie_word_embeddings:
                 return ".".join(["lm_head", *parts[2:]])
             return None
-        if parts[:2] == ["model", "norm"] or parts[0] == "lm_head":
+        if parts[0] == "lm_head":
             return name if self.ctx.is_last_stage else None
-        return name
+        return name if self.model.holds(name) else None
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Hidden states of the rows that sample (N, hidden) -> logits (N, vocab); last stage only."""

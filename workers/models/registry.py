@@ -1,7 +1,9 @@
 """Model architectures tern can run, keyed by config.json's `architectures[0]`, and their arguments.
 
 `ModelArgs` is the part of a Hugging Face config.json the model code needs, read without importing
-transformers. Unsupported architectures or features raise a ValueError naming what is missing.
+transformers, with the task the model is served for (enginecore/model_task.py: the architectures,
+their decoder families and heads). Unsupported architectures, features or tasks raise a ValueError
+naming what is missing.
 """
 
 from __future__ import annotations
@@ -14,15 +16,9 @@ from typing import Any
 
 from torch import nn
 
+from enginecore.model_task import ARCHITECTURES, architecture_of, model_task, num_labels_of
 from workers.distributed import ParallelContext
 from workers.layers.rotary import RopeParams
-
-# Architecture name -> "module:class", imported on demand (the model modules import this one).
-_ARCHITECTURES = {
-    "LlamaForCausalLM": "workers.models.llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": "workers.models.qwen2:Qwen2ForCausalLM",
-    "Qwen3ForCausalLM": "workers.models.qwen3:Qwen3ForCausalLM",
-}
 
 
 @dataclass(frozen=True)
@@ -43,21 +39,20 @@ class ModelArgs:
     mlp_bias: bool = False
     use_sliding_window: bool = False
     checkpoint_dtype: str | None = None  # "dtype" / "torch_dtype" of config.json
-    # Not from config.json: the serving option --quantization, set by the model runner.
+    num_labels: int = 0  # outputs of the score head of classifiers and reward models
+    # Not from config.json: the serving options --quantization (set by the model runner) and --task
+    # (resolved: generate, embed, classify or reward).
     quantization: str | None = None
+    task: str = "generate"
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> ModelArgs:
-        archs = hf.get("architectures") or []
-        if not archs or archs[0] not in _ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {archs[:1]} (supported: {sorted(_ARCHITECTURES)})"
-            )
+    def from_hf_config(cls, hf: dict[str, Any], task: str = "auto") -> ModelArgs:
+        architecture = architecture_of(hf)
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
         heads = hf["num_attention_heads"]
         return cls(
-            architecture=archs[0],
+            architecture=architecture,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -73,18 +68,29 @@ class ModelArgs:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             use_sliding_window=bool(hf.get("use_sliding_window", False)),
             checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
+            num_labels=num_labels_of(hf),
+            task=model_task(hf, task).task,
         )
 
 
-def load_model_args(model_dir: str | Path) -> ModelArgs:
+def load_model_args(model_dir: str | Path, task: str = "auto") -> ModelArgs:
+    """config.json's arguments, for the model served as --task `task`."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"no config.json in {model_dir}")
-    return ModelArgs.from_hf_config(json.loads(path.read_text()))
+    return ModelArgs.from_hf_config(json.loads(path.read_text()), task)
 
 
 def build_model(args: ModelArgs, ctx: ParallelContext) -> nn.Module:
-    """An uninitialised model of `args.architecture` (parameters are filled by the weight loader)."""
-    module_name, class_name = _ARCHITECTURES[args.architecture].split(":")
-    model_class = getattr(importlib.import_module(module_name), class_name)
-    return model_class(args, ctx)
+    """An uninitialised model of `args.architecture` for `args.task` (the weight loader fills the
+    parameters): the decoder of the architecture's family under an LM head (generate) or a
+    pooling head (workers/models/pooling.py)."""
+    # NOTE: imported here: the model modules import this one (ModelArgs).
+    from workers.models.llama import LlamaForCausalLM
+    from workers.models.pooling import DecoderForPooling
+
+    family, head = ARCHITECTURES[args.architecture]
+    variant = importlib.import_module(f"workers.models.{family}").decoder_variant(args)
+    if args.task == "generate":
+        return LlamaForCausalLM(args, ctx, variant)
+    return DecoderForPooling(args, ctx, variant, "none" if args.task == "embed" else head)

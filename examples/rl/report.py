@@ -1,0 +1,88 @@
+"""What a run leaves behind: one printed line per step, the JSON log, the plot, and the machine
+it ran on (CPU model and the ISA flags tern's kernels choose between, load average)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+
+
+def machine_info() -> dict[str, Any]:
+    model, flags = platform.processor(), set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    return {
+        "cpu": model,
+        "num_cpus": os.cpu_count(),
+        "isa": {flag: flag in flags for flag in ISA_FLAGS},
+        "torch": torch.__version__,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+    }
+
+
+def format_step(s: dict[str, Any]) -> str:
+    line = (
+        f"step {s['step']:3d} | reward {s['reward']:.3f} exact {s['exact']:.2f}"
+        f" | {s['mean_completion_tokens']:4.1f} tok/sample"
+        f" | rollout {s['rollout_s']:5.1f} s {s['rollout_tok_s']:6.1f} tok/s"
+    )
+    if "train_s" in s:
+        line += f" | train {s['train_s']:5.1f} s | update {s['update_s']:4.1f} s"
+    if "sleep_s" in s:
+        line += f" | sleep {s['sleep_s']:.2f} s wake {s['wake_s']:.2f} s"
+    if "mismatch" in s:
+        line += f" | mismatch {s['mismatch']:.2e} (max {s['mismatch_max']:.1e})"
+    if "ratio_mean" in s:
+        line += f" | ratio {s['ratio_mean']:.4f} clip {s['clip_frac']:.3f}"
+    return line + f" | load {s['load_avg']:.1f}"
+
+
+def write_log(path: Path, log: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(log, indent=1))
+
+
+def plot(path: Path, steps: list[dict[str, Any]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [s["step"] for s in steps]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    top.plot(x, [s["reward"] for s in steps], "o-", label="mean reward 2^-|words - n|")
+    top.plot(x, [s["exact"] for s in steps], "s--", label="exactly n words")
+    if len(steps) >= 5:  # one step's 32-odd samples are noisy: show the trend too
+        rewards = [s["reward"] for s in steps]
+        mean5 = [sum(rewards[max(0, i - 4) : i + 1]) / len(rewards[max(0, i - 4) : i + 1])
+                 for i in range(len(rewards))]  # fmt: skip
+        top.plot(x, mean5, "-", color="black", alpha=0.6, label="reward, mean of 5 steps")
+    top.set_ylim(0, 1)
+    top.set_ylabel("reward (rollouts at T=1)")
+    top.legend(loc="upper left")
+    top.set_title(title)
+    trained = [s for s in steps if math.isfinite(s.get("mismatch", math.nan))]
+    bottom.semilogy([s["step"] for s in trained], [s["mismatch"] for s in trained], "o-",
+                    label="mean |logprob tern - logprob trainer|")  # fmt: skip
+    bottom.semilogy([s["step"] for s in trained], [s["mismatch_max"] for s in trained], "^:",
+                    label="max over the step's tokens")  # fmt: skip
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("training-inference mismatch (nats)")
+    bottom.legend(loc="best")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

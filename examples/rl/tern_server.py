@@ -1,0 +1,166 @@
+"""The trainer's side of tern: start (or attach to) a server, sample rollouts with token ids and
+logprobs, push weights (a torch.distributed broadcast or /dev/shm files), sleep and wake.
+
+Everything goes through frontend/trainer_client.py and the public HTTP API, as an external
+trainer would; nothing here imports server internals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from frontend.trainer_client import TrainerClient
+
+# Rollouts are a few dozen short sequences: a small KV cache leaves RAM to the trainer.
+KV_CACHE_GIB = 0.25
+START_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LaunchedServer:
+    """A `python -m frontend launch` subprocess this script owns, and every process under it."""
+
+    def __init__(self, model: str, dtype: str, seed: int) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkstemp(prefix="tern-rl-server-", suffix=".log")[1])
+        cmd = [sys.executable, "-m", "frontend", "launch", "--host", "127.0.0.1",
+               "--port", str(self.port), "--model", model, "--dtype", dtype,
+               "--seed", str(seed), "--kv-cache-memory", str(KV_CACHE_GIB)]  # fmt: skip
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        self.descendants: dict[int, psutil.Process] = {}
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.proc.pid, *self.descendants]
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tern exited with {self.proc.returncode}:\n{self._log_tail()}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        self._record_descendants()
+                        return
+            time.sleep(0.5)
+        raise TimeoutError(f"tern was not ready within {timeout} s:\n{self._log_tail()}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM (tern then stops its engine and workers), SIGKILL for anything left."""
+        if self.proc.poll() is None:
+            self._record_descendants()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        _, alive = psutil.wait_procs(list(self.descendants.values()), timeout=10)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        self.log_path.unlink(missing_ok=True)
+
+    def _record_descendants(self) -> None:
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(self.proc.pid).children(recursive=True):
+                self.descendants[p.pid] = p
+
+    def _log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+
+@dataclass
+class Rollout:
+    """One sampled completion: tern's token ids and their logprobs under the serving weights."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+
+
+def sample(
+    client: TrainerClient,
+    model_name: str,
+    prompts: list[list[int]],
+    n: int,
+    max_tokens: int,
+    seed: int,
+) -> tuple[list[Rollout], str]:
+    """n samples of each prompt at temperature 1 with no top-k/top-p/min-p, so that the returned
+    logprobs (tern's raw logprobs) are those of the distribution the tokens were drawn from."""
+    body = {
+        "model": model_name, "prompt": prompts, "n": n, "max_tokens": max_tokens,
+        "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "seed": seed,
+        "logprobs": 0, "return_token_ids": True,
+    }  # fmt: skip
+    response = client.post("/v1/completions", body)
+    rollouts = []
+    for choice in sorted(response["choices"], key=lambda c: c["index"]):
+        i = choice["index"] // n  # vLLM's order: prompt index x n + sample index
+        token_ids, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+        assert len(token_ids) == len(logprobs), (len(token_ids), len(logprobs))
+        rollouts.append(Rollout(i, prompts[i], token_ids, logprobs, choice["text"]))
+    return rollouts, response["weight_version"]
+
+
+def greedy(
+    client: TrainerClient, model_name: str, prompts: list[list[int]], max_tokens: int
+) -> list[list[int]]:
+    body = {"model": model_name, "prompt": prompts, "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    choices = sorted(client.post("/v1/completions", body)["choices"], key=lambda c: c["index"])
+    return [c["token_ids"] for c in choices]
+
+
+class WeightSync:
+    """Pushes the trainer's weights: "distributed" broadcasts over a process group the trainer
+    joins as rank 0; "shm" writes safetensors files to /dev/shm that the server loads."""
+
+    def __init__(self, client: TrainerClient, mode: str) -> None:
+        if mode not in ("distributed", "shm"):
+            raise ValueError(f"unknown weight sync mode {mode!r}")
+        self.client = client
+        self.mode = mode
+        if mode == "distributed":
+            parallel = client.get("/server_info")["config"]["parallel"]
+            world = parallel["tensor_parallel_size"] * parallel["pipeline_parallel_size"]
+            client.init_weights_update_group("127.0.0.1", free_port(), tern_world_size=world,
+                                             group_name=f"rl-{os.getpid()}", timeout_s=120)  # fmt: skip
+
+    def push(self, tensors: Mapping[str, torch.Tensor], version: str) -> None:
+        if self.mode == "distributed":
+            self.client.update_weights_from_distributed(tensors, weight_version=version)
+        else:
+            self.client.update_weights_from_tensors(tensors, load_format="shm",
+                                                    weight_version=version)  # fmt: skip
+
+    def close(self) -> None:
+        if self.mode == "distributed":
+            with contextlib.suppress(OSError, urllib.error.URLError, RuntimeError):
+                self.client.destroy_weights_update_group()
