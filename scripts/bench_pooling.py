@@ -27,12 +27,8 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from enginecore.config import tern_home  # noqa: E402
+from frontend.launched_server import LaunchedServer  # noqa: E402
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -125,52 +122,6 @@ class HFModel:
 # --------------------------------------------------------------------------- tern
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Tern:
-    """`tern launch` in a subprocess, stopped (SIGTERM, then SIGKILL) on exit."""
-
-    def __init__(self, args: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="bench-pooling-", suffix=".log", delete=False)  # noqa: SIM115
-        cmd = [sys.executable, "-m", "frontend", "launch", "--host", "127.0.0.1"]
-        self.proc = subprocess.Popen(
-            [*cmd, "--port", str(self.port), *args],
-            cwd=ROOT,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def wait_ready(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tern exited with {self.proc.returncode}; log: {self.log.name}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.5)
-        raise TimeoutError(f"tern was not ready within {timeout:g} s; log: {self.log.name}")
-
-    def __enter__(self) -> Tern:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
-
-
 async def tern_pass(
     url: str, inputs: list[list[int]], concurrency: int
 ) -> tuple[float, list[float | None]]:
@@ -213,20 +164,23 @@ def run_both(
     ]
     launch += args.tern_args
     hf = HFModel(path, args.dtype, args.batch_size)
-    with Tern(launch) as tern:
-        tern.wait_ready()
+    tern = LaunchedServer(launch, log_prefix="bench-pooling-")
+    try:
+        tern.wait_ready(600.0)
         warm_up = inputs[: args.concurrency]
         hf.run(warm_up)
-        asyncio.run(tern_pass(tern.url, warm_up, args.concurrency))
+        asyncio.run(tern_pass(tern.base_url, warm_up, args.concurrency))
         hf_rates, tern_rates, failed = [], [], 0
         hf_scores: list[float] = []
         tern_scores: list[float | None] = []
         for _ in range(args.repeats):
             rate, hf_scores = hf.run(inputs)
             hf_rates.append(rate)
-            rate, tern_scores = asyncio.run(tern_pass(tern.url, inputs, args.concurrency))
+            rate, tern_scores = asyncio.run(tern_pass(tern.base_url, inputs, args.concurrency))
             tern_rates.append(rate)
             failed += sum(s is None for s in tern_scores)
+    finally:
+        tern.shut_down(30)
     return hf_rates, tern_rates, hf_scores, tern_scores, failed
 
 

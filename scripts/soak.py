@@ -39,7 +39,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +50,8 @@ from typing import Any
 
 import httpx
 import psutil
+
+from frontend.launched_server import LaunchedServer
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE_PROMPTS = [[101, 2024, 318, 257], [464, 3290, 286, 4881, 318, 6342, 11, 290], [40, 1101]]
@@ -104,81 +105,11 @@ class Soak:
 # ---------------------------------------------------------------------------------- the server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LaunchedServer:
-    """`python -m frontend launch` on a free port; stop() is SIGTERM, then SIGKILL."""
-
-    def __init__(self, model: str, tp: int = 1, env: dict[str, str] | None = None) -> None:
-        port = free_port()
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.log_path = Path(tempfile.mkstemp(prefix="tern-soak-", suffix=".log")[1])
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
-        cmd = [sys.executable, "-m", "frontend", "launch", "--host", "127.0.0.1", "--port",
-               str(port), "--model", model, "--dtype", "float32", "--max-model-len", "512",
-               "--num-gpu-blocks-override", "64", "--tp", str(tp)]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-        )
-        self.descendants: dict[int, psutil.Process] = {}
-
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tern exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    self._record()
-                    return
-            time.sleep(0.5)
-        raise TimeoutError(f"tern was not ready within {timeout} s:\n{self.log_tail()}")
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def _record(self) -> None:
-        with contextlib.suppress(psutil.Error):
-            for p in psutil.Process(self.proc.pid).children(recursive=True):
-                self.descendants[p.pid] = p
-
-    def stop(self) -> list[str]:
-        """Stops the server; returns the processes still alive 10 s later (then kills them)."""
-        if self.proc.poll() is None:
-            self._record()
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
-        deadline = time.monotonic() + 10
-        while (alive := [p for p in self.descendants.values() if _is_alive(p)]) and (
-            time.monotonic() < deadline
-        ):
-            time.sleep(0.1)
-        for p in alive:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        if not alive:
-            self.log_path.unlink(missing_ok=True)
-        return [f"{p.pid} {_cmdline(p)}" for p in alive]
-
-
-def _is_alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+def launch(model: str, tp: int, env: dict[str, str]) -> LaunchedServer:
+    """The soak's server: float32, a 64-block KV cache (so that requests get preempted)."""
+    args = ["--model", model, "--dtype", "float32", "--max-model-len", "512",
+            "--num-gpu-blocks-override", "64", "--tp", str(tp)]  # fmt: skip
+    return LaunchedServer(args, env=env, log_prefix="tern-soak-")
 
 
 def _cmdline(p: psutil.Process) -> str:
@@ -819,12 +750,12 @@ def main(argv: list[str] | None = None) -> int:
                 if args.fault
                 else {}
             )
-            server = LaunchedServer(args.checkpoint_a, args.tp, env)
+            server = launch(args.checkpoint_a, args.tp, env)
             try:
                 server.wait_ready()
                 res = asyncio.run(soak_async(args, server.base_url, server.proc.pid, server.proc))
             finally:
-                survivors = server.stop()
+                survivors = [f"{p.pid} {_cmdline(p)}" for p in server.shut_down(30)]
             res["survivors"] = survivors
             res["checks"]["no process left after stop"] = not survivors
     res["passed"] = all(res["checks"].values())

@@ -30,7 +30,7 @@ import torch
 from policy import Policy, group_advantages, grpo_loss, make_batch
 from report import format_step, machine_info, plot, write_log
 from task import Prompt, count_words, is_exact, reward, sample_prompts
-from tern_server import LaunchedServer, Rollout, WeightSync, greedy, sample
+from tern_server import Rollout, WeightSync, greedy, launch, sample
 from transformers import AutoTokenizer
 
 from frontend.trainer_client import TrainerClient
@@ -218,15 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     try:
         if args.base_url is None:
-            server = LaunchedServer(args.model, args.dtype, args.seed)
+            server = launch(args.model, args.dtype, args.seed)
         policy = Policy(args.model, DTYPES[args.dtype], args.lr)  # loads while tern starts
         if server is not None:
             server.wait_ready()
-            log["server_pids"] = server.pids
+            log["server_pids"] = [server.proc.pid, *server.descendants]
         run(args, args.base_url or server.base_url, policy, log)
     finally:
         if server is not None:
-            server.stop()
+            server.shut_down(30)
         log["wall_s"] = time.perf_counter() - wall_start
         with contextlib.suppress(OSError):
             write_log(args.out_dir / "log.json", log)

@@ -2,95 +2,32 @@
 logprobs, push weights (a torch.distributed broadcast or /dev/shm files), sleep and wake.
 
 Everything goes through frontend/trainer_client.py and the public HTTP API, as an external
-trainer would; nothing here imports server internals.
+trainer would; the server runs as a subprocess (frontend/launched_server.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
-import psutil
 import torch
 
+from frontend.launched_server import LaunchedServer, free_port
 from frontend.trainer_client import TrainerClient
 
 # Rollouts are a few dozen short sequences: a small KV cache leaves RAM to the trainer.
 KV_CACHE_GIB = 0.25
-START_TIMEOUT_S = 300.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LaunchedServer:
-    """A `python -m frontend launch` subprocess this script owns, and every process under it."""
-
-    def __init__(self, model: str, dtype: str, seed: int) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(tempfile.mkstemp(prefix="tern-rl-server-", suffix=".log")[1])
-        cmd = [sys.executable, "-m", "frontend", "launch", "--host", "127.0.0.1",
-               "--port", str(self.port), "--model", model, "--dtype", dtype,
-               "--seed", str(seed), "--kv-cache-memory", str(KV_CACHE_GIB)]  # fmt: skip
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        self.descendants: dict[int, psutil.Process] = {}
-
-    @property
-    def pids(self) -> list[int]:
-        return [self.proc.pid, *self.descendants]
-
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tern exited with {self.proc.returncode}:\n{self._log_tail()}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        self._record_descendants()
-                        return
-            time.sleep(0.5)
-        raise TimeoutError(f"tern was not ready within {timeout} s:\n{self._log_tail()}")
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM (tern then stops its engine and workers), SIGKILL for anything left."""
-        if self.proc.poll() is None:
-            self._record_descendants()
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        _, alive = psutil.wait_procs(list(self.descendants.values()), timeout=10)
-        for p in alive:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        self.log_path.unlink(missing_ok=True)
-
-    def _record_descendants(self) -> None:
-        with contextlib.suppress(psutil.Error):
-            for p in psutil.Process(self.proc.pid).children(recursive=True):
-                self.descendants[p.pid] = p
-
-    def _log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
+def launch(model: str, dtype: str, seed: int) -> LaunchedServer:
+    """A tern server for the rollouts, owned by this script (stop it with shut_down())."""
+    args = ["--model", model, "--dtype", dtype, "--seed", str(seed),
+            "--kv-cache-memory", str(KV_CACHE_GIB)]  # fmt: skip
+    return LaunchedServer(args, log_prefix="tern-rl-server-")
 
 
 @dataclass

@@ -8,7 +8,6 @@ The oracle is Hugging Face greedy on the checkpoint tern was updated to.
 from __future__ import annotations
 
 import multiprocessing
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
+from enginecore.executor import free_port
 from frontend.trainer_client import TernAPIError, TrainerClient
 from tests.integration.test_server import client_for
 from tests.unit.test_engine_inproc import hf_greedy
@@ -154,12 +154,6 @@ def test_sleep_wake_memory_and_503(server: Any, tiny_llama: Path):
 # --------------------------------------------------------------------------- the distributed path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _trainer(base_url: str, port: int, ckpt: str, die_mid_broadcast: bool, q: Any) -> None:
     """A trainer process: joins the group as rank 0 and broadcasts a checkpoint's weights."""
     import os
@@ -206,7 +200,7 @@ def test_distributed_update_from_a_trainer_process_at_tp2(
     q = ctx.Queue()
     for ckpt, expected in [(tiny_llama_perturbed, perturbed), (tiny_llama, original)]:
         proc = ctx.Process(
-            target=_trainer, args=(server.base_url, _free_port(), str(ckpt), False, q)
+            target=_trainer, args=(server.base_url, free_port(), str(ckpt), False, q)
         )
         proc.start()
         assert q.get(timeout=120) == "ok"
@@ -217,7 +211,7 @@ def test_distributed_update_from_a_trainer_process_at_tp2(
     # The trainer dies mid-broadcast: the update fails after the group timeout and rolls back.
     client = TrainerClient(server.base_url)
     version = client.weight_version()
-    proc = ctx.Process(target=_trainer, args=(server.base_url, _free_port(), str(tiny_llama_perturbed), True, q))  # fmt: skip
+    proc = ctx.Process(target=_trainer, args=(server.base_url, free_port(), str(tiny_llama_perturbed), True, q))  # fmt: skip
     proc.start()
     assert q.get(timeout=120) == "dying"
     proc.join(30)
@@ -249,7 +243,7 @@ def test_int8_at_tp2_through_every_weight_update_path(
 
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_trainer, args=(server.base_url, _free_port(), str(tiny_llama), False, q))  # fmt: skip
+    proc = ctx.Process(target=_trainer, args=(server.base_url, free_port(), str(tiny_llama), False, q))  # fmt: skip
     proc.start()
     assert q.get(timeout=120) == "ok"
     proc.join(30)

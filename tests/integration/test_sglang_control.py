@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
+from enginecore.executor import free_port
 from frontend.trainer_client import TrainerClient
 from tests.integration.test_rl import (
     PROMPTS,
-    _free_port,
     greedy,
     rss_of_workers,
     state_dict,
@@ -203,7 +203,7 @@ def test_flattened_bucket_update(server: Any, tiny_llama: Path, tiny_llama_pertu
     assert original == hf_greedy(tiny_llama, PROMPTS, len(original[0]))
     version = TrainerClient(server.base_url).weight_version()
     # A bucket whose metadata does not match the model: a clear error, nothing half-applied.
-    proc = ctx.Process(target=_trainer, args=(server.base_url, _free_port(), str(tiny_llama_perturbed), True, q))  # fmt: skip
+    proc = ctx.Process(target=_trainer, args=(server.base_url, free_port(), str(tiny_llama_perturbed), True, q))  # fmt: skip
     proc.start()
     result = q.get(timeout=120)
     proc.join(30)
@@ -211,7 +211,7 @@ def test_flattened_bucket_update(server: Any, tiny_llama: Path, tiny_llama_pertu
     assert greedy(server, model) == original
     assert TrainerClient(server.base_url).weight_version() == version
 
-    proc = ctx.Process(target=_trainer, args=(server.base_url, _free_port(), str(tiny_llama_perturbed), False, q))  # fmt: skip
+    proc = ctx.Process(target=_trainer, args=(server.base_url, free_port(), str(tiny_llama_perturbed), False, q))  # fmt: skip
     proc.start()
     assert q.get(timeout=120) == "ok"
     proc.join(30)
