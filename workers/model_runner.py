@@ -30,7 +30,6 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
@@ -43,8 +42,9 @@ from enginecore.messages import (
     SchedulerOutput,
 )
 from workers.distributed import ParallelContext, shard_heads, stage_layers
+from workers.layers import kernel_library
 from workers.layers.attention import Attention, build_attention_metadata
-from workers.layers.embedding import ParallelLMHead
+from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import LinearBase
 from workers.layers.logits_processors import TokenHistory
 from workers.layers.logprobs import (
@@ -81,22 +81,40 @@ def default_device(rank: int) -> torch.device:
 
 
 def _cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    """AVX512-BF16 or AMX, and tern's kernels not held to a tier without them (TERN_KERNELS=avx2
+    runs tern as an AVX2-only CPU would)."""
+    if not {"avx512_bf16", "amx_bf16"} & kernel_library.cpu_features():
         return False
-    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+    tier = kernel_library.active_tier_name()
+    return tier in ("off", "avx512_bf16", "amx")
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """ "auto" is bfloat16 where the device computes it fast, else float32."""
-    if name != "auto":
-        return _DTYPES[name]
+def resolve_dtypes(name: str, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(the activations' dtype, the linear and embedding weights' dtype).
+
+    "auto" is bfloat16 where the device computes it fast, else float32. "bfloat16" asked of a CPU
+    without bfloat16 arithmetic (where torch emulates it, ~10x slower than float32) keeps the
+    weights bfloat16, half float32's bytes, and computes in float32: each weight is widened as it
+    is used (linear.dense_linear), so the results are float32 arithmetic on bfloat16 weights."""
     if device.type == "cuda":
         fast_bf16 = torch.cuda.is_bf16_supported()
     else:
         fast_bf16 = device.type == "cpu" and _cpu_has_fast_bf16()
-    return torch.bfloat16 if fast_bf16 else torch.float32
+    if name == "auto":
+        dtype = torch.bfloat16 if fast_bf16 else torch.float32
+        return dtype, dtype
+    if name == "bfloat16" and device.type == "cpu" and not fast_bf16:
+        return torch.float32, torch.bfloat16
+    return _DTYPES[name], _DTYPES[name]
+
+
+def store_weights_in_bfloat16(model: torch.nn.Module) -> None:
+    """Every unquantized linear and embedding weight of a float32 model re-allocated bfloat16, before
+    the checkpoint is loaded into it (the weight loaders' copies round to bfloat16)."""
+    for module in model.modules():
+        if isinstance(module, (LinearBase, VocabParallelEmbedding)) and module.quant is None:
+            if module.weight.dtype == torch.float32:  # a tied LM head shares the embedding's
+                module.weight.data = torch.empty_like(module.weight, dtype=torch.bfloat16)
 
 
 @contextlib.contextmanager
@@ -133,7 +151,7 @@ class ModelRunner:
         self.rank = rank
         self.parallel = parallel
         self.device = device or default_device(rank)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.dtype, self.weight_dtype = resolve_dtypes(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         self.args = replace(
             load_model_args(config.model.path, config.model.task),
@@ -157,6 +175,8 @@ class ModelRunner:
     def load_model(self) -> None:
         with _default_dtype(self.dtype), self.device:
             model = build_model(self.args, self.parallel)
+        if self.weight_dtype != self.dtype:
+            store_weights_in_bfloat16(model)
         load_checkpoint(model, self.config.model.path)
         self.model = model.eval()
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
@@ -211,6 +231,29 @@ class ModelRunner:
         self.num_kv_blocks = num_blocks
         self.requests.clear()
 
+    def kernel_report(self) -> str:
+        """Which CPU kernels this worker runs and whether its decoder layers run fused, for the
+        start-up log (once the KV cache is allocated: the fused path depends on it)."""
+        from workers.layers.fused_decode import FusedDecodeLayer
+        from workers.layers.kernel_library import describe
+
+        assert self.model is not None
+        if self.device.type != "cpu":
+            return "kernels: not used on " + self.device.type
+        fused = [
+            f
+            for m in self.model.modules()
+            if isinstance(f := getattr(m, "fused_decode", None), FusedDecodeLayer)
+        ]
+        reasons = {r for r in (f.off_reason() for f in fused)}
+        if not fused:
+            state = "off, reason: this model has no Llama-style decoder layers"
+        elif reasons == {None}:
+            state = "on"
+        else:
+            state = "off, reason: " + "; ".join(sorted(r for r in reasons if r is not None))
+        return f"{describe()}, fused decode layer: {state}"
+
     def release_kv_cache(self) -> None:
         """Frees the KV cache (sleep); init_kv_cache(self.num_kv_blocks) brings it back."""
         for layer in self.attn_layers:
@@ -243,6 +286,8 @@ class ModelRunner:
         if self.pooler is not None:
             params += f", task {a.task} ({self.pooler.pooling_type} pooling)"
         dtype = str(self.dtype).removeprefix("torch.")
+        if self.weight_dtype != self.dtype:
+            dtype += " (bfloat16-stored weights: no bfloat16 arithmetic on this CPU)"
         return (
             f"{a.architecture}: {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
             f"{a.num_attention_heads} heads / {a.num_key_value_heads} KV heads{params}, {dtype}"

@@ -2,7 +2,7 @@
 
 Gloo's TCP round trip costs 1.2-1.7 ms per collective on this 2-core machine even for a few
 kilobytes, and a decode step makes two all-reduces per layer: at --tp 2 that was ~100 ms of a
-~190 ms step. Through a shared segment (cpu_kernels.c, `tern_shm_*`) a collective is a copy in, a
+~190 ms step. Through a shared segment (csrc/collectives.c, `tern_shm_*`) a collective is a copy in, a
 flag, a wait and a sum: microseconds.
 
 Set-up, once per TP group (`ShmCommunicator.create`): TP rank 0 creates a file under /dev/shm and

@@ -78,11 +78,11 @@ def _build_runner(config: Config, rank: int, mq: MessageQueue) -> ModelRunner:
     from workers.distributed import init_distributed
     from workers.model_runner import ModelRunner, check_parallel_split, default_device
     from workers.models.registry import load_model_args
-    from workers.worker_control import use_mmap_for_large_allocations
+    from workers.worker_control import reuse_heap_for_activations
 
     parallel = config.parallel
     torch.set_num_threads(num_threads(parallel.ranks_per_node))
-    use_mmap_for_large_allocations()  # so that sleep really returns memory to the system
+    reuse_heap_for_activations()
     # NOTE: first: the executor waits for every reader's subscription before anything else.
     mq.wait_until_ready(timeout=config.startup_timeout_s)
     # Deterministic start-up errors come before the rendezvous, which would wait for dead peers.
@@ -177,7 +177,10 @@ def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) ->
             if isinstance(call, Shutdown):
                 break
             if isinstance(call, InitKVCache):
+                first = runner.num_kv_blocks == 0
                 runner.init_kv_cache(call.num_blocks)
+                if first and rank == 0:
+                    logger.info("%s", runner.kernel_report())
                 replies.send(reply_codec.encode(WorkerResult(rank=rank)))
             elif isinstance(call, ExecuteModel):
                 step = call.step

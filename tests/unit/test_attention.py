@@ -15,9 +15,16 @@ import torch.nn.functional as F
 
 from workers.layers import native
 from workers.layers.attention import Attention, build_attention_metadata
+from workers.layers.kernel_library import runnable_tiers, use_tier
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
-needs_kernels = pytest.mark.skipif(native.load() is None, reason="no C compiler")
+TIERS = [t.name for t in runnable_tiers()] if native.load() is not None else []
+
+
+def needs_kernels(test):
+    """Runs `test` once per kernel tier this CPU runs (the kernel_tier fixture)."""
+    test = pytest.mark.usefixtures("kernel_tier")(test)
+    return pytest.mark.skipif(native.load() is None, reason="no C compiler")(test)
 
 
 def _batch(
@@ -95,7 +102,7 @@ def _run(
     return out.float(), _reference(q, cache, tables, query_lens, start_pos, block_size)
 
 
-@pytest.mark.parametrize("use_kernel", [pytest.param(True, marks=needs_kernels), False])
+@pytest.mark.parametrize("tier", [*TIERS, "off"])
 @pytest.mark.parametrize(
     "query_lens,start_pos",
     [
@@ -108,9 +115,11 @@ def _run(
     ],
 )
 def test_matches_per_sequence_reference(
-    query_lens: list[int], start_pos: list[int], use_kernel: bool
+    query_lens: list[int], start_pos: list[int], tier: str
 ) -> None:
-    out, ref = _run(query_lens, start_pos, use_kernel=use_kernel)
+    """Each kernel tier this CPU runs, and the torch path ("off")."""
+    with use_tier(tier):
+        out, ref = _run(query_lens, start_pos, use_kernel=tier != "off")
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 

@@ -8,7 +8,11 @@ import torch.nn.functional as F
 
 from workers.layers import linear, native
 
-pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler")
+# Every test runs once per kernel tier this CPU runs (the kernel_tier fixture).
+pytestmark = [
+    pytest.mark.skipif(native.load() is None, reason="no C compiler"),
+    pytest.mark.usefixtures("kernel_tier"),
+]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 32, 63])
@@ -40,7 +44,6 @@ def test_dense_linear_routes_only_what_the_kernel_handles(monkeypatch) -> None:
         native.f32_linear(torch.randn(2, 5), w, None)
 
 
-@pytest.mark.skipif(native.bf16_gemv_max_rows() == 0, reason="no AVX512-BF16")
 @pytest.mark.parametrize("out_features,in_features", [(13, 20), (96, 64), (61, 33), (960, 576)])
 @pytest.mark.parametrize("rows", [1, 2])
 def test_bf16_few_row_kernel_matches_f_linear(
@@ -50,6 +53,10 @@ def test_bf16_few_row_kernel_matches_f_linear(
     x = torch.randn(rows, in_features, generator=g).bfloat16()
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     b = torch.randn(out_features, generator=g).bfloat16()
+    if native.bf16_gemv_max_rows() == 0:  # a tier without AVX512-BF16 says so, and refuses
+        with pytest.raises(ValueError, match="not a supported shape"):
+            native.bf16_gemv(x, w, b)
+        return
     # float32 accumulation in another order: one bfloat16 rounding step apart at most
     torch.testing.assert_close(native.bf16_gemv(x, w, b), F.linear(x, w, b), atol=0.02, rtol=0.01)
     torch.testing.assert_close(native.bf16_gemv(x, w, None), F.linear(x, w), atol=0.02, rtol=0.01)
@@ -59,7 +66,6 @@ def test_bf16_few_row_kernel_matches_f_linear(
         native.bf16_gemv(x.repeat(3, 1), w, None)
 
 
-@pytest.mark.skipif(native.bf16_amx_max_rows() == 0, reason="no AMX")
 @pytest.mark.parametrize("rows", [3, 8, 16, 17, 32])  # 17+: a second tile of x's rows
 @pytest.mark.parametrize("out_features,in_features", [(48, 64), (960, 576), (576, 1536)])
 def test_bf16_amx_kernel_matches_f_linear(rows: int, out_features: int, in_features: int) -> None:
@@ -68,6 +74,11 @@ def test_bf16_amx_kernel_matches_f_linear(rows: int, out_features: int, in_featu
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     b = torch.randn(out_features, generator=g).bfloat16()
     ref = F.linear(x.float(), w.float(), b.float()).bfloat16()
+    if native.bf16_amx_max_rows() == 0:  # a tier (or CPU, or OS) without AMX says so, and refuses
+        assert not native.amx_fits(rows, out_features, in_features)
+        with pytest.raises(ValueError, match="not a supported shape"):
+            native.bf16_amx_linear(x, w, b)
+        return
     torch.testing.assert_close(native.bf16_amx_linear(x, w, b), ref, atol=0.05, rtol=0.01)
     packed = linear.pack_weight(w)  # dense_linear routes these rows here
     torch.testing.assert_close(

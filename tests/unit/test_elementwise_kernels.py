@@ -11,7 +11,11 @@ from workers.layers.activation import SiluAndMul
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RopeParams, RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler")
+# Every test runs once per kernel tier this CPU runs (the kernel_tier fixture).
+pytestmark = [
+    pytest.mark.skipif(native.load() is None, reason="no C compiler"),
+    pytest.mark.usefixtures("kernel_tier"),
+]
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The fused decoder layer of small bfloat16 decode steps (decode_layer.c) against the module-by-module
+"""The fused decoder layer of small bfloat16 decode steps (csrc/decode_layer.c) against the module-by-module
 path: the same logprobs bit for bit, for bfloat16 and int8 weights, Llama and Qwen2 (q/k/v bias),
 decode steps of one to five sequences (the few-row kernel, and AMX where the CPU has it), after
 prompts and chunked prefills."""
@@ -17,9 +17,12 @@ from workers.layers import native
 from workers.layers.fused_decode import FusedDecodeLayer
 from workers.model_runner import ModelRunner
 
-pytestmark = pytest.mark.skipif(
-    native.load() is None or native.bf16_gemv_max_rows() < 2, reason="needs AVX512-BF16 kernels"
-)
+# Every test runs once per kernel tier this CPU runs; tiers without AVX512-BF16 must say why the
+# layers are not fused.
+pytestmark = [
+    pytest.mark.skipif(native.load() is None, reason="no C compiler"),
+    pytest.mark.usefixtures("kernel_tier"),
+]
 
 
 def _runner(model_dir: Path, quantization: str | None) -> ModelRunner:
@@ -39,6 +42,12 @@ def test_fused_layer_is_bit_identical_to_the_modules(
     arch: str, quantization: str | None, request: pytest.FixtureRequest, monkeypatch
 ) -> None:
     model_dir = request.getfixturevalue(arch)
+    if native.bf16_gemv_max_rows() < 2:
+        runner = _runner(model_dir, quantization)
+        reason = runner.model.model.layers[0].fused_decode.off_reason()
+        assert reason is not None and "AVX512-BF16" in reason
+        assert f"fused decode layer: off, reason: {reason}" in runner.kernel_report()
+        return
     prompts = make_prompts(1000)[:5]
     params = SamplingParams(temperature=0.0, seed=1, max_tokens=16)
     # Staggered arrivals, later prompts prefilled in chunks beside the running decodes: decode-only
@@ -61,6 +70,7 @@ def test_fused_layer_is_bit_identical_to_the_modules(
     if native.bf16_amx_max_rows() >= 3:
         assert max(sizes) >= 3, "and larger ones, on AMX"
     assert None in fused_calls  # prefill steps did not
+    assert "fused decode layer: on" in _runner(model_dir, quantization).kernel_report()
 
     monkeypatch.setattr(FusedDecodeLayer, "__call__", lambda self, x, residual, meta: None)
     unfused = run(_runner(model_dir, quantization), prompts, params, arrival_steps=arrivals,
@@ -82,4 +92,4 @@ def test_layers_outside_the_fused_path_say_so(tiny_qwen3) -> None:
         runner.load_model()
         runner.init_kv_cache(64)
         layer = runner.model.model.layers[0]
-        assert layer.fused_decode._fixed_struct() is None
+        assert layer.fused_decode.off_reason() is not None

@@ -8,6 +8,7 @@ preempt a request (forget it, then recompute prompt + output on resume).
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ import transformers
 
 from enginecore.config import CacheConfig, Config, ModelConfig
 from enginecore.messages import SamplingParams, ScheduledRequest, SchedulerOutput
+from workers.layers.kernel_library import runnable_tiers, use_tier
 from workers.model_runner import ModelRunner
 
 ARCHS = ("tiny_llama", "tiny_qwen2", "tiny_qwen3")
@@ -144,25 +146,40 @@ def arch_setup(request: pytest.FixtureRequest) -> tuple[Path, transformers.PreTr
 
 
 GREEDY = SamplingParams(temperature=0.0, seed=1234, max_tokens=MAX_TOKENS)
+# The HF-exactness checks with this CPU's kernels, with TERN_KERNELS=off's torch paths, and with
+# the AVX2 tier (the one AVX2-only machines run) when this CPU has a higher one.
+KERNEL_SETTINGS = ["default", "off"] + (
+    ["avx2"] if "avx2" in {t.name for t in runnable_tiers()[:-1]} else []
+)
 
 
-def test_greedy_matches_hf(arch_setup) -> None:
+def kernels(setting: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if setting == "default" else use_tier(setting)
+
+
+@pytest.mark.parametrize("setting", KERNEL_SETTINGS)
+def test_greedy_matches_hf(arch_setup, setting: str) -> None:
     model_dir, _, prompts, expected = arch_setup
     # All distinct, or a broken model that repeats one token would pass too easily.
     assert len({tuple(e) for e in expected}) == len(expected)
-    reqs = run(make_runner(model_dir, block_size=4), prompts, GREEDY)
+    with kernels(setting):
+        reqs = run(make_runner(model_dir, block_size=4), prompts, GREEDY)
     assert [r.output for r in reqs.values()] == expected
 
 
-def test_chunked_prefill_matches_hf(arch_setup) -> None:
+@pytest.mark.parametrize("setting", KERNEL_SETTINGS)
+def test_chunked_prefill_matches_hf(arch_setup, setting: str) -> None:
     model_dir, _, prompts, expected = arch_setup
-    reqs = run(make_runner(model_dir, block_size=8), prompts, GREEDY, chunk_size=5)
+    with kernels(setting):
+        reqs = run(make_runner(model_dir, block_size=8), prompts, GREEDY, chunk_size=5)
     assert [r.output for r in reqs.values()] == expected
 
 
-def test_logprobs_match_hf(arch_setup) -> None:
+@pytest.mark.parametrize("setting", KERNEL_SETTINGS)
+def test_logprobs_match_hf(arch_setup, setting: str) -> None:
     model_dir, hf, prompts, _ = arch_setup
-    reqs = run(make_runner(model_dir, block_size=16), prompts, GREEDY, chunk_size=7)
+    with kernels(setting):
+        reqs = run(make_runner(model_dir, block_size=16), prompts, GREEDY, chunk_size=7)
     with torch.no_grad():
         for r in reqs.values():
             ids = torch.tensor([r.prompt + r.output[:-1]])

@@ -18,6 +18,7 @@ from workers.distributed import ParallelContext
 from workers.layers import native, quantization
 from workers.layers.attention import build_attention_metadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.kernel_library import runnable_tiers, use_tier
 from workers.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -27,7 +28,10 @@ from workers.layers.linear import (
 from workers.model_runner import ModelRunner
 
 CTX = ParallelContext.single()
-BACKENDS = ["dequant", "torch"] + (["native"] if native.load() is not None else [])
+# The native backend once per kernel tier this CPU runs ("native-avx2", ...).
+BACKENDS = ["dequant", "torch"] + (
+    [f"native-{t.name}" for t in runnable_tiers()] if native.load() is not None else []
+)
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -69,10 +73,12 @@ def test_int8_matmul_backends(backend: str, num_rows: int) -> None:
     x = torch.randn(num_rows, 72, generator=g)
     q, scale = quantization.quantize_rows(w)
     expected = F.linear(x, q.float() * scale[:, None], bias)  # exact product with the int8 weight
-    y = quantization.int8_matmul(x, q, scale, bias, backend)
+    backend, _, tier = backend.partition("-")
+    with use_tier(tier or "off"):
+        y = quantization.int8_matmul(x, q, scale, bias, backend)
+        y3 = quantization.int8_matmul(x.view(1, num_rows, 72), q, scale, None, backend)
     torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
     assert _rel_err(y, F.linear(x, w, bias)) < 0.02
-    y3 = quantization.int8_matmul(x.view(1, num_rows, 72), q, scale, None, backend)
     torch.testing.assert_close(y3.view(num_rows, 45), expected - bias, atol=1e-4, rtol=1e-4)
 
 
@@ -81,7 +87,7 @@ def test_int8_matmul_in_bfloat16(num_rows: int) -> None:
     w, x = torch.randn(16, 40), torch.randn(num_rows, 40).bfloat16()
     bias = torch.randn(16).bfloat16()
     q, scale = quantization.quantize_rows(w)
-    for backend in BACKENDS:
+    for backend in ["dequant", "torch"] + (["native"] if native.load() is not None else []):
         for b in (None, bias):
             y = quantization.int8_matmul(x, q, scale, b, backend)
             assert y.dtype == torch.bfloat16

@@ -271,6 +271,20 @@ class Attention(nn.Module):
             )
         )
 
+    @property
+    def k_cache(self) -> torch.Tensor:
+        """(num_blocks, block_size, Hkv, D): the keys of kv_cache."""
+        return self._k_cache
+
+    @property
+    def v_cache(self) -> torch.Tensor:
+        return self._v_cache
+
+    @property
+    def uses_decode_kernel(self) -> bool:
+        """Whether decode steps attend through tern's paged decode kernel."""
+        return self._uses_decode_kernel
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:

@@ -66,8 +66,8 @@ class VocabParallelEmbedding(nn.Module):
         quantization.store_rows(param.data, self.num_per_partition, 0, torch.cat((rows, padding)))
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.quant is None:
-            return F.embedding(ids, self.weight)
+        if self.quant is None:  # .to: a bfloat16-stored weight under float32 activations
+            return F.embedding(ids, self.weight).to(self.dtype)
         weight, scale = self._int8.views(self.weight)
         return (F.embedding(ids, weight).float() * scale[ids].unsqueeze(-1)).to(self.dtype)
 
@@ -95,7 +95,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed_weight: torch.Tensor | None = None
 
     def repack_weights(self) -> None:
-        self.packed_weight = pack_weight(self.weight) if self.quant is None else None
+        packs = self.quant is None and self.dtype == torch.bfloat16
+        self.packed_weight = pack_weight(self.weight) if packs else None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tie_word_embeddings): the checkpoint has no lm_head."""

@@ -1,69 +1,63 @@
-"""A whole decoder layer in one native call (decode_layer.c) for decode steps of a few sequences: the per-layer Python of such steps (~110 us of ~380 us per layer at one sequence on
+"""A whole decoder layer in one native call (csrc/decode_layer.c) for decode steps of a few
+sequences: the per-layer Python of such steps (~110 us of ~380 us per layer at one sequence on
 this 2-core machine) is most of what is left besides reading the weights.
 
-A layer takes the fused path only where the unfused one would run exactly these kernels, so its
-output is bit for bit the same: the kernels built with AVX512-BF16, bfloat16 activations and KV
-cache on the CPU, a layer unsharded or tensor-parallel within one host (the two all-reduces then
-run in the native call, on the shared-memory segment of shm_collectives.py), Llama-style (no q/k
-norm), bfloat16 or int8 linears, and a step whose tokens are all single-token decodes, at most
-`max_rows()` of them (the rows tern's few-row bfloat16 kernels take: 2, or 32 with AMX). Everything else returns None and runs module by module.
+A model hands its layer over as a `DecodeLayerSpec`: the public parts the native layer reads
+(the four linears, the two norms, the attention with its KV cache, the rotary tables), so this
+module knows no model class. A layer takes the fused path only where the unfused one would run
+exactly these kernels, so its output is bit for bit the same: kernels with AVX512-BF16, bfloat16
+activations and KV cache on the CPU, a layer unsharded or tensor-parallel within one host (the two
+all-reduces then run in the native call, on the shared-memory segment of shm_collectives.py),
+Llama-style (no q/k norm, SiLU gate), bfloat16 or int8 linears, and a step whose tokens are all
+single-token decodes, at most `max_rows()` of them (the rows tern's few-row bfloat16 kernels take:
+2, or 32 with AMX). Everything else returns None and runs module by module; `off_reason` says
+why a layer does not qualify (the start-up log shows it).
 
-The layer's fixed part (weights, norms, rotary tables, its KV cache) is one ctypes struct, rebuilt
-whenever one of those tensors moves (weight updates, sleep and wake-up replace storage); the
-step's part (positions, block tables, slots, scratch rows) is built once per step and shared by
-the layers through the step's AttentionMetadata.
+The layer's fixed part (weights, norms, rotary tables, its KV cache) is one ctypes struct
+(kernel_library.TernDecodeLayer, checked against tern_kernels.h at load), rebuilt whenever one of
+those tensors moves (weight updates, sleep and wake-up replace storage); the step's part
+(positions, block tables, slots, scratch rows) is built once per step and shared by the layers
+through the step's AttentionMetadata.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from workers.layers import native
-from workers.layers.activation import SiluAndMul
-from workers.layers.attention import AttentionMetadata
-
-if TYPE_CHECKING:
-    from workers.layers.linear import LinearBase
-    from workers.models.llama import LlamaDecoderLayer
-
-_vp, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+from workers.layers.attention import Attention, AttentionMetadata
+from workers.layers.kernel_library import TernDecodeLayer, TernDecodeStep, TernLinear
+from workers.layers.linear import LinearBase
+from workers.layers.norm import RMSNorm
+from workers.layers.rotary import RotaryEmbedding
 
 
-class _Linear(ctypes.Structure):
-    _fields_ = [("weight", _vp), ("scale", _vp), ("bias", _vp), ("n", _i32), ("k", _i32)]
+@dataclass(frozen=True)
+class DecodeLayerSpec:
+    """A Llama-style decoder layer as the native layer reads it: x -> input_norm -> qkv -> rotary
+    -> attention -> o (+ residual) -> post_norm -> gate_up -> SiLU gate -> down."""
+
+    qkv: LinearBase
+    o: LinearBase  # row-parallel: bias on TP rank 0 only, all-reduced
+    gate_up: LinearBase
+    down: LinearBase  # row-parallel
+    input_norm: RMSNorm
+    post_norm: RMSNorm
+    attention: Attention
+    rotary: RotaryEmbedding
+    qk_norm: bool  # per-head norms on q and k (Qwen3): not in the native layer
+    silu_gate: bool  # the MLP's activation is SiLU(gate) * up
 
 
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-        ("input_norm", _vp), ("post_norm", _vp), ("eps", _f32), ("attn_scale", _f32),
-        ("hidden", _i32), ("num_heads", _i32), ("num_kv_heads", _i32), ("head_dim", _i32),
-        ("intermediate", _i32), ("cos_cache", _vp), ("sin_cache", _vp), ("num_positions", _i64),
-        ("k_cache", _vp), ("v_cache", _vp), ("num_slots", _i64), ("block_size", _i32),
-        ("shm", _vp), ("tp_rank", _i32), ("tp_size", _i32), ("shm_slot_bytes", _i64),
-        ("shm_timeout_s", ctypes.c_double),
-    ]  # fmt: skip
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [
-        ("num_tokens", _i32), ("positions", _vp), ("slots", _vp), ("block_tables", _vp),
-        ("context_lens", _vp), ("table_stride", _i64), ("normed", _vp), ("qkv", _vp), ("q", _vp),
-        ("attn", _vp), ("attn_out", _vp), ("gate_up", _vp), ("act", _vp),
-    ]  # fmt: skip
-
-
-@functools.cache
 def max_rows() -> int:
     return max(native.bf16_gemv_max_rows(), native.bf16_amx_max_rows())
 
 
-def _scratch_widths(fixed: _Layer) -> tuple[int, ...]:
-    """Row widths of the step's scratch buffers, in _Step's order (normed .. act)."""
+def _scratch_widths(fixed: TernDecodeLayer) -> tuple[int, ...]:
+    """Row widths of the step's scratch buffers, in TernDecodeStep's order (normed .. act)."""
     attn = fixed.num_heads * fixed.head_dim
     return (fixed.hidden, fixed.qkv.n, attn, attn, fixed.hidden, fixed.gate_up.n,
             fixed.intermediate)  # fmt: skip
@@ -79,7 +73,7 @@ class StepBuffers:
         self.widths = widths
         # NOTE: the tensors are kept on self: the struct holds their addresses only.
         self._scratch = [torch.empty(t, w, dtype=torch.bfloat16) for w in widths]
-        self.struct = _Step(
+        self.struct = TernDecodeStep(
             t, meta.positions.data_ptr(), meta.slot_mapping.data_ptr(),
             d.block_tables.data_ptr(), d.context_lens.data_ptr(), d.block_tables.stride(0),
             *(b.data_ptr() for b in self._scratch),
@@ -87,12 +81,13 @@ class StepBuffers:
 
 
 class FusedDecodeLayer:
-    """The fused path of one LlamaDecoderLayer (held by it; see the module docstring)."""
+    """The fused path of one decoder layer (held by it; see the module docstring)."""
 
-    def __init__(self, layer: LlamaDecoderLayer) -> None:
-        self.layer = layer
+    def __init__(self, spec: DecodeLayerSpec) -> None:
+        self.spec = spec
         self._key: tuple | None = None
-        self._fixed: _Layer | None = None
+        self._fixed: TernDecodeLayer | None = None
+        self._off_reason = "not built yet"
         self._widths: tuple[int, ...] = ()  # _scratch_widths(self._fixed)
 
     def __call__(
@@ -117,7 +112,7 @@ class FusedDecodeLayer:
         if step is None or step.widths != self._widths:
             step = meta.native_step = StepBuffers(meta, self._widths)
         out, res_out = torch.empty_like(x), torch.empty_like(x)
-        shm = self.layer.self_attn.qkv_proj.ctx.tp_shm
+        shm = self.spec.qkv.ctx.tp_shm
         seq = shm.take_sequence_numbers(2) if fixed.tp_size > 1 else 0
         rc = native.load().tern_decode_layer_bf16(
             ctypes.byref(fixed), ctypes.byref(step.struct), x.data_ptr(),
@@ -135,28 +130,29 @@ class FusedDecodeLayer:
             raise RuntimeError("the fused decode layer's kernels refused their inputs")
         return out, res_out
 
-    def _fixed_struct(self) -> _Layer | None:
-        layer = self.layer
-        attn, mlp = layer.self_attn, layer.mlp
-        tensors = [
-            lin.weight for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        ] + [
-            layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-            attn.attn.kv_cache, attn.rotary_emb.cos_cache,
+    def off_reason(self) -> str | None:
+        """Why this layer runs module by module (None: it is fused)."""
+        return None if self._fixed_struct() is not None else self._off_reason
+
+    def _fixed_struct(self) -> TernDecodeLayer | None:
+        spec = self.spec
+        linears = (spec.qkv, spec.o, spec.gate_up, spec.down)
+        tensors = [lin.weight for lin in linears] + [
+            spec.input_norm.weight, spec.post_norm.weight, spec.attention.kv_cache,
+            spec.rotary.cos_cache,
         ]  # fmt: skip
         # NOTE: whether each bf16 linear is packed decides whether the unfused path would take the
         # few-row kernel, so it is part of the key.
         key = tuple(t.data_ptr() for t in tensors) + tuple(
-            lin.packed_weight is None
-            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            lin.packed_weight is None for lin in linears
         )
         if key != self._key:
-            self._fixed, self._key = _build_fixed(layer), key
+            (self._fixed, self._off_reason), self._key = _build_fixed(spec), key
             self._widths = _scratch_widths(self._fixed) if self._fixed is not None else ()
         return self._fixed
 
 
-def _linear(lin: LinearBase, row_parallel: bool = False) -> _Linear | None:
+def _linear(lin: LinearBase, row_parallel: bool = False) -> TernLinear | None:
     """The struct of a linear the unfused path would run on the few-row kernels, else None.
     Row-parallel layers add their bias on TP rank 0 only (before the all-reduce)."""
     bias = None if row_parallel and lin.ctx.tp_rank != 0 else lin.bias
@@ -171,53 +167,50 @@ def _linear(lin: LinearBase, row_parallel: bool = False) -> _Linear | None:
             max_rows(), w.size(0), w.size(1)
         ):
             return None  # dense_linear would take oneDNN for some row counts
-        return _Linear(w.data_ptr(), None, bias_ptr, w.size(0), w.size(1))
+        return TernLinear(w.data_ptr(), None, bias_ptr, w.size(0), w.size(1))
     if lin.quant != "int8":
         return None
-    w, scale = lin._int8.views(lin.weight)
+    w, scale = lin.int8_views()
     if not (w.is_contiguous() and scale.is_contiguous() and scale.dtype == torch.float32):
         return None
-    return _Linear(w.data_ptr(), scale.data_ptr(), bias_ptr, w.size(0), w.size(1))
+    return TernLinear(w.data_ptr(), scale.data_ptr(), bias_ptr, w.size(0), w.size(1))
 
 
-def _build_fixed(layer: LlamaDecoderLayer) -> _Layer | None:
-    attn, mlp = layer.self_attn, layer.mlp
-    a = attn.attn
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    ctx = attn.qkv_proj.ctx
-    if (
-        native.bf16_gemv_max_rows() == 0
-        # the all-reduces run in the native call: on the shared segment, rows of the largest step
-        or (
-            ctx.tp_size > 1
-            and (
-                ctx.tp_shm is None
-                or max_rows() * norms[0].weight.numel() * 2 > ctx.tp_shm.slot_bytes
-            )
-        )
-        or attn.qk_norm
-        or not isinstance(mlp.act_fn, SiluAndMul)
-        or not a._uses_decode_kernel
-        or a.kv_cache.dtype != torch.bfloat16
-        or any(n.weight.dtype != torch.bfloat16 or n.eps != norms[0].eps for n in norms)
-    ):
-        return None
+def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
+    """The layer's struct, or None and why the layer does not qualify."""
+    a = spec.attention
+    norms = (spec.input_norm, spec.post_norm)
+    ctx = spec.qkv.ctx
+    if native.load() is None:
+        return None, "the kernels are off"
+    if native.bf16_gemv_max_rows() == 0:
+        return None, f"the {native.active_tier_name()} kernels have no AVX512-BF16 few-row linear"
+    if ctx.tp_size > 1 and (
+        ctx.tp_shm is None or max_rows() * norms[0].weight.numel() * 2 > ctx.tp_shm.slot_bytes
+    ):  # the all-reduces run in the native call: on the shared segment, rows of the largest step
+        return None, "no shared-memory segment for the tensor-parallel all-reduces"
+    if spec.qk_norm or not spec.silu_gate:
+        return None, "the layer is not Llama-style (q/k norms or another activation)"
+    if not a.uses_decode_kernel or a.kv_cache.dtype != torch.bfloat16:
+        return None, f"the activations and KV cache are {a.kv_cache.dtype}, not bfloat16"
+    if any(n.weight.dtype != torch.bfloat16 or n.eps != norms[0].eps for n in norms):
+        return None, "the norms are not bfloat16 with one eps"
     linears = [
-        _linear(attn.qkv_proj), _linear(attn.o_proj, row_parallel=True),
-        _linear(mlp.gate_up_proj), _linear(mlp.down_proj, row_parallel=True),
+        _linear(spec.qkv), _linear(spec.o, row_parallel=True),
+        _linear(spec.gate_up), _linear(spec.down, row_parallel=True),
     ]  # fmt: skip
     if any(x is None for x in linears):
-        return None
-    rope = attn.rotary_emb
-    k_cache = a._k_cache  # (num_blocks, block_size, Hkv, D)
-    return _Layer(
+        return None, "a linear layer is not on tern's few-row kernels"
+    rope = spec.rotary
+    k_cache = a.k_cache  # (num_blocks, block_size, Hkv, D)
+    return TernDecodeLayer(
         *linears,
         norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].eps, a.scale,
         linears[1].n, a.num_heads, a.num_kv_heads, a.head_dim, linears[3].k,
         rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr(), rope.cos_cache.size(0),
-        k_cache.data_ptr(), a._v_cache.data_ptr(), k_cache.size(0) * k_cache.size(1),
+        k_cache.data_ptr(), a.v_cache.data_ptr(), k_cache.size(0) * k_cache.size(1),
         k_cache.size(1),
         ctx.tp_shm.base if ctx.tp_size > 1 else None, ctx.tp_rank, ctx.tp_size,
         ctx.tp_shm.slot_bytes if ctx.tp_size > 1 else 0,
         ctx.tp_shm.timeout_s if ctx.tp_size > 1 else 0.0,
-    )  # fmt: skip
+    ), ""  # fmt: skip

@@ -10,7 +10,9 @@ With `quant="int8"` a layer's weight is stored int8 with per-row scales (quantiz
 loaders are the same, and `_store` quantizes the rows this rank keeps as they arrive.
 Float32 products of a few rows (decode steps) on the CPU go to tern's kernel; bfloat16 weights on
 the CPU keep a oneDNN-packed copy (`packed_weight`), which `repack_weights()` re-derives whenever
-the weights change (load, update, rollback, sleep, wake-up): see `dense_linear`.
+the weights change (load, update, rollback, sleep, wake-up): see `dense_linear`. Under float32
+activations a weight may be stored bfloat16 (CPUs without bfloat16 arithmetic, ModelRunner),
+widened to float32 as it is used.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def dense_linear(
     """F.linear(x, weight, bias), through `packed` (pack_weight(weight)) when given; few-row
     bfloat16 (1-2 rows, and up to 32 with AMX) and float32 products on the CPU use tern's
     kernels."""
+    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.is_cpu:
+        return _bf16_stored_linear(x, weight, bias)
     if packed is not None and x.dtype == torch.bfloat16 and x.is_cpu:
         if x.dim() == 2 and x.is_contiguous():  # few rows: the weights streamed at memory speed
             if x.size(0) <= native.bf16_gemv_max_rows():
@@ -77,6 +81,24 @@ def dense_linear(
     ):
         return native.f32_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _bf16_stored_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """float32 x @ bfloat16-stored weight.T: few rows through tern's kernel, which widens the
+    weight in registers (half float32's bytes read per decode step); more rows through BLAS on a
+    widened copy, where the arithmetic, not the weight's bytes, is the cost."""
+    if (
+        x.dim() == 2
+        and x.size(0) <= NATIVE_F32_MAX_ROWS
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        and native.load() is not None
+    ):
+        return native.bf16w_linear(x, weight, bias)
+    return F.linear(x, weight.float(), bias)
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -117,6 +139,9 @@ class LinearBase(nn.Module):
         self.tp_dim = tp_dim
         self.input_size, self.output_size = input_size, output_size  # this rank's
         self.quant = quant
+        # The activations' dtype; the weight may be stored bfloat16 under float32 activations
+        # (ModelRunner on CPUs without bfloat16 arithmetic), widened as it is used.
+        self.dtype = torch.get_default_dtype()
         # This rank's slice [shard_start, shard_start + local size) of the full tp_dim; subclasses
         # with uneven shards overwrite it.
         local = output_size if tp_dim == 0 else input_size
@@ -141,13 +166,18 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def repack_weights(self) -> None:
-        self.packed_weight = pack_weight(self.weight) if self.quant is None else None
+        packs = self.quant is None and self.dtype == torch.bfloat16
+        self.packed_weight = pack_weight(self.weight) if packs else None
+
+    def int8_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight (N, K) int8, scale (N,) float32) of an int8 layer."""
+        return self._int8.views(self.weight)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W.T + bias with this rank's weight."""
         if self.quant is None:
             return dense_linear(x, self.weight, bias, self.packed_weight)
-        weight, scale = self._int8.views(self.weight)
+        weight, scale = self.int8_views()
         backend = quantization.int8_backend(x)
         return quantization.int8_matmul(x, weight, scale, bias, backend)
 

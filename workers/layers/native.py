@@ -1,165 +1,22 @@
-"""Builds and loads tern's CPU kernels (cpu_kernels.c, bf16_kernels.c, decode_layer.c) with the
-system C compiler, through ctypes.
+"""Python wrappers of tern's CPU kernels (csrc/, built and chosen by kernel_library.py).
 
-The shared library is compiled once per (sources, compiler flags, CPU features) and cached under
-TERN_HOME/kernels, so a later start-up only loads it (a cold build takes about a second). It links
-against the OpenMP runtime torch already loaded, so the kernels follow torch.set_num_threads.
-When no compiler is available or the build fails, `load()` returns None (logged once) and callers
-use their pure-torch paths: the kernels are a speed-up, never a requirement.
-
-`paged_decode_attention`, `f32_linear`, `bf16_gemv`, `int8_linear`, `int8_dequantize` and the
-elementwise ops wrap the C entry points: they check dtypes, devices and contiguity and raise
-ValueError on misuse rather than pass bad pointers.
+`paged_decode_attention`, `f32_linear`, `bf16w_linear`, `bf16_gemv`, `int8_linear`,
+`int8_dequantize` and the elementwise ops wrap the C entry points: they check dtypes, devices and
+contiguity and raise ValueError on misuse rather than pass bad pointers. `load()` is the library
+this process uses, or None (kernels off or unbuildable): every caller then takes its torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from enginecore.config import tern_home
+from workers.layers.kernel_library import active_tier_name, load, load_tier
 
-logger = logging.getLogger(__name__)
-
-SOURCES = [
-    Path(__file__).with_name(name) for name in ("cpu_kernels.c", "bf16_kernels.c", "decode_layer.c")
-]
-ABI_VERSION = 1
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-
-_vp, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(compiler: str, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # NOTE: build into a temporary name and rename: several workers may build at the same time.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        cmd = [compiler, *_CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"]
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.tern_abi_version.restype = _i32
-    lib.tern_paged_decode_attention.restype = _i32
-    lib.tern_paged_decode_attention.argtypes = [
-        _vp, _vp, _vp, _vp, _i64, _vp, _vp, _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32,
-        _vp, _i64, _vp, _i64, _vp, _i64,
-    ]  # fmt: skip
-    lib.tern_int8_linear.restype = _i32
-    lib.tern_int8_linear.argtypes = [_vp, _vp, _vp, _vp, _vp, _i32, _i32, _i32]
-    lib.tern_int8_linear_bf16.restype = _i32
-    lib.tern_int8_linear_bf16.argtypes = lib.tern_int8_linear.argtypes
-    lib.tern_f32_linear.restype = _i32
-    lib.tern_f32_linear.argtypes = [_vp, _vp, _vp, _vp, _i32, _i32, _i32]
-    lib.tern_int8_dequantize.restype = None
-    lib.tern_rms_norm.restype = None
-    lib.tern_rms_norm.argtypes = [_vp, _vp, _vp, _vp, _vp, _i32, _i32, _f32]
-    lib.tern_rotary_neox.restype = _i32
-    lib.tern_rotary_neox.argtypes = [
-        _vp, _i64, _vp, _i64, _vp, _i64, _vp, _vp, _i32, _i32, _i32, _i32
-    ]  # fmt: skip
-    lib.tern_silu_and_mul.restype = None
-    lib.tern_apply_token_bitmask.restype = None
-    lib.tern_apply_token_bitmask.argtypes = [_vp, _i64, _vp, _i64, _vp, _i32, _i32]
-    lib.tern_shm_header_bytes.restype = _i64
-    lib.tern_shm_all_reduce.restype = _i32
-    lib.tern_shm_all_reduce.argtypes = [
-        _vp,
-        _i32,
-        _i32,
-        _i64,
-        _i64,
-        _vp,
-        _i64,
-        _i32,
-        ctypes.c_double,
-    ]
-    lib.tern_shm_all_gather.restype = _i32
-    lib.tern_shm_all_gather.argtypes = [
-        _vp,
-        _i32,
-        _i32,
-        _i64,
-        _i64,
-        _vp,
-        _i64,
-        _vp,
-        ctypes.c_double,
-    ]
-    lib.tern_silu_and_mul.argtypes = [_vp, _vp, _i32, _i32]
-    lib.tern_int8_dequantize.argtypes = [_vp, _vp, _vp, _i32, _i32]
-    lib.tern_silu_and_mul_bf16.restype = None
-    lib.tern_silu_and_mul_bf16.argtypes = lib.tern_silu_and_mul.argtypes
-    lib.tern_bf16_gemv_available.restype = _i32
-    lib.tern_bf16_gemv.restype = _i32
-    lib.tern_bf16_gemv.argtypes = [_vp, _vp, _vp, _vp, _i32, _i32, _i32]
-    lib.tern_rms_norm_bf16.restype = None
-    lib.tern_rms_norm_bf16.argtypes = lib.tern_rms_norm.argtypes
-    lib.tern_rotary_neox_bf16.restype = _i32
-    lib.tern_rotary_neox_bf16.argtypes = lib.tern_rotary_neox.argtypes
-    lib.tern_bf16_amx_max_rows.restype = _i32
-    lib.tern_bf16_amx_linear.restype = _i32
-    lib.tern_bf16_amx_linear.argtypes = lib.tern_bf16_gemv.argtypes
-    lib.tern_decode_layer_bf16.restype = _i32
-    lib.tern_decode_layer_bf16.argtypes = [_vp, _vp, _vp, _vp, _vp, _vp, _i64]
-
-
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """The kernels' library, built on first use; None where it cannot be built or loaded."""
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None or platform.system() != "Linux":
-        logger.warning("no C compiler found: tern's CPU kernels are off (pure-torch fallbacks)")
-        return None
-    key = hashlib.sha256(
-        b"\0".join(
-            [
-                *(source.read_bytes() for source in SOURCES),
-                " ".join([compiler, *_CFLAGS]).encode(),
-                _cpu_flags().encode(),
-            ]
-        )
-    ).hexdigest()[:16]
-    path = tern_home() / "kernels" / f"tern_cpu_{key}.so"
-    try:
-        if not path.is_file():
-            _build(compiler, path)
-        lib = ctypes.CDLL(str(path))
-        _declare(lib)
-        if lib.tern_abi_version() != ABI_VERSION:
-            raise OSError(f"{path} has ABI {lib.tern_abi_version()}, expected {ABI_VERSION}")
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or ""
-        logger.warning("cannot build tern's CPU kernels (%s) %s: pure-torch fallbacks", e, detail)
-        return None
-    return lib
+__all__ = ["load"]
 
 
 def usable(*tensors: torch.Tensor | None) -> bool:
@@ -176,10 +33,17 @@ def usable(*tensors: torch.Tensor | None) -> bool:
 
 
 @functools.cache
+def _bf16_rows(tier_name: str) -> tuple[int, int]:
+    """(few-row bf16 kernel rows, AMX kernel rows) of a tier's build: 0 where it has none."""
+    lib = None if tier_name == "off" else load_tier(tier_name)
+    if lib is None:
+        return 0, 0
+    return int(lib.tern_bf16_gemv_available()), int(lib.tern_bf16_amx_max_rows())
+
+
 def bf16_gemv_max_rows() -> int:
     """Rows of x tern's few-row bfloat16 linear takes (AVX512-BF16), 0 where it has none."""
-    lib = load()
-    return int(lib.tern_bf16_gemv_available()) if lib is not None else 0
+    return _bf16_rows(active_tier_name())[0]
 
 
 def _elementwise(lib: ctypes.CDLL, name: str, dtype: torch.dtype) -> Any:
@@ -278,7 +142,7 @@ def paged_decode_attention(
 
 
 def supports_decode(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
-    """Whether the decode kernel's fixed buffers fit these shapes (see cpu_kernels.c)."""
+    """Whether the decode kernel's fixed buffers fit these shapes (see csrc/attention.c)."""
     group = num_heads // num_kv_heads
     return (
         group * num_kv_heads == num_heads
@@ -357,11 +221,30 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return y
 
 
-@functools.cache
 def bf16_amx_max_rows() -> int:
     """Rows of x tern's AMX bfloat16 linear takes, 0 where the CPU, build or OS has no AMX."""
+    return _bf16_rows(active_tier_name())[1]
+
+
+def bf16w_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (M, K) float32 @ weight (N, K).T + bias, the weight stored bfloat16 and widened to float32
+    in registers; x, bias and the result float32."""
     lib = load()
-    return int(lib.tern_bf16_amx_max_rows()) if lib is not None else 0
+    assert lib is not None, "the CPU kernels are not available"
+    _check(x, torch.float32, "x")
+    _check(weight, torch.bfloat16, "weight")
+    if bias is not None:
+        _check(bias, torch.float32, "bias")
+    (m, k), (n, k_w) = x.shape, weight.shape
+    if k != k_w or (bias is not None and bias.numel() != n):
+        raise ValueError(f"bf16w linear: x {tuple(x.shape)} does not fit weight {(n, k_w)}")
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.tern_bf16w_linear(
+        _ptr(x), _ptr(weight), _ptr(bias) if bias is not None else None, _ptr(y), m, n, k
+    )
+    if rc != 0:
+        raise MemoryError("bf16w linear: no memory for a scratch tile")
+    return y
 
 
 def bf16_amx_linear(

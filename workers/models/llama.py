@@ -24,7 +24,7 @@ from workers.distributed import ParallelContext, mlp_shard, shard_heads, stage_l
 from workers.layers.activation import SiluAndMul
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from workers.layers.fused_decode import FusedDecodeLayer
+from workers.layers.fused_decode import DecodeLayerSpec, FusedDecodeLayer
 from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
@@ -123,7 +123,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(args, ctx)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.fused_decode = FusedDecodeLayer(self)
+        attn, mlp = self.self_attn, self.mlp
+        spec = DecodeLayerSpec(
+            qkv=attn.qkv_proj, o=attn.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj,
+            input_norm=self.input_layernorm, post_norm=self.post_attention_layernorm,
+            attention=attn.attn, rotary=attn.rotary_emb, qk_norm=attn.qk_norm,
+            silu_gate=isinstance(mlp.act_fn, SiluAndMul),
+        )  # fmt: skip
+        self.fused_decode = FusedDecodeLayer(spec)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata

@@ -5,67 +5,8 @@
  * rotary, paged decode attention, SiLU-and-mul), in the same order, so the result is bit for bit
  * the unfused path's. fused_decode.py decides when a layer qualifies and fills the structs.
  */
-#include <stdint.h>
 #include <string.h>
-
-/* The kernels, defined in cpu_kernels.c and bf16_kernels.c. */
-int tern_bf16_gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M,
-                   int N, int K);
-int tern_bf16_gemv_available(void);
-int tern_bf16_amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                         int M, int N, int K);
-int tern_int8_linear_bf16(const uint16_t *x, const int8_t *w, const float *scale,
-                          const uint16_t *bias, uint16_t *y, int M, int N, int K);
-void tern_rms_norm_bf16(const uint16_t *x, const uint16_t *res, uint16_t *res_out,
-                        const uint16_t *w, uint16_t *out, int T, int D, float eps);
-int tern_rotary_neox_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_stride,
-                          const int64_t *positions, int64_t num_positions, const float *cos_cache,
-                          const float *sin_cache, int T, int H, int Hkv, int D);
-int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
-                                const int32_t *block_tables, int64_t table_stride,
-                                const int32_t *context_lens, void *out, int B, int H, int Hkv,
-                                int D, int block_size, float scale, int kv_is_bf16,
-                                int io_is_bf16, const void *k_new, int64_t k_new_stride,
-                                const void *v_new, int64_t v_new_stride, const int64_t *slots,
-                                int64_t num_slots);
-void tern_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I);
-int tern_shm_all_reduce(char *seg, int rank, int world, int64_t seq, int64_t slot_bytes, void *x,
-                        int64_t n, int is_bf16, double timeout_s);
-
-/* A linear layer's weight: bfloat16 (n, k) with scale NULL, or int8 (n, k) with float32 scales. */
-typedef struct {
-    const void *weight;
-    const float *scale;
-    const uint16_t *bias; /* (n,) or NULL */
-    int n, k;
-} TernLinear;
-
-/* What stays fixed between steps: weights, norms, rotary tables, this layer's KV cache. */
-typedef struct {
-    TernLinear qkv, o, gate_up, down;
-    const uint16_t *input_norm, *post_norm;
-    float eps, attn_scale;
-    int hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    const float *cos_cache, *sin_cache;
-    int64_t num_positions;
-    void *k_cache, *v_cache;
-    int64_t num_slots;
-    int block_size;
-    /* tensor parallelism: the TP group's shared-memory segment (shm_collectives.py), or tp_size 1 */
-    char *shm;
-    int tp_rank, tp_size;
-    int64_t shm_slot_bytes;
-    double shm_timeout_s;
-} TernDecodeLayer;
-
-/* What one step shares across its layers: its sequences and scratch rows for every stage. */
-typedef struct {
-    int num_tokens;
-    const int64_t *positions, *slots;
-    const int32_t *block_tables, *context_lens;
-    int64_t table_stride;
-    uint16_t *normed, *qkv, *q, *attn, *attn_out, *gate_up, *act;
-} TernDecodeStep;
+#include "tern_kernels.h"
 
 /* The kernel dense_linear (linear.py) picks for these rows: the few-row one, then AMX. */
 static int linear(const TernLinear *l, const uint16_t *x, uint16_t *y, int m) {

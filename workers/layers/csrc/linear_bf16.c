@@ -1,40 +1,16 @@
 #define _GNU_SOURCE /* syscall() */
-/* The elementwise glue of a bfloat16 step (RMSNorm with its residual add, rotary), built into the
- * same library as cpu_kernels.c (native.py): at a few tokens per step each is a dozen
- * microsecond-scale torch ops, and their dispatch is the cost; over a 2048-token prefill, the
- * 16-lane AVX512-BF16 loops take RMSNorm from 0.67 to 0.21 ms and rotary from 0.43 to 0.16 ms.
- * Computed in float32 and rounded to bfloat16 (nearest even) wherever Hugging Face's bfloat16
- * modules round: after every torch op. Threads: OpenMP, as in cpu_kernels.c.
+/* bfloat16 linears for few activation rows: the AVX512-BF16 few-row kernel (1-2 rows) and the AMX
+ * tile kernel (3-32 rows; also the int8 weights' path there, widened to bfloat16 on the way in).
+ * Builds without the instructions export the same functions, returning "unavailable".
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
 #include <stdlib.h>
-#ifdef __AVX512BF16__
-#include <immintrin.h>
-#endif
+#include <string.h>
+#include "simd.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define TERN_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-/* f rounded to the nearest bfloat16, as a float: what a torch op on bfloat16 tensors returns. */
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 #ifdef __AVX512BF16__
 /* Columns [n0, n0 + 4) of y (M, N) = x (M, K) @ w (N, K).T for M <= GEMV_MAX_ROWS: the four weight
@@ -119,41 +95,6 @@ int tern_bf16_gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias, u
     return -1;
 #endif
 }
-
-#ifdef __AVX512BF16__
-/* 16 bfloat16 values widened to float32, and float32 rounded to bfloat16 (nearest even, as
- * f32_to_bf16) and back: the vector forms of bf16_to_f32 and round_bf16. */
-static inline __m512 widen16(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline __m256i narrow16(__m512 f) { return (__m256i)_mm512_cvtneps_pbh(f); }
-static inline __m512 round16(__m512 f) { return widen16(narrow16(f)); }
-static inline __m512 load16(const uint16_t *p) {
-    return widen16(_mm256_loadu_si256((const __m256i *)p));
-}
-static inline void store16(uint16_t *p, __m512 f) {
-    _mm256_storeu_si256((__m256i *)p, narrow16(f));
-}
-
-/* One row of tern_rms_norm_bf16 with D % 16 == 0 (the sum of squares in 16 lanes). */
-static void rms_norm_row16(const uint16_t *xt, const uint16_t *rt, uint16_t *rs,
-                           const uint16_t *w, uint16_t *o, int D, float eps) {
-    const uint16_t *r = xt;
-    __m512 total = _mm512_setzero_ps();
-    for (int i = 0; i < D; i += 16) {
-        __m512 v = load16(xt + i);
-        if (rt != NULL) {
-            v = round16(_mm512_add_ps(v, load16(rt + i)));
-            store16(rs + i, v);
-        }
-        total = _mm512_fmadd_ps(v, v, total);
-    }
-    if (rt != NULL) r = rs;
-    __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(total) / (float)D + eps));
-    for (int i = 0; i < D; i += 16)
-        store16(o + i, _mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(load16(r + i), inv))));
-}
-#endif
 
 #ifdef TERN_AMX
 /* y (M, N) = x (M, K) @ w (N, K).T for 3 <= M <= 32 on AMX, the weight in its plain row-major
@@ -255,11 +196,11 @@ static void amx_block(const uint16_t *x_pairs, const uint16_t *w, const int8_t *
                                               _mm512_set1_epi32(16));
     for (int b = 0; b < nt; b++) {
         int n = n0 + 16 * b;
-        __m512 add = bias != NULL ? load16(bias + n) : _mm512_setzero_ps();
+        __m512 add = bias != NULL ? load16_bf16(bias + n) : _mm512_setzero_ps();
         __m512 mul = scale != NULL ? _mm512_loadu_ps(scale + n) : _mm512_set1_ps(1.f);
         for (int m = 0; m < M; m++) {
             __m512 v = _mm512_i32gather_ps(column, &c[2 * b + m / 16][0][m % 16], 4);
-            store16(y + (int64_t)m * N + n, _mm512_fmadd_ps(v, mul, add));
+            store16_bf16(y + (int64_t)m * N + n, _mm512_fmadd_ps(v, mul, add));
         }
     }
 }
@@ -318,80 +259,3 @@ int tern_bf16_amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *b
     return -1;
 }
 #endif
-
-/* x (T, D) [+ res (T, D), the sum also written to res_out] -> out = w * norm(r), where Hugging
- * Face rounds r, norm(r) = r / sqrt(mean(r^2) + eps) (in float32) and the product. */
-void tern_rms_norm_bf16(const uint16_t *x, const uint16_t *res, uint16_t *res_out,
-                        const uint16_t *w, uint16_t *out, int T, int D, float eps) {
-#pragma omp parallel for schedule(static) if (T >= 16)
-    for (int t = 0; t < T; t++) {
-        const uint16_t *xt = x + (int64_t)t * D;
-#ifdef __AVX512BF16__
-        if (D % 16 == 0) {
-            rms_norm_row16(xt, res != NULL ? res + (int64_t)t * D : NULL,
-                           res != NULL ? res_out + (int64_t)t * D : NULL, w,
-                           out + (int64_t)t * D, D, eps);
-            continue;
-        }
-#endif
-        const uint16_t *r = xt;
-        if (res != NULL) {
-            uint16_t *rs = res_out + (int64_t)t * D;
-            const uint16_t *rt = res + (int64_t)t * D;
-            for (int i = 0; i < D; i++) rs[i] = f32_to_bf16(bf16_to_f32(xt[i]) + bf16_to_f32(rt[i]));
-            r = rs;
-        }
-        float total = 0.f;
-        for (int i = 0; i < D; i++) {
-            float v = bf16_to_f32(r[i]);
-            total += v * v;
-        }
-        float inv = 1.0f / sqrtf(total / (float)D + eps);
-        uint16_t *o = out + (int64_t)t * D;
-        for (int i = 0; i < D; i++)
-            o[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(r[i]) * inv));
-    }
-}
-
-/* In place, neox style, as rotary.py's torch path in bfloat16: cos and sin rounded to bfloat16,
- * then (a, b) -> (a cos - b sin, b cos + a sin) with each product and sum rounded. */
-int tern_rotary_neox_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_stride,
-                          const int64_t *positions, int64_t num_positions, const float *cos_cache,
-                          const float *sin_cache, int T, int H, int Hkv, int D) {
-    for (int t = 0; t < T; t++)
-        if (positions[t] < 0 || positions[t] >= num_positions) return -1;
-    int half = D / 2;
-#pragma omp parallel for schedule(static) if (T >= 16)
-    for (int t = 0; t < T; t++) {
-        const float *c = cos_cache + positions[t] * half, *s = sin_cache + positions[t] * half;
-        float cr[half], sr[half]; /* this token's cos and sin, rounded once for all its heads */
-        for (int i = 0; i < half; i++) {
-            cr[i] = round_bf16(c[i]);
-            sr[i] = round_bf16(s[i]);
-        }
-        for (int h = 0; h < H + Hkv; h++) {
-            uint16_t *x = h < H ? q + t * q_stride + (int64_t)h * D
-                                : k + t * k_stride + (int64_t)(h - H) * D;
-            int i = 0;
-#ifdef __AVX512BF16__
-            for (; i + 16 <= half; i += 16) {
-                __m512 a = load16(x + i), b = load16(x + i + half);
-                __m512 c16 = _mm512_loadu_ps(cr + i), s16 = _mm512_loadu_ps(sr + i);
-                __m512 neg_b = _mm512_xor_ps(b, _mm512_set1_ps(-0.0f));
-                __m512 x1 = _mm512_add_ps(round16(_mm512_mul_ps(a, c16)),
-                                          round16(_mm512_mul_ps(neg_b, s16)));
-                __m512 x2 = _mm512_add_ps(round16(_mm512_mul_ps(b, c16)),
-                                          round16(_mm512_mul_ps(a, s16)));
-                store16(x + i, x1);
-                store16(x + i + half, x2);
-            }
-#endif
-            for (; i < half; i++) {
-                float a = bf16_to_f32(x[i]), b = bf16_to_f32(x[i + half]);
-                x[i] = f32_to_bf16(round_bf16(a * cr[i]) + round_bf16(-b * sr[i]));
-                x[i + half] = f32_to_bf16(round_bf16(b * cr[i]) + round_bf16(a * sr[i]));
-            }
-        }
-    }
-    return 0;
-}

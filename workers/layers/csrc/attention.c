@@ -1,0 +1,415 @@
+/* Paged decode attention: one query token per sequence attends its whole context straight from
+ * the paged KV cache (no gathered, padded copy of K and V), with an online softmax per block.
+ * Float32 or bfloat16 cache; the AVX2 loops, the AVX-512 P.V loop and the AVX512-BF16 16-token
+ * loop side by side, the scalar loops for builds without them.
+ */
+#include <math.h>
+#include <omp.h>
+#include <string.h>
+#include "simd.h"
+
+#define MAX_GROUP 16   /* query heads per KV head */
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK 256  /* tokens per cache block */
+#define MAX_QUERY_FLOATS 32768  /* heads x head_dim of one token */
+
+#define LOAD1_f32(p) (*(p))
+#define LOAD1_bf16(p) bf16_to_f32(*(p))
+
+/* dot_T(q, row, D): q . row; axpy_T(acc, p, row, D): acc += p * row (row: one cached K or V
+ * vector of this KV head, float32 or bfloat16). Vectorised when D % 8 == 0. */
+#ifdef __AVX2__
+#define DEFINE_ROW_OPS(SUFFIX, KV_T)                                                             \
+    static inline float dot_##SUFFIX(const float *q, const KV_T *kp, int D) {                    \
+        if (D % 8) {                                                                             \
+            float s = 0.f;                                                                       \
+            for (int d = 0; d < D; d++) s += q[d] * LOAD1_##SUFFIX(kp + d);                      \
+            return s;                                                                            \
+        }                                                                                        \
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                               \
+        int d = 0;                                                                               \
+        for (; d + 16 <= D; d += 16) {                                                           \
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8_##SUFFIX(kp + d), a0);            \
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8_##SUFFIX(kp + d + 8), a1);    \
+        }                                                                                        \
+        if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8_##SUFFIX(kp + d), a0);     \
+        return hsum(_mm256_add_ps(a0, a1));                                                      \
+    }                                                                                            \
+    static inline void axpy_##SUFFIX(float *a, float p, const KV_T *vp, int D) {                 \
+        if (D % 8) {                                                                             \
+            for (int d = 0; d < D; d++) a[d] += p * LOAD1_##SUFFIX(vp + d);                      \
+            return;                                                                              \
+        }                                                                                        \
+        __m256 pv = _mm256_set1_ps(p);                                                           \
+        for (int d = 0; d < D; d += 8) {                                                         \
+            __m256 r = _mm256_fmadd_ps(pv, load8_##SUFFIX(vp + d), _mm256_loadu_ps(a + d));      \
+            _mm256_storeu_ps(a + d, r);                                                          \
+        }                                                                                        \
+    }
+#else
+#define DEFINE_ROW_OPS(SUFFIX, KV_T)                                                             \
+    static inline float dot_##SUFFIX(const float *q, const KV_T *kp, int D) {                    \
+        float s = 0.f;                                                                           \
+        for (int d = 0; d < D; d++) s += q[d] * LOAD1_##SUFFIX(kp + d);                          \
+        return s;                                                                                \
+    }                                                                                            \
+    static inline void axpy_##SUFFIX(float *a, float p, const KV_T *vp, int D) {                 \
+        for (int d = 0; d < D; d++) a[d] += p * LOAD1_##SUFFIX(vp + d);                          \
+    }
+#endif
+DEFINE_ROW_OPS(f32, float)
+DEFINE_ROW_OPS(bf16, uint16_t)
+
+/* acc (D,) += sum over t < n of p[t] * row t, rows `stride` elements apart. With D % 64 == 0 the
+ * accumulator stays in 8 registers per 64 features while the rows stream past. */
+#ifdef __AVX2__
+#define DEFINE_ACCUMULATE(SUFFIX, KV_T)                                                          \
+    static inline void accumulate_##SUFFIX(float *acc, const float *p, const KV_T *rows, int n,  \
+                                           int64_t stride, int D) {                              \
+        if (D % 64) {                                                                            \
+            for (int t = 0; t < n; t++) axpy_##SUFFIX(acc, p[t], rows + t * stride, D);          \
+            return;                                                                              \
+        }                                                                                        \
+        for (int d0 = 0; d0 < D; d0 += 64) {                                                     \
+            __m256 a[8];                                                                         \
+            for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + d0 + 8 * c);               \
+            for (int t = 0; t < n; t++) {                                                        \
+                __m256 pv = _mm256_set1_ps(p[t]);                                                \
+                const KV_T *r = rows + t * stride + d0;                                          \
+                for (int c = 0; c < 8; c++)                                                      \
+                    a[c] = _mm256_fmadd_ps(pv, load8_##SUFFIX(r + 8 * c), a[c]);                 \
+            }                                                                                    \
+            for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + d0 + 8 * c, a[c]);               \
+        }                                                                                        \
+    }
+#else
+#define DEFINE_ACCUMULATE(SUFFIX, KV_T)                                                          \
+    static inline void accumulate_##SUFFIX(float *acc, const float *p, const KV_T *rows, int n,  \
+                                           int64_t stride, int D) {                              \
+        for (int t = 0; t < n; t++) axpy_##SUFFIX(acc, p[t], rows + t * stride, D);              \
+    }
+#endif
+DEFINE_ACCUMULATE(f32, float)
+DEFINE_ACCUMULATE(bf16, uint16_t)
+
+/* The bfloat16 cache's hot loops on AVX-512: P.V with 16-wide FMAs, and with AVX512-BF16 the
+ * scores as bf16 pair dot products (vdpbf16ps) of the unscaled bf16 query and the cached key,
+ * exact products summed in float32, scaled afterwards. At 32 sequences these were ~35% of a
+ * bfloat16 decode step with the 8-wide loops above. */
+#ifdef __AVX512F__
+
+static inline void accumulate_bf16_wide(float *acc, const float *p, const uint16_t *rows, int n,
+                                        int64_t stride, int D) {
+    if (D % 64) {
+        accumulate_bf16(acc, p, rows, n, stride, D);
+        return;
+    }
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        __m512 a[4];
+        for (int c = 0; c < 4; c++) a[c] = _mm512_loadu_ps(acc + d0 + 16 * c);
+        for (int t = 0; t < n; t++) {
+            __m512 pv = _mm512_set1_ps(p[t]);
+            const uint16_t *r = rows + t * stride + d0;
+            for (int c = 0; c < 4; c++) a[c] = _mm512_fmadd_ps(pv, load16_bf16(r + 16 * c), a[c]);
+        }
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + d0 + 16 * c, a[c]);
+    }
+}
+#define ACCUMULATE_bf16 accumulate_bf16_wide
+#else
+#define ACCUMULATE_bf16 accumulate_bf16
+#endif
+#define ACCUMULATE_f32 accumulate_f32
+
+#ifdef __AVX512BF16__
+static inline float dot_bf16_pairs(const uint16_t *a, const uint16_t *b, int D) { /* D % 32 == 0 */
+    __m512 acc = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + d),
+                               (__m512bh)_mm512_loadu_si512(b + d));
+    return _mm512_reduce_add_ps(acc);
+}
+#define SCORE_bf16(qs, qb, kp, D, scale) \
+    ((qb) != NULL ? dot_bf16_pairs((qb), (kp), (D)) * (scale) : dot_bf16((qs), (kp), (D)))
+#else
+#define SCORE_bf16(qs, qb, kp, D, scale) dot_bf16((qs), (kp), (D))
+#endif
+#define SCORE_f32(qs, qb, kp, D, scale) dot_f32((qs), (kp), (D))
+
+/* s[t] = exp(s[t] - m) for t < n (every s[t] <= m); returns their sum. */
+static inline float exp_sub(float *s, int n, float m) {
+    float sum = 0.f;
+    int t = 0;
+#ifdef __AVX2__
+    __m256 mv = _mm256_set1_ps(m), total = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+        _mm256_storeu_ps(s + t, p);
+        total = _mm256_add_ps(total, p);
+    }
+    sum = hsum(total);
+#endif
+    for (; t < n; t++) {
+        s[t] = expf(s[t] - m);
+        sum += s[t];
+    }
+    return sum;
+}
+
+/* Prefetch n rows of row_bytes each, row_stride bytes apart, into the cache. */
+static inline void prefetch_rows(const char *p, int n, int64_t row_stride, int row_bytes) {
+    for (int t = 0; t < n; t++)
+        for (int off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + t * row_stride + off);
+}
+
+/* One sequence's query heads of KV heads [h0, h0 + nh): G query heads of dimension D per KV head,
+ * over ctx cached tokens, block by block with an online softmax. All nh heads are done block by
+ * block, so each cache block (scattered in memory) is read in one short burst. k and v point at
+ * head h0's part of slot 0; slot s is s * slot_stride elements further. `qs` (nh * G, D) holds
+ * the queries already multiplied by the softmax scale; `out` is (nh * G, D). */
+#define DEFINE_DECODE_HEADS(SUFFIX, KV_T)                                                        \
+    static void decode_heads_##SUFFIX(const float *qs, const uint16_t *qb, float scale,          \
+                                      const KV_T *k, const KV_T *v, const int32_t *table,        \
+                                      int ctx, int nh, int G, int D, int block_size,             \
+                                      int64_t slot_stride, float *out) {                         \
+        int R = nh * G;                                                                          \
+        float scores[MAX_GROUP * MAX_BLOCK]; /* [g][t]: one KV head of the current block */      \
+        float acc[R * D], row_max[R], row_sum[R];                                                \
+        for (int r = 0; r < R; r++) {                                                            \
+            row_max[r] = -INFINITY;                                                              \
+            row_sum[r] = 0.f;                                                                    \
+        }                                                                                        \
+        memset(acc, 0, sizeof(float) * R * D);                                                   \
+        int64_t row_stride = slot_stride * (int64_t)sizeof(KV_T);                                \
+        int num_blocks = (ctx + block_size - 1) / block_size;                                    \
+        for (int j = 0; j < num_blocks; j++) {                                                   \
+            int64_t base = (int64_t)table[j] * block_size;                                       \
+            int n = ctx - j * block_size < block_size ? ctx - j * block_size : block_size;       \
+            if (j + 1 < num_blocks) { /* blocks are scattered: fetch the next one early */       \
+                int64_t next = (int64_t)table[j + 1] * block_size * slot_stride;                 \
+                int bytes = nh * D * (int)sizeof(KV_T);                                          \
+                prefetch_rows((const char *)(k + next), block_size, row_stride, bytes);          \
+                prefetch_rows((const char *)(v + next), block_size, row_stride, bytes);          \
+            }                                                                                    \
+            for (int h = 0; h < nh; h++) {                                                       \
+                const float *qh = qs + (int64_t)h * G * D;                                       \
+                const uint16_t *qbh = qb != NULL ? qb + (int64_t)h * G * D : NULL;               \
+                for (int t = 0; t < n; t++) {                                                    \
+                    const KV_T *kp = k + (base + t) * slot_stride + h * D;                       \
+                    for (int g = 0; g < G; g++)                                                  \
+                        scores[g * block_size + t] = SCORE_##SUFFIX(                             \
+                            qh + g * D, qbh != NULL ? qbh + g * D : NULL, kp, D, scale);         \
+                }                                                                                \
+                for (int g = 0; g < G; g++) {                                                    \
+                    int r = h * G + g;                                                           \
+                    float *sg = scores + g * block_size;                                         \
+                    float m = row_max[r];                                                        \
+                    for (int t = 0; t < n; t++) m = sg[t] > m ? sg[t] : m;                       \
+                    float corr = expf(row_max[r] - m);                                           \
+                    row_max[r] = m;                                                              \
+                    row_sum[r] = row_sum[r] * corr + exp_sub(sg, n, m);                          \
+                    if (corr != 1.f)                                                             \
+                        for (int d = 0; d < D; d++) acc[r * D + d] *= corr;                      \
+                    ACCUMULATE_##SUFFIX(acc + r * D, sg, v + base * slot_stride + h * D, n,      \
+                                        slot_stride, D);                                         \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        for (int r = 0; r < R; r++) {                                                            \
+            float inv = 1.f / row_sum[r];                                                        \
+            for (int d = 0; d < D; d++) out[r * D + d] = acc[r * D + d] * inv;                   \
+        }                                                                                        \
+    }
+DEFINE_DECODE_HEADS(f32, float)
+DEFINE_DECODE_HEADS(bf16, uint16_t)
+
+#ifdef __AVX512BF16__
+/* The bfloat16 cache with bfloat16 queries and D % 64 == 0, 16 tokens at a time (~2.5x fewer
+ * instructions than decode_heads_bf16, which was bound by them, not by memory):
+ * - scores: per (query head, token) a 16-lane vdpbf16ps partial, and the 16 tokens' partials
+ *   summed across lanes together (hsum16) instead of one horizontal sum per score;
+ * - P.V: a cached V row is widened to float32 by interleaving it with zeros (one shuffle per 16
+ *   values, but the values land in a fixed permuted order within each 32: `acc` is kept in that
+ *   order and put back in place once, at the end), with up to 4 query heads' accumulators held in
+ *   registers while the rows stream past. */
+
+/* Where the value for feature i (< 32) of a 32-feature chunk sits in the chunk's two widened
+ * vectors (unpacklo then unpackhi with zeros, 16 floats each). */
+static inline int widened_index(int i) {
+    int lane = i / 8, hi = (i % 8) / 4;
+    return hi * 16 + lane * 4 + i % 4;
+}
+
+#define PV_HEADS 4 /* query heads whose accumulators stay in registers */
+
+static void decode_heads_bf16_x16(const uint16_t *qb, float scale, const uint16_t *k,
+                                  const uint16_t *v, const int32_t *table, int ctx, int nh, int G,
+                                  int D, int block_size, int64_t slot_stride, float *out) {
+    int R = nh * G;
+    float acc[R * D], row_max[R], row_sum[R], p[MAX_GROUP][16], corr[MAX_GROUP];
+    for (int r = 0; r < R; r++) {
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.f;
+    }
+    memset(acc, 0, sizeof(float) * R * D);
+    const __m512i zero = _mm512_setzero_si512();
+    int64_t row_stride = slot_stride * (int64_t)sizeof(uint16_t);
+    int num_blocks = (ctx + block_size - 1) / block_size;
+    for (int j = 0; j < num_blocks; j++) {
+        int64_t base = (int64_t)table[j] * block_size;
+        int n = ctx - j * block_size < block_size ? ctx - j * block_size : block_size;
+        for (int h = 0; h < nh; h++) {
+            const uint16_t *qh = qb + (int64_t)h * G * D;
+            for (int c0 = 0; c0 < n; c0 += 16) {
+                int nc = n - c0 < 16 ? n - c0 : 16;
+                __mmask16 live = (__mmask16)((1u << nc) - 1u);
+                const uint16_t *kc = k + (base + c0) * slot_stride + h * D;
+                const uint16_t *vc = v + (base + c0) * slot_stride + h * D;
+                /* Blocks are scattered: this chunk's rows of the next block are fetched while
+                 * its scores are computed (one burst per block stalled on full fill buffers). */
+                const char *kf = NULL, *vf = NULL;
+                if (j + 1 < num_blocks) {
+                    int64_t ahead = ((int64_t)table[j + 1] * block_size + c0) * slot_stride;
+                    ahead += h * D;
+                    kf = (const char *)(k + ahead);
+                    vf = (const char *)(v + ahead);
+                }
+                for (int g = 0; g < G; g++) {
+                    __m512 part[16];
+                    for (int t = 0; t < 16; t++) {
+                        if (g == 0 && kf != NULL && t < nc)
+                            for (int off = 0; off < D * 2; off += 64) {
+                                __builtin_prefetch(kf + t * row_stride + off);
+                                __builtin_prefetch(vf + t * row_stride + off);
+                            }
+                        __m512 a = _mm512_setzero_ps();
+                        if (t < nc)
+                            for (int d = 0; d < D; d += 32)
+                                a = _mm512_dpbf16_ps(
+                                    a, (__m512bh)_mm512_loadu_si512(qh + g * D + d),
+                                    (__m512bh)_mm512_loadu_si512(kc + t * slot_stride + d));
+                        part[t] = a;
+                    }
+                    __m512 s = _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale));
+                    s = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), s);
+                    int r = h * G + g;
+                    float m = _mm512_reduce_max_ps(s);
+                    m = m > row_max[r] ? m : row_max[r];
+                    corr[g] = expf(row_max[r] - m);
+                    row_max[r] = m;
+                    __m512 e = _mm512_maskz_mov_ps(
+                        live, exp512_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m))));
+                    row_sum[r] = row_sum[r] * corr[g] + _mm512_reduce_add_ps(e);
+                    _mm512_storeu_ps(p[g], e);
+                }
+                for (int d0 = 0; d0 < D; d0 += 64) {
+                    for (int g0 = 0; g0 < G; g0 += PV_HEADS) {
+                        int gn = G - g0 < PV_HEADS ? G - g0 : PV_HEADS;
+                        __m512 a[PV_HEADS][4] = {{0}};
+                        for (int gi = 0; gi < PV_HEADS; gi++) {
+                            if (gi >= gn) break;
+                            float *ar = acc + (int64_t)(h * G + g0 + gi) * D + d0;
+                            __m512 cv = _mm512_set1_ps(corr[g0 + gi]);
+                            for (int c = 0; c < 4; c++)
+                                a[gi][c] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), cv);
+                        }
+                        for (int t = 0; t < nc; t++) {
+                            const uint16_t *vp = vc + t * slot_stride + d0;
+                            __m512i v0 = _mm512_loadu_si512(vp), v1 = _mm512_loadu_si512(vp + 32);
+                            __m512 f[4] = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v0)),
+                                           _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v0)),
+                                           _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v1)),
+                                           _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v1))};
+                            for (int gi = 0; gi < PV_HEADS; gi++) {
+                                if (gi >= gn) break;
+                                __m512 pv = _mm512_set1_ps(p[g0 + gi][t]);
+                                for (int c = 0; c < 4; c++)
+                                    a[gi][c] = _mm512_fmadd_ps(pv, f[c], a[gi][c]);
+                            }
+                        }
+                        for (int gi = 0; gi < PV_HEADS; gi++) {
+                            if (gi >= gn) break;
+                            float *ar = acc + (int64_t)(h * G + g0 + gi) * D + d0;
+                            for (int c = 0; c < 4; c++) _mm512_storeu_ps(ar + 16 * c, a[gi][c]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float inv = 1.f / row_sum[r];
+        for (int d = 0; d < D; d++)
+            out[r * D + d] = acc[r * D + d / 32 * 32 + widened_index(d % 32)] * inv;
+    }
+}
+#endif
+
+/* q, out: (B, H, D) float32 (io_is_bf16 = 0) or bfloat16 (1). k_cache, v_cache: (num_blocks *
+ * block_size, Hkv, D) float32 or bfloat16. block_tables: (B, table_stride) int32. context_lens:
+ * (B,) int32, each >= 1. With `slots` (B,) int64, this step's k_new and v_new (B, Hkv, D) in the
+ * cache's dtype, token rows k_new_stride / v_new_stride elements apart, are first written to those
+ * cache slots
+ * (each work item writes the heads it then reads). Returns 0, -1 when the shapes exceed the
+ * kernel's fixed buffers, -2 (having written nothing) when a slot is outside [0, num_slots). */
+int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
+                                const int32_t *block_tables, int64_t table_stride,
+                                const int32_t *context_lens, void *out, int B, int H, int Hkv,
+                                int D, int block_size, float scale, int kv_is_bf16,
+                                int io_is_bf16, const void *k_new, int64_t k_new_stride,
+                                const void *v_new, int64_t v_new_stride, const int64_t *slots,
+                                int64_t num_slots) {
+    int G = H / Hkv;
+    if (G > MAX_GROUP || D > MAX_HEAD_DIM || block_size > MAX_BLOCK || G * Hkv != H ||
+        H * D > MAX_QUERY_FLOATS)
+        return -1;
+    int64_t slot_stride = (int64_t)Hkv * D;
+    for (int b = 0; slots != NULL && b < B; b++)
+        if (slots[b] < 0 || slots[b] >= num_slots) return -2;
+    /* One work item per sequence (all its KV heads); with too few sequences to keep the threads
+     * busy, one per (sequence, KV head). */
+    int nh = B >= 2 * omp_get_max_threads() ? Hkv : 1;
+    int num_items = B * (Hkv / nh);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int item = 0; item < num_items; item++) {
+        int b = item / (Hkv / nh);
+        int h0 = item % (Hkv / nh) * nh;
+        int64_t first = ((int64_t)b * H + (int64_t)h0 * G) * D;
+        int n = nh * G * D;
+        if (slots != NULL) {
+            size_t elem = kv_is_bf16 ? 2 : 4, bytes = (size_t)nh * D * elem;
+            int64_t dst = (slots[b] * slot_stride + (int64_t)h0 * D) * elem;
+            int64_t k_src = ((int64_t)b * k_new_stride + (int64_t)h0 * D) * elem;
+            int64_t v_src = ((int64_t)b * v_new_stride + (int64_t)h0 * D) * elem;
+            memcpy((char *)k_cache + dst, (const char *)k_new + k_src, bytes);
+            memcpy((char *)v_cache + dst, (const char *)v_new + v_src, bytes);
+        }
+        float qs[n], os[n];
+        for (int i = 0; i < n; i++)
+            qs[i] = (io_is_bf16 ? bf16_to_f32(((const uint16_t *)q)[first + i])
+                                : ((const float *)q)[first + i]) * scale;
+        const int32_t *table = block_tables + (int64_t)b * table_stride;
+        float *o = io_is_bf16 ? os : (float *)out + first;
+        /* bf16 queries against a bf16 cache: the pair dot products (when the build has them) */
+        const uint16_t *qb =
+            kv_is_bf16 && io_is_bf16 && D % 32 == 0 ? (const uint16_t *)q + first : NULL;
+#ifdef __AVX512BF16__
+        if (qb != NULL && D % 64 == 0)
+            decode_heads_bf16_x16(qb, scale, (const uint16_t *)k_cache + h0 * D,
+                                  (const uint16_t *)v_cache + h0 * D, table, context_lens[b], nh,
+                                  G, D, block_size, slot_stride, o);
+        else
+#endif
+        if (kv_is_bf16)
+            decode_heads_bf16(qs, qb, scale, (const uint16_t *)k_cache + h0 * D,
+                              (const uint16_t *)v_cache + h0 * D, table, context_lens[b], nh, G,
+                              D, block_size, slot_stride, o);
+        else
+            decode_heads_f32(qs, NULL, scale, (const float *)k_cache + h0 * D,
+                             (const float *)v_cache + h0 * D, table, context_lens[b], nh, G, D,
+                             block_size, slot_stride, o);
+        if (io_is_bf16)
+            for (int i = 0; i < n; i++) ((uint16_t *)out)[first + i] = f32_to_bf16(os[i]);
+    }
+    return 0;
+}

@@ -1,0 +1,232 @@
+/* The per-layer glue of a step: RMSNorm with its residual add, rotary embedding, SiLU gate (float32
+ * and bfloat16), and the grammar token bitmask. At one token per sequence each is a handful of
+ * microsecond-scale torch ops, whose dispatch, not arithmetic, is the cost; over a 2048-token
+ * bfloat16 prefill the 16-lane loops take RMSNorm from 0.67 to 0.21 ms and rotary from 0.43 to
+ * 0.16 ms. Float32 versions compute in the order Hugging Face's float32 modules do (products and
+ * sums rounded separately: no contraction into FMAs); bfloat16 versions compute in float32 and
+ * round to bfloat16 wherever Hugging Face's bfloat16 modules round: after every torch op.
+ */
+#include <math.h>
+#include <string.h>
+#include "simd.h"
+
+static float sum_of_squares(const float *r, int D) {
+    int i = 0;
+    float total = 0.f;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= D; i += 8) {
+        __m256 v = _mm256_loadu_ps(r + i);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    total = hsum(acc);
+#endif
+    for (; i < D; i++) total += r[i] * r[i];
+    return total;
+}
+
+/* x (T, D) [+ res (T, D), the sum also written to res_out] -> out = w * (r / sqrt(mean(r^2) + eps)) */
+void tern_rms_norm(const float *x, const float *res, float *res_out, const float *w, float *out,
+                   int T, int D, float eps) {
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + (int64_t)t * D;
+        float *r = (float *)xt;
+        if (res != NULL) {
+            r = res_out + (int64_t)t * D;
+            const float *rt = res + (int64_t)t * D;
+            for (int i = 0; i < D; i++) r[i] = xt[i] + rt[i];
+        }
+        float inv = 1.0f / sqrtf(sum_of_squares(r, D) / (float)D + eps);
+        float *o = out + (int64_t)t * D;
+        for (int i = 0; i < D; i++) o[i] = w[i] * (r[i] * inv);
+    }
+}
+
+/* In place, neox style: for each head, (a, b) halves -> (a cos - b sin, b cos + a sin), with the
+ * cos/sin rows (D/2,) of each token's position. q (T, H, D) and k (T, Hkv, D) have token strides
+ * q_stride and k_stride (floats) and contiguous heads. Returns -1 (and changes nothing) when a
+ * position is outside the table's num_positions rows. */
+int tern_rotary_neox(float *q, int64_t q_stride, float *k, int64_t k_stride,
+                     const int64_t *positions, int64_t num_positions, const float *cos_cache,
+                     const float *sin_cache, int T, int H, int Hkv, int D) {
+    for (int t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= num_positions) return -1;
+    int half = D / 2;
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int t = 0; t < T; t++) {
+        const float *c = cos_cache + positions[t] * half, *s = sin_cache + positions[t] * half;
+        for (int h = 0; h < H + Hkv; h++) {
+            float *x = h < H ? q + t * q_stride + (int64_t)h * D : k + t * k_stride + (int64_t)(h - H) * D;
+            for (int i = 0; i < half; i++) {
+                float a = x[i], b = x[i + half];
+                float ac = a * c[i], bs = b * s[i], bc = b * c[i], as = a * s[i];
+                x[i] = ac - bs;
+                x[i + half] = bc + as;
+            }
+        }
+    }
+    return 0;
+}
+
+/* x (T, 2I) = [gate | up] -> out (T, I) = silu(gate) * up, silu(g) = g / (1 + exp(-g)). */
+void tern_silu_and_mul(const float *x, float *out, int T, int I) {
+#pragma omp parallel for schedule(static) if (T * I >= 65536)
+    for (int t = 0; t < T; t++) {
+        const float *g = x + (int64_t)t * 2 * I, *u = g + I;
+        float *o = out + (int64_t)t * I;
+        for (int i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* bfloat16 x (T, 2I) = [gate | up] -> out (T, I) = silu(gate) * up, silu rounded to bfloat16
+ * before the product as torch's F.silu(gate) * up does. Vectorised, unlike the float32 version:
+ * in bfloat16 torch's two ops cost ~40 us per layer per 1000 tokens of prefill. The sigmoid comes
+ * from e = exp(-|g|), which cannot overflow: 1 / (1 + e) for g >= 0, e / (1 + e) below. */
+void tern_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I) {
+#pragma omp parallel for schedule(static) if ((int64_t)T * I >= 16384)
+    for (int t = 0; t < T; t++) {
+        const uint16_t *g = x + (int64_t)t * 2 * I, *u = g + I;
+        uint16_t *o = out + (int64_t)t * I;
+        int i = 0;
+#ifdef __AVX2__
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = load8_bf16(g + i);
+            __m256 e = exp_nonpositive(_mm256_sub_ps(zero, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), gv)));
+            __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(gv, zero, _CMP_GE_OQ));
+            __m256 silu = round8_bf16(_mm256_mul_ps(gv, _mm256_div_ps(num, _mm256_add_ps(one, e))));
+            store8_bf16(o + i, round8_bf16(_mm256_mul_ps(silu, load8_bf16(u + i))));
+        }
+#endif
+        for (; i < I; i++) {
+            float gi = bf16_to_f32(g[i]);
+            float silu = bf16_to_f32(f32_to_bf16(gi / (1.0f + expf(-gi))));
+            o[i] = f32_to_bf16(silu * bf16_to_f32(u[i]));
+        }
+    }
+}
+#ifdef __AVX512BF16__
+/* One row of tern_rms_norm_bf16 with D % 16 == 0 (the sum of squares in 16 lanes). */
+static void rms_norm_row16(const uint16_t *xt, const uint16_t *rt, uint16_t *rs,
+                           const uint16_t *w, uint16_t *o, int D, float eps) {
+    const uint16_t *r = xt;
+    __m512 total = _mm512_setzero_ps();
+    for (int i = 0; i < D; i += 16) {
+        __m512 v = load16_bf16(xt + i);
+        if (rt != NULL) {
+            v = round16(_mm512_add_ps(v, load16_bf16(rt + i)));
+            store16_bf16(rs + i, v);
+        }
+        total = _mm512_fmadd_ps(v, v, total);
+    }
+    if (rt != NULL) r = rs;
+    __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(total) / (float)D + eps));
+    for (int i = 0; i < D; i += 16)
+        store16_bf16(o + i, _mm512_mul_ps(load16_bf16(w + i), round16(_mm512_mul_ps(load16_bf16(r + i), inv))));
+}
+#endif
+
+/* x (T, D) [+ res (T, D), the sum also written to res_out] -> out = w * norm(r), where Hugging
+ * Face rounds r, norm(r) = r / sqrt(mean(r^2) + eps) (in float32) and the product. */
+void tern_rms_norm_bf16(const uint16_t *x, const uint16_t *res, uint16_t *res_out,
+                        const uint16_t *w, uint16_t *out, int T, int D, float eps) {
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int t = 0; t < T; t++) {
+        const uint16_t *xt = x + (int64_t)t * D;
+#ifdef __AVX512BF16__
+        if (D % 16 == 0) {
+            rms_norm_row16(xt, res != NULL ? res + (int64_t)t * D : NULL,
+                           res != NULL ? res_out + (int64_t)t * D : NULL, w,
+                           out + (int64_t)t * D, D, eps);
+            continue;
+        }
+#endif
+        const uint16_t *r = xt;
+        if (res != NULL) {
+            uint16_t *rs = res_out + (int64_t)t * D;
+            const uint16_t *rt = res + (int64_t)t * D;
+            for (int i = 0; i < D; i++) rs[i] = f32_to_bf16(bf16_to_f32(xt[i]) + bf16_to_f32(rt[i]));
+            r = rs;
+        }
+        float total = 0.f;
+        for (int i = 0; i < D; i++) {
+            float v = bf16_to_f32(r[i]);
+            total += v * v;
+        }
+        float inv = 1.0f / sqrtf(total / (float)D + eps);
+        uint16_t *o = out + (int64_t)t * D;
+        for (int i = 0; i < D; i++)
+            o[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(r[i]) * inv));
+    }
+}
+
+/* In place, neox style, as rotary.py's torch path in bfloat16: cos and sin rounded to bfloat16,
+ * then (a, b) -> (a cos - b sin, b cos + a sin) with each product and sum rounded. */
+int tern_rotary_neox_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_stride,
+                          const int64_t *positions, int64_t num_positions, const float *cos_cache,
+                          const float *sin_cache, int T, int H, int Hkv, int D) {
+    for (int t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= num_positions) return -1;
+    int half = D / 2;
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int t = 0; t < T; t++) {
+        const float *c = cos_cache + positions[t] * half, *s = sin_cache + positions[t] * half;
+        float cr[half], sr[half]; /* this token's cos and sin, rounded once for all its heads */
+        for (int i = 0; i < half; i++) {
+            cr[i] = round_bf16(c[i]);
+            sr[i] = round_bf16(s[i]);
+        }
+        for (int h = 0; h < H + Hkv; h++) {
+            uint16_t *x = h < H ? q + t * q_stride + (int64_t)h * D
+                                : k + t * k_stride + (int64_t)(h - H) * D;
+            int i = 0;
+#ifdef __AVX512BF16__
+            for (; i + 16 <= half; i += 16) {
+                __m512 a = load16_bf16(x + i), b = load16_bf16(x + i + half);
+                __m512 c16 = _mm512_loadu_ps(cr + i), s16 = _mm512_loadu_ps(sr + i);
+                __m512 neg_b = _mm512_xor_ps(b, _mm512_set1_ps(-0.0f));
+                __m512 x1 = _mm512_add_ps(round16(_mm512_mul_ps(a, c16)),
+                                          round16(_mm512_mul_ps(neg_b, s16)));
+                __m512 x2 = _mm512_add_ps(round16(_mm512_mul_ps(b, c16)),
+                                          round16(_mm512_mul_ps(a, s16)));
+                store16_bf16(x + i, x1);
+                store16_bf16(x + i + half, x2);
+            }
+#endif
+            for (; i < half; i++) {
+                float a = bf16_to_f32(x[i]), b = bf16_to_f32(x[i + half]);
+                x[i] = f32_to_bf16(round_bf16(a * cr[i]) + round_bf16(-b * sr[i]));
+                x[i + half] = f32_to_bf16(round_bf16(b * cr[i]) + round_bf16(a * sr[i]));
+            }
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ grammar token bitmask
+ * logits[rows[r]][t] = -inf where bit t of bitmask[r] is clear (xgrammar's packing: bit j of
+ * int32 word w is token 32 w + j). Most words of a grammar's mask are all-clear or all-set, so
+ * those take one pass of stores or none; the others go bit by bit. */
+void tern_apply_token_bitmask(float *logits, int64_t row_stride, const int32_t *bitmask,
+                              int64_t words_per_row, const int64_t *rows, int n_rows, int vocab) {
+    const float neg_inf = -__builtin_inff();
+    for (int r = 0; r < n_rows; r++) {
+        float *row = logits + rows[r] * row_stride;
+        const int32_t *bits = bitmask + (int64_t)r * words_per_row;
+        for (int64_t w = 0; w < words_per_row; w++) {
+            const uint32_t word = (uint32_t)bits[w];
+            if (word == 0xFFFFFFFFu) continue;
+            const int64_t t0 = w * 32;
+            const int n = vocab - t0 < 32 ? (int)(vocab - t0) : 32;
+            if (n <= 0) break;
+            float *p = row + t0;
+            if (word == 0) {
+                for (int j = 0; j < n; j++) p[j] = neg_inf;
+            } else {
+                for (int j = 0; j < n; j++)
+                    if (!((word >> j) & 1u)) p[j] = neg_inf;
+            }
+        }
+    }
+}

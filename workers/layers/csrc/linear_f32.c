@@ -1,0 +1,151 @@
+/* Float32 arithmetic linears for the few activation rows of a decode step, where BLAS GEMMs run
+ * far below the machine's bandwidth and FMA rate: float32 weights, and bfloat16-stored weights
+ * widened to float32 in registers (half float32's memory traffic on CPUs without bfloat16
+ * arithmetic, where torch's bfloat16 matmul is emulated).
+ */
+#include <stdlib.h>
+#include <string.h>
+#include "linear_tiles.h"
+
+/* y (M, N) = x (M, K) @ w (N, K).T + bias for the few activation rows of a decode step, where
+ * BLAS GEMMs run far below the machine's bandwidth and FMA rate. */
+static void f32_gemv_rows(const float *x, const float *w, const float *bias, float *y, int M,
+                          int N, int K, int n0, int nt) {
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + (int64_t)m * K;
+        for (int r = 0; r < nt; r++) {
+            const float *wr = w + (int64_t)(n0 + r) * K;
+            float s0 = 0.f;
+            int k = 0;
+#ifdef __AVX2__
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (; k + 32 <= K; k += 32) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k), _mm256_loadu_ps(wr + k), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k + 8), _mm256_loadu_ps(wr + k + 8), a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k + 16), _mm256_loadu_ps(wr + k + 16), a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k + 24), _mm256_loadu_ps(wr + k + 24), a3);
+            }
+            s0 = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
+            for (; k < K; k++) s0 += xm[k] * wr[k];
+            y[(int64_t)m * N + n0 + r] = s0 + (bias ? bias[n0 + r] : 0.f);
+        }
+    }
+}
+
+/* Returns 0, or -1 when a thread cannot get its scratch tile. */
+int tern_f32_linear(const float *x, const float *w, const float *bias, float *y, int M, int N,
+                    int K) {
+    if (M < GEMV_MAX_M) {
+        int num_tiles = (N + GEMV_ROWS - 1) / GEMV_ROWS;
+#pragma omp parallel for schedule(static)
+        for (int t = 0; t < num_tiles; t++) {
+            int n0 = t * GEMV_ROWS;
+            f32_gemv_rows(x, w, bias, y, M, N, K, n0, N - n0 < GEMV_ROWS ? N - n0 : GEMV_ROWS);
+        }
+        return 0;
+    }
+    int num_tiles = (N + TILE_N - 1) / TILE_N;
+    int failed = 0;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < num_tiles; t++) {
+        int n0 = t * TILE_N;
+        int nt = N - n0 < TILE_N ? N - n0 : TILE_N;
+        if (nt == TILE_N) {  /* whole tiles read the weight rows in place */
+            tile_matmul(x, w + (int64_t)n0 * K, M, K, n0, nt, N, bias, y);
+            continue;
+        }
+        float *wf = (float *)calloc((size_t)TILE_N * K, sizeof(float));  /* the last, padded */
+        if (wf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        memcpy(wf, w + (int64_t)n0 * K, sizeof(float) * nt * (size_t)K);
+        tile_matmul(x, wf, M, K, n0, nt, N, bias, y);
+        free(wf);
+    }
+    return failed ? -1 : 0;
+}
+
+/* ---------------------------------------------------------------- bfloat16-stored weights */
+
+/* One weight row (K bfloat16 values) dotted with one row of x, the weight widened to float32 in
+ * registers: bfloat16 is the top half of a float32, so the widening is exact (a shift). */
+static inline float dot_bf16w(const float *x, const uint16_t *w, int K) {
+    float s = 0.f;
+    int k = 0;
+#if defined(__AVX512F__)
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+    for (; k + 32 <= K; k += 32) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load16_bf16(w + k), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16), load16_bf16(w + k + 16), a1);
+    }
+    s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#elif defined(__AVX2__)
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; k + 32 <= K; k += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8_bf16(w + k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), load8_bf16(w + k + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), load8_bf16(w + k + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), load8_bf16(w + k + 24), a3);
+    }
+    s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
+    for (; k < K; k++) s += x[k] * bf16_to_f32(w[k]);
+    return s;
+}
+
+/* Rows [n0, n0 + nt) of w widened into wf (TILE_N, K), the rows past nt zeroed. */
+static void widen_tile(const uint16_t *w, int n0, int nt, int K, float *wf) {
+    for (int r = 0; r < TILE_N; r++) {
+        float *dst = wf + (int64_t)r * K;
+        if (r >= nt) {
+            memset(dst, 0, sizeof(float) * K);
+            continue;
+        }
+        const uint16_t *src = w + (int64_t)(n0 + r) * K;
+        int k = 0;
+#ifdef __AVX2__
+        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, load8_bf16(src + k));
+#endif
+        for (; k < K; k++) dst[k] = bf16_to_f32(src[k]);
+    }
+}
+
+/* y (M, N) = x (M, K) @ w (N, K).T + bias (N,) or NULL; x, bias, y float32, w bfloat16. Few rows
+ * stream the weight once per row of x at half float32's bytes; more rows widen TILE_N weight
+ * rows at a time into L1 and reuse them for every row (tile_matmul). The caller takes torch's
+ * GEMM on a widened copy from about 64 rows, where the arithmetic, not the weight, is the cost.
+ * Returns 0, or -1 when a thread cannot get its scratch tile. */
+int tern_bf16w_linear(const float *x, const uint16_t *w, const float *bias, float *y, int M, int N,
+                      int K) {
+    if (M < GEMV_MAX_M) {
+#pragma omp parallel for schedule(static)
+        for (int n = 0; n < N; n++)
+            for (int m = 0; m < M; m++)
+                y[(int64_t)m * N + n] =
+                    dot_bf16w(x + (int64_t)m * K, w + (int64_t)n * K, K) + (bias ? bias[n] : 0.f);
+        return 0;
+    }
+    int num_tiles = (N + TILE_N - 1) / TILE_N;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *wf = (float *)malloc(sizeof(float) * TILE_N * (size_t)K);
+        if (wf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int t = 0; t < num_tiles; t++) {
+            if (wf == NULL) continue;
+            int n0 = t * TILE_N;
+            int nt = N - n0 < TILE_N ? N - n0 : TILE_N;
+            widen_tile(w, n0, nt, K, wf);
+            tile_matmul(x, wf, M, K, n0, nt, N, bias, y);
+        }
+        free(wf);
+    }
+    return failed ? -1 : 0;
+}

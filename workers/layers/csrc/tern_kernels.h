@@ -1,0 +1,124 @@
+/* tern's CPU kernels: the one contract between the C sources and workers/layers/native.py.
+ *
+ * Every exported function is declared between TERN_EXPORTS_BEGIN and TERN_EXPORTS_END, one
+ * declaration per statement; native.py reads that block to declare the functions' ctypes
+ * signatures (void, int, int64_t, float, double and pointers only), so a prototype changed here
+ * is a signature changed there. The structs the fused decode layer takes are mirrored by ctypes
+ * Structures whose sizes native.py checks against tern_struct_sizes() at load.
+ *
+ * The sources are compiled once per instruction-set tier (native.py: baseline, avx2, avx512,
+ * avx512_bf16, amx); each file keeps its tiers side by side behind the helpers of simd.h, and a
+ * build without an instruction still exports every function (returning "unavailable" where the
+ * kernel needs it). Threads: OpenMP, the runtime torch already loaded, so torch.set_num_threads
+ * governs these loops too.
+ */
+#ifndef TERN_KERNELS_H
+#define TERN_KERNELS_H
+#include <stdint.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------- shared structs */
+
+/* A linear layer's weight: bfloat16 (n, k) with scale NULL, or int8 (n, k) with float32 scales. */
+typedef struct {
+    const void *weight;
+    const float *scale;
+    const uint16_t *bias; /* (n,) or NULL */
+    int n, k;
+} TernLinear;
+
+/* What stays fixed between steps: weights, norms, rotary tables, this layer's KV cache. */
+typedef struct {
+    TernLinear qkv, o, gate_up, down;
+    const uint16_t *input_norm, *post_norm;
+    float eps, attn_scale;
+    int hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    const float *cos_cache, *sin_cache;
+    int64_t num_positions;
+    void *k_cache, *v_cache;
+    int64_t num_slots;
+    int block_size;
+    /* tensor parallelism: the TP group's shared-memory segment (shm_collectives.py), or tp_size 1 */
+    char *shm;
+    int tp_rank, tp_size;
+    int64_t shm_slot_bytes;
+    double shm_timeout_s;
+} TernDecodeLayer;
+
+/* What one step shares across its layers: its sequences and scratch rows for every stage. */
+typedef struct {
+    int num_tokens;
+    const int64_t *positions, *slots;
+    const int32_t *block_tables, *context_lens;
+    int64_t table_stride;
+    uint16_t *normed, *qkv, *q, *attn, *attn_out, *gate_up, *act;
+} TernDecodeStep;
+
+/* ---------------------------------------------------------------- bfloat16 scalars */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* f rounded to the nearest bfloat16, as a float: what a torch op on bfloat16 tensors returns. */
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* ---------------------------------------------------------------- exported functions */
+/* TERN_EXPORTS_BEGIN */
+
+/* info.c: the ABI version, the tier this library was compiled for ("avx2", ...), and the sizes
+ * of TernLinear, TernDecodeLayer, TernDecodeStep written to sizes[0..2]. */
+int tern_abi_version(void);
+const char *tern_compiled_tier(void);
+void tern_struct_sizes(int64_t *sizes);
+
+/* attention.c: q, out (B, H, D) float32 (io_is_bf16 = 0) or bfloat16 (1); k_cache, v_cache
+ * (num_slots, Hkv, D) float32 or bfloat16; see the definition. */
+int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache, const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens, void *out, int B, int H, int Hkv, int D, int block_size, float scale, int kv_is_bf16, int io_is_bf16, const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride, const int64_t *slots, int64_t num_slots);
+
+/* linear_f32.c: y (M, N) = x (M, K) @ w (N, K).T + bias, float32 arithmetic; w float32, or
+ * bfloat16-stored (bf16w) widened to float32 in registers. */
+int tern_f32_linear(const float *x, const float *w, const float *bias, float *y, int M, int N, int K);
+int tern_bf16w_linear(const float *x, const uint16_t *w, const float *bias, float *y, int M, int N, int K);
+
+/* linear_int8.c: int8 weights with per-row float32 scales. */
+int tern_int8_linear(const float *x, const int8_t *w, const float *scale, const float *bias, float *y, int M, int N, int K);
+int tern_int8_linear_bf16(const uint16_t *x, const int8_t *w, const float *scale, const uint16_t *bias, uint16_t *y, int M, int N, int K);
+void tern_int8_dequantize(const int8_t *w, const float *scale, float *out, int N, int K);
+
+/* linear_bf16.c: bfloat16 activations and weights, float32 accumulation. */
+int tern_bf16_gemv_available(void);
+int tern_bf16_gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N, int K);
+int tern_bf16_amx_max_rows(void);
+int tern_bf16_amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N, int K);
+int tern_int8_amx_linear_bf16(const uint16_t *x, const int8_t *w, const float *scale, const uint16_t *bias, uint16_t *y, int M, int N, int K);
+
+/* elementwise.c */
+void tern_rms_norm(const float *x, const float *res, float *res_out, const float *w, float *out, int T, int D, float eps);
+void tern_rms_norm_bf16(const uint16_t *x, const uint16_t *res, uint16_t *res_out, const uint16_t *w, uint16_t *out, int T, int D, float eps);
+int tern_rotary_neox(float *q, int64_t q_stride, float *k, int64_t k_stride, const int64_t *positions, int64_t num_positions, const float *cos_cache, const float *sin_cache, int T, int H, int Hkv, int D);
+int tern_rotary_neox_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_stride, const int64_t *positions, int64_t num_positions, const float *cos_cache, const float *sin_cache, int T, int H, int Hkv, int D);
+void tern_silu_and_mul(const float *x, float *out, int T, int I);
+void tern_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I);
+void tern_apply_token_bitmask(float *logits, int64_t row_stride, const int32_t *bitmask, int64_t words_per_row, const int64_t *rows, int n_rows, int vocab);
+
+/* collectives.c: all-reduce and all-gather among the TP ranks of one host. */
+int64_t tern_shm_header_bytes(void);
+int tern_shm_all_reduce(char *seg, int rank, int world, int64_t seq, int64_t slot_bytes, void *x, int64_t n, int is_bf16, double timeout_s);
+int tern_shm_all_gather(char *seg, int rank, int world, int64_t seq, int64_t slot_bytes, const void *x, int64_t nbytes, void *out, double timeout_s);
+
+/* decode_layer.c: one Llama-style decoder layer of a decode step. */
+int tern_decode_layer_bf16(const TernDecodeLayer *L, const TernDecodeStep *S, const uint16_t *x, const uint16_t *residual, uint16_t *out, uint16_t *res_out, int64_t seq);
+
+/* TERN_EXPORTS_END */
+#endif
