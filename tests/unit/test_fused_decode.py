@@ -1,7 +1,9 @@
-"""The fused decoder layer of small bfloat16 decode steps (csrc/decode_layer.c) against the module-by-module
-path: the same logprobs bit for bit, for bfloat16 and int8 weights, Llama and Qwen2 (q/k/v bias),
-decode steps of one to five sequences (the few-row kernel, and AMX where the CPU has it), after
-prompts and chunked prefills."""
+"""The fused decoder layer of small decode steps (csrc/decode_layer.c) against the module-by-module
+path: the same logprobs bit for bit, on every kernel tier this CPU runs, for `--dtype bfloat16`
+(bfloat16 activations on AVX512-BF16 tiers; float32 activations with bfloat16-stored weights on the
+others) and `--dtype float32`, unquantized and int8, Llama and Qwen2 (q/k/v bias), decode steps of
+one to five sequences (the few-row kernels, and AMX where the CPU has it), after prompts and
+chunked prefills."""
 
 from __future__ import annotations
 
@@ -17,17 +19,16 @@ from workers.layers import native
 from workers.layers.fused_decode import FusedDecodeLayer
 from workers.model_runner import ModelRunner
 
-# Every test runs once per kernel tier this CPU runs; tiers without AVX512-BF16 must say why the
-# layers are not fused.
+# Every test runs once per kernel tier this CPU runs.
 pytestmark = [
     pytest.mark.skipif(native.load() is None, reason="no C compiler"),
     pytest.mark.usefixtures("kernel_tier"),
 ]
 
 
-def _runner(model_dir: Path, quantization: str | None) -> ModelRunner:
+def _runner(model_dir: Path, quantization: str | None, dtype: str) -> ModelRunner:
     config = Config(
-        model=ModelConfig(path=str(model_dir), dtype="bfloat16", quantization=quantization),
+        model=ModelConfig(path=str(model_dir), dtype=dtype, quantization=quantization),
         cache=CacheConfig(block_size=4, num_gpu_blocks_override=256),
     )
     runner = ModelRunner(config)
@@ -36,18 +37,13 @@ def _runner(model_dir: Path, quantization: str | None) -> ModelRunner:
     return runner
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("quantization", [None, "int8"])
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
 def test_fused_layer_is_bit_identical_to_the_modules(
-    arch: str, quantization: str | None, request: pytest.FixtureRequest, monkeypatch
+    arch: str, quantization: str | None, dtype: str, request: pytest.FixtureRequest, monkeypatch
 ) -> None:
     model_dir = request.getfixturevalue(arch)
-    if native.bf16_gemv_max_rows() < 2:
-        runner = _runner(model_dir, quantization)
-        reason = runner.model.model.layers[0].fused_decode.off_reason()
-        assert reason is not None and "AVX512-BF16" in reason
-        assert f"fused decode layer: off, reason: {reason}" in runner.kernel_report()
-        return
     prompts = make_prompts(1000)[:5]
     params = SamplingParams(temperature=0.0, seed=1, max_tokens=16)
     # Staggered arrivals, later prompts prefilled in chunks beside the running decodes: decode-only
@@ -63,17 +59,18 @@ def test_fused_layer_is_bit_identical_to_the_modules(
         return out
 
     monkeypatch.setattr(FusedDecodeLayer, "__call__", counting)
-    fused = run(_runner(model_dir, quantization), prompts, params, arrival_steps=arrivals,
+    fused = run(_runner(model_dir, quantization, dtype), prompts, params, arrival_steps=arrivals,
                 chunk_size=5)  # fmt: skip
     sizes = set(fused_calls) - {None}
     assert {1, 2} <= sizes, "decode steps of one and two sequences took the fused path"
-    if native.bf16_amx_max_rows() >= 3:
-        assert max(sizes) >= 3, "and larger ones, on AMX"
+    bf16_activations = _runner(model_dir, quantization, dtype).dtype == torch.bfloat16
+    if not bf16_activations or native.bf16_amx_max_rows() >= 3:
+        assert max(sizes) >= 3, "and larger ones (float32, or AMX)"
     assert None in fused_calls  # prefill steps did not
-    assert "fused decode layer: on" in _runner(model_dir, quantization).kernel_report()
+    assert "fused decode layer: on" in _runner(model_dir, quantization, dtype).kernel_report()
 
     monkeypatch.setattr(FusedDecodeLayer, "__call__", lambda self, x, residual, meta: None)
-    unfused = run(_runner(model_dir, quantization), prompts, params, arrival_steps=arrivals,
+    unfused = run(_runner(model_dir, quantization, dtype), prompts, params, arrival_steps=arrivals,
                   chunk_size=5)  # fmt: skip
     for req_id, r in unfused.items():
         assert fused[req_id].output == r.output
@@ -82,7 +79,7 @@ def test_fused_layer_is_bit_identical_to_the_modules(
 
 
 def test_layers_outside_the_fused_path_say_so(tiny_qwen3) -> None:
-    """q/k norm (Qwen3) and float32 keep the module path."""
+    """q/k norm (Qwen3) keeps the module path, and the start-up report says why."""
     for dtype in ("bfloat16", "float32"):
         config = Config(
             model=ModelConfig(path=str(tiny_qwen3), dtype=dtype),
@@ -91,5 +88,6 @@ def test_layers_outside_the_fused_path_say_so(tiny_qwen3) -> None:
         runner = ModelRunner(config)
         runner.load_model()
         runner.init_kv_cache(64)
-        layer = runner.model.model.layers[0]
-        assert layer.fused_decode.off_reason() is not None
+        reason = runner.model.model.layers[0].fused_decode.off_reason()
+        assert reason is not None and "not Llama-style" in reason
+        assert f"fused decode layer: off, reason: {reason}" in runner.kernel_report()

@@ -5,13 +5,14 @@ this 2-core machine) is most of what is left besides reading the weights.
 A model hands its layer over as a `DecodeLayerSpec`: the public parts the native layer reads
 (the four linears, the two norms, the attention with its KV cache, the rotary tables), so this
 module knows no model class. A layer takes the fused path only where the unfused one would run
-exactly these kernels, so its output is bit for bit the same: kernels with AVX512-BF16, bfloat16
-activations and KV cache on the CPU, a layer unsharded or tensor-parallel within one host (the two
-all-reduces then run in the native call, on the shared-memory segment of shm_collectives.py),
-Llama-style (no q/k norm, SiLU gate), bfloat16 or int8 linears, and a step whose tokens are all
-single-token decodes, at most `max_rows()` of them (the rows tern's few-row bfloat16 kernels take:
-2, or 32 with AMX). Everything else returns None and runs module by module; `off_reason` says
-why a layer does not qualify (the start-up log shows it).
+exactly these kernels, so its output is bit for bit the same: the kernels on, activations and KV
+cache on the CPU in bfloat16 (kernels with AVX512-BF16; bfloat16 or int8 weights) or float32 (any
+tier; float32, bfloat16-stored or int8 weights), a layer unsharded or tensor-parallel within one
+host (the two all-reduces then run in the native call, on the shared-memory segment of
+shm_collectives.py), Llama-style (no q/k norm, SiLU gate), and a step whose tokens are all
+single-token decodes, at most `max_rows(dtype)` of them (the rows tern's few-row kernels take:
+bfloat16 2, or 32 with AMX; float32 63). Everything else returns None and runs module by module;
+`off_reason` says why a layer does not qualify (the start-up log shows it).
 
 The layer's fixed part (weights, norms, rotary tables, its KV cache) is one ctypes struct
 (kernel_library.TernDecodeLayer, checked against tern_kernels.h at load), rebuilt whenever one of
@@ -30,7 +31,7 @@ import torch
 from workers.layers import native
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.kernel_library import TernDecodeLayer, TernDecodeStep, TernLinear
-from workers.layers.linear import LinearBase
+from workers.layers.linear import NATIVE_F32_MAX_ROWS, LinearBase
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
 
@@ -52,7 +53,10 @@ class DecodeLayerSpec:
     silu_gate: bool  # the MLP's activation is SiLU(gate) * up
 
 
-def max_rows() -> int:
+def max_rows(dtype: torch.dtype) -> int:
+    """Rows of the largest decode step the fused layer takes in activations of `dtype`."""
+    if dtype == torch.float32:
+        return NATIVE_F32_MAX_ROWS
     return max(native.bf16_gemv_max_rows(), native.bf16_amx_max_rows())
 
 
@@ -67,12 +71,14 @@ class StepBuffers:
     """One step's inputs to the fused layers, and scratch rows of `widths`. Lives on the step's
     AttentionMetadata, which also holds the input tensors the struct points at."""
 
-    def __init__(self, meta: AttentionMetadata, widths: tuple[int, ...]) -> None:
+    def __init__(
+        self, meta: AttentionMetadata, widths: tuple[int, ...], dtype: torch.dtype
+    ) -> None:
         d = meta.decode
         t = d.q_tokens.numel()
-        self.widths = widths
+        self.key = (widths, dtype)
         # NOTE: the tensors are kept on self: the struct holds their addresses only.
-        self._scratch = [torch.empty(t, w, dtype=torch.bfloat16) for w in widths]
+        self._scratch = [torch.empty(t, w, dtype=dtype) for w in widths]
         self.struct = TernDecodeStep(
             t, meta.positions.data_ptr(), meta.slot_mapping.data_ptr(),
             d.block_tables.data_ptr(), d.context_lens.data_ptr(), d.block_tables.stride(0),
@@ -89,6 +95,7 @@ class FusedDecodeLayer:
         self._fixed: TernDecodeLayer | None = None
         self._off_reason = "not built yet"
         self._widths: tuple[int, ...] = ()  # _scratch_widths(self._fixed)
+        self._dtype = torch.float32  # the activations' (and KV cache's), once built
 
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
@@ -98,23 +105,26 @@ class FusedDecodeLayer:
         if (
             d is None
             or not d.is_whole_batch
-            or x.dtype != torch.bfloat16
             or x.dim() != 2
-            or x.size(0) > max_rows()
+            or x.size(0) > max_rows(x.dtype)
             or not x.is_contiguous()
             or (residual is not None and not residual.is_contiguous())
         ):
             return None
         fixed = self._fixed_struct()
-        if fixed is None:
+        if fixed is None or x.dtype != self._dtype:
             return None
         step = meta.native_step
-        if step is None or step.widths != self._widths:
-            step = meta.native_step = StepBuffers(meta, self._widths)
+        if step is None or step.key != (self._widths, x.dtype):
+            step = meta.native_step = StepBuffers(meta, self._widths, x.dtype)
         out, res_out = torch.empty_like(x), torch.empty_like(x)
         shm = self.spec.qkv.ctx.tp_shm
         seq = shm.take_sequence_numbers(2) if fixed.tp_size > 1 else 0
-        rc = native.load().tern_decode_layer_bf16(
+        lib = native.load()
+        entry = (
+            lib.tern_decode_layer_bf16 if x.dtype == torch.bfloat16 else lib.tern_decode_layer_f32
+        )
+        rc = entry(
             ctypes.byref(fixed), ctypes.byref(step.struct), x.data_ptr(),
             residual.data_ptr() if residual is not None else None, out.data_ptr(),
             res_out.data_ptr(), seq,
@@ -148,32 +158,36 @@ class FusedDecodeLayer:
         )
         if key != self._key:
             (self._fixed, self._off_reason), self._key = _build_fixed(spec), key
+            self._dtype = spec.attention.kv_cache.dtype
             self._widths = _scratch_widths(self._fixed) if self._fixed is not None else ()
         return self._fixed
 
 
-def _linear(lin: LinearBase, row_parallel: bool = False) -> TernLinear | None:
-    """The struct of a linear the unfused path would run on the few-row kernels, else None.
-    Row-parallel layers add their bias on TP rank 0 only (before the all-reduce)."""
+def _linear(lin: LinearBase, dtype: torch.dtype, row_parallel: bool = False) -> TernLinear | None:
+    """The struct of a linear the unfused path would run on the few-row kernels in activations of
+    `dtype`, else None. Row-parallel layers add their bias on TP rank 0 only (before the
+    all-reduce)."""
     bias = None if row_parallel and lin.ctx.tp_rank != 0 else lin.bias
-    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+    if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return None
     bias_ptr = bias.data_ptr() if bias is not None else None
-    if lin.quant is None:
-        w = lin.weight
-        if lin.packed_weight is None or w.dtype != torch.bfloat16 or not w.is_contiguous():
+    if lin.quant == "int8":
+        w, scale = lin.int8_views()
+        if not (w.is_contiguous() and scale.is_contiguous() and scale.dtype == torch.float32):
             return None
-        if max_rows() > native.bf16_gemv_max_rows() and not native.amx_fits(
-            max_rows(), w.size(0), w.size(1)
-        ):
-            return None  # dense_linear would take oneDNN for some row counts
-        return TernLinear(w.data_ptr(), None, bias_ptr, w.size(0), w.size(1))
-    if lin.quant != "int8":
+        return TernLinear(w.data_ptr(), scale.data_ptr(), bias_ptr, w.size(0), w.size(1), 0)
+    w = lin.weight
+    if lin.quant is not None or not w.is_contiguous():
         return None
-    w, scale = lin.int8_views()
-    if not (w.is_contiguous() and scale.is_contiguous() and scale.dtype == torch.float32):
+    if dtype == torch.float32 and w.dtype in (torch.float32, torch.bfloat16):
+        bf16_weight = int(w.dtype == torch.bfloat16)  # bfloat16-stored: widened in registers
+        return TernLinear(w.data_ptr(), None, bias_ptr, w.size(0), w.size(1), bf16_weight)
+    if dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or lin.packed_weight is None:
         return None
-    return TernLinear(w.data_ptr(), scale.data_ptr(), bias_ptr, w.size(0), w.size(1))
+    rows = max_rows(dtype)
+    if rows > native.bf16_gemv_max_rows() and not native.amx_fits(rows, w.size(0), w.size(1)):
+        return None  # dense_linear would take oneDNN for some row counts
+    return TernLinear(w.data_ptr(), None, bias_ptr, w.size(0), w.size(1), 0)
 
 
 def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
@@ -181,23 +195,25 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
     a = spec.attention
     norms = (spec.input_norm, spec.post_norm)
     ctx = spec.qkv.ctx
+    dtype = a.kv_cache.dtype  # the activations'
     if native.load() is None:
         return None, "the kernels are off"
-    if native.bf16_gemv_max_rows() == 0:
-        return None, f"the {native.active_tier_name()} kernels have no AVX512-BF16 few-row linear"
-    if ctx.tp_size > 1 and (
-        ctx.tp_shm is None or max_rows() * norms[0].weight.numel() * 2 > ctx.tp_shm.slot_bytes
-    ):  # the all-reduces run in the native call: on the shared segment, rows of the largest step
-        return None, "no shared-memory segment for the tensor-parallel all-reduces"
     if spec.qk_norm or not spec.silu_gate:
         return None, "the layer is not Llama-style (q/k norms or another activation)"
-    if not a.uses_decode_kernel or a.kv_cache.dtype != torch.bfloat16:
-        return None, f"the activations and KV cache are {a.kv_cache.dtype}, not bfloat16"
-    if any(n.weight.dtype != torch.bfloat16 or n.eps != norms[0].eps for n in norms):
-        return None, "the norms are not bfloat16 with one eps"
+    if not a.uses_decode_kernel or dtype not in (torch.float32, torch.bfloat16):
+        return None, f"the KV cache is {dtype} or not on tern's decode kernel"
+    if dtype == torch.bfloat16 and native.bf16_gemv_max_rows() == 0:
+        return None, f"the {native.active_tier_name()} kernels have no AVX512-BF16 few-row linear"
+    if ctx.tp_size > 1 and (
+        ctx.tp_shm is None
+        or max_rows(dtype) * norms[0].weight.numel() * dtype.itemsize > ctx.tp_shm.slot_bytes
+    ):  # the all-reduces run in the native call: on the shared segment, rows of the largest step
+        return None, "no shared-memory segment for the tensor-parallel all-reduces"
+    if any(n.weight.dtype != dtype or n.eps != norms[0].eps for n in norms):
+        return None, f"the norms are not {dtype} with one eps"
     linears = [
-        _linear(spec.qkv), _linear(spec.o, row_parallel=True),
-        _linear(spec.gate_up), _linear(spec.down, row_parallel=True),
+        _linear(spec.qkv, dtype), _linear(spec.o, dtype, row_parallel=True),
+        _linear(spec.gate_up, dtype), _linear(spec.down, dtype, row_parallel=True),
     ]  # fmt: skip
     if any(x is None for x in linears):
         return None, "a linear layer is not on tern's few-row kernels"

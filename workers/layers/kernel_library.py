@@ -128,7 +128,10 @@ def choose_tier(setting: str | None, features: frozenset[str] | None = None) -> 
 
 
 class TernLinear(ctypes.Structure):
-    _fields_ = [("weight", _vp), ("scale", _vp), ("bias", _vp), ("n", _i32), ("k", _i32)]
+    _fields_ = [
+        ("weight", _vp), ("scale", _vp), ("bias", _vp), ("n", _i32), ("k", _i32),
+        ("bf16_weight", _i32),
+    ]  # fmt: skip
 
 
 class TernDecodeLayer(ctypes.Structure):

@@ -1,6 +1,9 @@
-/* One Llama-style decoder layer for a decode step of a few sequences (bfloat16 activations,
- * bfloat16 or int8 weights), in one call: at this size the layer's ten kernels take ~270 us and
- * the Python around them (module calls, wrappers, output tensors) another ~110 us per layer.
+/* One Llama-style decoder layer for a decode step of a few sequences, in one call: at this size
+ * the layer's ten kernels take ~270 us and the Python around them (module calls, wrappers, output
+ * tensors) another ~110 us per layer. Two entry points, one body:
+ * - bfloat16 activations and KV cache, bfloat16 or int8 weights (CPUs with AVX512-BF16);
+ * - float32 activations and KV cache, float32, bfloat16-stored or int8 weights (every CPU: what
+ *   AVX2-only machines run).
  * Each stage calls the same kernel the layer's modules call one by one (rms norm, few-row linear,
  * rotary, paged decode attention, SiLU-and-mul), in the same order, so the result is bit for bit
  * the unfused path's. fused_decode.py decides when a layer qualifies and fills the structs.
@@ -8,21 +11,32 @@
 #include <string.h>
 #include "tern_kernels.h"
 
-/* The kernel dense_linear (linear.py) picks for these rows: the few-row one, then AMX. */
-static int linear(const TernLinear *l, const uint16_t *x, uint16_t *y, int m) {
-    if (l->scale == NULL && m <= tern_bf16_gemv_available())
-        return tern_bf16_gemv(x, (const uint16_t *)l->weight, l->bias, y, m, l->n, l->k);
-    if (l->scale == NULL)
-        return tern_bf16_amx_linear(x, (const uint16_t *)l->weight, l->bias, y, m, l->n, l->k);
-    return tern_int8_linear_bf16(x, (const int8_t *)l->weight, l->scale, l->bias, y, m, l->n,
-                                 l->k);
+/* The kernel dense_linear / int8_matmul (linear.py, quantization.py) pick for these rows. */
+static int linear(const TernLinear *l, const void *x, void *y, int m, int bf16) {
+    if (l->scale != NULL)
+        return bf16 ? tern_int8_linear_bf16(x, l->weight, l->scale, l->bias, y, m, l->n, l->k)
+                    : tern_int8_linear(x, l->weight, l->scale, l->bias, y, m, l->n, l->k);
+    if (!bf16)
+        return l->bf16_weight ? tern_bf16w_linear(x, l->weight, l->bias, y, m, l->n, l->k)
+                              : tern_f32_linear(x, l->weight, l->bias, y, m, l->n, l->k);
+    if (m <= tern_bf16_gemv_available())
+        return tern_bf16_gemv(x, l->weight, l->bias, y, m, l->n, l->k);
+    return tern_bf16_amx_linear(x, l->weight, l->bias, y, m, l->n, l->k);
+}
+
+static void rms_norm(const void *x, const void *res, void *res_out, const void *w, void *out,
+                     int T, int D, float eps, int bf16) {
+    if (bf16)
+        tern_rms_norm_bf16(x, res, res_out, w, out, T, D, eps);
+    else
+        tern_rms_norm(x, res, res_out, w, out, T, D, eps);
 }
 
 /* The row-parallel projections' sum over the TP ranks, as ParallelContext.all_reduce. */
-static int all_reduce(const TernDecodeLayer *L, uint16_t *x, int T, int64_t seq) {
+static int all_reduce(const TernDecodeLayer *L, void *x, int T, int64_t seq, int bf16) {
     if (L->tp_size == 1) return 0;
     int rc = tern_shm_all_reduce(L->shm, L->tp_rank, L->tp_size, seq, L->shm_slot_bytes, x,
-                                 (int64_t)T * L->hidden, 1, L->shm_timeout_s);
+                                 (int64_t)T * L->hidden, bf16, L->shm_timeout_s);
     return rc == 0 ? 0 : rc == -1 ? -3 : -1;
 }
 
@@ -32,34 +46,51 @@ static int all_reduce(const TernDecodeLayer *L, uint16_t *x, int T, int64_t seq)
  * Returns 0; -1 when a kernel refuses the shapes, -2 for a position past the rotary tables or a
  * KV slot outside the cache (nothing is written to the cache in that case), -3 when a peer rank
  * did not reach an all-reduce in time. */
+static int decode_layer(const TernDecodeLayer *L, const TernDecodeStep *S, const void *x,
+                        const void *residual, void *out, void *res_out, int64_t seq, int bf16) {
+    int T = S->num_tokens, H = L->num_heads, Hkv = L->num_kv_heads, D = L->head_dim;
+    size_t elem = bf16 ? 2 : 4;
+    int64_t row = (int64_t)(H + 2 * Hkv) * D; /* one token's q, k and v in S->qkv */
+    if (residual == NULL) {
+        rms_norm(x, NULL, NULL, L->input_norm, S->normed, T, L->hidden, L->eps, bf16);
+        memcpy(res_out, x, elem * (size_t)T * L->hidden);
+    } else {
+        rms_norm(x, residual, res_out, L->input_norm, S->normed, T, L->hidden, L->eps, bf16);
+    }
+    if (linear(&L->qkv, S->normed, S->qkv, T, bf16) != 0) return -1;
+    char *qkv = (char *)S->qkv, *k = qkv + elem * H * D, *v = k + elem * Hkv * D;
+    int rc = bf16 ? tern_rotary_neox_bf16((uint16_t *)qkv, row, (uint16_t *)k, row, S->positions,
+                                          L->num_positions, L->cos_cache, L->sin_cache, T, H,
+                                          Hkv, D)
+                  : tern_rotary_neox((float *)qkv, row, (float *)k, row, S->positions,
+                                     L->num_positions, L->cos_cache, L->sin_cache, T, H, Hkv, D);
+    if (rc != 0) return -2;
+    for (int t = 0; t < T; t++) /* the attention kernel takes the queries contiguous */
+        memcpy((char *)S->q + elem * t * H * D, qkv + elem * t * row, elem * (size_t)H * D);
+    rc = tern_paged_decode_attention(S->q, L->k_cache, L->v_cache, S->block_tables,
+                                     S->table_stride, S->context_lens, S->attn, T, H, Hkv, D,
+                                     L->block_size, L->attn_scale, bf16, bf16, k, row, v, row,
+                                     S->slots, L->num_slots);
+    if (rc != 0) return rc == -2 ? -2 : -1;
+    if (linear(&L->o, S->attn, S->attn_out, T, bf16) != 0) return -1;
+    if ((rc = all_reduce(L, S->attn_out, T, seq, bf16)) != 0) return rc;
+    rms_norm(S->attn_out, res_out, res_out, L->post_norm, S->normed, T, L->hidden, L->eps, bf16);
+    if (linear(&L->gate_up, S->normed, S->gate_up, T, bf16) != 0) return -1;
+    if (bf16)
+        tern_silu_and_mul_bf16(S->gate_up, S->act, T, L->intermediate);
+    else
+        tern_silu_and_mul(S->gate_up, S->act, T, L->intermediate);
+    if (linear(&L->down, S->act, out, T, bf16) != 0) return -1;
+    return all_reduce(L, out, T, seq + 1, bf16);
+}
+
 int tern_decode_layer_bf16(const TernDecodeLayer *L, const TernDecodeStep *S, const uint16_t *x,
                            const uint16_t *residual, uint16_t *out, uint16_t *res_out,
                            int64_t seq) {
-    int T = S->num_tokens, H = L->num_heads, Hkv = L->num_kv_heads, D = L->head_dim;
-    int64_t row = (int64_t)(H + 2 * Hkv) * D; /* one token's q, k and v in S->qkv */
-    if (residual == NULL) {
-        tern_rms_norm_bf16(x, NULL, NULL, L->input_norm, S->normed, T, L->hidden, L->eps);
-        memcpy(res_out, x, sizeof(uint16_t) * (size_t)T * L->hidden);
-    } else {
-        tern_rms_norm_bf16(x, residual, res_out, L->input_norm, S->normed, T, L->hidden, L->eps);
-    }
-    if (linear(&L->qkv, S->normed, S->qkv, T) != 0) return -1;
-    uint16_t *k = S->qkv + (int64_t)H * D, *v = k + (int64_t)Hkv * D;
-    if (tern_rotary_neox_bf16(S->qkv, row, k, row, S->positions, L->num_positions, L->cos_cache,
-                              L->sin_cache, T, H, Hkv, D) != 0)
-        return -2;
-    for (int t = 0; t < T; t++) /* the attention kernel takes the queries contiguous */
-        memcpy(S->q + (int64_t)t * H * D, S->qkv + t * row, sizeof(uint16_t) * (size_t)H * D);
-    int rc = tern_paged_decode_attention(
-        S->q, L->k_cache, L->v_cache, S->block_tables, S->table_stride, S->context_lens, S->attn,
-        T, H, Hkv, D, L->block_size, L->attn_scale, 1, 1, k, row, v, row, S->slots, L->num_slots);
-    if (rc != 0) return rc == -2 ? -2 : -1;
-    if (linear(&L->o, S->attn, S->attn_out, T) != 0) return -1;
-    if ((rc = all_reduce(L, S->attn_out, T, seq)) != 0) return rc;
-    tern_rms_norm_bf16(S->attn_out, res_out, res_out, L->post_norm, S->normed, T, L->hidden,
-                       L->eps);
-    if (linear(&L->gate_up, S->normed, S->gate_up, T) != 0) return -1;
-    tern_silu_and_mul_bf16(S->gate_up, S->act, T, L->intermediate);
-    if (linear(&L->down, S->act, out, T) != 0) return -1;
-    return all_reduce(L, out, T, seq + 1);
+    return decode_layer(L, S, x, residual, out, res_out, seq, 1);
+}
+
+int tern_decode_layer_f32(const TernDecodeLayer *L, const TernDecodeStep *S, const float *x,
+                          const float *residual, float *out, float *res_out, int64_t seq) {
+    return decode_layer(L, S, x, residual, out, res_out, seq, 0);
 }

@@ -69,13 +69,30 @@ int tern_rotary_neox(float *q, int64_t q_stride, float *k, int64_t k_stride,
     return 0;
 }
 
-/* x (T, 2I) = [gate | up] -> out (T, I) = silu(gate) * up, silu(g) = g / (1 + exp(-g)). */
+/* x (T, 2I) = [gate | up] -> out (T, I) = silu(gate) * up, silu(g) = g / (1 + exp(-g)), the
+ * sigmoid from e = exp(-|g|), which cannot overflow: 1 / (1 + e) for g >= 0, e / (1 + e) below.
+ * Vectorised, so one kernel serves every row count (the fused decode layer and the module path
+ * then agree bit for bit at any batch). */
 void tern_silu_and_mul(const float *x, float *out, int T, int I) {
-#pragma omp parallel for schedule(static) if (T * I >= 65536)
+#pragma omp parallel for schedule(static) if ((int64_t)T * I >= 16384)
     for (int t = 0; t < T; t++) {
         const float *g = x + (int64_t)t * 2 * I, *u = g + I;
         float *o = out + (int64_t)t * I;
-        for (int i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        int i = 0;
+#ifdef __AVX2__
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 e = exp_nonpositive(_mm256_sub_ps(zero, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), gv)));
+            __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(gv, zero, _CMP_GE_OQ));
+            __m256 silu = _mm256_mul_ps(gv, _mm256_div_ps(num, _mm256_add_ps(one, e)));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) {
+            float e = expf(-fabsf(g[i]));
+            o[i] = g[i] * ((g[i] >= 0.f ? 1.f : e) / (1.f + e)) * u[i];
+        }
     }
 }
 

@@ -19,18 +19,22 @@
 
 /* ---------------------------------------------------------------- shared structs */
 
-/* A linear layer's weight: bfloat16 (n, k) with scale NULL, or int8 (n, k) with float32 scales. */
+/* A linear layer's weight (n, k): int8 with float32 scales (scale != NULL); else in the
+ * activations' dtype, or bfloat16-stored under float32 activations (bf16_weight). The bias (n,),
+ * or NULL, is in the activations' dtype. */
 typedef struct {
     const void *weight;
     const float *scale;
-    const uint16_t *bias; /* (n,) or NULL */
+    const void *bias;
     int n, k;
+    int bf16_weight;
 } TernLinear;
 
-/* What stays fixed between steps: weights, norms, rotary tables, this layer's KV cache. */
+/* What stays fixed between steps: weights, norms, rotary tables, this layer's KV cache (norms and
+ * cache in the activations' dtype). */
 typedef struct {
     TernLinear qkv, o, gate_up, down;
-    const uint16_t *input_norm, *post_norm;
+    const void *input_norm, *post_norm;
     float eps, attn_scale;
     int hidden, num_heads, num_kv_heads, head_dim, intermediate;
     const float *cos_cache, *sin_cache;
@@ -45,13 +49,14 @@ typedef struct {
     double shm_timeout_s;
 } TernDecodeLayer;
 
-/* What one step shares across its layers: its sequences and scratch rows for every stage. */
+/* What one step shares across its layers: its sequences and scratch rows (in the activations'
+ * dtype) for every stage. */
 typedef struct {
     int num_tokens;
     const int64_t *positions, *slots;
     const int32_t *block_tables, *context_lens;
     int64_t table_stride;
-    uint16_t *normed, *qkv, *q, *attn, *attn_out, *gate_up, *act;
+    void *normed, *qkv, *q, *attn, *attn_out, *gate_up, *act;
 } TernDecodeStep;
 
 /* ---------------------------------------------------------------- bfloat16 scalars */
@@ -117,8 +122,9 @@ int64_t tern_shm_header_bytes(void);
 int tern_shm_all_reduce(char *seg, int rank, int world, int64_t seq, int64_t slot_bytes, void *x, int64_t n, int is_bf16, double timeout_s);
 int tern_shm_all_gather(char *seg, int rank, int world, int64_t seq, int64_t slot_bytes, const void *x, int64_t nbytes, void *out, double timeout_s);
 
-/* decode_layer.c: one Llama-style decoder layer of a decode step. */
+/* decode_layer.c: one Llama-style decoder layer of a decode step, bfloat16 or float32. */
 int tern_decode_layer_bf16(const TernDecodeLayer *L, const TernDecodeStep *S, const uint16_t *x, const uint16_t *residual, uint16_t *out, uint16_t *res_out, int64_t seq);
+int tern_decode_layer_f32(const TernDecodeLayer *L, const TernDecodeStep *S, const float *x, const float *residual, float *out, float *res_out, int64_t seq);
 
 /* TERN_EXPORTS_END */
 #endif
