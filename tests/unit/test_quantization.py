@@ -77,9 +77,17 @@ def test_int8_matmul_backends(backend: str, num_rows: int) -> None:
     with use_tier(tier or "off"):
         y = quantization.int8_matmul(x, q, scale, bias, backend)
         y3 = quantization.int8_matmul(x.view(1, num_rows, 72), q, scale, None, backend)
-    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+    if backend == "native" and num_rows < 4:
+        # few rows: x quantized to int16 per row (csrc/linear_int8.c), within half a step of
+        # max|x| / 32767 per value, exact integer products after that
+        step = x.abs().amax(1, keepdim=True) / 32767
+        bound = 0.5 * step * (q.float().abs() * scale[:, None]).sum(1) + 1e-5 * expected.abs()
+        assert ((y - expected).abs() <= bound + 1e-6).all()
+        assert ((y3.view(num_rows, 45) - (expected - bias)).abs() <= bound + 1e-6).all()
+    else:
+        torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(y3.view(num_rows, 45), expected - bias, atol=1e-4, rtol=1e-4)
     assert _rel_err(y, F.linear(x, w, bias)) < 0.02
-    torch.testing.assert_close(y3.view(num_rows, 45), expected - bias, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("num_rows", [1, 3, 9])

@@ -1,7 +1,9 @@
 /* Weight-only int8 linear: y = x @ (w * scale[:, None]).T + bias with int8 weights and one
- * float32 scale per output row. Few rows convert the weights in registers (AVX-512 and AVX2 loops
- * side by side); more rows dequantize a tile at a time into L1 for tile_matmul.
+ * float32 scale per output row. Few rows multiply them in 16-bit integers with the rows of x
+ * quantized to int16 (AVX2, and a scalar loop); more rows dequantize a tile at a time into L1 for
+ * tile_matmul, in float32.
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include "linear_tiles.h"
@@ -31,92 +33,80 @@ static void dequant_tile(const int8_t *w, const float *scale, int n0, int nt, in
 
 
 
-/* Few activation rows: convert the int8 weights in registers and FMA them directly (the scale is
- * applied once per output); no scratch tile, each weight byte is read once per row of x. */
-static void gemv_rows(const float *x, const int8_t *w, const float *scale, const float *bias,
-                      float *y, int M, int N, int K, int n0) {
-    int nt = N - n0 < GEMV_ROWS ? N - n0 : GEMV_ROWS;
-    for (int m = 0; m < M; m++) {
-        const float *xm = x + (int64_t)m * K;
-        float sums[GEMV_ROWS] = {0};
-        int k = 0;
-#if defined(__AVX512F__)
-        if (nt == GEMV_ROWS) { /* four rows at a time: each 16 features of x loaded once */
-            for (int r = 0; r < GEMV_ROWS; r += 4) {
-                const int8_t *w0 = w + (int64_t)(n0 + r) * K, *w1 = w0 + K, *w2 = w1 + K,
-                             *w3 = w2 + K;
-                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                int kk = 0;
-                for (; kk + 16 <= K; kk += 16) {
-                    __m512 xv = _mm512_loadu_ps(xm + kk);
-                    if ((kk & 63) == 0) { /* 16 rows ahead: 4 streams outrun the prefetcher */
-                        __builtin_prefetch(w0 + 16 * (int64_t)K + kk);
-                        __builtin_prefetch(w1 + 16 * (int64_t)K + kk);
-                        __builtin_prefetch(w2 + 16 * (int64_t)K + kk);
-                        __builtin_prefetch(w3 + 16 * (int64_t)K + kk);
-                    }
-#define TERN_I8x16(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
-                    a0 = _mm512_fmadd_ps(xv, TERN_I8x16(w0 + kk), a0);
-                    a1 = _mm512_fmadd_ps(xv, TERN_I8x16(w1 + kk), a1);
-                    a2 = _mm512_fmadd_ps(xv, TERN_I8x16(w2 + kk), a2);
-                    a3 = _mm512_fmadd_ps(xv, TERN_I8x16(w3 + kk), a3);
-#undef TERN_I8x16
-                }
-                float s[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),
-                              _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)};
-                for (int i = 0; i < 4; i++) {
-                    const int8_t *wr = w0 + (int64_t)i * K;
-                    for (int kt = kk; kt < K; kt++) s[i] += xm[kt] * (float)wr[kt];
-                    sums[r + i] = s[i];
-                }
-            }
-            k = K;
+/* Few activation rows: x is quantized to int16 (one scale per row: max|x| / 32767, an error below
+ * 2e-5 of the row's largest value, finer than bfloat16's 4e-3) and multiplied with the int8
+ * weights in 16-bit integer pairs (vpmaddwd): per 16 weights one widening, one multiply-add and one
+ * add, half the work of widening them to float32 and using FMAs, which made this loop the limit
+ * rather than memory (AVX2: 13.8 GB/s of weights at one row). Integer sums are exact; they are
+ * moved to float every FLUSH_K values of k, before any int32 lane could overflow
+ * (2 * 127 * 32767 * FLUSH_K / 16 < 2^31). */
+#define FLUSH_K 2048
+
+/* xq (K,) int16 . wr (K,) int8, exactly, as a float sum of exact int32 partial sums. */
+static inline float dot_i16_i8(const int16_t *xq, const int8_t *wr, int K) {
+    float total = 0.f;
+    for (int k0 = 0; k0 < K; k0 += FLUSH_K) {
+        int k1 = K - k0 < FLUSH_K ? K : k0 + FLUSH_K, k = k0;
+        int32_t part = 0;
+#ifdef __AVX2__
+        __m256i acc = _mm256_setzero_si256();
+        for (; k + 16 <= k1; k += 16) {
+            __m256i w16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + k)));
+            acc = _mm256_add_epi32(
+                acc, _mm256_madd_epi16(w16, _mm256_loadu_si256((const __m256i *)(xq + k))));
         }
-#elif defined(__AVX2__)
-        if (nt == GEMV_ROWS) {
-            for (int r = 0; r < GEMV_ROWS; r++) {
-                const int8_t *wr = w + (int64_t)(n0 + r) * K;
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                int kk = 0;
-                for (; kk + 32 <= K; kk += 32) {
-                    __m256i b = _mm256_loadu_si256((const __m256i *)(wr + kk));
-                    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + kk),
-                                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), a0);
-                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + kk + 8),
-                                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), a1);
-                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + kk + 16),
-                                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), a2);
-                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + kk + 24),
-                                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), a3);
-                }
-                float s0 = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-                for (; kk < K; kk++) s0 += xm[kk] * (float)wr[kk];
-                sums[r] = s0;
-            }
-            k = K;
-        }
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+        part = _mm_cvtsi128_si32(h);
 #endif
-        for (int r = 0; r < nt; r++) {
-            const int8_t *wr = w + (int64_t)(n0 + r) * K;
-            float s0 = sums[r];
-            for (int kk = k; kk < K; kk++) s0 += xm[kk] * (float)wr[kk];
-            y[(int64_t)m * N + n0 + r] = s0 * scale[n0 + r] + (bias ? bias[n0 + r] : 0.f);
+        for (; k < k1; k++) part += (int32_t)xq[k] * wr[k];
+        total += (float)part;
+    }
+    return total;
+}
+
+/* Row m of x (K,) as int16 in xq, returning its scale. */
+static float quantize_row_i16(const float *x, int16_t *xq, int K) {
+    float amax = 0.f;
+    for (int k = 0; k < K; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
+    if (amax == 0.f) {
+        memset(xq, 0, sizeof(int16_t) * (size_t)K);
+        return 0.f;
+    }
+    float inv = 32767.f / amax;
+    for (int k = 0; k < K; k++) xq[k] = (int16_t)lrintf(x[k] * inv);
+    return amax / 32767.f;
+}
+
+/* Outputs [n0, n0 + GEMV_ROWS) of every row of x, from x quantized (xq (M, K), xs (M,)). */
+static void gemv_rows(const int16_t *xq, const float *xs, const int8_t *w, const float *scale,
+                      const float *bias, float *y, int M, int N, int K, int n0) {
+    int nt = N - n0 < GEMV_ROWS ? N - n0 : GEMV_ROWS;
+    for (int r = 0; r < nt; r++) {
+        const int8_t *wr = w + (int64_t)(n0 + r) * K;
+        __builtin_prefetch(wr + (int64_t)GEMV_ROWS * K); /* the next tile's row, a few ahead */
+        for (int m = 0; m < M; m++) {
+            float dot = dot_i16_i8(xq + (int64_t)m * K, wr, K);
+            y[(int64_t)m * N + n0 + r] = dot * xs[m] * scale[n0 + r] + (bias ? bias[n0 + r] : 0.f);
         }
     }
 }
 
-/* Below this many activation rows the int8 weights are converted in registers (gemv_rows);
- * from it on a tile of rows is dequantized once into L1 and reused by every row (tile_matmul). */
-
 /* x (M, K) float32, w (N, K) int8, scale (N,) float32, bias (N,) float32 or NULL -> y (M, N).
- * Returns 0, or -1 when a thread cannot get its scratch tile. */
+ * Returns 0, or -1 when there is no memory for a scratch tile or the quantized rows. */
 int tern_int8_linear(const float *x, const int8_t *w, const float *scale, const float *bias,
                      float *y, int M, int N, int K) {
     if (M < GEMV_MAX_M) {
+        int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)M * K);
+        if (xq == NULL) return -1;
+        float xs[GEMV_MAX_M];
+        for (int m = 0; m < M; m++) xs[m] = quantize_row_i16(x + (int64_t)m * K, xq + (int64_t)m * K, K);
         int num_tiles = (N + GEMV_ROWS - 1) / GEMV_ROWS;
 #pragma omp parallel for schedule(static)
-        for (int t = 0; t < num_tiles; t++) gemv_rows(x, w, scale, bias, y, M, N, K, t * GEMV_ROWS);
+        for (int t = 0; t < num_tiles; t++)
+            gemv_rows(xq, xs, w, scale, bias, y, M, N, K, t * GEMV_ROWS);
+        free(xq);
         return 0;
     }
     int num_tiles = (N + TILE_N - 1) / TILE_N;
