@@ -174,6 +174,9 @@ class EngineControl:
         if not finished:
             self.update_open = True  # generation waits for the rest of the buckets
             return {"success": True, "message": "bucket loaded; waiting for finished=true"}
+        return self._commit(args)
+
+    def _commit(self, args: dict[str, Any]) -> dict:
         self._run(FinishWeightUpdate(commit=True))
         self.update_open = False
         self.weights_valid = True
@@ -191,7 +194,18 @@ class EngineControl:
 
     def _update_weights_from_disk(self, args: dict[str, Any], aborted: list) -> object:
         call = UpdateWeightsFromDisk(model_path=str(args["model_path"]))
-        return self._transaction(call, args, aborted, finished=True)
+        return self._transaction(call, args, aborted, finished=bool(args.get("finished", True)))
+
+    def _finish_weights_update(self, args: dict[str, Any], aborted: list) -> object:
+        """Ends the open update (loaded with finished=false): commit, or roll back to the weights
+        before it. Trainers driving several servers prepare on all, then finish on all."""
+        if not self.update_open:
+            raise ControlError("no weight update is open (send one with finished=false first)")
+        if args.get("commit", True):
+            return self._commit(args)
+        self.update_open = False
+        self._run(FinishWeightUpdate(commit=False))
+        return {"success": True, "message": "weight update rolled back"}
 
     def _update_weights_from_tensors(self, args: dict[str, Any], aborted: list) -> object:
         call = UpdateWeightsFromTensors(

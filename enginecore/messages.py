@@ -201,6 +201,7 @@ class UtilityMethod(str, enum.Enum):
     INIT_WEIGHTS_UPDATE_GROUP = "init_weights_update_group"
     UPDATE_WEIGHTS_FROM_DISTRIBUTED = "update_weights_from_distributed"
     DESTROY_WEIGHTS_UPDATE_GROUP = "destroy_weights_update_group"
+    FINISH_WEIGHTS_UPDATE = "finish_weights_update"  # commit or roll back an open update
     SLEEP = "sleep"
     WAKE_UP = "wake_up"
     GET_CONTROL_STATE = "get_control_state"

@@ -1,4 +1,5 @@
-"""`tern launch`: the frontend process. Loads the tokenizer, starts the engine core, serves HTTP.
+"""`tern launch` (or vLLM's spelling, `tern serve MODEL`): the frontend process. Loads the
+tokenizer, starts the engine core, serves HTTP.
 
 Start-up order: arguments -> Config -> tokenizer -> listening socket (a taken port fails before
 the model loads) -> engine core (waits for EngineReady) -> uvicorn. Shutdown (SIGTERM, Ctrl-C, or
@@ -101,6 +102,9 @@ class Launcher:
 
         config = self.config
         tokenizer = Tokenizer(config.model.path, self.frontend_config.chat_template)
+        tokenizer.generation_defaults = generation_defaults(
+            self.frontend_config.generation_config, tokenizer.generation_defaults
+        )
         sock = _listen(config.server.host, config.server.port)
         try:
             return await self._serve(sock, tokenizer)
@@ -128,8 +132,8 @@ class Launcher:
         uv_config = uvicorn.Config(
             app,
             loop="uvloop",
-            log_level="warning",
-            access_log=False,
+            log_level=self.frontend_config.uvicorn_log_level,
+            access_log=self.frontend_config.uvicorn_log_level in ("info", "debug", "trace"),
             lifespan="off",
             timeout_graceful_shutdown=2,
             timeout_keep_alive=self.frontend_config.keep_alive_timeout_s,
@@ -177,6 +181,24 @@ class Server(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._on_shutdown()
         await super().shutdown(sockets=sockets)
+
+
+def generation_defaults(option: str, model_defaults: dict[str, Any]) -> dict[str, Any]:
+    """--generation-config, as vLLM: 'auto' keeps the model's generation_config.json defaults,
+    'vllm' drops them (the API's defaults apply), a folder's generation_config.json replaces them.
+    EOS ids always come from the model's files."""
+    if option == "auto":
+        return model_defaults
+    if option == "vllm":
+        return {}
+    import json
+    from pathlib import Path
+
+    from frontend.tokenizer import GENERATION_DEFAULT_KEYS
+
+    with open(Path(option) / "generation_config.json") as f:
+        config = json.load(f)
+    return {k: config[k] for k in GENERATION_DEFAULT_KEYS if config.get(k) is not None}
 
 
 def _listen(host: str, port: int) -> socket.socket:

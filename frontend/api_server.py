@@ -49,6 +49,7 @@ from frontend.serving_control import ControlServing, GenerationGate
 from frontend.serving_native import NativeServing
 from frontend.serving_pooling import Endpoint, PoolingServing, require_task
 from frontend.serving_responses import ResponsesServing
+from frontend.serving_router import RouterServing
 
 logger = logging.getLogger("tern.frontend")
 
@@ -121,6 +122,7 @@ def build_app(
             },
             "served_model_name": serving.model_name,
             "served_model_names": serving.model_names,
+            "model_path": config.model.path,  # sglang-router reads it at registration
             "config": dataclasses.asdict(config),
             "frontend": frontend.public_dict(),
             "engine": {
@@ -176,6 +178,7 @@ def build_app(
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "architectures": [ready.model_summary.split(":")[0]],
+            "model_type": _model_type(config.model.path),
         })  # fmt: skip
 
     document = _json.encode(openapi_document("tern", tern_version()))
@@ -214,6 +217,8 @@ def build_app(
         Route("/weight_version", control.get_weight_version, methods=["GET"]),
         Route("/get_weight_version", control.get_weight_version, methods=["GET"]),
         Route("/get_model_info", get_model_info, methods=["GET"]),
+        Route("/model_info", get_model_info, methods=["GET"]),  # SGLang's newer name
+        *RouterServing(serving, chat, control).routes(),
         Route("/get_server_info", get_server_info, methods=["GET"]),
         Route("/is_sleeping", control.is_sleeping, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
@@ -257,6 +262,15 @@ def _middleware(frontend: FrontendConfig) -> list[Middleware]:
     )
     stack.append(Middleware(RequestIdMiddleware))
     return stack
+
+
+def _model_type(model_path: str) -> str | None:
+    """config.json's model_type (sglang-router labels workers with it)."""
+    try:
+        with open(f"{model_path}/config.json", "rb") as f:
+            return msgspec.json.decode(f.read()).get("model_type")
+    except (OSError, msgspec.DecodeError, AttributeError):
+        return None
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

@@ -33,6 +33,24 @@ from frontend.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
+DEFAULT_KV_CACHE_GIB = 1.0
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+class _VllmBoolean(argparse.Action):
+    """--enable-X sets True, --no-enable-X sets False (vLLM's pairs of boolean flags)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, not (option_string or "").startswith("--no-"))
 
 
 @dataclass(frozen=True)
@@ -49,6 +67,8 @@ class FrontendConfig:
     keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_S  # an idle connection's lifetime
     chat_template: str | None = None  # the template's text
     chat_options: ChatOptions = ChatOptions()
+    generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
+    uvicorn_log_level: str = "warning"
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -68,6 +88,12 @@ class FrontendConfig:
             raise ValueError("--request-body-timeout must be positive")
         if not self.keep_alive_timeout_s > 0:
             raise ValueError("--timeout-keep-alive must be positive")
+        gen = self.generation_config
+        if gen not in ("auto", "vllm") and not (Path(gen) / "generation_config.json").is_file():
+            raise ValueError(
+                f"--generation-config {gen}: use 'auto', 'vllm' or a folder holding "
+                "generation_config.json"
+            )
 
     @property
     def model_name(self) -> str:
@@ -86,6 +112,7 @@ class FrontendConfig:
             "request_body_timeout_s": self.request_body_timeout_s,
             "keep_alive_timeout_s": self.keep_alive_timeout_s,
             "chat_template": self.chat_template,
+            "generation_config": self.generation_config,
         }
 
 
@@ -94,7 +121,13 @@ def make_parser() -> argparse.ArgumentParser:
         prog="tern", description="tern: an OpenAI-compatible LLM inference server"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    launch = sub.add_parser("launch", help="serve a model over HTTP (OpenAI-compatible API)")
+    # `tern serve MODEL` is vLLM's spelling of `tern launch --model MODEL`.
+    launch = sub.add_parser(
+        "launch", aliases=["serve"], help="serve a model over HTTP (OpenAI-compatible API)"
+    )
+    launch.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="as --model (vLLM's form)"
+    )
     launch.add_argument(
         "--model",
         default=None,
@@ -123,15 +156,44 @@ def make_parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--kv-cache-memory",
         type=float,
-        default=1.0,
+        default=None,
         metavar="GiB",
-        help="memory for the KV cache, in GiB",
+        help=f"memory for the KV cache, in GiB (default: {DEFAULT_KV_CACHE_GIB})",
+    )
+    launch.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="vLLM's spelling: the KV cache takes this fraction of the memory free at start-up "
+        "(of each GPU; on CPU, of the available system memory, shared by the local workers); "
+        "instead of --kv-cache-memory",
     )
     launch.add_argument(
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
         help="disable automatic prefix caching",
+    )
+    launch.add_argument(
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action=_VllmBoolean,
+        default=True,
+        help="vLLM's spelling of the prefix-caching switch (on by default)",
+    )
+    launch.add_argument(
+        "--generation-config",
+        default="auto",
+        help="default sampling parameters: 'auto' (the model's generation_config.json), 'vllm' "
+        "(none: the API's defaults), or a folder holding a generation_config.json",
+    )
+    launch.add_argument(
+        "--uvicorn-log-level",
+        choices=UVICORN_LOG_LEVELS,
+        default="warning",
+        help="uvicorn's log level (info and below also log each request)",
     )
     launch.add_argument(
         "--served-model-name",
@@ -239,8 +301,8 @@ def make_parser() -> argparse.ArgumentParser:
         "Hugging Face's classifiers), MEAN over its tokens, or CLS (its first token)",
     )
     parallel = launch.add_argument_group("parallelism")
-    parallel.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tp")
-    parallel.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1, dest="pp")
+    parallel.add_argument("--tensor-parallel-size", "--tp", "-tp", type=int, default=1, dest="tp")
+    parallel.add_argument("--pipeline-parallel-size", "--pp", "-pp", type=int, default=1, dest="pp")
     parallel.add_argument(
         "--distributed-backend",
         choices=["gloo", "nccl"],
@@ -274,6 +336,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], not {args.port}")
+    if args.model_tag is not None:  # `tern serve MODEL`
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
     if args.model is None:
         from frontend.model_prep import MODEL_NAME, ensure_default_model
 
@@ -286,6 +352,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         served_name = args.served_model_name[0] if args.served_model_name else args.model
     if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 1:
         raise ValueError("--num-gpu-blocks-override must be positive")
+    parallel = parallel_config_from_args(args)
     return Config(
         model=ModelConfig(
             path=str(model_path.resolve()),
@@ -300,7 +367,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ),
         cache=CacheConfig(
             block_size=args.block_size,
-            kv_cache_memory_gib=args.kv_cache_memory,
+            kv_cache_memory_gib=kv_cache_gib_from_args(args, parallel),
             enable_prefix_caching=args.enable_prefix_caching,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
         ),
@@ -308,7 +375,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
         ),
-        parallel=parallel_config_from_args(args),
+        parallel=parallel,
         server=ServerConfig(host=args.host, port=args.port),
     )
 
@@ -330,6 +397,33 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
     )
 
 
+def kv_cache_gib_from_args(args: argparse.Namespace, parallel: ParallelConfig) -> float:
+    """--kv-cache-memory, or --gpu-memory-utilization's fraction of the memory free now: of the
+    first GPU's (each rank has its own device), or of the available system memory on CPU, where
+    this node's workers share it (each gets its part)."""
+    fraction = args.gpu_memory_utilization
+    if fraction is None:
+        return DEFAULT_KV_CACHE_GIB if args.kv_cache_memory is None else args.kv_cache_memory
+    if args.kv_cache_memory is not None:
+        raise ValueError("give --kv-cache-memory or --gpu-memory-utilization, not both")
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], not {fraction}")
+    free_bytes, sharers = _free_memory(parallel.ranks_per_node)
+    return fraction * free_bytes / sharers / 2**30
+
+
+def _free_memory(ranks_per_node: int) -> tuple[int, int]:
+    """(bytes free for the KV caches, how many workers share them)."""
+    import torch  # noqa: PLC0415 - torch is slow to import and only needed here
+
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(0)
+        return free, 1
+    import psutil  # noqa: PLC0415
+
+    return psutil.virtual_memory().available, ranks_per_node
+
+
 def frontend_config_from_args(args: argparse.Namespace, config: Config) -> FrontendConfig:
     """The frontend's settings; raises ValueError with a message for the user."""
     names = tuple(args.served_model_name or [config.model.served_model_name])
@@ -348,6 +442,8 @@ def frontend_config_from_args(args: argparse.Namespace, config: Config) -> Front
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
         ),
+        generation_config=args.generation_config,
+        uvicorn_log_level=args.uvicorn_log_level,
     )
 
 

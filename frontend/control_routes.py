@@ -36,6 +36,9 @@ class UpdateFromDiskRequest(msgspec.Struct, forbid_unknown_fields=True):
     keep_pause: bool = False
     recapture_cuda_graph: bool = False
     token_step: int = 0
+    # tern's extension (as /update_weights): false loads and holds the new weights until
+    # /finish_weights_update commits or rolls them back (a trainer's prepare on several servers).
+    finished: bool = True
 
     def unsupported(self) -> dict[str, Any]:
         # No CUDA graphs, no async loading. Accepted as they are: torch_empty_cache (every update
@@ -116,6 +119,15 @@ class UpdateFromDistributedRequest(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError("names, dtypes and shapes must have the same length", "names")
 
 
+class FinishUpdateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Ends the weight update left open by calls with finished=false: the commit phase (or the
+    rollback) of a transaction a trainer runs over several servers (frontend/trainer_client.py)."""
+
+    commit: bool = True
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
 class DestroyGroupRequest(msgspec.Struct, forbid_unknown_fields=True):
     group_name: str = "weight_update_group"
 
@@ -168,6 +180,8 @@ CONTROL_ROUTES: tuple[ControlRoute, ...] = (
     ControlRoute(("/update_weights_from_distributed",), "Receive a broadcast of weights",
                  UtilityMethod.UPDATE_WEIGHTS_FROM_DISTRIBUTED, UpdateFromDistributedRequest,
                  UPDATE_TIMEOUT_S),
+    ControlRoute(("/finish_weights_update",), "Commit (or roll back) the open weight update",
+                 UtilityMethod.FINISH_WEIGHTS_UPDATE, FinishUpdateRequest),
     ControlRoute(("/destroy_weights_update_group",), "Leave the trainer's group",
                  UtilityMethod.DESTROY_WEIGHTS_UPDATE_GROUP, DestroyGroupRequest),
     ControlRoute(("/sleep",), "Free the KV cache (level 1), the weights too (level 2), or tags",

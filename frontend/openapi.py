@@ -76,6 +76,7 @@ class RouteDoc:
 
 _OPENAI, _NATIVE, _CONTROL, _OPS = "OpenAI", "Native", "Control (RL trainers)", "Operations"
 _POOLING = "Pooling models (embedding, classification, reward)"
+_ROUTERS = "Routers (vllm-router, sglang-router)"  # frontend/serving_router.py
 
 ROUTES: tuple[RouteDoc, ...] = (
     RouteDoc("/v1/chat/completions", "post", "Chat completion", _OPENAI, ChatCompletionRequest,
@@ -109,6 +110,15 @@ ROUTES: tuple[RouteDoc, ...] = (
     RouteDoc("/is_sleeping", "get", "Whether the server sleeps", _CONTROL),
     RouteDoc("/get_model_info", "get", "The model (SGLang's names)", _CONTROL),
     RouteDoc("/get_server_info", "get", "/server_info with SGLang's names", _CONTROL),
+    RouteDoc("/model_info", "get", "Same as /get_model_info (SGLang's newer name)", _ROUTERS),
+    RouteDoc("/v1/completions/render", "post", "The prompts' token ids (vLLM's render)", _ROUTERS,
+             CompletionRequest),
+    RouteDoc("/v1/chat/completions/render", "post", "The prompt's token ids (vLLM's render)",
+             _ROUTERS, ChatCompletionRequest),
+    RouteDoc("/get_load", "get", "Load per data-parallel rank (SGLang's)", _ROUTERS),
+    RouteDoc("/load", "get", "Requests in flight (vLLM's)", _ROUTERS),
+    RouteDoc("/health_generate", "get", "200 once one token was generated", _ROUTERS,
+             empty=True),
     *(
         RouteDoc(path, method.lower(), route.summary, _CONTROL, route.body)
         for route in CONTROL_ROUTES

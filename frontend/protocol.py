@@ -3,8 +3,10 @@
 Request field names and types mirror vLLM's ChatCompletionRequest / CompletionRequest, so a client
 written for vLLM works unchanged. Fields we implement are typed; every other field that OpenAI or
 vLLM define is declared too, so that a request using one with a non-default value gets a 400 naming
-it instead of being silently ignored. Fields no client sends are rejected by msgspec
-(forbid_unknown_fields). This module knows nothing about tokenizers or the engine.
+it instead of being silently ignored. Fields that routers and SGLang clients add (no_stop_trim,
+separate_reasoning, ...) follow the policy of frontend/protocol_peer_fields.py; fields no client
+sends are rejected by msgspec (forbid_unknown_fields). This module knows nothing about tokenizers or
+the engine.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from frontend.errors import bad_request
+from frontend.protocol_peer_fields import PeerFields, apply_peer_fields
 
 T = TypeVar("T")
 
@@ -70,7 +73,7 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     continuous_usage_stats: bool | None = False
 
 
-class _RequestBase(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class _RequestBase(PeerFields, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -160,6 +163,7 @@ class _RequestBase(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def validate(self) -> None:
         """Raises APIError (400) for unsupported fields and out-of-range values."""
+        apply_peer_fields(self)
         check_unsupported(self, self._unsupported)
         if self.n is not None and not 1 <= self.n <= MAX_N:
             raise bad_request(f"n must be in [1, {MAX_N}], got {self.n}", "n")

@@ -54,19 +54,7 @@ class ChatServing:
         req = decode_request(await http_request.body(), ChatCompletionRequest)
         s.check_model(req.model)
         plan = plan_tools(req, self.options)
-        if req.prompt_token_ids is not None:
-            prompt_ids = s.encode_prompt(req.prompt_token_ids, False, "prompt_token_ids")
-            prompt_text = s.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        else:
-            prompt_text = s.tokenizer.render_chat(
-                req.normalized_messages(),
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                chat_template_kwargs=req.chat_template_kwargs,
-                tools=plan.tools,
-            )
-            prompt_ids = s.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
-        prompt_ids = truncate_prompt(prompt_ids, req.truncate_prompt_tokens, s.max_model_len)
+        prompt_text, prompt_ids = self.render(req, plan)
         constraint, opens_reasoning = self._after_reasoning(plan.constraint, prompt_text)
         request_id, keys, headers = s.request_ids(http_request, "chatcmpl-", req.request_id)
         group = s.start(
@@ -103,6 +91,24 @@ class ChatServing:
             group.weight_version, view.prompt_logprobs(first), view.prompt_token_ids(first),
         )  # fmt: skip
         return json_response(response, headers=headers)
+
+    def render(self, req: ChatCompletionRequest, plan: ToolPlan) -> tuple[str, list[int]]:
+        """The prompt (text, token ids) a chat request runs: its messages through the chat
+        template (or its prompt_token_ids), truncated as it asks."""
+        s = self.serving
+        if req.prompt_token_ids is not None:
+            prompt_ids = s.encode_prompt(req.prompt_token_ids, False, "prompt_token_ids")
+            prompt_text = s.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        else:
+            prompt_text = s.tokenizer.render_chat(
+                req.normalized_messages(),
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template_kwargs=req.chat_template_kwargs,
+                tools=plan.tools,
+            )
+            prompt_ids = s.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
+        return prompt_text, truncate_prompt(prompt_ids, req.truncate_prompt_tokens, s.max_model_len)
 
     def _after_reasoning(
         self, constraint: StructuredOutputSpec | None, prompt_text: str

@@ -24,7 +24,7 @@ logger = logging.getLogger("tern.frontend")
 
 # Sampling defaults a model's generation_config.json may recommend; vLLM applies them to requests
 # that leave the field out, and so do we.
-_GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class Tokenizer:
@@ -49,7 +49,7 @@ class Tokenizer:
         gen_config = _read_json(path / "generation_config.json")
         self.eos_token_ids = _eos_token_ids(gen_config, self.hf.eos_token_id)
         self.generation_defaults: dict[str, Any] = {
-            k: gen_config[k] for k in _GENERATION_DEFAULT_KEYS if gen_config.get(k) is not None
+            k: gen_config[k] for k in GENERATION_DEFAULT_KEYS if gen_config.get(k) is not None
         }
 
     @functools.cached_property
