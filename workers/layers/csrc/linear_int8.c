@@ -90,6 +90,8 @@ static inline void dot4_i16_i8(const int16_t *xq, const int8_t *w, int K, float 
 #ifdef __AVX2__
         __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
         for (; k + 16 <= k1; k += 16) {
+            if ((k & 63) == 0) /* 16 rows ahead: four streams outrun the hardware prefetcher */
+                for (int r = 0; r < 4; r++) __builtin_prefetch(w + (int64_t)(r + 16) * K + k);
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + k));
 #define TERN_W16(r) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + (int64_t)(r) * K + k)))
             a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(TERN_W16(0), xv));
@@ -115,7 +117,6 @@ static inline void dot4_i16_i8(const int16_t *xq, const int8_t *w, int K, float 
 static void gemv_rows(const int16_t *xq, const float *xs, const int8_t *w, const float *scale,
                       const float *bias, float *y, int M, int N, int K, int n0) {
     int nt = N - n0 < GEMV_ROWS ? N - n0 : GEMV_ROWS;
-    __builtin_prefetch(w + (int64_t)(n0 + GEMV_ROWS) * K); /* the next tile, a few rows ahead */
     for (int m = 0; m < M; m++) {
         const int16_t *xm = xq + (int64_t)m * K;
         float *ym = y + (int64_t)m * N;
