@@ -16,8 +16,6 @@ import torch
 
 from workers.layers.kernel_library import active_tier_name, load, load_tier
 
-__all__ = ["load"]
-
 
 def usable(*tensors: torch.Tensor | None) -> bool:
     """Whether the kernels are built and these (optional) tensors are CPU tensors of one dtype,
