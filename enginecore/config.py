@@ -115,8 +115,20 @@ class ParallelConfig:
     shm_collectives: bool = os.environ.get("TERN_SHM_COLLECTIVES", "1") != "0"
     nnodes: int = 1
     node_rank: int = 0
+    # --dp: replicas, each an engine core with its own tp x pp workers (frontend/engine_client.py);
+    # data_parallel_rank is the replica these settings are for (set per replica by the frontend).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError("--data-parallel-size must be >= 1")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"replica {self.data_parallel_rank} outside --dp {self.data_parallel_size}"
+            )
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            raise ValueError("--dp > 1 runs on one node: use a router across hosts instead")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("--tensor-parallel-size and --pipeline-parallel-size must be >= 1")
         if self.distributed_backend not in (None, "gloo", "nccl"):
@@ -152,6 +164,16 @@ class ParallelConfig:
         return range(
             self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node
         )
+
+    @property
+    def first_device_index(self) -> int:
+        """Replica d's rank r uses device first_device_index + r (GPUs: d * tp * pp + r)."""
+        return self.data_parallel_rank * self.world_size
+
+    @property
+    def num_local_workers(self) -> int:
+        """Worker processes on this node over every replica: they share its cores and memory."""
+        return self.ranks_per_node * self.data_parallel_size
 
     @property
     def driver_rank(self) -> int:

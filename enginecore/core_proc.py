@@ -265,7 +265,10 @@ class StatsLogger:
 
 def run_engine_core(config: Config) -> None:
     """Process entry point (spawned by the frontend's EngineClient)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
+    # With --dp > 1 every line, the periodic stats line too, names its replica.
+    parallel = config.parallel
+    name = f"engine{parallel.data_parallel_rank}" if parallel.data_parallel_size > 1 else "engine"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(message)s")
     ctx = zmq.Context()
     proc = EngineCoreProc(config, ctx)
     heartbeat = Heartbeat(config, ctx)

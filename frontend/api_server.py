@@ -6,6 +6,10 @@ pooling models (/v1/embeddings, /pooling, /classify, /score) and /v1/encode in s
 which also guards the generating routes of a pooling model (a 400 naming its task); this
 module maps URLs to them, serves the small informational routes (/v1/models, /health, /ping,
 /version, /server_info, /metrics, /openapi.json and its page /docs), and turns every exception into an OpenAI-style error body.
+
+/health: 200 while the engine serves, 503 once it is dead. With --dp > 1 it also answers a JSON body,
+{"status": "ok" | "degraded" | "dead", ...}: degraded (some replica died, the others serve) is
+still 200 (see frontend/engine_client.py for why).
 """
 
 from __future__ import annotations
@@ -85,6 +89,9 @@ def build_app(
         return require_task(engine, ("generate",), endpoint)
 
     control = ControlServing(engine)
+    num_replicas = config.parallel.data_parallel_size
+    if num_replicas > 1 and serving.metrics is not None:
+        serving.metrics.replicas = engine.replica_snapshots
 
     def card(name: str) -> ModelCard:
         return ModelCard(
@@ -100,7 +107,10 @@ def build_app(
         return json_response(card(name))
 
     async def health(request: Request) -> Response:
-        return Response(status_code=503 if engine.is_dead else 200)
+        status = 503 if engine.is_dead else 200
+        if num_replicas == 1:
+            return Response(status_code=status)
+        return json_response(engine.health(), status)
 
     async def server_version(request: Request) -> Response:
         return json_response({"version": tern_version()})
@@ -133,6 +143,8 @@ def build_app(
                 "max_model_len": ready.max_model_len,
                 "vocab_size": ready.vocab_size,
                 "engine_core_pid": engine.pid,
+                "data_parallel_size": num_replicas,
+                "replicas": replicas_info(),
             },
             "kv_cache": {
                 "num_blocks": ready.num_kv_blocks,
@@ -143,6 +155,16 @@ def build_app(
             "num_requests_in_flight": engine.num_in_flight,
             "scheduler_stats": stats,
         }
+
+    def replicas_info() -> list[dict[str, Any]]:
+        if num_replicas == 1:
+            return [
+                {"replica": 0, "engine_core_pid": engine.pid, "dead_reason": engine.dead_reason}
+            ]
+        return [
+            {"replica": r.index, "engine_core_pid": r.pid, "dead_reason": r.dead_reason}
+            for r in engine.replicas
+        ]
 
     async def server_info(request: Request) -> Response:
         return json_response(await server_info_dict())
@@ -158,7 +180,7 @@ def build_app(
             "tokenizer_path": config.model.path,
             "tp_size": parallel.tensor_parallel_size,
             "pp_size": parallel.pipeline_parallel_size,
-            "dp_size": 1,
+            "dp_size": num_replicas,
             "context_length": ready.max_model_len,
             "max_total_num_tokens": ready.num_kv_blocks * ready.block_size,
             "weight_version": control.weight_version,

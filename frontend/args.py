@@ -304,6 +304,15 @@ def make_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--tensor-parallel-size", "--tp", "-tp", type=int, default=1, dest="tp")
     parallel.add_argument("--pipeline-parallel-size", "--pp", "-pp", type=int, default=1, dest="pp")
     parallel.add_argument(
+        "--data-parallel-size",
+        "--dp",
+        "-dp",
+        type=int,
+        default=1,
+        dest="dp",
+        help="engine replicas, each with its own tp x pp workers, behind this one frontend",
+    )
+    parallel.add_argument(
         "--distributed-backend",
         choices=["gloo", "nccl"],
         default=None,
@@ -389,6 +398,7 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
     return ParallelConfig(
         tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp,
+        data_parallel_size=args.dp,
         distributed_backend=args.distributed_backend,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
@@ -408,7 +418,7 @@ def kv_cache_gib_from_args(args: argparse.Namespace, parallel: ParallelConfig) -
         raise ValueError("give --kv-cache-memory or --gpu-memory-utilization, not both")
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], not {fraction}")
-    free_bytes, sharers = _free_memory(parallel.ranks_per_node)
+    free_bytes, sharers = _free_memory(parallel.num_local_workers)
     return fraction * free_bytes / sharers / 2**30
 
 

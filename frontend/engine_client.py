@@ -1,12 +1,22 @@
-"""The frontend's side of the engine core: its process, its sockets, and one queue per request.
+"""The frontend's engine: one engine core per data-parallel replica (--dp N), seen as one.
 
-EngineClient binds a PUSH socket (requests, aborts, utility calls) and a PULL socket (outputs),
-spawns the engine-core process, and waits for its EngineReady. A background task routes each
-EngineCoreOutputs to the queue of its request or to the future of its utility call; another
-watches the process. When the engine is gone (process exit, `engine_dead`, or no message for
-`engine_heartbeat_timeout_s` although it sends a heartbeat every second: a stopped or frozen process,
-which is then killed), every request in flight ends with EngineDeadError and `on_dead` callbacks
-run: the server then answers 503 and stops.
+EngineClient starts N engine cores (frontend/engine_core_client.py), each with its own tp x pp
+workers and its own IPC directory, and waits until all are ready. Requests go to the replica the
+LoadBalancer picks (least loaded; prefix-aware: frontend/load_balancer.py); aborts follow them.
+Control calls go to every replica as one transaction (frontend/replica_control.py). At --dp 1
+every call goes straight to the one engine core, as before replicas existed.
+
+Health, with several replicas. A replica whose engine core or worker dies fails its own requests in
+flight at once (EngineDeadError: 503, or an error event mid-stream; a dead worker is seen by its
+core within a poll interval, a dead core here within LIVENESS_INTERVAL_S, a frozen one after
+engine_heartbeat_timeout_s), its processes are stopped and reaped, and it gets no more requests or
+control calls. The server keeps serving on the others: degraded. GET /health then answers 200 with
+{"status": "degraded", ...} naming the dead replicas, so that a router keeps sending traffic to the
+capacity left (a 503 would take the whole server out of rotation); an orchestrator that prefers a
+restart can read the status. Only when every replica is dead is the engine dead: /health answers
+503, the `on_dead` callbacks run, and the server exits non-zero (frontend/__main__.py). A dead
+replica is not restarted: its workers' memory layout and the trainer's group would have to be
+rebuilt, which is a restart of the server.
 This module knows nothing about HTTP or text.
 """
 
@@ -14,126 +24,83 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
+import dataclasses
 import logging
-import multiprocessing
+import os
 import shutil
-import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import psutil
-import zmq
-import zmq.asyncio
 
 from enginecore.config import Config
-from enginecore.messages import (
-    Codec,
-    EngineCoreAbort,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    EngineReady,
-    EngineStartup,
-    EngineStartupFailed,
-    Logprobs,
-    RequestType,
-    SchedulerStats,
-    UtilityCall,
-    UtilityMethod,
+from enginecore.messages import EngineCoreRequest, EngineReady, SchedulerStats, UtilityMethod
+from frontend.engine_core_client import (
+    EngineCoreClient,
+    EngineDeadError,
+    EngineStartupError,
+    RequestStream,
+    UtilityError,
 )
+from frontend.load_balancer import LoadBalancer, ReplicaLoad
+from frontend.replica_control import ReplicaControl
+
+__all__ = [
+    "EngineClient",
+    "EngineDeadError",
+    "EngineStartupError",
+    "RequestStream",
+    "UtilityError",
+]
 
 logger = logging.getLogger("tern.frontend")
 
-LIVENESS_INTERVAL_S = 0.5
-SHUTDOWN_JOIN_S = 8.0
+# Calls after which no replica holds the prefixes the balancer remembers.
+_CACHE_RESETS = frozenset(
+    {
+        UtilityMethod.RESET_PREFIX_CACHE,
+        UtilityMethod.UPDATE_WEIGHTS_FROM_DISK,
+        UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS,
+        UtilityMethod.UPDATE_WEIGHTS_FROM_DISTRIBUTED,
+        UtilityMethod.FINISH_WEIGHTS_UPDATE,
+        UtilityMethod.SLEEP,
+    }
+)
 
 
-class UtilityError(RuntimeError):
-    """The engine core answered a utility call with an error (the engine itself is fine)."""
+@dataclasses.dataclass(frozen=True)
+class ReplicaSnapshot:
+    """One replica as /metrics and /health show it."""
+
+    index: int
+    is_alive: bool
+    dead_reason: str | None
+    stats: SchedulerStats | None
+    num_in_flight: int
+    num_routed: dict[str, int]  # requests sent to it, by the balancer's reason
 
 
-class EngineStartupError(RuntimeError):
-    """The engine core did not become ready (its error, a crash, or a timeout)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core is gone: the request cannot finish."""
-
-
-class RequestStream:
-    """The outputs of one request, in order. Ends with a finished output or EngineDeadError."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.queue: asyncio.Queue[EngineCoreOutput | EngineDeadError] = asyncio.Queue()
-        self.is_finished = False
-
-    async def next(self) -> EngineCoreOutput:
-        """The next output, merged with any others already queued (a slow reader gets batches)."""
-        item = await self.queue.get()
-        merged: EngineCoreOutput | None = None
-        while True:
-            if isinstance(item, EngineDeadError):
-                self.is_finished = True
-                raise item
-            merged = item if merged is None else _merge(merged, item)
-            if merged.finish_reason is not None or self.queue.empty():
-                break
-            item = self.queue.get_nowait()
-        if merged.finish_reason is not None:
-            self.is_finished = True
-        return merged
-
-
-def _children(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return []
-
-
-def _merge(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
-    new_logprobs = a.new_logprobs
-    if b.new_logprobs is not None:
-        new_logprobs = Logprobs.concat([a.new_logprobs or Logprobs(), b.new_logprobs])
-    return EngineCoreOutput(
-        a.request_id,
-        a.new_token_ids + b.new_token_ids,
-        b.finish_reason,
-        max(a.num_cached_tokens, b.num_cached_tokens),
-        b.error,
-        a.queued_time if a.queued_time is not None else b.queued_time,
-        a.first_scheduled_time if a.first_scheduled_time is not None else b.first_scheduled_time,
-        b.weight_version if b.weight_version is not None else a.weight_version,
-        new_logprobs,
-        a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
-        b.pooled if b.pooled is not None else a.pooled,
+def replica_config(config: Config, index: int) -> Config:
+    """Replica `index`'s copy of the config: its own IPC directory and data_parallel_rank."""
+    if config.parallel.data_parallel_size == 1:
+        return config
+    return config.replace(
+        ipc_dir=os.path.join(config.ipc_dir, f"dp{index}"),
+        parallel=dataclasses.replace(config.parallel, data_parallel_rank=index),
     )
 
 
 class EngineClient:
     def __init__(self, config: Config) -> None:
         self.config = config
+        num_replicas = config.parallel.data_parallel_size
+        self.replicas = [EngineCoreClient(replica_config(config, d)) for d in range(num_replicas)]
+        self.balancer = LoadBalancer(num_replicas, config.cache.block_size)
+        self.control = ReplicaControl(self.replicas, config.parallel.world_size)
         self.ready: EngineReady | None = None
         self.dead_reason: str | None = None
-        # The engine core's last SchedulerStats (sent every ~0.5 s while busy, and when it idles).
-        self.latest_stats: SchedulerStats | None = None
         self.on_dead: list[Callable[[str], None]] = []
-        self._ctx = zmq.asyncio.Context()
-        self._input: zmq.asyncio.Socket | None = None
-        self._output: zmq.asyncio.Socket | None = None
-        self._proc: multiprocessing.process.BaseProcess | None = None
-        self._streams: dict[str, RequestStream] = {}
-        self._utility_futures: dict[int, asyncio.Future[Any]] = {}
-        self._call_ids = itertools.count()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
-        self._is_shutting_down = False
-        self._engine_children: list[psutil.Process] = []
-        self._last_message_time = time.monotonic()
+        self._reaping: list[asyncio.Task[None]] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -142,236 +109,167 @@ class EngineClient:
         return self.dead_reason is not None
 
     @property
+    def is_replicated(self) -> bool:
+        return len(self.replicas) > 1
+
+    @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        """The first replica's engine-core pid (each replica's: `replicas[i].pid`)."""
+        return self.replicas[0].pid
 
     async def start(self) -> EngineReady:
-        """Spawns the engine core and waits for EngineReady; raises EngineStartupError."""
-        # Imported here, not at the top: only spawning needs the engine side.
-        from enginecore.core_proc import run_engine_core
-
-        self._input = self._ctx.socket(zmq.PUSH)
-        self._output = self._ctx.socket(zmq.PULL)
-        for sock in (self._input, self._output):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-        self._input.bind(self.config.ipc_path("engine_input"))
-        self._output.bind(self.config.ipc_path("engine_output"))
-        ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(
-            target=run_engine_core, args=(self.config,), name="tern-engine-core"
+        """Starts every replica at once and waits for all; raises EngineStartupError."""
+        for replica in self.replicas:
+            os.makedirs(replica.config.ipc_dir, exist_ok=True)
+            replica.on_dead.append(lambda reason, r=replica: self._on_replica_dead(r, reason))
+        results = await asyncio.gather(*(r.start() for r in self.replicas), return_exceptions=True)
+        for replica, result in zip(self.replicas, results, strict=True):
+            if isinstance(result, BaseException):
+                if self.is_replicated and isinstance(result, EngineStartupError):
+                    raise EngineStartupError(f"replica {replica.index}: {result}") from result
+                raise result
+        readies: list[EngineReady] = list(results)  # type: ignore[arg-type]
+        # NOTE: same model and settings everywhere; the KV-cache sizes may differ a little (free
+        # memory at start-up), and every replica must take every request: the smallest limits.
+        self.ready = msgspec.structs.replace(
+            readies[0],
+            num_kv_blocks=min(r.num_kv_blocks for r in readies),
+            max_model_len=min(r.max_model_len for r in readies),
         )
-        self._proc.start()
-        self.ready = await self._wait_ready()
-        self._engine_children = _children(self._proc.pid)
-        self._last_message_time = time.monotonic()
-        self._tasks = [
-            asyncio.create_task(self._output_loop(), name="tern-engine-outputs"),
-            asyncio.create_task(self._watch_process(), name="tern-engine-liveness"),
-        ]
+        if self.is_replicated:
+            logger.info(
+                "%d replicas ready (engine cores %s)",
+                len(self.replicas),
+                ", ".join(str(r.pid) for r in self.replicas),
+            )
         return self.ready
 
-    async def _wait_ready(self) -> EngineReady:
-        assert self._output is not None and self._proc is not None
-        timeout = self.config.startup_timeout_s
-        deadline = time.monotonic() + timeout
-        while True:
-            if await self._output.poll(timeout=200):
-                frames = await self._output.recv_multipart()
-                try:
-                    msg = Codec(EngineStartup).decode(frames[-1])
-                except msgspec.DecodeError as e:
-                    raise EngineStartupError(
-                        f"bad start-up message from the engine core: {e}"
-                    ) from e
-                if isinstance(msg, EngineStartupFailed):
-                    raise EngineStartupError(f"the engine core failed to start: {msg.error}")
-                return msg
-            if not self._proc.is_alive():
-                raise EngineStartupError(
-                    f"the engine core exited with code {self._proc.exitcode} during start-up"
-                )
-            if time.monotonic() > deadline:
-                raise EngineStartupError(
-                    f"the engine core was not ready within {timeout:g} s (TERN_STARTUP_TIMEOUT)"
-                )
-
     async def shutdown(self) -> None:
-        """Stops the engine core (SIGTERM, then kill after 8 s), closes sockets, removes IPC files."""
-        self._is_shutting_down = True
-        self.fail_all_requests("the server is shutting down")
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
+        """Stops every replica (engine core, then leftover workers), removes the IPC files."""
+        await asyncio.gather(*(r.shutdown() for r in self.replicas), return_exceptions=True)
+        for task in self._reaping:
             with contextlib.suppress(BaseException):
                 await task
-        self._tasks = []
-        await self._stop_process()
-        for sock in (self._input, self._output):
-            if sock is not None:
-                sock.close(linger=0)
-        self._ctx.destroy(linger=0)
         shutil.rmtree(self.config.ipc_dir, ignore_errors=True)
 
-    async def _stop_process(self) -> None:
-        proc = self._proc
-        if proc is None or proc.pid is None:
+    def _on_replica_dead(self, replica: EngineCoreClient, reason: str) -> None:
+        """Called by a replica once its requests have failed."""
+        if self.is_dead:
             return
-        # NOTE: the core stops its own workers; we remember them (at start-up too, in case the core
-        # is already gone) and kill any that outlive it.
-        children = {p.pid: p for p in [*self._engine_children, *_children(proc.pid)]}.values()
-        started = time.monotonic()
-        if proc.is_alive():
-            proc.terminate()
-        deadline = started + SHUTDOWN_JOIN_S
-        while proc.is_alive() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if proc.is_alive():
-            logger.warning("the engine core did not stop within %g s; killing it", SHUTDOWN_JOIN_S)
-            proc.kill()
-        proc.join(timeout=2.0)
-        logger.info(
-            "engine core stopped in %.1f s (exit code %s)",
-            time.monotonic() - started,
-            proc.exitcode,
+        self.balancer.forget(replica.index)
+        alive = [r for r in self.replicas if not r.is_dead]
+        if not alive:
+            self.dead_reason = reason if not self.is_replicated else f"every replica died: {reason}"
+            for callback in self.on_dead:
+                callback(self.dead_reason)
+            return
+        logger.error(
+            "replica %d died (%s); serving on %d of %d replicas (degraded)",
+            replica.index,
+            reason,
+            len(alive),
+            len(self.replicas),
         )
-        _, alive = psutil.wait_procs(list(children), timeout=1.0)
-        for child in alive:
-            logger.warning("killing leftover engine process %d", child.pid)
-            with contextlib.suppress(psutil.Error):
-                child.kill()
+        # Its engine core exits by itself (or was killed); reap it and any worker left behind now.
+        self._reaping.append(asyncio.ensure_future(replica.stop_process()))
+
+    def health(self) -> dict[str, Any]:
+        """ok (every replica serves), degraded (some do) or dead (none)."""
+        dead = {r.index: r.dead_reason for r in self.replicas if r.is_dead}
+        status = "dead" if self.is_dead else "degraded" if dead else "ok"
+        return {
+            "status": status,
+            "num_replicas": len(self.replicas),
+            "num_replicas_alive": len(self.replicas) - len(dead),
+            "dead_replicas": [{"replica": i, "reason": why} for i, why in dead.items()],
+        }
 
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: EngineCoreRequest) -> RequestStream:
-        """Queues a request in the engine core; its outputs arrive on the returned stream."""
+        """Queues a request on a replica; its outputs arrive on the returned stream."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
-        assert request.request_id not in self._streams, "request ids must be unique"
-        stream = RequestStream(request.request_id)
-        self._streams[request.request_id] = stream
-        self._send(RequestType.ADD, request)
+        if not self.is_replicated:
+            return self.replicas[0].add_request(request)
+        index = self.balancer.choose(request.prompt_token_ids, self._loads())
+        stream = self.replicas[index].add_request(request)
+        stream.replica = index
         return stream
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Ends requests still in flight (client gone, stop string found); frees their KV blocks.
+    def _loads(self) -> list[ReplicaLoad | None]:
+        loads: list[ReplicaLoad | None] = []
+        for r in self.replicas:
+            s = r.latest_stats
+            usage = (
+                1.0 - s.num_free_blocks / s.num_total_blocks if s and s.num_total_blocks else 0.0
+            )
+            loads.append(None if r.is_dead else ReplicaLoad(r.num_in_flight, usage))
+        return loads
 
-        Their streams are dropped at once: nothing more is read from them.
-        """
-        ids = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
-        if ids and not self.is_dead:
-            self._send(RequestType.ABORT, EngineCoreAbort(ids))
+    def abort(self, request_ids: list[str]) -> None:
+        """Ends requests still in flight on whichever replica runs them (see EngineCoreClient)."""
+        for r in self.replicas:
+            mine = [rid for rid in request_ids if r.is_in_flight(rid)]
+            if mine:
+                r.abort(mine)
 
     def cancel(self, request_ids: list[str]) -> None:
-        """Asks the engine core to stop requests; each stream still ends with its last output
-        (finish reason ABORT, or the one it finished with if the engine got there first)."""
-        ids = [rid for rid in request_ids if rid in self._streams]
-        if ids and not self.is_dead:
-            self._send(RequestType.ABORT, EngineCoreAbort(ids))
+        """Stops requests; each stream still ends with its last output (see EngineCoreClient)."""
+        for r in self.replicas:
+            mine = [rid for rid in request_ids if r.is_in_flight(rid)]
+            if mine:
+                r.cancel(mine)
 
     def is_in_flight(self, request_id: str) -> bool:
-        return request_id in self._streams
+        return any(r.is_in_flight(request_id) for r in self.replicas)
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(r.num_in_flight for r in self.replicas)
+
+    def fail_all_requests(self, reason: str) -> None:
+        """Ends every request and utility call in flight, on every replica, with EngineDeadError."""
+        for r in self.replicas:
+            r.fail_all_requests(reason)
+
+    # ------------------------------------------------------------------ utility calls and stats
 
     async def call_utility(self, method: UtilityMethod, timeout: float = 10.0, **args: Any) -> Any:
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
-        call_id = next(self._call_ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._utility_futures[call_id] = future
+        if not self.is_replicated:
+            return await self.replicas[0].call_utility(method, timeout, **args)
         try:
-            self._send(RequestType.UTILITY, UtilityCall(call_id, method, args))
-            return await asyncio.wait_for(future, timeout)
+            return await self.control.call(method, timeout, args)
         finally:
-            self._utility_futures.pop(call_id, None)
+            if method in _CACHE_RESETS:
+                self.balancer.forget()
 
     async def get_stats(self) -> dict[str, Any]:
         return await self.call_utility(UtilityMethod.GET_STATS)
 
     @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
+    def latest_stats(self) -> SchedulerStats | None:
+        """The living replicas' last SchedulerStats, summed (None before the first)."""
+        stats = [r.latest_stats for r in self.replicas if not r.is_dead and r.latest_stats]
+        if not stats:
+            return None
+        if len(stats) == 1:
+            return stats[0]
+        fields = [f for f in SchedulerStats.__struct_fields__ if f != "block_size"]
+        summed = {f: sum(getattr(s, f) for s in stats) for f in fields}
+        return SchedulerStats(block_size=stats[0].block_size, **summed)
 
-    def _send(self, kind: RequestType, body: msgspec.Struct) -> None:
-        assert self._input is not None, "the engine client is not started"
-        # NOTE: not awaited: with HWM 0 a PUSH to a connected peer completes at once, and
-        # zmq.asyncio keeps sends in order. Aborts must be sendable from `finally` blocks.
-        self._input.send_multipart([kind.value, self._encoder.encode(body)], copy=False)
-
-    # ------------------------------------------------------------------ background tasks
-
-    async def _output_loop(self) -> None:
-        assert self._output is not None
-        try:
-            while True:
-                frames = await self._output.recv_multipart(copy=False)
-                self._last_message_time = time.monotonic()
-                msg: EngineCoreOutputs = self._decoder.decode(frames[-1].buffer)
-                self._dispatch(msg)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            logger.exception("the engine output loop failed")
-            self._mark_dead(f"cannot read engine outputs: {type(e).__name__}: {e}")
-
-    def _dispatch(self, msg: EngineCoreOutputs) -> None:
-        # NOTE: stats first: a client answered from these outputs then sees gauges at least as new.
-        if msg.scheduler_stats is not None:
-            self.latest_stats = msg.scheduler_stats
-        for out in msg.outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue  # aborted by us; the engine's last words about it do not matter
-            stream.queue.put_nowait(out)
-            if out.finish_reason is not None:
-                del self._streams[out.request_id]
-        for result in msg.utility_results:
-            future = self._utility_futures.get(result.call_id)
-            if future is None or future.done():
-                continue
-            if result.error is not None:
-                future.set_exception(UtilityError(result.error))
-            else:
-                future.set_result(result.result)
-        if msg.engine_dead is not None:
-            self._mark_dead(msg.engine_dead)
-
-    async def _watch_process(self) -> None:
-        assert self._proc is not None
-        timeout = self.config.engine_heartbeat_timeout_s
-        while self._proc.is_alive():
-            before = time.monotonic()
-            await asyncio.sleep(LIVENESS_INTERVAL_S)
-            now = time.monotonic()
-            if now - before > LIVENESS_INTERVAL_S + 2.0:
-                # NOTE: our own event loop was blocked: the engine's messages wait unread in the
-                # socket, so its silence proves nothing yet.
-                self._last_message_time = now
-            if now - self._last_message_time > timeout and not self._is_shutting_down:
-                self._mark_dead(
-                    f"the engine core sent nothing for {timeout:g} s (stopped or hung; "
-                    "TERN_ENGINE_HEARTBEAT_TIMEOUT); it was killed"
-                )
-                # SIGKILL works on a stopped process too; its workers see it gone and exit.
-                self._proc.kill()
-                return
-        if not self._is_shutting_down:
-            self._mark_dead(f"the engine core process exited with code {self._proc.exitcode}")
-
-    def _mark_dead(self, reason: str) -> None:
-        if self.is_dead:
-            return
-        logger.error("engine is dead: %s", reason)
-        self.dead_reason = reason
-        self.fail_all_requests(reason)
-        for callback in self.on_dead:
-            callback(reason)
-
-    def fail_all_requests(self, reason: str) -> None:
-        """Ends every request and utility call in flight with EngineDeadError."""
-        for stream in self._streams.values():
-            stream.queue.put_nowait(EngineDeadError(reason))
-        self._streams.clear()
-        for future in self._utility_futures.values():
-            if not future.done():
-                future.set_exception(EngineDeadError(reason))
+    def replica_snapshots(self) -> list[ReplicaSnapshot]:
+        return [
+            ReplicaSnapshot(
+                index=r.index,
+                is_alive=not r.is_dead,
+                dead_reason=r.dead_reason,
+                stats=r.latest_stats,
+                num_in_flight=r.num_in_flight,
+                num_routed=dict(self.balancer.num_routed[r.index]),
+            )
+            for r in self.replicas
+        ]

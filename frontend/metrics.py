@@ -4,15 +4,24 @@ Names follow vLLM's with a `tern:` prefix, each labelled with the served model n
 - per request, measured here: time to first token, time per output token (mean over the request's
   decode), end-to-end latency, queue time (from the engine core's timestamps); prompt and generation
   token counters (the tokens served: what `usage` reports); successes by finish reason.
-- engine state, from the engine core's last SchedulerStats (it sends them every ~0.5 s while busy
+- engine state, from the engine cores' last SchedulerStats (each sends them every ~0.5 s while busy
   and when it goes idle): running and waiting requests, preemptions, KV-cache usage, prefix-cache
   queries and hits (in tokens).
-Each server has its own registry: nothing is global, so several apps can live in one process.
+With --dp > 1 the engine-state series have one sample per replica (label `replica`), and
+`tern:replica_*` families show each replica's health, the requests the balancer sent it (by reason:
+`prefix` or `load`), and the tokens its engine computed and sampled.
+
+Every family whose quantity vLLM also exports is served a second time under vLLM's name
+(VLLM_NAMES: `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, ...), so that the routers,
+dashboards and autoscalers built for vLLM read tern unchanged; the engine-state twins carry vLLM's
+`engine` label (the replica) as vLLM's data-parallel engines do.
+Each server has its own registries: nothing is global, so several apps can live in one process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -26,6 +35,9 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from enginecore.messages import SchedulerStats
+
+if TYPE_CHECKING:
+    from frontend.engine_client import ReplicaSnapshot
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
@@ -47,13 +59,49 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 FINISH_REASONS = ("stop", "length", "abort")
 
+# tern family -> the name vLLM exports the same quantity under (counters without `_total`).
+# NOTE: tern's time per output token is one sample per request (the mean over its decode): vLLM's
+# request_time_per_output_token_seconds, not its per-token inter_token_latency_seconds.
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "tern:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "tern:time_per_output_token_seconds": ("vllm:request_time_per_output_token_seconds",),
+    "tern:e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "tern:request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+    "tern:prompt_tokens": ("vllm:prompt_tokens",),
+    "tern:generation_tokens": ("vllm:generation_tokens",),
+    "tern:request_success": ("vllm:request_success",),
+    "tern:num_requests_running": ("vllm:num_requests_running",),
+    "tern:num_requests_waiting": ("vllm:num_requests_waiting",),
+    # gpu_cache_usage_perc: vLLM's name before v0.10, still what older autoscaler recipes read.
+    "tern:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "tern:num_preemptions": ("vllm:num_preemptions",),
+    "tern:prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "tern:prefix_cache_hits": ("vllm:prefix_cache_hits",),
+}
+# Families measured per engine core: vLLM labels them with `engine`.
+_ENGINE_STATE = frozenset(
+    {
+        "tern:num_requests_running",
+        "tern:num_requests_waiting",
+        "tern:kv_cache_usage_perc",
+        "tern:num_preemptions",
+        "tern:prefix_cache_queries",
+        "tern:prefix_cache_hits",
+    }
+)
+
 
 class Metrics:
     """The server's metrics; Generation objects report to it as their requests progress."""
 
     def __init__(self, model_name: str, engine_stats: Callable[[], SchedulerStats | None]) -> None:
+        # `tern` holds the tern: families; `registry` (what /metrics serves) them and their twins.
+        tern = CollectorRegistry()
         self.registry = CollectorRegistry()
-        reg, labels = self.registry, ["model_name"]
+        self.registry.register(_VllmTwins(tern))
+        # With --dp > 1 (set by build_app): each replica's state, for per-replica series.
+        self.replicas: Callable[[], list[ReplicaSnapshot]] | None = None
+        reg, labels = tern, ["model_name"]
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
@@ -89,7 +137,7 @@ class Metrics:
             registry=reg,
         )
         self.success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
-        reg.register(_EngineStatsCollector(model_name, engine_stats))
+        reg.register(_EngineStatsCollector(model_name, engine_stats, lambda: self.replicas))
 
     def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft_s)
@@ -112,39 +160,109 @@ class Metrics:
 
 
 class _EngineStatsCollector(Collector):
-    """Reads the engine core's last SchedulerStats at scrape time (zeros before the first)."""
+    """Reads the engine cores' last SchedulerStats at scrape time (zeros before the first): the
+    sum of every replica's (one sample each, labelled `replica`, when `replicas` is set)."""
 
-    def __init__(self, model_name: str, engine_stats: Callable[[], SchedulerStats | None]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        engine_stats: Callable[[], SchedulerStats | None],
+        replicas: Callable[[], Callable[[], list[ReplicaSnapshot]] | None],
+    ) -> None:
         self.model_name = model_name
         self.engine_stats = engine_stats
+        self.replicas = replicas
 
     def collect(self) -> Iterator[Metric]:
-        s = self.engine_stats()
-        running = s.num_running_reqs if s else 0
-        waiting = s.num_waiting_reqs if s else 0
-        usage = 1.0 - s.num_free_blocks / s.num_total_blocks if s and s.num_total_blocks else 0.0
-        yield self._gauge("num_requests_running", "Requests in the running batch.", running)
-        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", waiting)
-        yield self._gauge("kv_cache_usage_perc", "KV-cache usage (1 = full).", usage)
-        yield self._counter(
-            "num_preemptions", "Preemptions (a request's KV blocks freed for recomputation).",
-            s.num_preempted_total if s else 0,
-        )  # fmt: skip
-        yield self._counter(
-            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-            s.prefix_cache_queries if s else 0,
-        )  # fmt: skip
-        yield self._counter(
-            "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-            s.prefix_cache_hits if s else 0,
-        )  # fmt: skip
+        source = self.replicas()
+        if source is None:
+            rows = [([self.model_name], self.engine_stats(), True)]
+            label_names = ["model_name"]
+        else:
+            snapshots = source()
+            rows = [([self.model_name, str(r.index)], r.stats, r.is_alive) for r in snapshots]
+            label_names = ["model_name", "replica"]
+            yield from _replica_families(self.model_name, snapshots)
 
-    def _gauge(self, name: str, doc: str, value: float) -> Metric:
-        family = GaugeMetricFamily(f"tern:{name}", doc, labels=["model_name"])
-        family.add_metric([self.model_name], value)
-        return family
+        def family(kind: type, name: str, doc: str, value: Callable[..., float]) -> Metric:
+            f = kind(f"tern:{name}", doc, labels=label_names)
+            for labels, s, is_alive in rows:
+                f.add_metric(labels, value(s, is_alive) if s else 0)
+            return f
 
-    def _counter(self, name: str, doc: str, value: float) -> Metric:
-        family = CounterMetricFamily(f"tern:{name}", doc, labels=["model_name"])
-        family.add_metric([self.model_name], value)
-        return family
+        G, C = GaugeMetricFamily, CounterMetricFamily  # noqa: N806
+        yield family(G, "num_requests_running", "Requests in the running batch.",
+                     lambda s, up: s.num_running_reqs if up else 0)  # fmt: skip
+        yield family(G, "num_requests_waiting", "Requests waiting to be scheduled.",
+                     lambda s, up: s.num_waiting_reqs if up else 0)  # fmt: skip
+        yield family(G, "kv_cache_usage_perc", "KV-cache usage (1 = full).",
+                     lambda s, up: _kv_usage(s) if up else 0.0)  # fmt: skip
+        yield family(C, "num_preemptions",
+                     "Preemptions (a request's KV blocks freed for recomputation).",
+                     lambda s, up: s.num_preempted_total)  # fmt: skip
+        yield family(C, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                     lambda s, up: s.prefix_cache_queries)  # fmt: skip
+        yield family(C, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                     lambda s, up: s.prefix_cache_hits)  # fmt: skip
+
+
+def _kv_usage(s: SchedulerStats) -> float:
+    return 1.0 - s.num_free_blocks / s.num_total_blocks if s.num_total_blocks else 0.0
+
+
+def _replica_families(model_name: str, replicas: list[ReplicaSnapshot]) -> Iterator[Metric]:
+    labels = ["model_name", "replica"]
+    up = GaugeMetricFamily(
+        "tern:replica_up", "1 while the replica serves, 0 once it died.", labels=labels
+    )
+    in_flight = GaugeMetricFamily(
+        "tern:replica_requests_in_flight",
+        "Requests the frontend has on the replica.",
+        labels=labels,
+    )
+    routed = CounterMetricFamily(
+        "tern:replica_requests_routed",
+        "Requests sent to the replica, by why: prefix (it holds the prompt's prefix) or load.",
+        labels=[*labels, "reason"],
+    )
+    prefill = CounterMetricFamily(
+        "tern:replica_prompt_tokens_computed",
+        "Prompt tokens the replica computed (prefill; recomputation included).",
+        labels=labels,
+    )
+    sampled = CounterMetricFamily(
+        "tern:replica_generation_tokens_sampled", "Tokens the replica sampled.", labels=labels
+    )
+    for r in replicas:
+        values = [model_name, str(r.index)]
+        up.add_metric(values, 1 if r.is_alive else 0)
+        in_flight.add_metric(values, r.num_in_flight)
+        for reason, n in r.num_routed.items():
+            routed.add_metric([*values, reason], n)
+        prefill.add_metric(values, r.stats.num_prefill_tokens_total if r.stats else 0)
+        sampled.add_metric(values, r.stats.num_generated_tokens_total if r.stats else 0)
+    yield from (up, in_flight, routed, prefill, sampled)
+
+
+class _VllmTwins(Collector):
+    """Every family of `source`, then its twins under vLLM's names (VLLM_NAMES)."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        families = list(self.source.collect())
+        yield from families
+        for family in families:
+            for name in VLLM_NAMES.get(family.name, ()):
+                yield _renamed(family, name, engine_label=family.name in _ENGINE_STATE)
+
+
+def _renamed(family: Metric, name: str, engine_label: bool) -> Metric:
+    twin = Metric(name, family.documentation, family.type)
+    for s in family.samples:
+        labels = dict(s.labels)
+        if engine_label:
+            labels["engine"] = labels.pop("replica", "0")
+        twin.add_sample(name + s.name[len(family.name) :], labels, s.value, s.timestamp)
+    return twin

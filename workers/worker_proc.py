@@ -81,17 +81,17 @@ def _build_runner(config: Config, rank: int, mq: MessageQueue) -> ModelRunner:
     from workers.worker_control import reuse_heap_for_activations
 
     parallel = config.parallel
-    torch.set_num_threads(num_threads(parallel.ranks_per_node))
+    torch.set_num_threads(num_threads(parallel.num_local_workers))  # every replica's workers
     reuse_heap_for_activations()
     # NOTE: first: the executor waits for every reader's subscription before anything else.
     mq.wait_until_ready(timeout=config.startup_timeout_s)
     # Deterministic start-up errors come before the rendezvous, which would wait for dead peers.
     check_parallel_split(load_model_args(config.model.path), parallel)
-    device = default_device(rank)
+    device = default_device(parallel.first_device_index + rank)
     if device.type == "cuda":
-        if torch.cuda.device_count() < parallel.ranks_per_node:
+        if torch.cuda.device_count() < parallel.num_local_workers:
             raise ValueError(
-                f"tp x pp = {parallel.world_size} workers need {parallel.ranks_per_node} GPUs on "
+                f"dp x tp x pp = {parallel.num_local_workers} workers need as many GPUs on "
                 f"this node, {torch.cuda.device_count()} visible"
             )
         torch.cuda.set_device(device)
@@ -130,7 +130,13 @@ def _run_control(control: WorkerControl, call: ControlCall, rank: int) -> Worker
 
 def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) -> None:
     """Process entry point (spawned by MultiprocExecutor, or by a node's worker launcher)."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{rank} %(message)s")
+    parallel = config.parallel
+    name = (
+        f"worker{parallel.data_parallel_rank}.{rank}"
+        if parallel.data_parallel_size > 1
+        else f"worker{rank}"
+    )
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(message)s")
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:

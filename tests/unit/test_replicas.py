@@ -1,0 +1,167 @@
+"""The data-parallel frontend's pieces without processes: the load balancer's choices, and control
+calls over replicas as one transaction (fake replicas that answer as engine cores do, one of them
+failing where a real one could)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from enginecore.messages import UtilityMethod
+from frontend.args import config_from_args, make_parser
+from frontend.engine_client import replica_config
+from frontend.engine_core_client import EngineDeadError, UtilityError
+from frontend.load_balancer import AFFINITY_SLACK, LoadBalancer, ReplicaLoad
+from frontend.replica_control import ReplicaControl
+
+BLOCK = 4
+
+
+def idle(n: int = 2) -> list[ReplicaLoad | None]:
+    return [ReplicaLoad(0, 0.0) for _ in range(n)]
+
+
+def test_least_loaded_wins_and_idle_replicas_take_turns() -> None:
+    lb = LoadBalancer(2, BLOCK)
+    assert lb.choose([1, 2], [ReplicaLoad(3, 0.0), ReplicaLoad(1, 0.9)]) == 1
+    assert lb.choose([1, 2], [ReplicaLoad(1, 0.5), ReplicaLoad(1, 0.1)]) == 1  # KV breaks ties
+    assert {lb.choose([1, 2], idle()) for _ in range(4)} == {0, 1}
+    assert lb.choose([1, 2], [None, ReplicaLoad(50, 1.0)]) == 1  # the dead never
+    with pytest.raises(ValueError):
+        lb.choose([1], [None, None])
+
+
+def test_a_cached_prefix_wins_within_the_slack_and_spreads_beyond_it() -> None:
+    lb = LoadBalancer(2, BLOCK)
+    prefix = list(range(100, 100 + 3 * BLOCK))
+    first = lb.choose(prefix + [1], idle())
+    other = 1 - first
+    loads: list[ReplicaLoad | None] = [ReplicaLoad(0, 0.0), ReplicaLoad(0, 0.0)]
+    loads[first] = ReplicaLoad(AFFINITY_SLACK, 0.0)
+    assert lb.choose(prefix + [2], loads) == first  # busier, but holds the prefix
+    assert lb.num_routed[first]["prefix"] == 1
+    loads[first] = ReplicaLoad(AFFINITY_SLACK + 1, 0.0)
+    assert lb.choose(prefix + [3], loads) == other  # too busy: the other computes it
+    # Now both hold it: the less loaded of them.
+    assert lb.choose(prefix + [4], [ReplicaLoad(2, 0.0), ReplicaLoad(1, 0.0)]) == 1
+    # The longest remembered prefix decides: only `first` was sent this longer one.
+    longer = prefix + list(range(7, 7 + BLOCK))
+    loads = idle()
+    loads[other] = None
+    lb.choose(longer, loads)
+    assert lb.choose(longer + [5], [ReplicaLoad(2, 0.0), ReplicaLoad(2, 0.0)]) == first
+    lb.forget(first)
+    assert lb.choose(longer + [6], [ReplicaLoad(2, 0.0), ReplicaLoad(2, 0.0)]) == other
+    lb.forget()
+    assert not lb._holders
+
+
+class FakeReplica:
+    """Answers control calls as an engine core does: an update opens (finished=false) or commits;
+    FINISH_WEIGHTS_UPDATE commits or rolls back; `fail` names methods it fails."""
+
+    def __init__(self, index: int, fail: tuple[UtilityMethod, ...] = ()) -> None:
+        self.index = index
+        self.fail = fail
+        self.die_on: tuple[UtilityMethod, ...] = ()
+        self.is_dead = False
+        self.weights, self.staged, self.version = "old", None, "default"
+        self.calls: list[tuple[UtilityMethod, dict[str, Any]]] = []
+        self.paused = False
+
+    async def call_utility(self, method: UtilityMethod, timeout: float = 10.0, **args: Any) -> Any:
+        self.calls.append((method, args))
+        await asyncio.sleep(0)
+        if method in self.die_on:
+            self.is_dead = True
+            raise EngineDeadError("the engine core process exited with code 1")
+        if method in self.fail:
+            self.staged = None  # an engine core rolls back its own open update
+            raise UtilityError(f"replica {self.index}: bad tensor shape")
+        if method == UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS:
+            self.staged = args["blobs"]
+            return {"success": True}
+        if method == UtilityMethod.FINISH_WEIGHTS_UPDATE:
+            if self.staged is None:
+                raise UtilityError("no weight update is open")
+            if args.get("commit", True):
+                self.weights, self.version = self.staged, args["weight_version"]
+            self.staged = None
+            return {"success": True, "weight_version": self.version}
+        if method in (UtilityMethod.PAUSE, UtilityMethod.RESUME):
+            self.paused = method == UtilityMethod.PAUSE
+            return {"paused": args.get("mode"), "is_sleeping": False, "asleep_tags": [],
+                    "weights_valid": True, "update_open": False, "weight_version": self.version}  # fmt: skip
+        return {"success": True}
+
+
+def run(control: ReplicaControl, method: UtilityMethod, **args: Any) -> Any:
+    return asyncio.run(control.call(method, 10.0, args))
+
+
+def test_an_update_commits_on_every_replica_with_one_version() -> None:
+    replicas = [FakeReplica(0), FakeReplica(1)]
+    control = ReplicaControl(replicas, ranks_per_replica=2)
+    run(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs="new")
+    assert [(r.weights, r.version) for r in replicas] == [("new", "1"), ("new", "1")]
+    # Every replica prepared (finished=false) before any committed.
+    assert [m for m, _ in replicas[0].calls] == [
+        UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS,
+        UtilityMethod.FINISH_WEIGHTS_UPDATE,
+    ]
+    assert replicas[0].calls[0][1]["finished"] is False
+    # Buckets: held open on every replica until the last one.
+    run(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs="b1", finished=False)
+    assert all(r.staged == "b1" and r.weights == "new" for r in replicas)
+    run(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs="b2", weight_version="v7")
+    assert [(r.weights, r.version) for r in replicas] == [("b2", "v7"), ("b2", "v7")]
+
+
+def test_a_failure_on_one_replica_rolls_back_every_replica() -> None:
+    good, bad = FakeReplica(0), FakeReplica(1, fail=(UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS,))
+    control = ReplicaControl([good, bad], ranks_per_replica=1)
+    with pytest.raises(UtilityError, match="bad tensor shape"):
+        run(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs="new")
+    assert (good.weights, good.staged, bad.weights) == ("old", None, "old")
+    assert good.calls[-1] == (UtilityMethod.FINISH_WEIGHTS_UPDATE, {"commit": False})
+    # A dead replica fails the call too; the living one rolls back, and later calls skip the dead.
+    bad.die_on = (UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS,)
+    with pytest.raises(UtilityError, match="replica 1 failed"):
+        run(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs="new")
+    assert (good.weights, good.staged) == ("old", None)
+    run(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs="new")
+    assert good.weights == "new"
+    good.is_dead = True
+    with pytest.raises(EngineDeadError):
+        run(control, UtilityMethod.RESUME)
+
+
+def test_group_ranks_per_replica_and_pause_as_a_whole() -> None:
+    replicas = [FakeReplica(0), FakeReplica(1), FakeReplica(2)]
+    control = ReplicaControl(replicas, ranks_per_replica=4)
+    run(control, UtilityMethod.INIT_WEIGHTS_UPDATE_GROUP, rank_offset=1, world_size=13,
+        master_address="h", master_port=1, group_name="g")  # fmt: skip
+    assert [r.calls[-1][1]["rank_offset"] for r in replicas] == [1, 5, 9]
+    run(control, UtilityMethod.PAUSE, mode="keep")
+    assert all(r.paused for r in replicas)
+    run(control, UtilityMethod.RESUME)
+    replicas[2].fail = (UtilityMethod.PAUSE,)
+    with pytest.raises(UtilityError):
+        run(control, UtilityMethod.PAUSE, mode="keep")
+    assert not any(r.paused for r in replicas)  # the ones that paused resumed
+
+
+@pytest.mark.parametrize("flag", ["--dp", "-dp", "--data-parallel-size"])
+def test_dp_flags_and_each_replicas_config(tmp_path: Path, flag: str) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    config = config_from_args(make_parser().parse_args(["launch", str(tmp_path), flag, "2"]))
+    parallel = config.parallel
+    assert (parallel.data_parallel_size, parallel.num_local_workers) == (2, 2)
+    second = replica_config(config, 1)
+    assert second.parallel.data_parallel_rank == 1 and second.parallel.first_device_index == 1
+    assert second.ipc_dir.startswith(config.ipc_dir) and second.ipc_dir != config.ipc_dir
+    with pytest.raises(ValueError):
+        config_from_args(make_parser().parse_args(["launch", str(tmp_path), flag, "0"]))
