@@ -249,6 +249,14 @@ class EngineClient:
     async def get_stats(self) -> dict[str, Any]:
         return await self.call_utility(UtilityMethod.GET_STATS)
 
+    async def replica_stats(self) -> list[tuple[int, dict[str, Any]]]:
+        """(index, scheduler stats asked now) of every living replica."""
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
+        alive = [r for r in self.replicas if not r.is_dead]
+        stats = await asyncio.gather(*(r.call_utility(UtilityMethod.GET_STATS) for r in alive))
+        return [(r.index, s) for r, s in zip(alive, stats)]
+
     @property
     def latest_stats(self) -> SchedulerStats | None:
         """The living replicas' last SchedulerStats, summed (None before the first)."""

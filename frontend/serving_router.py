@@ -8,7 +8,7 @@ binaries (vllm-router 0.1.17, sglang-router 0.3.2):
 - per request, vllm-router's cache-aware policy: POST /v1/completions/render or
   /v1/chat/completions/render (vLLM's render routes: the prompt's token ids, so it routes on tokens),
   falling back to POST /tokenize;
-- for load-based policies: GET /get_load (SGLang's shape: one entry per data-parallel rank with
+- for load-based policies: GET /get_load (SGLang's shape: one entry per data-parallel replica with
   num_reqs, num_waiting_reqs, num_tokens; sglang-router sums num_tokens) and GET /load (vLLM's
   {"server_load"});
 - health checks on demand: GET /health_generate (SGLang: generate one token; 200 when it came);
@@ -86,23 +86,20 @@ class RouterServing:
 
     # ------------------------------------------------------------------ load
 
-    async def _stats(self) -> dict[str, Any]:
+    async def get_load(self, request: Request) -> Response:
+        """SGLang's /get_load: one entry per living data-parallel replica (--dp)."""
         try:
-            return await self.serving.engine.get_stats()
+            replicas = await self.serving.engine.replica_stats()
         except EngineDeadError as e:
             raise engine_dead_error(str(e)) from e
-
-    async def get_load(self, request: Request) -> Response:
-        """SGLang's /get_load: a list with one entry per data-parallel rank (tern serves one)."""
-        stats = await self._stats()
-        used_blocks = stats["num_total_blocks"] - stats["num_free_blocks"]
         return json_response([
             {
-                "dp_rank": 0,
-                "num_reqs": stats["num_running_reqs"] + stats["num_waiting_reqs"],
-                "num_waiting_reqs": stats["num_waiting_reqs"],
-                "num_tokens": used_blocks * stats["block_size"],
+                "dp_rank": index,
+                "num_reqs": s["num_running_reqs"] + s["num_waiting_reqs"],
+                "num_waiting_reqs": s["num_waiting_reqs"],
+                "num_tokens": (s["num_total_blocks"] - s["num_free_blocks"]) * s["block_size"],
             }
+            for index, s in replicas
         ])  # fmt: skip
 
     async def load(self, request: Request) -> Response:

@@ -286,3 +286,16 @@ def test_a_dead_replica_fails_its_requests_and_the_other_serves_on(
         time.sleep(0.1)
     assert not is_alive(core1)
     assert server.proc.poll() is None
+
+
+def test_load_routes_report_each_replica(server: Any) -> None:
+    """SGLang's /get_load lists each replica (sglang-router sums num_tokens over them); vLLM's
+    /load is the HTTP requests in flight."""
+    r = httpx.get(f"{server.base_url}/get_load", timeout=30)
+    assert r.status_code == 200, r.text
+    loads = r.json()
+    assert [e["dp_rank"] for e in loads] == [0, 1]
+    for e in loads:
+        assert e["num_reqs"] >= e["num_waiting_reqs"] >= 0 and e["num_tokens"] >= 0
+    r = httpx.get(f"{server.base_url}/load", timeout=30)
+    assert r.status_code == 200 and r.json() == {"server_load": 0}

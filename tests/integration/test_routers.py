@@ -153,6 +153,10 @@ def test_sglang_router_forwards_both_routes(servers: list[str]) -> None:
         assert chat.choices[0].finish_reason == "length"
     finally:
         router.stop()
+    # what load-based policies read from a one-replica server
+    loads = httpx.get(f"{servers[0]}/get_load", timeout=10).json()
+    assert [e["dp_rank"] for e in loads] == [0] and loads[0]["num_reqs"] >= 0
+    assert httpx.get(f"{servers[0]}/load", timeout=10).json() == {"server_load": 0}
 
 
 def test_tern_serve_as_vllm_is_launched(tiny_llama_with_tokenizer: Path) -> None:
