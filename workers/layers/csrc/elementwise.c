@@ -69,9 +69,8 @@ int tern_rotary_neox(float *q, int64_t q_stride, float *k, int64_t k_stride,
     return 0;
 }
 
-/* x (T, 2I) = [gate | up] -> out (T, I) = silu(gate) * up, silu(g) = g / (1 + exp(-g)), the
- * sigmoid from e = exp(-|g|), which cannot overflow: 1 / (1 + e) for g >= 0, e / (1 + e) below.
- * Vectorised, so one kernel serves every row count (the fused decode layer and the module path
+/* x (T, 2I) = [gate | up] -> out (T, I) = silu(gate) * up, silu(g) = g / (1 + exp(-g)) (simd.h's
+ * silu8, and the same sigmoid in the scalar tail). Vectorised, so one kernel serves every row count (the fused decode layer and the module path
  * then agree bit for bit at any batch). */
 void tern_silu_and_mul(const float *x, float *out, int T, int I) {
 #pragma omp parallel for schedule(static) if ((int64_t)T * I >= 16384)
@@ -80,14 +79,9 @@ void tern_silu_and_mul(const float *x, float *out, int T, int I) {
         float *o = out + (int64_t)t * I;
         int i = 0;
 #ifdef __AVX2__
-        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-        for (; i + 8 <= I; i += 8) {
-            __m256 gv = _mm256_loadu_ps(g + i);
-            __m256 e = exp_nonpositive(_mm256_sub_ps(zero, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), gv)));
-            __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(gv, zero, _CMP_GE_OQ));
-            __m256 silu = _mm256_mul_ps(gv, _mm256_div_ps(num, _mm256_add_ps(one, e)));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
-        }
+        for (; i + 8 <= I; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)),
+                                                  _mm256_loadu_ps(u + i)));
 #endif
         for (; i < I; i++) {
             float e = expf(-fabsf(g[i]));
@@ -98,8 +92,7 @@ void tern_silu_and_mul(const float *x, float *out, int T, int I) {
 
 /* bfloat16 x (T, 2I) = [gate | up] -> out (T, I) = silu(gate) * up, silu rounded to bfloat16
  * before the product as torch's F.silu(gate) * up does. Vectorised, unlike the float32 version:
- * in bfloat16 torch's two ops cost ~40 us per layer per 1000 tokens of prefill. The sigmoid comes
- * from e = exp(-|g|), which cannot overflow: 1 / (1 + e) for g >= 0, e / (1 + e) below. */
+ * in bfloat16 torch's two ops cost ~40 us per layer per 1000 tokens of prefill. */
 void tern_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I) {
 #pragma omp parallel for schedule(static) if ((int64_t)T * I >= 16384)
     for (int t = 0; t < T; t++) {
@@ -107,12 +100,8 @@ void tern_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I) {
         uint16_t *o = out + (int64_t)t * I;
         int i = 0;
 #ifdef __AVX2__
-        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
         for (; i + 8 <= I; i += 8) {
-            __m256 gv = load8_bf16(g + i);
-            __m256 e = exp_nonpositive(_mm256_sub_ps(zero, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), gv)));
-            __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(gv, zero, _CMP_GE_OQ));
-            __m256 silu = round8_bf16(_mm256_mul_ps(gv, _mm256_div_ps(num, _mm256_add_ps(one, e))));
+            __m256 silu = round8_bf16(silu8(load8_bf16(g + i)));
             store8_bf16(o + i, round8_bf16(_mm256_mul_ps(silu, load8_bf16(u + i))));
         }
 #endif

@@ -97,7 +97,9 @@ static inline float dot_bf16w(const float *x, const uint16_t *w, int K) {
 }
 
 /* Rows [n0, n0 + nt) of w widened into wf (TILE_N, K), the rows past nt zeroed. */
-static void widen_tile(const uint16_t *w, int n0, int nt, int K, float *wf) {
+static void widen_tile(const void *weight, const float *scale, int n0, int nt, int K, float *wf) {
+    const uint16_t *w = (const uint16_t *)weight;
+    (void)scale;
     for (int r = 0; r < TILE_N; r++) {
         float *dst = wf + (int64_t)r * K;
         if (r >= nt) {
@@ -128,24 +130,5 @@ int tern_bf16w_linear(const float *x, const uint16_t *w, const float *bias, floa
                     dot_bf16w(x + (int64_t)m * K, w + (int64_t)n * K, K) + (bias ? bias[n] : 0.f);
         return 0;
     }
-    int num_tiles = (N + TILE_N - 1) / TILE_N;
-    int failed = 0;
-#pragma omp parallel
-    {
-        float *wf = (float *)malloc(sizeof(float) * TILE_N * (size_t)K);
-        if (wf == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int t = 0; t < num_tiles; t++) {
-            if (wf == NULL) continue;
-            int n0 = t * TILE_N;
-            int nt = N - n0 < TILE_N ? N - n0 : TILE_N;
-            widen_tile(w, n0, nt, K, wf);
-            tile_matmul(x, wf, M, K, n0, nt, N, bias, y);
-        }
-        free(wf);
-    }
-    return failed ? -1 : 0;
+    return matmul_widened_tiles(x, w, NULL, widen_tile, bias, y, M, N, K);
 }

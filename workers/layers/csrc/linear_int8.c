@@ -33,6 +33,11 @@ static void dequant_tile(const int8_t *w, const float *scale, int n0, int nt, in
 
 
 
+static void dequant_tile_padded(const void *w, const float *scale, int n0, int nt, int K,
+                                float *wf) {
+    dequant_tile((const int8_t *)w, scale, n0, nt, K, wf, 1);
+}
+
 /* Few activation rows: x is quantized to int16 (one scale per row: max|x| / 32767, an error below
  * 2e-5 of the row's largest value, finer than bfloat16's 4e-3) and multiplied with the int8
  * weights in 16-bit integer pairs (vpmaddwd): per 16 weights one widening, one multiply-add and one
@@ -152,26 +157,7 @@ int tern_int8_linear(const float *x, const int8_t *w, const float *scale, const 
         free(xq);
         return 0;
     }
-    int num_tiles = (N + TILE_N - 1) / TILE_N;
-    int failed = 0;
-#pragma omp parallel
-    {
-        float *wf = (float *)malloc(sizeof(float) * TILE_N * (size_t)K);
-        if (wf == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int t = 0; t < num_tiles; t++) {
-            if (wf == NULL) continue;
-            int n0 = t * TILE_N;
-            int nt = N - n0 < TILE_N ? N - n0 : TILE_N;
-            dequant_tile(w, scale, n0, nt, K, wf, 1);
-            tile_matmul(x, wf, M, K, n0, nt, N, bias, y);
-        }
-        free(wf);
-    }
-    return failed ? -1 : 0;
+    return matmul_widened_tiles(x, w, scale, dequant_tile_padded, bias, y, M, N, K);
 }
 
 

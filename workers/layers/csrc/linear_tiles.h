@@ -3,6 +3,7 @@
 #ifndef TERN_LINEAR_TILES_H
 #define TERN_LINEAR_TILES_H
 #include <stdint.h>
+#include <stdlib.h>
 #include "simd.h"
 
 #define TILE_N 4
@@ -67,5 +68,34 @@ static inline void tile_matmul(const float *x, const float *wf, int M, int K, in
         }
     }
 #endif
+}
+/* Fills wf (TILE_N, K) with weight rows [n0, n0 + nt) as float32, the rows past nt zeroed. */
+typedef void (*TileWidener)(const void *w, const float *scale, int n0, int nt, int K, float *wf);
+
+/* y (M, N) = x (M, K) @ W.T + bias, W read TILE_N rows at a time through `widen` into a per-thread
+ * L1 tile that every row of x reuses. Returns 0, or -1 when a thread cannot get its tile. */
+static inline int matmul_widened_tiles(const float *x, const void *w, const float *scale,
+                                       TileWidener widen, const float *bias, float *y, int M,
+                                       int N, int K) {
+    int num_tiles = (N + TILE_N - 1) / TILE_N;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *wf = (float *)malloc(sizeof(float) * TILE_N * (size_t)K);
+        if (wf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int t = 0; t < num_tiles; t++) {
+            if (wf == NULL) continue;
+            int n0 = t * TILE_N;
+            int nt = N - n0 < TILE_N ? N - n0 : TILE_N;
+            widen(w, scale, n0, nt, K, wf);
+            tile_matmul(x, wf, M, K, n0, nt, N, bias, y);
+        }
+        free(wf);
+    }
+    return failed ? -1 : 0;
 }
 #endif

@@ -45,6 +45,15 @@ static inline __m256 load8_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
 }
 
+/* g * sigmoid(g) for 8 floats, the sigmoid from e = exp(-|g|), which cannot overflow:
+ * 1 / (1 + e) for g >= 0, e / (1 + e) below. */
+static inline __m256 silu8(__m256 g) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    __m256 e = exp_nonpositive(_mm256_sub_ps(zero, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g)));
+    __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(g, zero, _CMP_GE_OQ));
+    return _mm256_mul_ps(g, _mm256_div_ps(num, _mm256_add_ps(one, e)));
+}
+
 /* 8 floats rounded to the nearest bfloat16 (even on ties), still as floats. */
 static inline __m256 round8_bf16(__m256 v) {
     __m256i u = _mm256_castps_si256(v);
