@@ -115,7 +115,7 @@ class ParallelConfig:
     shm_collectives: bool = os.environ.get("TERN_SHM_COLLECTIVES", "1") != "0"
     nnodes: int = 1
     node_rank: int = 0
-    # --dp: replicas, each an engine core with its own tp x pp workers (frontend/engine_client.py);
+    # --dp: replicas, each an engine core with its own tp x pp workers (frontend/engine/client.py);
     # data_parallel_rank is the replica these settings are for (set per replica by the frontend).
     data_parallel_size: int = 1
     data_parallel_rank: int = 0

@@ -25,16 +25,16 @@ import uvicorn
 import uvloop
 
 from enginecore.config import Config
-from frontend.api_server import build_app
 from frontend.args import FrontendConfig, config_from_args, frontend_config_from_args, make_parser
-from frontend.engine_client import EngineClient, EngineStartupError
-from frontend.http_protocol import KeepAliveSafeH11Protocol
-from frontend.metrics import Metrics
-from frontend.middleware import access_warnings
-from frontend.serving import OpenAIServing
+from frontend.engine.client import EngineClient, EngineStartupError
+from frontend.server.app import build_app
+from frontend.server.http_protocol import KeepAliveSafeH11Protocol
+from frontend.server.metrics import Metrics
+from frontend.server.middleware import access_warnings
+from frontend.serving.base import OpenAIServing
 
 if TYPE_CHECKING:
-    from frontend.tokenizer import Tokenizer
+    from frontend.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("tern.frontend")
 
@@ -98,7 +98,7 @@ class Launcher:
             logger.info("tern stopped")
 
     async def _run(self) -> int:
-        from frontend.tokenizer import Tokenizer  # noqa: F811 (imports transformers: seconds)
+        from frontend.text.tokenizer import Tokenizer  # noqa: F811 (imports transformers: seconds)
 
         config = self.config
         tokenizer = Tokenizer(config.model.path, self.frontend_config.chat_template)
@@ -194,7 +194,7 @@ def generation_defaults(option: str, model_defaults: dict[str, Any]) -> dict[str
     import json
     from pathlib import Path
 
-    from frontend.tokenizer import GENERATION_DEFAULT_KEYS
+    from frontend.text.tokenizer import GENERATION_DEFAULT_KEYS
 
     with open(Path(option) / "generation_config.json") as f:
         config = json.load(f)

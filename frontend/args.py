@@ -27,9 +27,9 @@ from enginecore.config import (
     ServerConfig,
 )
 from frontend.chat_options import ChatOptions
-from frontend.http_protocol import DEFAULT_KEEP_ALIVE_S
-from frontend.reasoning_parsers import REASONING_PARSERS
-from frontend.tool_parsers import TOOL_PARSERS
+from frontend.server.http_protocol import DEFAULT_KEEP_ALIVE_S
+from frontend.text.reasoning_parsers import REASONING_PARSERS
+from frontend.text.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0

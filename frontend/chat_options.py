@@ -9,5 +9,5 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ChatOptions:
     enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None  # frontend/tool_parsers.py TOOL_PARSERS
-    reasoning_parser: str | None = None  # frontend/reasoning_parsers.py REASONING_PARSERS
+    tool_call_parser: str | None = None  # frontend/text/tool_parsers.py TOOL_PARSERS
+    reasoning_parser: str | None = None  # frontend/text/reasoning_parsers.py REASONING_PARSERS

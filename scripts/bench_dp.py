@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_serving  # noqa: E402
 
-from frontend.launched_server import LaunchedServer  # noqa: E402
+from frontend.client.launched_server import LaunchedServer  # noqa: E402
 
 
 def scrape(base_url: str) -> dict[tuple[str, str], float]:

@@ -91,7 +91,7 @@ def big_schema(n: int) -> dict[str, Any]:
 
 def json_spec(schema: dict[str, Any]) -> StructuredOutputSpec:
     """The spec the server makes of a JSON schema (checked by the frontend, as a request's)."""
-    from frontend.structured_outputs import json_schema_spec
+    from frontend.text.structured_outputs import json_schema_spec
 
     return json_schema_spec(schema, "response_format")
 
@@ -101,8 +101,8 @@ def serving_specs(model: str) -> dict[str, StructuredOutputSpec]:
     import bench_serving
 
     from frontend.chat_options import ChatOptions
-    from frontend.protocol import ChatCompletionRequest, decode_request
-    from frontend.tool_calling import plan_tools
+    from frontend.openai.protocol import ChatCompletionRequest, decode_request
+    from frontend.text.tool_calling import plan_tools
 
     specs = {}
     for kind in ("json_schema", "regex", "tools"):

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from enginecore.config import tern_home  # noqa: E402
-from frontend.launched_server import LaunchedServer  # noqa: E402
+from frontend.client.launched_server import LaunchedServer  # noqa: E402
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

@@ -49,7 +49,7 @@ from enginecore.messages import (  # noqa: E402
     WorkerReply,
     WorkerResult,
 )
-from frontend.detokenizer import IncrementalDetokenizer  # noqa: E402
+from frontend.text.detokenizer import IncrementalDetokenizer  # noqa: E402
 
 PHASES = (
     "schedule",

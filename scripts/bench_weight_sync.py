@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from frontend.client.trainer import TrainerClient  # noqa: E402
 from frontend.model_prep import default_model_dir  # noqa: E402
-from frontend.trainer_client import TrainerClient  # noqa: E402
 
 
 def free_port() -> int:

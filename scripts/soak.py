@@ -51,7 +51,7 @@ from typing import Any
 import httpx
 import psutil
 
-from frontend.launched_server import LaunchedServer
+from frontend.client.launched_server import LaunchedServer
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE_PROMPTS = [[101, 2024, 318, 257], [464, 3290, 286, 4881, 318, 6342, 11, 290], [40, 1101]]

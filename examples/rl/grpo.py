@@ -33,7 +33,7 @@ from task import Prompt, count_words, is_exact, reward, sample_prompts
 from tern_server import Rollout, WeightSync, greedy, launch, sample
 from transformers import AutoTokenizer
 
-from frontend.trainer_client import TrainerClient
+from frontend.client.trainer import TrainerClient
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHORT = {"steps": 2, "prompts_per_step": 2, "samples_per_prompt": 4, "max_new_tokens": 8}

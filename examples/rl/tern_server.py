@@ -1,8 +1,8 @@
 """The trainer's side of tern: start (or attach to) a server, sample rollouts with token ids and
 logprobs, push weights (a torch.distributed broadcast or /dev/shm files), sleep and wake.
 
-Everything goes through frontend/trainer_client.py and the public HTTP API, as an external
-trainer would; the server runs as a subprocess (frontend/launched_server.py).
+Everything goes through frontend/client/trainer.py and the public HTTP API, as an external
+trainer would; the server runs as a subprocess (frontend/client/launched_server.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from frontend.launched_server import LaunchedServer, free_port
-from frontend.trainer_client import TrainerClient
+from frontend.client.launched_server import LaunchedServer, free_port
+from frontend.client.trainer import TrainerClient
 
 # Rollouts are a few dozen short sequences: a small KV cache leaves RAM to the trainer.
 KV_CACHE_GIB = 0.25

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from frontend.launched_server import LaunchedServer
+from frontend.client.launched_server import LaunchedServer
 
 
 class TernServer(LaunchedServer):

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from frontend.middleware import CONTROL_PATHS
+from frontend.server.middleware import CONTROL_PATHS
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -24,8 +24,8 @@ import psutil
 import pytest
 
 from enginecore.executor import free_port
-from frontend.launched_server import is_alive
-from frontend.trainer_client import TernAPIError, TrainerClient
+from frontend.client.launched_server import is_alive
+from frontend.client.trainer import TernAPIError, TrainerClient
 from tests.integration.test_rl import _trainer, state_dict
 from tests.unit.test_engine_inproc import hf_greedy
 

@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from enginecore.executor import free_port
-from frontend.trainer_client import TernAPIError, TrainerClient
+from frontend.client.trainer import TernAPIError, TrainerClient
 from tests.integration.test_server import client_for
 from tests.unit.test_engine_inproc import hf_greedy
 

@@ -24,7 +24,7 @@ import pytest
 from openai import OpenAI
 
 from enginecore.executor import free_port
-from frontend.launched_server import ROOT, is_alive
+from frontend.client.launched_server import ROOT, is_alive
 
 pytestmark = pytest.mark.timeout(180)
 

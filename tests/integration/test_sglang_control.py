@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from enginecore.executor import free_port
-from frontend.trainer_client import TrainerClient
+from frontend.client.trainer import TrainerClient
 from tests.integration.test_rl import (
     PROMPTS,
     greedy,

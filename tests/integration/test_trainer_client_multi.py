@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from frontend.trainer_client import MultiServerError, TrainerClient
+from frontend.client.trainer import MultiServerError, TrainerClient
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = [1, 5, 9, 13, 17, 21]

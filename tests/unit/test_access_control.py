@@ -14,10 +14,10 @@ from unittest.mock import MagicMock
 import pytest
 
 from enginecore.config import Config, ModelConfig
-from frontend.api_server import build_app
 from frontend.args import FrontendConfig
-from frontend.middleware import CONTROL_PATHS, AccessMiddleware, access_warnings, is_loopback
-from frontend.serving_control import ControlServing
+from frontend.control.serving import ControlServing
+from frontend.server.app import build_app
+from frontend.server.middleware import CONTROL_PATHS, AccessMiddleware, access_warnings, is_loopback
 
 REMOTE = ("10.1.2.3", 5000)
 LOCAL = ("127.0.0.1", 5000)

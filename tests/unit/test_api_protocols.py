@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from frontend.errors import APIError
-from frontend.generation import InflightRequests, unique_ids
-from frontend.protocol import decode_request
-from frontend.protocol_native import AbortRequest, GenerateRequest, TokenizeChatRequest
-from frontend.protocol_responses import ResponsesRequest
+from frontend.lmdeploy.protocol import AbortRequest, GenerateRequest, TokenizeChatRequest
+from frontend.openai.protocol import decode_request
+from frontend.openai.responses_protocol import ResponsesRequest
+from frontend.server.errors import APIError
+from frontend.serving.generation import InflightRequests, unique_ids
 
 # LMDeploy's /generate request example from its OpenAPI page (../shared/seeds), verbatim.
 LMDEPLOY_GENERATE_EXAMPLE: dict[str, Any] = {

@@ -14,7 +14,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from frontend.detokenizer import IncrementalDetokenizer
+from frontend.text.detokenizer import IncrementalDetokenizer
 
 TEXT = "Héllo wörld! I love 🦀 and 日本語, naïve café ☕ — done. 👩‍👩‍👧 ok"
 CORPUS = ["hello world", "the quick brown fox jumps over the lazy dog", "I love tea and code"] * 20

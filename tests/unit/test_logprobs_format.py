@@ -10,7 +10,7 @@ import pytest
 import tokenizers
 
 from enginecore.messages import Logprobs
-from frontend.logprobs import (
+from frontend.text.logprobs import (
     TokenStrings,
     chat_logprobs,
     completion_logprobs,

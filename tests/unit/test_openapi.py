@@ -10,9 +10,9 @@ from unittest.mock import MagicMock
 from starlette.routing import Route
 
 from enginecore.config import Config, ModelConfig
-from frontend.api_server import build_app
 from frontend.args import FrontendConfig
-from frontend.openapi import ROUTES, openapi_document
+from frontend.server.app import build_app
+from frontend.server.openapi import ROUTES, openapi_document
 
 
 def _registered_routes() -> set[tuple[str, str]]:

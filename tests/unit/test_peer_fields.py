@@ -1,4 +1,4 @@
-"""The field policy for request bodies (frontend/protocol_peer_fields.py): routers' and SGLang
+"""The field policy for request bodies (frontend/openai/peer_fields.py): routers' and SGLang
 clients' fields are honoured under tern's names or accepted at their neutral values; anything else
 is a 400 naming the field."""
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from frontend.errors import APIError
-from frontend.protocol import ChatCompletionRequest, CompletionRequest, decode_request
+from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest, decode_request
+from frontend.server.errors import APIError
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

@@ -22,11 +22,9 @@ from enginecore.messages import (
     EngineReady,
     FinishReason,
 )
-from frontend.api_server import build_app
 from frontend.args import FrontendConfig
-from frontend.engine_client import RequestStream
-from frontend.errors import APIError
-from frontend.protocol_pooling import (
+from frontend.engine.client import RequestStream
+from frontend.pooling.protocol import (
     ClassificationRequest,
     EmbeddingRequest,
     EncodeRequest,
@@ -42,7 +40,9 @@ from frontend.protocol_pooling import (
     sigmoid,
     softmax,
 )
-from frontend.serving import OpenAIServing
+from frontend.server.app import build_app
+from frontend.server.errors import APIError
+from frontend.serving.base import OpenAIServing
 
 # --------------------------------------------------------------------------- decoding
 
@@ -210,7 +210,7 @@ class FakeEngine:
 def tokenizer(tokenizer_dir: Path | None) -> Any:
     if tokenizer_dir is None:
         pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
-    from frontend.tokenizer import Tokenizer
+    from frontend.text.tokenizer import Tokenizer
 
     return Tokenizer(tokenizer_dir)
 

@@ -9,10 +9,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from frontend.errors import APIError
-from frontend.protocol import ChatCompletionRequest, CompletionRequest, decode_request
-from frontend.sampling import for_sample, truncate_prompt
-from frontend.serving import OpenAIServing
+from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest, decode_request
+from frontend.server.errors import APIError
+from frontend.serving.base import OpenAIServing
+from frontend.serving.sampling import for_sample, truncate_prompt
 
 USER = [{"role": "user", "content": "hi"}]
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from frontend.reasoning_parsers import (
+from frontend.text.reasoning_parsers import (
     REASONING_PARSERS,
     ReasoningDelta,
     StreamingReasoningParser,

@@ -12,10 +12,10 @@ import pytest
 
 from enginecore.messages import UtilityMethod
 from frontend.args import config_from_args, make_parser
-from frontend.engine_client import replica_config
-from frontend.engine_core_client import EngineDeadError, UtilityError
-from frontend.load_balancer import AFFINITY_SLACK, LoadBalancer, ReplicaLoad
-from frontend.replica_control import ReplicaControl
+from frontend.control.replicas import ReplicaControl
+from frontend.engine.client import replica_config
+from frontend.engine.core_client import EngineDeadError, UtilityError
+from frontend.engine.load_balancer import AFFINITY_SLACK, LoadBalancer, ReplicaLoad
 
 BLOCK = 4
 

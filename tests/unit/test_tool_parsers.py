@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from frontend.tool_parsers import (
+from frontend.text.tool_parsers import (
     TOOL_PARSERS,
     JsonArrayToolCallParser,
     NamedToolCallParser,

@@ -1,0 +1,168 @@
+"""The routes RL trainers call: pause/resume, weight updates, sleep and wake-up.
+
+Request bodies follow SGLang (update_weights_from_disk / _from_tensor / _from_distributed,
+init/destroy_weights_update_group, pause_generation, get_weight_version), LMDeploy (/update_weights
+with serialized_named_tensors + finished, /sleep, /wakeup, /is_sleeping) and vLLM (/sleep?level=,
+/wake_up, /reset_prefix_cache), so a trainer written for them works against tern by changing the URL.
+Successful calls answer {"success": true, "message": ...}; failures are OpenAI-style errors (400 for
+the caller's mistakes, 503 when the engine is gone).
+
+Tensor formats (`load_format`): "safetensors" (default; each element of serialized_named_tensors is a
+base64 safetensors blob, works across hosts) and "shm" (each element is the path of a safetensors file
+the trainer wrote under /dev/shm on this host; the workers map it without a copy). Both are made by
+`frontend.client.trainer`. Pickled formats are refused: nothing unpickles data from the network.
+
+The routes themselves are declared in frontend/control/routes.py; ControlServing.endpoint turns one
+into a handler (decode and check the body, call the engine core, answer).
+
+While the engine sleeps, or after waking its weights before new ones arrived, generation routes answer
+503 (`GenerationGate`), and requests are never served with half-updated weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from enginecore.messages import UtilityMethod
+from frontend.control.routes import ControlRoute
+from frontend.engine.client import EngineClient, EngineDeadError, UtilityError
+from frontend.server.errors import APIError, bad_request, engine_dead_error
+from frontend.server.middleware import send_error
+from frontend.serving.base import json_response
+
+# Every route that runs the model: answered 503 while asleep or before new weights arrived.
+GENERATION_PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/generate",
+        "/v1/embeddings",
+        "/pooling",
+        "/classify",
+        "/score",
+    }
+)
+
+
+async def decode_body(request: Request, route: ControlRoute) -> msgspec.Struct:
+    """The route's body (empty means all defaults), with the query parameters it allows, checked."""
+    raw = await request.body()
+    try:
+        fields = msgspec.json.decode(raw or b"{}")
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec checks UTF-8 with the latter
+        raise bad_request(f"malformed JSON: {e}") from None
+    if not isinstance(fields, dict):
+        raise bad_request("the body must be a JSON object")
+    for name in route.query:
+        values = request.query_params.getlist(name)
+        if values and name not in fields:
+            fields[name] = values if name == "tags" else values[0]
+    try:
+        body = msgspec.convert(fields, route.body, strict=False)
+    except msgspec.ValidationError as e:
+        raise bad_request(f"invalid request: {e}") from None
+    unsupported = getattr(body, "unsupported", dict)()
+    for name, neutral in unsupported.items():
+        if getattr(body, name) != neutral:
+            raise bad_request(f"{name} is not supported by tern (leave it at {neutral!r})", name)
+    try:
+        if hasattr(body, "check"):
+            body.check()
+    except ValueError as e:
+        raise bad_request(*e.args) from None
+    return body
+
+
+def engine_args(body: msgspec.Struct) -> dict[str, Any]:
+    try:
+        if hasattr(body, "engine_args"):
+            return body.engine_args()
+    except ValueError as e:
+        raise bad_request(*e.args) from None
+    return {k: v for k, v in msgspec.structs.asdict(body).items() if v is not None}
+
+
+class ControlServing:
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+        # The frontend's view of the engine's control state, refreshed by every control call.
+        self.state: dict[str, Any] = {"is_sleeping": False, "weights_valid": True}
+        self.weight_version = "default"
+
+    @property
+    def is_serving(self) -> bool:
+        return not self.state.get("is_sleeping") and bool(self.state.get("weights_valid", True))
+
+    def endpoint(self, route: ControlRoute) -> Callable[[Request], Awaitable[Response]]:
+        async def handle(request: Request) -> Response:
+            body = await decode_body(request, route)
+            args = engine_args(body)
+            timeout = route.timeout_s + float(args.get("timeout_s", 0.0))
+            result = await self._call(route.method, timeout, **args)
+            if not isinstance(result, dict) or "success" not in result:
+                result = {"success": True, "message": route.summary, "state": result}
+            return json_response(result)
+
+        handle.__name__ = route.method.value
+        handle.control = route  # type: ignore[attr-defined]  # marks the state-changing routes
+        return handle
+
+    async def _call(self, method: UtilityMethod, timeout: float, **args: Any) -> Any:
+        try:
+            result = await self.engine.call_utility(method, timeout, **args)
+        except EngineDeadError as e:
+            raise engine_dead_error(str(e)) from e
+        except UtilityError as e:
+            await self._refresh()
+            raise bad_request(str(e)) from None
+        await self._refresh()
+        return result
+
+    async def _refresh(self) -> None:
+        try:
+            state = await self.engine.call_utility(UtilityMethod.GET_CONTROL_STATE, 10.0)
+        except Exception:  # noqa: BLE001 - the engine may be gone; health reports that
+            return
+        self.state = state
+        self.weight_version = state["weight_version"]
+
+    # ------------------------------------------------------------------ read-only
+
+    async def get_weight_version(self, request: Request) -> Response:
+        await self._refresh()
+        return json_response({"weight_version": self.weight_version})
+
+    async def is_sleeping(self, request: Request) -> Response:
+        await self._refresh()
+        return json_response({"is_sleeping": bool(self.state.get("is_sleeping"))})
+
+
+class GenerationGate:
+    """503 for generation routes while the engine sleeps or waits for weights after waking."""
+
+    def __init__(self, app: ASGIApp, control: ControlServing) -> None:
+        self.app = app
+        self.control = control
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["path"] in GENERATION_PATHS
+            and not self.control.is_serving
+        ):
+            asleep = self.control.state.get("is_sleeping")
+            reason = (
+                "the server is asleep: POST /wake_up first"
+                if asleep
+                else "the weights were released: push new weights (update_weights*) first"
+            )
+            await send_error(send, APIError(reason, 503, None, "server_asleep"))
+            return
+        await self.app(scope, receive, send)

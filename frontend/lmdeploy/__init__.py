@@ -1,0 +1,1 @@
+"""LMDeploy's native API: /generate with sessions, /abort_request."""

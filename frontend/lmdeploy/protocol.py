@@ -1,0 +1,196 @@
+"""Schemas of the native (non-OpenAI) routes: LMDeploy's /generate and /abort_request, and vLLM's
+/tokenize and /detokenize.
+
+Field names and defaults are theirs, so that their clients work unchanged. As elsewhere, a known
+field this server does not implement is a 400 naming it when set to anything but its neutral value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from frontend.openai.protocol import check_spaces_between_special_tokens, check_unsupported
+from frontend.server.errors import bad_request
+
+_GENERATE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "image_data": (None,),
+    "top_logprobs_num": (None, 0),
+    "logprob_start_len": (None, -1),
+    "return_routed_experts": (None, False),
+    "mm_processor_kwargs": (None, {}),
+    "media_io_kwargs": (None, {}),
+}
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """LMDeploy's GenerateReqInput: exactly one of `prompt` (text, tokenized as is: no chat
+    template) and `input_ids`."""
+
+    session_id: int | None = -1  # -1: the server picks one
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    max_tokens: int = 128
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool | None = False
+    temperature: float = 1.0
+    ignore_eos: bool | None = False
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    repetition_penalty: float | None = 1.0
+    # The tokenizers backend never puts spaces around special tokens (see protocol.py).
+    spaces_between_special_tokens: bool | UnsetType | None = UNSET
+    return_logprob: bool | None = None  # meta_info.output_token_logprobs: [logprob, token id]
+    # LMDeploy's chat route has it: json_schema, regex_schema or json_object (structured_outputs.py).
+    response_format: dict[str, Any] | None = None
+
+    image_data: Any = UNSET
+    top_logprobs_num: Any = UNSET
+    logprob_start_len: Any = UNSET
+    return_routed_experts: Any = UNSET
+    mm_processor_kwargs: Any = UNSET
+    media_io_kwargs: Any = UNSET
+
+    seed = None  # LMDeploy's /generate has no seed: every request gets a random one
+
+    @property
+    def is_stream(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def requested_max_tokens(self) -> int:
+        return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def validate(self) -> None:
+        check_unsupported(self, _GENERATE_UNSUPPORTED)
+        if (self.prompt is None) == (self.input_ids is None):
+            raise bad_request("specify exactly one of prompt or input_ids", "prompt")
+        if self.prompt == "":
+            raise bad_request("prompt must not be empty", "prompt")
+        if self.input_ids is not None and not self.input_ids:
+            raise bad_request("input_ids must not be empty", "input_ids")
+        if self.max_tokens < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if not 0.0 <= self.temperature < float("inf"):
+            raise bad_request("temperature must be non-negative", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad_request(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < 0:
+            raise bad_request("top_k must be 0 (disabled) or positive", "top_k")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad_request(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        check_spaces_between_special_tokens(self)
+        rep = self.repetition_penalty
+        if rep is not None and not 0.0 < rep < float("inf"):
+            raise bad_request(
+                f"repetition_penalty must be positive, got {rep}", "repetition_penalty"
+            )
+        if any(s == "" for s in self.stop_strings):
+            raise bad_request("stop strings must not be empty", "stop")
+
+
+class GenerateMetaInfo(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: dict[str, Any] | None  # {"type": "stop" | "length" | "abort"} once finished
+    output_token_logprobs: list[list[float | int]] | None = None  # with return_logprob
+    routed_experts: None = None  # no mixture-of-experts models
+
+
+class GenerateResponse(msgspec.Struct):
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMetaInfo
+
+
+class AbortRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """LMDeploy's (and SGLang's) abort: one session, one request id, or everything."""
+
+    abort_all: bool = False
+    session_id: int | None = -1
+    request_id: str | None = None  # a response id ("cmpl-...", "resp_...") or an X-Request-Id
+    rid: str | None = None  # SGLang's name for request_id
+    abort_message: str | None = None  # reported in /generate's meta_info.finish_reason
+    finished_reason: dict[str, Any] | None = None  # merged into it, as SGLang does
+
+    @property
+    def target_request_id(self) -> str | None:
+        return self.request_id if self.request_id is not None else self.rid
+
+    def validate(self) -> None:
+        if self.request_id is not None and self.rid is not None:
+            raise bad_request("give request_id or rid, not both", "rid")
+        has_session = self.session_id is not None and self.session_id != -1
+        if not (self.abort_all or has_session or self.target_request_id is not None):
+            raise bad_request(
+                "name what to abort: session_id, request_id, or abort_all: true", "session_id"
+            )
+
+    def finish_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"type": "abort"}
+        if self.abort_message is not None:
+            info["message"] = self.abort_message
+        info.update(self.finished_reason or {})
+        return info
+
+
+class TokenizeCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    messages: list[dict[str, Any]]
+    model: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+    tools: Any = UNSET
+    chat_template: Any = UNSET
+    mm_processor_kwargs: Any = UNSET
+
+    def validate(self) -> None:
+        check_unsupported(
+            self, {"tools": (None, []), "chat_template": (None,), "mm_processor_kwargs": (None,)}
+        )
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                "continue_final_message",
+            )
+
+
+class TokenizeResponse(msgspec.Struct, omit_defaults=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str

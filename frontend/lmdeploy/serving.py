@@ -1,0 +1,191 @@
+"""The native routes: LMDeploy's POST /generate and POST /abort_request, vLLM's POST /tokenize and
+POST /detokenize.
+
+/generate takes text (tokenized as is, no chat template) or token ids and answers
+{"text", "output_ids", "meta_info"}; streamed, each SSE event carries the new text and token ids, and
+the stream ends with [DONE], as LMDeploy's does. A /generate request runs under a session id (the
+client's, or a new one) by which /abort_request can stop it; any request can also be aborted by its
+response id or X-Request-Id, or all at once. An aborted request ends normally with finish reason
+"abort" and the text it had so far.
+
+SGLang's /generate shares the path: bodies protocol_sglang.is_sglang_generate recognises go to
+serving_sglang.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from enginecore.messages import Logprobs
+from frontend.lmdeploy.protocol import (
+    AbortRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    GenerateMetaInfo,
+    GenerateRequest,
+    GenerateResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from frontend.openai.protocol import decode_request, normalize_messages
+from frontend.server.errors import APIError, bad_request
+from frontend.serving.base import OpenAIServing, json_response, sse
+from frontend.serving.generation import Generation, RequestGroup
+from frontend.sglang.protocol import is_sglang_generate
+from frontend.sglang.serving import SGLangServing
+from frontend.text.logprobs import lmdeploy_logprobs
+from frontend.text.structured_outputs import structured_output_spec
+
+
+class NativeServing:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+        self._session_ids = itertools.count(1)
+        self.sglang = SGLangServing(serving)
+
+    # ------------------------------------------------------------------ /generate
+
+    async def generate(self, http_request: Request) -> Response:
+        s = self.serving
+        body = await http_request.body()
+        if is_sglang_generate(body):
+            return await self.sglang.generate(http_request, body)
+        req = decode_request(body, GenerateRequest)
+        session_id = self._session_id(req.session_id)
+        if req.prompt is not None:
+            prompt_ids = s.encode_prompt(req.prompt, True, "prompt")
+            param = "prompt"
+        else:
+            assert req.input_ids is not None
+            prompt_ids = s.encode_prompt(req.input_ids, False, "input_ids")
+            param = "input_ids"
+        request_id, keys, headers = s.request_ids(http_request, "generate-")
+        logprobs = 0 if req.return_logprob else None  # the sampled token's only
+        group = s.start(
+            request_id, keys, req, [prompt_ids], param, session_id=session_id, logprobs=logprobs,
+            structured_output=structured_output_spec(req),
+        )  # fmt: skip
+        if req.is_stream:
+            return s.sse_response(self._generate_stream(group), group, headers)
+        texts = await group.collect_unless_disconnected(http_request)
+        if texts is None:
+            return Response(status_code=499)
+        gen = group.gens[0]
+        meta = _meta_info(gen, gen.all_output_logprobs)
+        return json_response(
+            GenerateResponse(texts[0], gen.output_token_ids, meta), headers=headers
+        )
+
+    def _session_id(self, requested: int | None) -> int:
+        inflight = self.serving.inflight
+        if requested is None or requested == -1:
+            while (sid := next(self._session_ids)) and inflight.find_session(sid) is not None:
+                pass
+            return sid
+        if inflight.find_session(requested) is not None:
+            raise bad_request(f"The session_id {requested} is occupied.", "session_id")
+        return requested
+
+    async def _generate_stream(self, group: RequestGroup) -> AsyncIterator[bytes]:
+        gen = group.gens[0]
+        num_sent = 0
+        async for _, text in group.merged():
+            new_ids = gen.output_token_ids[num_sent:]
+            num_sent = len(gen.output_token_ids)
+            if text or new_ids or gen.is_finished:
+                new_logprobs = gen.new_logprobs
+                if new_logprobs is None and gen.params.logprobs is not None:
+                    new_logprobs = Logprobs()
+                yield sse(GenerateResponse(text, new_ids, _meta_info(gen, new_logprobs)))
+
+    # ------------------------------------------------------------------ /abort_request
+
+    async def abort_request(self, http_request: Request) -> Response:
+        req = decode_request(await http_request.body(), AbortRequest)
+        inflight = self.serving.inflight
+        groups: list[RequestGroup] = []
+        if req.abort_all:
+            groups = inflight.all()
+        else:
+            if req.session_id is not None and req.session_id != -1:
+                group = inflight.find_session(req.session_id)
+                if group is None:
+                    raise _not_found(f"Session {req.session_id} not found.", "session_id")
+                groups.append(group)
+            rid = req.target_request_id
+            if rid is not None:
+                found = inflight.find(rid)
+                if not found:
+                    param = "request_id" if req.request_id is not None else "rid"
+                    raise _not_found(f"Request {rid!r} not found.", param)
+                groups += [g for g in found if g not in groups]
+        info = req.finish_info()
+        running = [g for g in groups if not all(gen.is_finished for gen in g.gens)]
+        for group in running:
+            group.cancel(info)
+        return json_response({"aborted": [g.keys[0] for g in running]})
+
+    # ------------------------------------------------------------------ /tokenize, /detokenize
+
+    async def tokenize(self, http_request: Request) -> Response:
+        s = self.serving
+        body = await http_request.body()
+        try:
+            is_chat = "messages" in _as_dict(msgspec.json.decode(body))
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec: invalid UTF-8
+            raise bad_request(f"malformed JSON body: {e}") from None
+        if is_chat:
+            chat = decode_request(body, TokenizeChatRequest)
+            s.check_model(chat.model)
+            tokens = s.tokenizer.apply_chat_template(
+                normalize_messages(chat.messages),
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                add_special_tokens=chat.add_special_tokens,
+                chat_template_kwargs=chat.chat_template_kwargs,
+            )
+            return_strs = chat.return_token_strs
+        else:
+            req = decode_request(body, TokenizeCompletionRequest)
+            s.check_model(req.model)
+            tokens = s.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            return_strs = req.return_token_strs
+        token_strs = s.tokenizer.token_strs(tokens) if return_strs else None
+        return json_response(TokenizeResponse(len(tokens), s.max_model_len, tokens, token_strs))
+
+    async def detokenize(self, http_request: Request) -> Response:
+        s = self.serving
+        req = decode_request(await http_request.body(), DetokenizeRequest)
+        s.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < s.vocab_size]
+        if bad:
+            raise bad_request(f"token ids must be in [0, {s.vocab_size}); got {bad[0]}", "tokens")
+        return json_response(DetokenizeResponse(s.tokenizer.decode(req.tokens, False)))
+
+
+def _meta_info(gen: Generation, logprobs: Logprobs | None) -> GenerateMetaInfo:
+    """`logprobs`: of the tokens the response carries (None: the request did not ask)."""
+    finish: dict[str, Any] | None = None
+    if gen.is_finished:
+        finish = {"type": gen.finish_reason}
+        if gen.finish_reason == "abort" and gen.abort_info is not None:
+            finish = dict(gen.abort_info)
+    token_logprobs = lmdeploy_logprobs(logprobs) if logprobs is not None else None
+    return GenerateMetaInfo(gen.num_prompt_tokens, gen.num_output_tokens, finish, token_logprobs)
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise bad_request("the request body must be a JSON object")
+    return obj
+
+
+def _not_found(message: str, param: str) -> APIError:
+    return APIError(message, 404, param, "request_not_found")

@@ -1,0 +1,259 @@
+"""POST /v1/chat/completions: messages (or prompt_token_ids) in, n choices out, whole or as SSE.
+
+What a choice carries besides its message follows vLLM: `logprobs.content` when logprobs is true
+(with top_logprobs alternatives), `token_ids` and the response's `prompt_token_ids` with
+return_token_ids, the response's `prompt_logprobs` when asked, and with echo the last message's
+content in front of the reply when it has the reply's role. Streamed, each choice's first chunk
+(role, prompt_token_ids) goes out with its first tokens, and every chunk carries the logprobs and
+token ids of the tokens it covers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from enginecore.messages import Logprobs, StructuredOutputSpec
+from frontend.chat_options import ChatOptions
+from frontend.openai.chat_output import ChoiceDelta, ChoiceParser, delta_message, parse_message
+from frontend.openai.protocol import (
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    PromptLogprobsList,
+    decode_request,
+)
+from frontend.serving.base import OpenAIServing, json_response, sse, usage_options
+from frontend.serving.generation import Generation, RequestGroup
+from frontend.serving.sampling import truncate_prompt
+from frontend.text.logprobs import TokenStrings, chat_logprobs, prompt_logprobs
+from frontend.text.reasoning_parsers import make_reasoning_parser, prompt_opens_reasoning
+from frontend.text.tool_calling import ToolPlan, plan_tools
+
+_ROLE = "assistant"
+REASONING_END = "</think>"
+
+
+class ChatServing:
+    def __init__(self, serving: OpenAIServing, options: ChatOptions | None = None) -> None:
+        self.serving = serving
+        self.options = options or ChatOptions()
+        self._reasoning_end_ids: list[int] | None = None
+
+    async def create(self, http_request: Request) -> Response:
+        s = self.serving
+        req = decode_request(await http_request.body(), ChatCompletionRequest)
+        s.check_model(req.model)
+        plan = plan_tools(req, self.options)
+        prompt_text, prompt_ids = self.render(req, plan)
+        constraint, opens_reasoning = self._after_reasoning(plan.constraint, prompt_text)
+        request_id, keys, headers = s.request_ids(http_request, "chatcmpl-", req.request_id)
+        group = s.start(
+            request_id, keys, req, [prompt_ids], "messages",
+            n=req.n or 1, logprobs=req.num_logprobs, prompt_logprobs=req.prompt_logprobs,
+            structured_output=constraint,
+        )  # fmt: skip
+        view = _ChatView(
+            req, TokenStrings(s.tokenizer.backend, bool(req.return_tokens_as_token_ids))
+        )
+        parsers = [self._choice_parser(req, plan, opens_reasoning) for _ in group.gens]
+        created = int(time.time())
+        if req.is_stream:
+            return s.sse_response(self._stream(group, req, view, parsers, created), group, headers)
+        texts = await group.collect_unless_disconnected(http_request)
+        if texts is None:
+            return Response(status_code=499)
+        choices = []
+        for i, (gen, text, parser) in enumerate(zip(group.gens, texts, parsers)):
+            message = _message(parser, text, view.echo)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    i,
+                    message,
+                    view.logprobs(gen.all_output_logprobs),
+                    _finish_reason(gen.finish_reason, bool(message.tool_calls)),
+                    gen.stop_reason,
+                    gen.output_token_ids if req.return_token_ids else None,
+                )
+            )
+        first = group.gens[0]
+        response = ChatCompletionResponse(
+            request_id, "chat.completion", created, s.model_name, choices, group.usage(),
+            group.weight_version, view.prompt_logprobs(first), view.prompt_token_ids(first),
+        )  # fmt: skip
+        return json_response(response, headers=headers)
+
+    def render(self, req: ChatCompletionRequest, plan: ToolPlan) -> tuple[str, list[int]]:
+        """The prompt (text, token ids) a chat request runs: its messages through the chat
+        template (or its prompt_token_ids), truncated as it asks."""
+        s = self.serving
+        if req.prompt_token_ids is not None:
+            prompt_ids = s.encode_prompt(req.prompt_token_ids, False, "prompt_token_ids")
+            prompt_text = s.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        else:
+            prompt_text = s.tokenizer.render_chat(
+                req.normalized_messages(),
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template_kwargs=req.chat_template_kwargs,
+                tools=plan.tools,
+            )
+            prompt_ids = s.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
+        return prompt_text, truncate_prompt(prompt_ids, req.truncate_prompt_tokens, s.max_model_len)
+
+    def _after_reasoning(
+        self, constraint: StructuredOutputSpec | None, prompt_text: str
+    ) -> tuple[StructuredOutputSpec | None, bool]:
+        """(the constraint, starting after the reasoning when the model will reason first;
+        whether the prompt opened a think block)."""
+        name = self.options.reasoning_parser
+        if name is None:
+            return constraint, False
+        opens = prompt_opens_reasoning(prompt_text)
+        # deepseek_r1 reasons from its first token unless the prompt already closed the block.
+        reasons_first = opens or (
+            name == "deepseek_r1" and not prompt_text.rstrip().endswith(REASONING_END)
+        )
+        if constraint is not None and reasons_first:
+            if self._reasoning_end_ids is None:
+                tokenizer = self.serving.tokenizer
+                self._reasoning_end_ids = tokenizer.encode(REASONING_END, add_special_tokens=False)
+            constraint = msgspec.structs.replace(
+                constraint, reasoning_end_token_ids=self._reasoning_end_ids
+            )
+        return constraint, opens
+
+    def _choice_parser(
+        self, req: ChatCompletionRequest, plan: ToolPlan, opens_reasoning: bool
+    ) -> ChoiceParser:
+        name = self.options.reasoning_parser
+        reasoning = make_reasoning_parser(name, opens_reasoning) if name else None
+        tools = plan.new_parser() if plan.new_parser is not None else None
+        return ChoiceParser(reasoning, tools, plan.max_calls, req.include_reasoning)
+
+    async def _stream(
+        self,
+        group: RequestGroup,
+        req: ChatCompletionRequest,
+        view: _ChatView,
+        parsers: list[ChoiceParser],
+        created: int,
+    ) -> AsyncIterator[bytes]:
+        s = self.serving
+        request_id = group.keys[0]
+        include_usage, continuous_usage = usage_options(req)
+        wants_tokens = req.num_logprobs is not None or bool(req.return_token_ids)
+
+        def chunk(
+            i: int,
+            delta: DeltaMessage,
+            finish: str | None = None,
+            with_tokens: bool = True,
+            prompt_token_ids: list[int] | None = None,
+        ) -> bytes:
+            gen = group.gens[i]
+            choice = ChatCompletionResponseStreamChoice(
+                i,
+                delta,
+                view.logprobs(gen.new_logprobs) if with_tokens else None,
+                finish,
+                gen.stop_reason,
+                gen.new_token_ids if with_tokens and req.return_token_ids else None,
+            )
+            return sse(
+                ChatCompletionStreamResponse(
+                    request_id, "chat.completion.chunk", created, s.model_name, [choice],
+                    gen.usage() if continuous_usage else None,
+                    gen.weight_version if finish else None, prompt_token_ids,
+                )
+            )  # fmt: skip
+
+        started = [False] * len(group.gens)
+        called = [False] * len(group.gens)  # the choice has tool calls
+        async for i, text in group.merged():
+            gen = group.gens[i]
+            if not started[i]:
+                # NOTE: sent with the first output, not before: clients (and vLLM's benchmark)
+                # take the first chunk's arrival as the time to first token.
+                started[i] = True
+                role = DeltaMessage(role=_ROLE, content="")
+                yield chunk(i, role, with_tokens=False, prompt_token_ids=view.prompt_token_ids(gen))
+                if view.echo:
+                    yield chunk(i, DeltaMessage(content=view.echo), with_tokens=False)
+            parsed = parsers[i].feed(text) if text else ChoiceDelta()
+            if gen.is_finished:
+                last = parsers[i].finish()
+                parsed = ChoiceDelta(
+                    parsed.reasoning + last.reasoning,
+                    parsed.content + last.content,
+                    parsed.tool_calls + last.tool_calls,
+                )
+            called[i] = called[i] or bool(parsed.tool_calls)
+            if gen.is_finished:
+                finish = _finish_reason(gen.finish_reason, called[i])
+                yield chunk(i, delta_message(parsed), finish)
+            elif parsed or (wants_tokens and gen.new_token_ids):
+                yield chunk(i, delta_message(parsed))
+        if include_usage:
+            yield sse(
+                ChatCompletionStreamResponse(
+                    request_id, "chat.completion.chunk", created, s.model_name, [], group.usage()
+                )
+            )
+
+
+def _message(parser: ChoiceParser, text: str, echo: str) -> ChatMessage:
+    parsed = parse_message(parser, text)
+    content = parsed.content
+    if echo:
+        content = echo + (content or "")
+    reasoning = parsed.reasoning
+    return ChatMessage(_ROLE, content, reasoning, reasoning, parsed.tool_calls)
+
+
+def _finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
+    """OpenAI's "tool_calls" when a choice that ended normally called tools."""
+    return "tool_calls" if has_tool_calls and reason == "stop" else reason
+
+
+class _ChatView:
+    """How one request's generations are shown: echo text, logprobs, prompt fields."""
+
+    def __init__(self, req: ChatCompletionRequest, strings: TokenStrings) -> None:
+        self.req = req
+        self.strings = strings
+        self.echo = _echo_text(req)
+
+    def logprobs(self, lp: Logprobs | None) -> ChatCompletionLogProbs | None:
+        """Of some of a choice's tokens; None when the request did not ask for logprobs."""
+        k = self.req.num_logprobs
+        if k is None:
+            return None
+        return ChatCompletionLogProbs(chat_logprobs(lp, k, self.strings) if lp else [])
+
+    def prompt_logprobs(self, gen: Generation) -> PromptLogprobsList | None:
+        k = self.req.prompt_logprobs
+        if k is None or gen.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(gen.prompt_token_ids, gen.prompt_logprobs, k, self.strings)
+
+    def prompt_token_ids(self, gen: Generation) -> list[int] | None:
+        return gen.prompt_token_ids if self.req.return_token_ids else None
+
+
+def _echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's content, when it has the role of the reply."""
+    if not req.echo or not req.messages:
+        return ""
+    last = req.normalized_messages()[-1]
+    role = _ROLE if req.add_generation_prompt else last["role"]
+    return (last.get("content") or "") if last["role"] == role else ""

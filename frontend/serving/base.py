@@ -1,0 +1,290 @@
+"""What every generating route shares: OpenAI-style requests to engine requests, SSE streams back.
+
+OpenAIServing holds it (serving_chat.py, serving_completion.py, serving_responses.py and
+serving_native.py use it): model-name checks, request ids (X-Request-Id), prompt encoding,
+request -> SamplingParams, and starting a RequestGroup registered for POST /abort_request. Every
+request ends in an answer: a response, a final chunk, or an OpenAI error (4xx for the client's
+mistakes, 503 when the engine is gone). A client that goes away aborts its requests in the engine core, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from enginecore.messages import SamplingParams, StructuredOutputSpec
+from frontend.engine.client import EngineClient, EngineDeadError
+from frontend.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from frontend.server.errors import APIError, bad_request, engine_dead_error
+from frontend.serving.generation import (
+    Generation,
+    InflightRequests,
+    RequestFailedError,
+    RequestGroup,
+    stream_and_close,
+    unique_ids,
+)
+from frontend.serving.sampling import for_sample, set_logits_processing
+from frontend.text.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from frontend.server.metrics import Metrics
+    from frontend.text.tokenizer import Tokenizer
+
+_json = msgspec.json.Encoder()
+_DONE = b"data: [DONE]\n\n"
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+class SamplingRequest(Protocol):
+    """What every generating route's request offers for SamplingParams and the detokenizer."""
+
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    seed: int | None
+    stop_token_ids: list[int] | None
+    ignore_eos: bool | None
+    skip_special_tokens: bool | None
+    include_stop_str_in_output: bool | None
+
+    @property
+    def requested_max_tokens(self) -> int | None: ...
+
+    @property
+    def max_tokens_param(self) -> str: ...
+
+    @property
+    def stop_strings(self) -> list[str]: ...
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_json.encode(obj), status, headers=headers, media_type="application/json")
+
+
+def error_response(err: APIError) -> Response:
+    return json_response(err.to_response(), err.status)
+
+
+class OpenAIServing:
+    """The handlers behind /v1/chat/completions and /v1/completions, and their shared parts."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Tokenizer,
+        model_names: Sequence[str],
+        max_model_len: int,
+        vocab_size: int,
+        metrics: Metrics | None = None,
+    ) -> None:
+        assert model_names, "at least one served model name"
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_names = list(model_names)
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.metrics = metrics
+        self.inflight = InflightRequests()
+
+    @property
+    def model_name(self) -> str:
+        """The name responses carry: the first served name (as vLLM)."""
+        return self.model_names[0]
+
+    # ------------------------------------------------------------------ shared
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            served = ", ".join(f"`{m}`" for m in self.model_names)
+            raise APIError(
+                f"The model `{model}` does not exist. This server serves {served}.",
+                404,
+                "model",
+                "model_not_found",
+            )
+
+    def request_ids(
+        self, http_request: Request, prefix: str, body_request_id: str | None = None
+    ) -> tuple[str, list[str], dict[str, str]]:
+        """(response id, ids the request can be aborted by, response headers).
+
+        As vLLM: the X-Request-Id header, else the body's request_id, else a random id, is the
+        base of the response id; the header is echoed (or carries the response id).
+        """
+        client_id = http_request.headers.get(REQUEST_ID_HEADER) or body_request_id
+        request_id = prefix + (client_id or uuid.uuid4().hex)
+        keys = [request_id] if client_id in (None, request_id) else [request_id, client_id]
+        return request_id, keys, {REQUEST_ID_HEADER: client_id or request_id}
+
+    def encode_prompt(
+        self, prompt: str | list[int], add_special_tokens: bool, param: str
+    ) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(
+                f"prompt token ids must be in [0, {self.vocab_size}); got {bad[0]}", param
+            )
+        return list(prompt)
+
+    def start(
+        self,
+        request_id: str,
+        keys: list[str],
+        req: SamplingRequest,
+        prompts: list[list[int]],
+        prompt_param: str,
+        session_id: int | None = None,
+        *,
+        n: int = 1,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        discard_output: bool = False,
+        structured_output: StructuredOutputSpec | None = None,
+    ) -> RequestGroup:
+        """Checks every prompt, then starts n engine requests per prompt (all or none): samples
+        0..n-1 of prompt 0, then of prompt 1... (frontend/serving/sampling.py says how they differ).
+
+        `logprobs` / `prompt_logprobs`: how many most likely tokens the logprobs of each output /
+        prompt token show (None: no logprobs). `discard_output`: see Generation.
+        `structured_output`: the grammar every sample's output follows.
+        """
+        params = [self.sampling_params(req, ids, prompt_param) for ids in prompts]
+        if self.engine.is_dead:
+            raise engine_dead_error(self.engine.dead_reason)
+        engine_ids = iter(unique_ids(request_id, len(prompts) * n, self.engine.is_in_flight))
+        gens: list[Generation] = []
+        try:
+            for prompt_ids, base in zip(prompts, params):
+                for index in range(n):
+                    p = for_sample(base, index, logprobs, prompt_logprobs)
+                    detokenizer = IncrementalDetokenizer(
+                        self.tokenizer.backend,
+                        prompt_ids,
+                        skip_special_tokens=req.skip_special_tokens is not False,
+                        stop=req.stop_strings,
+                        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+                    )
+                    gen = Generation(
+                        self.engine, next(engine_ids), prompt_ids, p, detokenizer, self.metrics,
+                        discard_output, structured_output,
+                    )  # fmt: skip
+                    gens.append(gen)
+        except EngineDeadError as e:
+            raise engine_dead_error(str(e)) from e
+        return RequestGroup(keys, gens, self.inflight, session_id, n)
+
+    def sampling_params(
+        self, req: SamplingRequest, prompt_ids: list[int], prompt_param: str
+    ) -> SamplingParams:
+        n_prompt, limit = len(prompt_ids), self.max_model_len
+        if n_prompt == 0:
+            raise bad_request("the prompt is empty (0 tokens)", prompt_param)
+        if n_prompt >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"has {n_prompt} tokens, which leaves no room for output. Please shorten it.",
+                prompt_param,
+            )
+        max_tokens = req.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = limit - n_prompt
+        elif n_prompt + max_tokens > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the {prompt_param}, {max_tokens} "
+                "in the completion). Please reduce the length of the prompt or completion.",
+                req.max_tokens_param,
+            )
+        stop_token_ids = list(req.stop_token_ids or [])
+        bad = [t for t in stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(
+                f"stop_token_ids must be in [0, {self.vocab_size}); got {bad[0]}", "stop_token_ids"
+            )
+        defaults = self.tokenizer.generation_defaults
+        top_k = req.top_k if req.top_k is not None else int(defaults.get("top_k", 0))
+        params = SamplingParams(
+            temperature=_pick(req.temperature, defaults, "temperature", 1.0),
+            top_p=_pick(req.top_p, defaults, "top_p", 1.0),
+            top_k=max(top_k, 0),  # -1 and 0 both mean "all tokens"
+            min_p=_pick(req.min_p, defaults, "min_p", 0.0),
+            seed=req.seed,
+            max_tokens=max_tokens,
+            stop_token_ids=stop_token_ids,
+            eos_token_ids=list(self.tokenizer.eos_token_ids),
+            ignore_eos=bool(req.ignore_eos),
+        )
+        set_logits_processing(params, req, self.vocab_size, defaults)
+        return params
+
+    def sse_response(
+        self, body: AsyncIterator[bytes], group: RequestGroup, headers: dict[str, str]
+    ) -> StreamingResponse:
+        """An OpenAI-style SSE stream: engine failures become an error event, then [DONE]."""
+        return streaming_response(_openai_framed(body), group, headers)
+
+
+def streaming_response(
+    body: AsyncIterator[bytes], group: RequestGroup, headers: dict[str, str]
+) -> StreamingResponse:
+    """An SSE response that closes `group` however it ends."""
+    return _GroupStreamingResponse(body, group, headers)
+
+
+class _GroupStreamingResponse(StreamingResponse):
+    def __init__(
+        self, body: AsyncIterator[bytes], group: RequestGroup, headers: dict[str, str]
+    ) -> None:
+        super().__init__(
+            stream_and_close(body, group), media_type="text/event-stream", headers=headers
+        )
+        self.group = group
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # NOTE: the stream's own `finally` never runs if the client left before it started
+            # (a generator never started is not run when closed): this one always does.
+            self.group.close()
+
+
+def _pick(value: float | None, defaults: dict[str, Any], key: str, fallback: float) -> float:
+    return float(value if value is not None else defaults.get(key, fallback))
+
+
+def usage_options(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
+    """stream_options: (include_usage, continuous_usage_stats)."""
+    opts = req.stream_options
+    if opts is None:
+        return False, False
+    return bool(opts.include_usage), bool(opts.include_usage and opts.continuous_usage_stats)
+
+
+async def _openai_framed(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Ends every stream with [DONE]; engine failures become an error event first."""
+    try:
+        async for chunk in body:
+            yield chunk
+    except EngineDeadError as e:
+        yield sse(engine_dead_error(str(e)).to_response())
+    except RequestFailedError as e:
+        yield sse(APIError(str(e), 500, None, "engine_error").to_response())
+    yield _DONE

@@ -1,0 +1,477 @@
+"""Schemas of SGLang's native POST /generate (its GenerateReqInput and SamplingParams, and the
+output dicts its TokenizerManager builds), and the rule that tells its bodies from LMDeploy's.
+
+Both servers call the route /generate. The rule, applied to the JSON object of the body:
+- SGLang's when it has a key only SGLang's GenerateReqInput has (`SGLANG_ONLY_KEYS`: text,
+  sampling_params, rid, return_text_in_logprobs, token_ids_logprob, input_embeds, lora_path...),
+  or when its `input_ids` is a batch (a list whose first item is a list: LMDeploy takes one prompt);
+- LMDeploy's otherwise, which covers every body made only of the keys both have (input_ids,
+  stream, return_logprob, top_logprobs_num, logprob_start_len, image_data, session_id,
+  return_routed_experts) and anything that is not a JSON object (LMDeploy's decoder answers 400).
+A body with keys of both (e.g. `prompt` beside `sampling_params`) is SGLang's; its LMDeploy-only
+keys are then a 400 naming the first one.
+
+Names, defaults and ranges are SGLang's (python/sglang/srt/managers/io_struct.py GenerateReqInput,
+python/sglang/srt/sampling/sampling_params.py SamplingParams): unset sampling fields take SGLang's
+defaults, not the model's generation_config.json (SGLang's /generate does not read it). A known
+field this server cannot honour is a 400 naming it unless set to its neutral value; an unknown field
+is a 400. This module knows nothing about tokenizers or the engine.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from frontend.lmdeploy.protocol import GenerateRequest
+from frontend.openai.protocol import (
+    MAX_LOGPROBS,
+    MAX_N,
+    check_spaces_between_special_tokens,
+    check_unsupported,
+    decode_request,
+)
+from frontend.server.errors import APIError, bad_request
+
+ANY_JSON = "$$ANY$$"  # SGLang's json_schema for "any JSON value"
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_TOKEN_ID = re.compile(r"-?[0-9]+")  # str.isdigit() also takes "²", which int() refuses
+
+_SAMPLING_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "stop_regex": (None, []),
+    "custom_params": (None,),
+    "stream_interval": (None, 1),  # tern streams every engine step
+}
+
+# GenerateReqInput's fields tern cannot honour -> the values that mean "not used": multimodal
+# inputs, LoRA, sessions, disaggregation and routing, hidden states, extra outputs...
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    **dict.fromkeys(
+        """input_embeds mm_hashes mm_content_hashes video_config session_id session_params
+        lora_path lora_id custom_logit_processor positional_embed_overrides bootstrap_host
+        bootstrap_port bootstrap_room bootstrap_pair_key decode_tp_size disagg_prefill_dp_rank
+        kv_router_hint routing_key http_worker_ipc max_thinking_tokens custom_labels
+        external_trace_header received_time need_wait_for_mm_inputs num_items_assigned
+        encoder_urls max_dynamic_patch min_dynamic_patch image_max_dynamic_patch
+        video_max_dynamic_patch images_config multi_item_delimiter_indices""".split(),
+        (None,),
+    ),
+    **dict.fromkeys(
+        """use_audio_in_video return_flat_raw_top_logprobs return_flat_raw_top_logprobs_b64
+        return_hidden_states return_routed_experts return_indexer_topk background
+        require_reasoning return_bytes return_entropy return_prompt_token_ids""".split(),
+        (False,),
+    ),
+    **dict.fromkeys(
+        "image_data video_data audio_data modalities token_ids_logprob".split(), (None, [])
+    ),
+    "return_sampling_mask": (None, False),
+    "log_metrics": (True,),  # tern records every request's metrics
+    "routed_experts_start_len": (0,),
+    "routed_dp_rank": (None, 0),  # one data-parallel rank: rank 0 is this server
+    "data_parallel_rank": (None, 0),
+    "priority": (None, 0),
+    "extra_key": (None, ""),
+    "cache_salt": (None, ""),
+}
+
+
+class SGLangSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """SGLang's SamplingParams. It is also the SamplingRequest OpenAIServing reads (properties
+    below map SGLang's names to tern's)."""
+
+    max_new_tokens: int | None = 128  # None: as many as the context holds
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = -1  # -1: all tokens
+    min_p: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    min_new_tokens: int | None = 0
+    n: int | None = 1
+    # Output constraints, at most one (a JSON schema as text, or "$$ANY$$").
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None  # the JSON of a response_format {"type": "structural_tag"}
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    # SGLang's default is true; the tokenizers backend never adds those spaces (see protocol.py).
+    spaces_between_special_tokens: bool | UnsetType | None = UNSET
+    no_stop_trim: bool | None = False  # keep the matched stop string (or token) in the text
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+
+    stop_regex: Any = UNSET
+    custom_params: Any = UNSET
+    stream_interval: Any = UNSET
+
+    def __post_init__(self) -> None:
+        # As SGLang: null is the default, never "the model's default".
+        defaults = {
+            "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+            "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+            "min_new_tokens": 0, "n": 1, "ignore_eos": False, "skip_special_tokens": True,
+            "no_stop_trim": False,
+        }  # fmt: skip
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+
+    # ------------------------------------------------------------------ SamplingRequest
+
+    @property
+    def seed(self) -> int | None:
+        return self.sampling_seed
+
+    @property
+    def include_stop_str_in_output(self) -> bool:
+        return bool(self.no_stop_trim)
+
+    @property
+    def min_tokens(self) -> int | None:
+        return self.min_new_tokens
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_new_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "sampling_params.max_new_tokens"
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def constraints(self) -> dict[str, str]:
+        """The output constraints set: name -> value."""
+        names = ("json_schema", "regex", "ebnf", "structural_tag")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+    def validate(self) -> None:
+        """SGLang's SamplingParams.verify, with tern's limits; params are named
+        sampling_params.<field>."""
+        try:
+            check_unsupported(self, _SAMPLING_UNSUPPORTED)
+            self._check_ranges()
+            check_spaces_between_special_tokens(self)
+        except APIError as e:
+            if e.param is not None:
+                e.message = e.message.replace(f"'{e.param}'", f"'sampling_params.{e.param}'")
+                e.param = f"sampling_params.{e.param}"
+            raise
+
+    def _check_ranges(self) -> None:
+        t, p, k, min_p = self.temperature, self.top_p, self.top_k, self.min_p
+        assert t is not None and p is not None and k is not None and min_p is not None
+        if not 0.0 <= t < float("inf"):
+            raise bad_request(f"temperature must be a non-negative number, got {t}", "temperature")
+        if not 0.0 < p <= 1.0:
+            raise bad_request(f"top_p must be in (0, 1], got {p}", "top_p")
+        if not 0.0 <= min_p <= 1.0:
+            raise bad_request(f"min_p must be in [0, 1], got {min_p}", "min_p")
+        if k < 1 and k != -1:
+            raise bad_request(f"top_k must be -1 (disable) or at least 1, got {k}", "top_k")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise bad_request(f"{name} must be in [-2, 2], got {value}", name)
+        rep = self.repetition_penalty
+        assert rep is not None
+        if not 0.0 < rep <= 2.0:
+            raise bad_request(
+                f"repetition_penalty must be in (0, 2], got {rep}", "repetition_penalty"
+            )
+        max_new, min_new = self.max_new_tokens, self.min_new_tokens
+        assert min_new is not None
+        if max_new is not None and max_new < 0:
+            raise bad_request(f"max_new_tokens must be at least 0, got {max_new}", "max_new_tokens")
+        if min_new < 0 or (max_new is not None and min_new > max_new):
+            raise bad_request(
+                f"min_new_tokens must be in [0, max_new_tokens], got {min_new}", "min_new_tokens"
+            )
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be in [1, {MAX_N}], got {self.n}", "n")
+        seed = self.sampling_seed
+        if seed is not None and not _INT64_MIN <= seed <= _INT64_MAX:
+            raise bad_request("sampling_seed must fit in a signed 64-bit integer", "sampling_seed")
+        if any(s == "" for s in self.stop_strings):
+            raise bad_request("stop strings must not be empty", "stop")
+        for key in self.logit_bias or {}:
+            if not _TOKEN_ID.fullmatch(key):
+                raise bad_request(f"logit_bias keys are token ids; got {key!r}", "logit_bias")
+        names = list(self.constraints)
+        if len(names) > 1:
+            raise bad_request(
+                f"set at most one of json_schema, regex, ebnf, structural_tag; got "
+                f"{', '.join(names)}",
+                names[1],
+            )
+
+
+class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """SGLang's GenerateReqInput: one prompt or a batch, as text or token ids."""
+
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None  # token ids, or a batch of token-id lists
+    sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = None  # -1 (default): output logprobs only
+    top_logprobs_num: int | None = None
+    return_text_in_logprobs: bool | None = False
+    stream: bool | None = False
+    # Tracking and logging hints with no effect on the output (tern logs no request content).
+    conversation_id: str | None = None
+    no_logs: bool | None = False
+
+    input_embeds: Any = UNSET
+    image_data: Any = UNSET
+    video_data: Any = UNSET
+    audio_data: Any = UNSET
+    mm_hashes: Any = UNSET
+    mm_content_hashes: Any = UNSET
+    use_audio_in_video: Any = UNSET
+    video_config: Any = UNSET
+    token_ids_logprob: Any = UNSET
+    return_sampling_mask: Any = UNSET
+    return_flat_raw_top_logprobs: Any = UNSET
+    return_flat_raw_top_logprobs_b64: Any = UNSET
+    log_metrics: Any = UNSET
+    return_hidden_states: Any = UNSET
+    return_routed_experts: Any = UNSET
+    routed_experts_start_len: Any = UNSET
+    return_indexer_topk: Any = UNSET
+    modalities: Any = UNSET
+    session_id: Any = UNSET
+    session_params: Any = UNSET
+    lora_path: Any = UNSET
+    lora_id: Any = UNSET
+    custom_logit_processor: Any = UNSET
+    positional_embed_overrides: Any = UNSET
+    bootstrap_host: Any = UNSET
+    bootstrap_port: Any = UNSET
+    bootstrap_room: Any = UNSET
+    bootstrap_pair_key: Any = UNSET
+    decode_tp_size: Any = UNSET
+    routed_dp_rank: Any = UNSET
+    data_parallel_rank: Any = UNSET
+    disagg_prefill_dp_rank: Any = UNSET
+    kv_router_hint: Any = UNSET
+    routing_key: Any = UNSET
+    http_worker_ipc: Any = UNSET
+    background: Any = UNSET
+    require_reasoning: Any = UNSET
+    max_thinking_tokens: Any = UNSET
+    priority: Any = UNSET
+    extra_key: Any = UNSET
+    custom_labels: Any = UNSET
+    return_bytes: Any = UNSET
+    return_entropy: Any = UNSET
+    return_prompt_token_ids: Any = UNSET
+    external_trace_header: Any = UNSET
+    received_time: Any = UNSET
+    need_wait_for_mm_inputs: Any = UNSET
+    num_items_assigned: Any = UNSET
+    encoder_urls: Any = UNSET
+    max_dynamic_patch: Any = UNSET
+    min_dynamic_patch: Any = UNSET
+    image_max_dynamic_patch: Any = UNSET
+    video_max_dynamic_patch: Any = UNSET
+    images_config: Any = UNSET
+    multi_item_delimiter_indices: Any = UNSET
+    cache_salt: Any = UNSET
+
+    @property
+    def is_stream(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def is_batch(self) -> bool:
+        """A list of prompts (SGLang answers a list, even for one)."""
+        if self.text is not None:
+            return not isinstance(self.text, str)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    @property
+    def prompt_param(self) -> str:
+        return "text" if self.text is not None else "input_ids"
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many most likely tokens each position's logprobs show; None: no logprobs."""
+        return (self.top_logprobs_num or 0) if self.return_logprob else None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, in order: strings or token-id lists (checked by validate)."""
+        if self.text is not None:
+            return [self.text] if isinstance(self.text, str) else list(self.text)
+        assert self.input_ids is not None
+        return [list(p) for p in self.input_ids] if self.is_batch else [list(self.input_ids)]
+
+    def sampling_params_list(self) -> list[SGLangSamplingParams]:
+        """One per prompt."""
+        sp = self.sampling_params
+        if isinstance(sp, list):
+            return sp
+        return [sp or SGLangSamplingParams()] * len(self.prompts())
+
+    @property
+    def n(self) -> int:
+        return self.sampling_params_list()[0].n or 1
+
+    def validate(self) -> None:
+        check_unsupported(self, _UNSUPPORTED)
+        self._check_prompts()
+        num_prompts = len(self.prompts())
+        sp = self.sampling_params
+        if isinstance(sp, list):
+            if len(sp) != num_prompts:
+                raise bad_request(
+                    f"sampling_params has {len(sp)} items for {num_prompts} prompts",
+                    "sampling_params",
+                )
+            if len({p.n for p in sp}) > 1:
+                raise bad_request("every item of sampling_params must have the same n", "n")
+        for params in self.sampling_params_list():
+            params.validate()
+        if isinstance(self.rid, list):
+            if len(self.rid) != num_prompts:
+                raise bad_request(f"rid has {len(self.rid)} ids for {num_prompts} prompts", "rid")
+            if len(set(self.rid)) != len(self.rid):
+                raise bad_request("the request ids in rid must be unique", "rid")
+        if self.return_logprob:
+            k, start = self.top_logprobs_num, self.logprob_start_len
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise bad_request(
+                    f"top_logprobs_num must be in [0, {MAX_LOGPROBS}], got {k}", "top_logprobs_num"
+                )
+            if start is not None and start < -1:
+                raise bad_request(
+                    f"logprob_start_len must be -1 or a prompt position, got {start}",
+                    "logprob_start_len",
+                )
+
+    def _check_prompts(self) -> None:
+        if (self.text is None) == (self.input_ids is None):
+            raise bad_request("give exactly one of text and input_ids", "text")
+        if isinstance(self.text, list) and not self.text:
+            raise bad_request("text must not be an empty list", "text")
+        ids = self.input_ids
+        if ids is None:
+            return
+        if not ids:
+            raise bad_request("input_ids cannot be empty", "input_ids")
+        if all(_is_int(t) for t in ids):
+            return
+        if all(isinstance(p, list) for p in ids):
+            for i, p in enumerate(ids):
+                if not p or not all(_is_int(t) for t in p):
+                    raise bad_request(
+                        f"input_ids[{i}] must be a non-empty list of token ids", "input_ids"
+                    )
+            return
+        raise bad_request(
+            "input_ids must be a list of token ids or a list of such lists", "input_ids"
+        )
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# --------------------------------------------------------------------------- responses
+
+# A logprob entry: [logprob (null for a prompt's first token), token id, token text or null].
+LogprobEntry = tuple[float | None, int, str | None]
+
+
+class SGLangMetaInfo(msgspec.Struct):
+    """The meta_info of SGLang's TokenizerManager (the keys it always sends, and those of
+    return_logprob / top_logprobs_num)."""
+
+    id: str
+    finish_reason: dict[str, Any] | None  # {"type": "stop" | "length" | "abort", ...} once finished
+    prompt_tokens: int
+    weight_version: str | None
+    completion_tokens: int
+    cached_tokens: int
+    input_token_logprobs: list[LogprobEntry] | UnsetType = UNSET
+    output_token_logprobs: list[LogprobEntry] | UnsetType = UNSET
+    output_token_logprobs_length: int | UnsetType = UNSET
+    input_top_logprobs: list[list[LogprobEntry] | None] | UnsetType = UNSET
+    output_top_logprobs: list[list[LogprobEntry] | None] | UnsetType = UNSET
+    e2e_latency: float | UnsetType = UNSET  # seconds, once finished
+
+
+class SGLangGenerateOutput(msgspec.Struct):
+    text: str
+    output_ids: list[int]
+    meta_info: SGLangMetaInfo
+    index: int | UnsetType = UNSET  # streamed batches: which output this event is of
+
+
+# --------------------------------------------------------------------------- telling them apart
+
+# Keys of SGLang's GenerateReqInput that LMDeploy's GenerateReqInput does not have.
+SGLANG_ONLY_KEYS = frozenset(SGLangGenerateRequest.__struct_fields__) - frozenset(
+    GenerateRequest.__struct_fields__
+)
+_LMDEPLOY_ONLY_KEYS = frozenset(GenerateRequest.__struct_fields__) - frozenset(
+    SGLangGenerateRequest.__struct_fields__
+)
+
+
+def is_sglang_generate(body: bytes) -> bool:
+    """Whether a /generate body is SGLang's (the rule in the module docstring)."""
+    try:
+        obj = msgspec.json.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return False  # LMDeploy's decoder answers the 400
+    if not isinstance(obj, dict):
+        return False
+    if not SGLANG_ONLY_KEYS.isdisjoint(obj):
+        return True
+    ids = obj.get("input_ids")
+    return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+
+
+_MSGSPEC_PATH = re.compile(r"at `\$\.([\w.\[\]]+)`")
+_UNKNOWN_FIELD = re.compile(r"unknown field `(\w+)`")
+
+
+def decode_sglang_generate(body: bytes) -> SGLangGenerateRequest:
+    """Decodes and checks a body is_sglang_generate accepted. Raises APIError (400) naming the
+    field, nested ones as sampling_params.<field>."""
+    try:
+        obj = msgspec.json.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        obj = None
+    if isinstance(obj, dict):
+        mixed = sorted(_LMDEPLOY_ONLY_KEYS.intersection(obj))
+        if mixed:
+            raise bad_request(
+                f"'{mixed[0]}' is LMDeploy's /generate field; this body is SGLang's (it has "
+                f"{', '.join(sorted(SGLANG_ONLY_KEYS.intersection(obj))) or 'a batch'})",
+                mixed[0],
+            )
+    try:
+        return decode_request(body, SGLangGenerateRequest)
+    except APIError as e:
+        path = _MSGSPEC_PATH.search(e.message)
+        unknown = _UNKNOWN_FIELD.search(e.message)
+        if unknown is not None:
+            e.param = f"{path.group(1)}.{unknown.group(1)}" if path else unknown.group(1)
+        elif path is not None:
+            e.param = path.group(1)
+        raise

@@ -1,0 +1,297 @@
+"""SGLang's native POST /generate (serving_native.py hands it the bodies protocol_sglang.py
+recognises as SGLang's).
+
+A request is one prompt or a batch (text, or token ids: tokenized with special tokens, no chat
+template), each sampled n times, prompt by prompt. One prompt with n = 1 answers one
+{"text", "output_ids", "meta_info"}; a batch or n > 1 answers a list of them, prompt 0's samples
+first. meta_info has SGLang's keys: id (the request's `rid`; `rid_i` for item i of a batch under one
+rid; a random hex id per sample when n > 1, as SGLang regenerates them), finish_reason ({"type":
+"stop", "matched": token id or stop string} | {"type": "length", "length": max_new_tokens} |
+{"type": "abort", ...}), prompt_tokens, completion_tokens, cached_tokens, weight_version (of the
+weights that finished the output: null in a stream's earlier events, where SGLang already shows the
+server's version), e2e_latency once finished; with return_logprob the [logprob, token id, text or
+null] entries of the output tokens (and their count) and of the prompt from logprob_start_len (the
+first shown prompt token's logprob is null, as SGLang's); with top_logprobs_num the most likely
+tokens of each position.
+
+Streaming follows SGLang's default (its --incremental-streaming-output is off): every event carries
+the whole text so far, all output_ids so far and meta_info with all logprobs so far, so the last
+event is the non-streamed output; a batch or n > 1 streams each output's events interleaved, tagged
+with "index"; then `data: [DONE]`. Source read: SGLang's
+python/sglang/srt/managers/tokenizer_manager_components/output_processor.py
+(OutputProcessor.handle_batch_output: `incremental = incremental_streaming_output and is_stream`,
+else "text": state.get_text(), "output_ids": state.output_ids) and response_emitter.py
+(_handle_batch_request adds "index").
+
+max_new_tokens is clamped to what the context leaves (SGLang does the same); 0 runs the prompt only
+(for its logprobs). Seeds: sample i of a prompt uses sampling_seed + i, as the OpenAI routes do. The
+request can be aborted (POST /abort_request) by its rid, an item's id or its X-Request-Id: the
+outputs then end with finish_reason type "abort" and what they had so far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
+from starlette.requests import Request
+from starlette.responses import Response
+
+from enginecore.messages import Logprobs, StructuredOutputSpec
+from frontend.server.errors import bad_request
+from frontend.serving.base import REQUEST_ID_HEADER, OpenAIServing, json_response, sse
+from frontend.serving.generation import Generation, RequestGroup
+from frontend.sglang.protocol import (
+    ANY_JSON,
+    LogprobEntry,
+    SGLangGenerateOutput,
+    SGLangGenerateRequest,
+    SGLangMetaInfo,
+    SGLangSamplingParams,
+    decode_sglang_generate,
+)
+from frontend.text.logprobs import TokenStrings
+from frontend.text.structured_outputs import from_response_format, json_schema_spec
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf (as frontend/text/logprobs.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+    """What one output shows beyond its Generation."""
+
+    id: str
+    max_new_tokens: int  # the limit after clamping: finish_reason "length" reports it
+    logprob_start: int  # the first prompt position input_token_logprobs shows
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prompt:
+    ids: list[int]
+    params: SGLangSamplingParams  # max_new_tokens clamped to the context (>= 1)
+    is_prefill_only: bool  # max_new_tokens 0: nothing is generated
+    structured_output: StructuredOutputSpec | None
+
+
+class SGLangServing:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def generate(self, http_request: Request, body: bytes) -> Response:
+        s = self.serving
+        arrival = time.monotonic()
+        req = decode_sglang_generate(body)
+        prompts = [
+            self._prompt(req, p, params)
+            for p, params in zip(req.prompts(), req.sampling_params_list())
+        ]
+        items = _items(req, prompts, s.max_model_len)
+        keys = self._keys(req, items)
+        client_id = http_request.headers.get(REQUEST_ID_HEADER)
+        if client_id and client_id not in keys:
+            keys.append(client_id)
+        headers = {REQUEST_ID_HEADER: client_id or keys[0]}
+        group = self._start(req, prompts, items, keys)
+        view = _OutputView(req, TokenStrings(s.tokenizer.backend), arrival)
+        is_list = req.is_batch or req.n > 1
+        if req.is_stream:
+            return s.sse_response(self._stream(group, view, items, is_list), group, headers)
+        texts = await group.collect_unless_disconnected(http_request)
+        if texts is None:
+            return Response(status_code=499)
+        outputs = [view.output(g, item, t) for g, item, t in zip(group.gens, items, texts)]
+        return json_response(outputs if is_list else outputs[0], headers=headers)
+
+    def _prompt(
+        self, req: SGLangGenerateRequest, prompt: str | list[int], params: SGLangSamplingParams
+    ) -> _Prompt:
+        s = self.serving
+        ids = s.encode_prompt(prompt, True, req.prompt_param)
+        limit = params.max_new_tokens
+        room = s.max_model_len - len(ids)
+        if limit is not None and room >= 1:  # else sampling_params names the prompt's length
+            limit = max(min(limit, room), 1)
+        bounded = msgspec.structs.replace(params, max_new_tokens=limit)
+        s.sampling_params(bounded, ids, req.prompt_param)  # its 400s, before anything starts
+        return _Prompt(ids, bounded, params.max_new_tokens == 0, _constraint(params))
+
+    def _keys(self, req: SGLangGenerateRequest, items: list[_Item]) -> list[str]:
+        """Every id /abort_request finds the request by; a client's rid must not be in flight."""
+        keys = [req.rid] if isinstance(req.rid, str) and req.rid else []
+        keys += [item.id for item in items if item.id not in keys]
+        if req.rid:
+            taken = [k for k in keys if self.serving.inflight.find(k)]
+            if taken:
+                raise bad_request(f"Duplicate request ID detected: {taken[0]}", "rid")
+        return keys
+
+    def _start(
+        self,
+        req: SGLangGenerateRequest,
+        prompts: list[_Prompt],
+        items: list[_Item],
+        keys: list[str],
+    ) -> RequestGroup:
+        """Starts every prompt's n samples as one RequestGroup (one start per prompt: each has its
+        own sampling parameters and its own clamped max_new_tokens)."""
+        s = self.serving
+        n, k = req.n, req.num_logprobs
+        groups: list[RequestGroup] = []
+        try:
+            for i, p in enumerate(prompts):
+                first = items[i * n]
+                wants_prompt = k is not None and first.logprob_start < len(p.ids) - 1
+                groups.append(
+                    s.start(
+                        first.id, keys, p.params, [p.ids], req.prompt_param, n=n, logprobs=k,
+                        prompt_logprobs=k if wants_prompt else None,
+                        discard_output=p.is_prefill_only, structured_output=p.structured_output,
+                    )
+                )  # fmt: skip
+        except BaseException:
+            for group in groups:
+                group.close()
+            raise
+        for group in groups:
+            s.inflight.remove(group)
+        return RequestGroup(keys, [gen for g in groups for gen in g.gens], s.inflight, None, n)
+
+    async def _stream(
+        self, group: RequestGroup, view: _OutputView, items: list[_Item], is_list: bool
+    ) -> AsyncIterator[bytes]:
+        texts = [""] * len(group.gens)
+        async for i, text in group.merged():
+            gen = group.gens[i]
+            texts[i] += text
+            if text or gen.new_token_ids or gen.is_finished:
+                yield sse(view.output(gen, items[i], texts[i], i if is_list else UNSET))
+
+
+def _items(req: SGLangGenerateRequest, prompts: list[_Prompt], max_model_len: int) -> list[_Item]:
+    """One per output: n per prompt, prompt by prompt."""
+    n, rid = req.n, req.rid
+    if n > 1:
+        ids = [uuid.uuid4().hex for _ in range(len(prompts) * n)]
+    elif isinstance(rid, list):
+        ids = [r or uuid.uuid4().hex for r in rid]
+    elif not req.is_batch:
+        ids = [rid or uuid.uuid4().hex]
+    else:
+        ids = [f"{rid}_{i}" if rid else uuid.uuid4().hex for i in range(len(prompts))]
+    items = []
+    for i, p in enumerate(prompts):
+        start = _logprob_start(req, len(p.ids))
+        limit = 0 if p.is_prefill_only else p.params.max_new_tokens
+        if limit is None:
+            limit = max_model_len - len(p.ids)
+        items += [_Item(ids[i * n + j], limit, start) for j in range(n)]
+    return items
+
+
+def _logprob_start(req: SGLangGenerateRequest, num_prompt: int) -> int:
+    start = req.logprob_start_len
+    if not req.return_logprob or start is None or start == -1:
+        return num_prompt - 1  # SGLang's default: the last prompt token only
+    if start >= num_prompt:
+        raise bad_request(
+            f"logprob_start_len ({start}) is higher than the number of input tokens "
+            f"({num_prompt}). Request with a lower logprob_start_len.",
+            "logprob_start_len",
+        )
+    return start
+
+
+def _constraint(params: SGLangSamplingParams) -> StructuredOutputSpec | None:
+    """The output constraint of SGLang's json_schema / regex / ebnf / structural_tag (checked)."""
+    for name, value in params.constraints.items():
+        param = f"sampling_params.{name}"
+        if name == "json_schema":
+            if value == ANY_JSON:
+                return from_response_format({"type": "json_object"}, param)
+            return json_schema_spec(_json(value, param), param)
+        if name == "structural_tag":
+            tag = _json(value, param)
+            if not isinstance(tag, dict) or tag.get("type") != "structural_tag":
+                raise bad_request(f'{param} must be a {{"type": "structural_tag", ...}}', param)
+            return from_response_format(tag, param)
+        kind = {"regex": "regex", "ebnf": "ebnf"}[name]
+        return from_response_format({"type": kind, kind: value}, "sampling_params")
+    return None
+
+
+def _json(text: str, param: str) -> Any:
+    try:
+        return msgspec.json.decode(text)
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"{param} is not valid JSON: {e}", param) from None
+
+
+class _OutputView:
+    """One generation as SGLang's output dict (its state so far, while streaming)."""
+
+    def __init__(self, req: SGLangGenerateRequest, strings: TokenStrings, arrival: float) -> None:
+        self.num_logprobs = req.num_logprobs
+        self.with_text = bool(req.return_text_in_logprobs)
+        self.strings = strings
+        self.arrival = arrival
+
+    def output(
+        self, gen: Generation, item: _Item, text: str, index: int | UnsetType = UNSET
+    ) -> SGLangGenerateOutput:
+        meta = SGLangMetaInfo(
+            item.id, _finish_reason(gen, item), gen.num_prompt_tokens, gen.weight_version,
+            gen.num_output_tokens, gen.num_cached_tokens,
+        )  # fmt: skip
+        if self.num_logprobs is not None:
+            self._add_logprobs(meta, gen, item)
+        if gen.is_finished:
+            meta.e2e_latency = time.monotonic() - self.arrival
+        return SGLangGenerateOutput(text, list(gen.output_token_ids), meta, index)
+
+    def _add_logprobs(self, meta: SGLangMetaInfo, gen: Generation, item: _Item) -> None:
+        out = gen.all_output_logprobs or Logprobs()
+        meta.output_token_logprobs = [
+            self._entry(v, t) for v, t in zip(out.logprobs, out.token_ids)
+        ]
+        meta.output_token_logprobs_length = out.num_positions
+        prompt, start = gen.prompt_token_ids, item.logprob_start
+        # Prompt logprobs hold tokens 1..n-1 (token j's at j - 1), once the prompt has run.
+        lp = gen.prompt_logprobs or Logprobs()
+        shown = range(start + 1, len(prompt) if lp.num_positions else 0)
+        first = (None, prompt[start], self._text(prompt[start]))
+        meta.input_token_logprobs = [first] + [
+            self._entry(lp.logprobs[j - 1], prompt[j]) for j in shown
+        ]
+        if self.num_logprobs:
+            meta.output_top_logprobs = [self._top(out, i) for i in range(out.num_positions)]
+            meta.input_top_logprobs = [None] + [self._top(lp, j - 1) for j in shown]
+
+    def _top(self, lp: Logprobs, i: int) -> list[LogprobEntry]:
+        return [self._entry(v, t) for t, v in lp.top(i)[: self.num_logprobs]]
+
+    def _entry(self, logprob: float, token_id: int) -> LogprobEntry:
+        return (max(logprob, _MIN_LOGPROB), token_id, self._text(token_id))
+
+    def _text(self, token_id: int) -> str | None:
+        return self.strings.text(token_id) if self.with_text else None
+
+
+def _finish_reason(gen: Generation, item: _Item) -> dict[str, Any] | None:
+    if not gen.is_finished:
+        return None
+    if gen.finish_reason == "stop":
+        # A stop string, a stop token id, or else the token that ended it (EOS): SGLang's matched.
+        matched = gen.stop_reason
+        if matched is None and gen.output_token_ids:
+            matched = gen.output_token_ids[-1]
+        return {"type": "stop", "matched": matched}
+    if gen.finish_reason == "length":
+        return {"type": "length", "length": item.max_new_tokens}
+    if gen.finish_reason == "abort" and gen.abort_info is not None:
+        return dict(gen.abort_info)
+    return {"type": gen.finish_reason}

@@ -1,0 +1,1 @@
+"""Text processing: tokenizer, incremental detokenizer, reasoning and tool-call parsers, structured-output specs, logprob strings."""
