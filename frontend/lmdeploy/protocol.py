@@ -14,6 +14,7 @@ from msgspec import UNSET, UnsetType
 
 from frontend.openai.protocol import check_spaces_between_special_tokens, check_unsupported
 from frontend.server.errors import bad_request
+from frontend.serving.sampling import LMDEPLOY_RULES, RequestSampling, stop_list
 
 _GENERATE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "image_data": (None,),
@@ -57,25 +58,22 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     mm_processor_kwargs: Any = UNSET
     media_io_kwargs: Any = UNSET
 
-    seed = None  # LMDeploy's /generate has no seed: every request gets a random one
-
-    @property
-    def is_stream(self) -> bool:
-        return bool(self.stream)
-
-    @property
-    def requested_max_tokens(self) -> int:
-        return self.max_tokens
-
-    @property
-    def max_tokens_param(self) -> str:
-        return "max_tokens"
-
-    @property
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+    def to_sampling(self) -> RequestSampling:
+        # LMDeploy's /generate has no seed: every request gets a random one.
+        return RequestSampling(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            stop=stop_list(self.stop),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=bool(self.ignore_eos),
+            skip_special_tokens=self.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            repetition_penalty=self.repetition_penalty,
+            rules=LMDEPLOY_RULES,
+        )
 
     def validate(self) -> None:
         check_unsupported(self, _GENERATE_UNSUPPORTED)
@@ -85,24 +83,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise bad_request("prompt must not be empty", "prompt")
         if self.input_ids is not None and not self.input_ids:
             raise bad_request("input_ids must not be empty", "input_ids")
-        if self.max_tokens < 1:
-            raise bad_request(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        if not 0.0 <= self.temperature < float("inf"):
-            raise bad_request("temperature must be non-negative", "temperature")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad_request(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k < 0:
-            raise bad_request("top_k must be 0 (disabled) or positive", "top_k")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad_request(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        self.to_sampling().verify()
         check_spaces_between_special_tokens(self)
-        rep = self.repetition_penalty
-        if rep is not None and not 0.0 < rep < float("inf"):
-            raise bad_request(
-                f"repetition_penalty must be positive, got {rep}", "repetition_penalty"
-            )
-        if any(s == "" for s in self.stop_strings):
-            raise bad_request("stop strings must not be empty", "stop")
 
 
 class GenerateMetaInfo(msgspec.Struct):

@@ -69,10 +69,10 @@ class NativeServing:
         request_id, keys, headers = s.request_ids(http_request, "generate-")
         logprobs = 0 if req.return_logprob else None  # the sampled token's only
         group = s.start(
-            request_id, keys, req, [prompt_ids], param, session_id=session_id, logprobs=logprobs,
-            structured_output=structured_output_spec(req),
+            request_id, keys, req.to_sampling(), [prompt_ids], param, session_id=session_id, logprobs=logprobs,
+            structured_output=structured_output_spec(req.response_format),
         )  # fmt: skip
-        if req.is_stream:
+        if req.stream:
             return s.sse_response(self._generate_stream(group), group, headers)
         texts = await group.collect_unless_disconnected(http_request)
         if texts is None:

@@ -53,12 +53,12 @@ class ChatServing:
         s = self.serving
         req = decode_request(await http_request.body(), ChatCompletionRequest)
         s.check_model(req.model)
-        plan = plan_tools(req, self.options)
+        plan = self.plan(req)
         prompt_text, prompt_ids = self.render(req, plan)
         constraint, opens_reasoning = self._after_reasoning(plan.constraint, prompt_text)
         request_id, keys, headers = s.request_ids(http_request, "chatcmpl-", req.request_id)
         group = s.start(
-            request_id, keys, req, [prompt_ids], "messages",
+            request_id, keys, req.to_sampling(), [prompt_ids], "messages",
             n=req.n or 1, logprobs=req.num_logprobs, prompt_logprobs=req.prompt_logprobs,
             structured_output=constraint,
         )  # fmt: skip
@@ -67,7 +67,7 @@ class ChatServing:
         )
         parsers = [self._choice_parser(req, plan, opens_reasoning) for _ in group.gens]
         created = int(time.time())
-        if req.is_stream:
+        if req.stream:
             return s.sse_response(self._stream(group, req, view, parsers, created), group, headers)
         texts = await group.collect_unless_disconnected(http_request)
         if texts is None:
@@ -91,6 +91,13 @@ class ChatServing:
             group.weight_version, view.prompt_logprobs(first), view.prompt_token_ids(first),
         )  # fmt: skip
         return json_response(response, headers=headers)
+
+    def plan(self, req: ChatCompletionRequest) -> ToolPlan:
+        """The request's tools, tool_choice and output constraint, checked together."""
+        return plan_tools(
+            req.tools, req.tool_choice, req.parallel_tool_calls, req.output_constraint(),
+            self.options,
+        )  # fmt: skip
 
     def render(self, req: ChatCompletionRequest, plan: ToolPlan) -> tuple[str, list[int]]:
         """The prompt (text, token ids) a chat request runs: its messages through the chat

@@ -30,7 +30,6 @@ from frontend.serving.base import OpenAIServing, json_response, sse, usage_optio
 from frontend.serving.generation import Generation, RequestGroup
 from frontend.serving.sampling import truncate_prompt
 from frontend.text.logprobs import TokenStrings, completion_logprobs, prompt_logprobs
-from frontend.text.structured_outputs import structured_output_spec
 
 
 class CompletionServing:
@@ -55,13 +54,13 @@ class CompletionServing:
         wanted = [req.prompt_logprobs, req.logprobs if req.echo else None]
         num_prompt_top = max((k for k in wanted if k is not None), default=None)
         group = s.start(
-            request_id, keys, req, prompts, "prompt",
+            request_id, keys, req.to_sampling(), prompts, "prompt",
             n=req.n or 1, logprobs=req.logprobs, prompt_logprobs=num_prompt_top,
-            discard_output=req.is_echo_only, structured_output=structured_output_spec(req),
+            discard_output=req.is_echo_only, structured_output=req.output_constraint(),
         )  # fmt: skip
         view = _CompletionView(req, s, prompt_texts, group.n)
         created = int(time.time())
-        if req.is_stream:
+        if req.stream:
             return s.sse_response(self._stream(group, req, view, created), group, headers)
         texts = await group.collect_unless_disconnected(http_request)
         if texts is None:

@@ -18,16 +18,16 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from enginecore.messages import StructuredOutputSpec
 from frontend.openai.peer_fields import PeerFields, apply_peer_fields
 from frontend.server.errors import bad_request
+from frontend.serving.sampling import RequestSampling, stop_list
+from frontend.text.structured_outputs import structured_output_spec
 
 T = TypeVar("T")
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-_INT32_MAX = 2**31 - 1
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # most likely tokens per position (vLLM's default --max-logprobs)
-MAX_N = 128  # samples per prompt
 
 # Known fields we do not implement -> the values that mean "not used" (anything else is a 400).
 _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -144,85 +144,56 @@ class _RequestBase(PeerFields, forbid_unknown_fields=True, kw_only=True):
     _unsupported = _COMMON_UNSUPPORTED
 
     @property
-    def is_stream(self) -> bool:
-        return bool(self.stream)
+    def max_tokens_field(self) -> tuple[str, int | None]:
+        """(the field that sets the output length, its value)."""
+        return "max_tokens", self.max_tokens
 
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+    def output_constraint(self) -> StructuredOutputSpec | None:
+        """response_format, structured_outputs or a guided_* field (at most one)."""
+        guided = {
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
+        }
+        return structured_output_spec(
+            self.response_format, self.structured_outputs, guided, self.guided_decoding_backend
+        )
 
-    @property
-    def max_tokens_param(self) -> str:
-        return "max_tokens"
-
-    @property
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+    def to_sampling(self) -> RequestSampling:
+        name, max_tokens = self.max_tokens_field
+        return RequestSampling(
+            max_tokens=max_tokens,
+            max_tokens_name=name,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            n=1 if self.n is None else self.n,
+            stop=stop_list(self.stop),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            min_tokens=self.min_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+        )
 
     def validate(self) -> None:
         """Raises APIError (400) for unsupported fields and out-of-range values."""
         apply_peer_fields(self)
         check_unsupported(self, self._unsupported)
-        if self.n is not None and not 1 <= self.n <= MAX_N:
-            raise bad_request(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise bad_request(
                 "stream_options can only be set when stream is true", "stream_options"
             )
-        max_tokens = self.requested_max_tokens
-        if max_tokens is not None and max_tokens < 1:
-            raise bad_request(
-                f"max_tokens must be at least 1, got {max_tokens}", self.max_tokens_param
-            )
-        if self.temperature is not None and not 0.0 <= self.temperature < float("inf"):
-            raise bad_request(
-                f"temperature must be non-negative, got {self.temperature}", "temperature"
-            )
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise bad_request(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k is not None and not -1 <= self.top_k <= _INT32_MAX:
-            raise bad_request(
-                f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}", "top_k"
-            )
-        if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
-            raise bad_request("seed must fit in a signed 64-bit integer", "seed")
-        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
-            raise bad_request(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
-        if any(s == "" for s in self.stop_strings):
-            raise bad_request("stop strings must not be empty", "stop")
-        self._validate_processing()
-
-    def _validate_processing(self) -> None:
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if value is not None and not -2.0 <= value <= 2.0:
-                raise bad_request(f"{name} must be in [-2, 2], got {value}", name)
-        rep = self.repetition_penalty
-        if rep is not None and not 0.0 < rep < float("inf"):
-            raise bad_request(
-                f"repetition_penalty must be positive, got {rep}", "repetition_penalty"
-            )
-        if self.logit_bias is not None:
-            for key, bias in self.logit_bias.items():
-                if not key.lstrip("-").isdigit() or bias != bias:
-                    raise bad_request(
-                        f"logit_bias maps token ids to numbers; got {key!r}: {bias}", "logit_bias"
-                    )
-        if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            raise bad_request("allowed_token_ids must not be empty", "allowed_token_ids")
-        if self.min_tokens is not None:
-            max_tokens = self.requested_max_tokens
-            if self.min_tokens < 0 or (max_tokens is not None and self.min_tokens > max_tokens):
-                raise bad_request(
-                    f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens"
-                )
-        k = self.truncate_prompt_tokens
-        if k is not None and not (k == -1 or k >= 1):
-            raise bad_request(
-                f"truncate_prompt_tokens must be -1 or positive, got {k}", "truncate_prompt_tokens"
-            )
+        self.to_sampling().verify()
         check_num_logprobs(self.prompt_logprobs, "prompt_logprobs")
         check_spaces_between_special_tokens(self)
 
@@ -256,15 +227,11 @@ class ChatCompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=Tr
     _unsupported = _CHAT_UNSUPPORTED
 
     @property
-    def requested_max_tokens(self) -> int | None:
+    def max_tokens_field(self) -> tuple[str, int | None]:
         # vLLM: max_completion_tokens (the newer name) wins over the deprecated max_tokens.
         if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return self.max_tokens
-
-    @property
-    def max_tokens_param(self) -> str:
-        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
 
     @property
     def num_logprobs(self) -> int | None:
@@ -311,8 +278,8 @@ class CompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=True):
         return bool(self.echo) and self.max_tokens == 0
 
     @property
-    def requested_max_tokens(self) -> int | None:
-        return 1 if self.is_echo_only else self.max_tokens
+    def max_tokens_field(self) -> tuple[str, int | None]:
+        return "max_tokens", 1 if self.is_echo_only else self.max_tokens
 
     def validate(self) -> None:
         super().validate()

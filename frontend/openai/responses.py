@@ -48,11 +48,16 @@ class ResponsesServing:
         prompt_ids = s.tokenizer.apply_chat_template(req.messages(), add_generation_prompt=True)
         response_id, keys, headers = s.request_ids(http_request, "resp_", req.request_id)
         group = s.start(
-            response_id, keys, req, [prompt_ids], "input", structured_output=req.output_constraint()
+            response_id,
+            keys,
+            req.to_sampling(),
+            [prompt_ids],
+            "input",
+            structured_output=req.output_constraint(),
         )
         params = group.gens[0].params
         draft = _Draft(req, response_id, s.model_name, params.temperature, params.top_p)
-        if req.is_stream:
+        if req.stream:
             return streaming_response(self._events(group, draft), group, headers)
         texts = await group.collect_unless_disconnected(http_request)
         if texts is None:

@@ -18,9 +18,9 @@ from msgspec import UNSET
 from enginecore.messages import StructuredOutputSpec
 from frontend.openai.protocol import check_unsupported, normalize_messages
 from frontend.server.errors import bad_request
+from frontend.serving.sampling import RequestSampling, stop_list
 from frontend.text.structured_outputs import from_response_format, structured_output_spec
 
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _TEXT_FORMAT = {"format": {"type": "text"}}
 
 # Known fields we do not implement -> the values that mean "not used" (anything else is a 400).
@@ -103,42 +103,23 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     enable_response_messages: Any = UNSET
     previous_input_messages: Any = UNSET
 
-    # What OpenAIServing.sampling_params reads (the Responses API has no min_p or stop_token_ids).
-    min_p = None
-    stop_token_ids = None
-
-    @property
-    def is_stream(self) -> bool:
-        return bool(self.stream)
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_output_tokens
-
-    @property
-    def max_tokens_param(self) -> str:
-        return "max_output_tokens"
-
-    @property
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+    def to_sampling(self) -> RequestSampling:
+        return RequestSampling(
+            max_tokens=self.max_output_tokens,
+            max_tokens_name="max_output_tokens",
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=stop_list(self.stop),
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
 
     def validate(self) -> None:
         check_unsupported(self, _UNSUPPORTED)
-        if self.max_output_tokens is not None and self.max_output_tokens < 1:
-            raise bad_request("max_output_tokens must be at least 1", "max_output_tokens")
-        if self.temperature is not None and not 0.0 <= self.temperature < float("inf"):
-            raise bad_request("temperature must be non-negative", "temperature")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise bad_request(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k is not None and self.top_k < -1:
-            raise bad_request("top_k must be -1 or 0 (disabled) or >= 1", "top_k")
-        if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
-            raise bad_request("seed must fit in a signed 64-bit integer", "seed")
-        if any(s == "" for s in self.stop_strings):
-            raise bad_request("stop strings must not be empty", "stop")
+        self.to_sampling().verify()
 
     def output_constraint(self) -> StructuredOutputSpec | None:
         """text.format (OpenAI's json_schema / json_object), or vLLM's structured_outputs."""
@@ -149,7 +130,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
                 "structured_outputs",
             )
         if self.structured_outputs is not None:
-            return structured_output_spec(self)
+            return structured_output_spec(structured_outputs=self.structured_outputs)
         if text_format is None:
             return None
         if isinstance(text_format, dict) and text_format.get("type") == "json_schema":

@@ -34,8 +34,7 @@ from frontend.openai.chat import ChatServing
 from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest, decode_request
 from frontend.server.errors import APIError, engine_dead_error
 from frontend.serving.base import OpenAIServing, json_response
-from frontend.serving.sampling import truncate_prompt
-from frontend.text.tool_calling import plan_tools
+from frontend.serving.sampling import RequestSampling, truncate_prompt
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
@@ -59,7 +58,7 @@ class RouterServing:
 
     def _rendered(self, prefix: str, req: Any, ids: list[int], param: str) -> dict[str, Any]:
         """vLLM's GenerateRequest: what the generating route would run for this prompt."""
-        params = self.serving.sampling_params(req, ids, param)
+        params = self.serving.sampling_params(req.to_sampling(), ids, param)
         return {
             "request_id": prefix + uuid.uuid4().hex,
             "token_ids": ids,
@@ -81,7 +80,7 @@ class RouterServing:
     async def render_chat(self, request: Request) -> Response:
         req = decode_request(await request.body(), ChatCompletionRequest)
         self.serving.check_model(req.model)
-        _, ids = self.chat.render(req, plan_tools(req, self.chat.options))
+        _, ids = self.chat.render(req, self.chat.plan(req))
         return json_response(self._rendered("chatcmpl-", req, ids, "messages"))
 
     # ------------------------------------------------------------------ load
@@ -113,10 +112,10 @@ class RouterServing:
         s = self.serving
         if not self.control.is_serving:
             raise APIError("the server is asleep or waits for weights", 503, None, "unhealthy")
-        req = CompletionRequest(prompt="ping", max_tokens=1, temperature=0.0)
         ids = s.tokenizer.encode("ping", add_special_tokens=True)
         request_id = "health-" + uuid.uuid4().hex
-        group = s.start(request_id, [request_id], req, [ids], "prompt")
+        sampling = RequestSampling(max_tokens=1, temperature=0.0)
+        group = s.start(request_id, [request_id], sampling, [ids], "prompt")
         try:
             await asyncio.wait_for(group.gens[0].collect(), HEALTH_GENERATE_TIMEOUT_S)
         except (asyncio.TimeoutError, EngineDeadError, APIError) as e:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from starlette.requests import Request
@@ -33,7 +33,7 @@ from frontend.serving.generation import (
     stream_and_close,
     unique_ids,
 )
-from frontend.serving.sampling import for_sample, set_logits_processing
+from frontend.serving.sampling import RequestSampling, for_sample, set_logits_processing
 from frontend.text.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -43,29 +43,6 @@ if TYPE_CHECKING:
 _json = msgspec.json.Encoder()
 _DONE = b"data: [DONE]\n\n"
 REQUEST_ID_HEADER = "X-Request-Id"
-
-
-class SamplingRequest(Protocol):
-    """What every generating route's request offers for SamplingParams and the detokenizer."""
-
-    temperature: float | None
-    top_p: float | None
-    top_k: int | None
-    min_p: float | None
-    seed: int | None
-    stop_token_ids: list[int] | None
-    ignore_eos: bool | None
-    skip_special_tokens: bool | None
-    include_stop_str_in_output: bool | None
-
-    @property
-    def requested_max_tokens(self) -> int | None: ...
-
-    @property
-    def max_tokens_param(self) -> str: ...
-
-    @property
-    def stop_strings(self) -> list[str]: ...
 
 
 def sse(obj: Any) -> bytes:
@@ -147,7 +124,7 @@ class OpenAIServing:
         self,
         request_id: str,
         keys: list[str],
-        req: SamplingRequest,
+        sampling: RequestSampling,
         prompts: list[list[int]],
         prompt_param: str,
         session_id: int | None = None,
@@ -165,7 +142,7 @@ class OpenAIServing:
         prompt token show (None: no logprobs). `discard_output`: see Generation.
         `structured_output`: the grammar every sample's output follows.
         """
-        params = [self.sampling_params(req, ids, prompt_param) for ids in prompts]
+        params = [self.sampling_params(sampling, ids, prompt_param) for ids in prompts]
         if self.engine.is_dead:
             raise engine_dead_error(self.engine.dead_reason)
         engine_ids = iter(unique_ids(request_id, len(prompts) * n, self.engine.is_in_flight))
@@ -177,9 +154,9 @@ class OpenAIServing:
                     detokenizer = IncrementalDetokenizer(
                         self.tokenizer.backend,
                         prompt_ids,
-                        skip_special_tokens=req.skip_special_tokens is not False,
-                        stop=req.stop_strings,
-                        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+                        skip_special_tokens=sampling.skip_special_tokens,
+                        stop=sampling.stop,
+                        include_stop_str_in_output=sampling.include_stop_str_in_output,
                     )
                     gen = Generation(
                         self.engine, next(engine_ids), prompt_ids, p, detokenizer, self.metrics,
@@ -191,7 +168,7 @@ class OpenAIServing:
         return RequestGroup(keys, gens, self.inflight, session_id, n)
 
     def sampling_params(
-        self, req: SamplingRequest, prompt_ids: list[int], prompt_param: str
+        self, sampling: RequestSampling, prompt_ids: list[int], prompt_param: str
     ) -> SamplingParams:
         n_prompt, limit = len(prompt_ids), self.max_model_len
         if n_prompt == 0:
@@ -202,7 +179,7 @@ class OpenAIServing:
                 f"has {n_prompt} tokens, which leaves no room for output. Please shorten it.",
                 prompt_param,
             )
-        max_tokens = req.requested_max_tokens
+        max_tokens = sampling.max_tokens
         if max_tokens is None:
             max_tokens = limit - n_prompt
         elif n_prompt + max_tokens > limit:
@@ -210,28 +187,29 @@ class OpenAIServing:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{n_prompt + max_tokens} tokens ({n_prompt} in the {prompt_param}, {max_tokens} "
                 "in the completion). Please reduce the length of the prompt or completion.",
-                req.max_tokens_param,
+                sampling.param("max_tokens"),
             )
-        stop_token_ids = list(req.stop_token_ids or [])
+        stop_token_ids = list(sampling.stop_token_ids)
         bad = [t for t in stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise bad_request(
-                f"stop_token_ids must be in [0, {self.vocab_size}); got {bad[0]}", "stop_token_ids"
+                f"stop_token_ids must be in [0, {self.vocab_size}); got {bad[0]}",
+                sampling.param("stop_token_ids"),
             )
         defaults = self.tokenizer.generation_defaults
-        top_k = req.top_k if req.top_k is not None else int(defaults.get("top_k", 0))
+        top_k = sampling.top_k if sampling.top_k is not None else int(defaults.get("top_k", 0))
         params = SamplingParams(
-            temperature=_pick(req.temperature, defaults, "temperature", 1.0),
-            top_p=_pick(req.top_p, defaults, "top_p", 1.0),
+            temperature=_pick(sampling.temperature, defaults, "temperature", 1.0),
+            top_p=_pick(sampling.top_p, defaults, "top_p", 1.0),
             top_k=max(top_k, 0),  # -1 and 0 both mean "all tokens"
-            min_p=_pick(req.min_p, defaults, "min_p", 0.0),
-            seed=req.seed,
+            min_p=_pick(sampling.min_p, defaults, "min_p", 0.0),
+            seed=sampling.seed,
             max_tokens=max_tokens,
             stop_token_ids=stop_token_ids,
             eos_token_ids=list(self.tokenizer.eos_token_ids),
-            ignore_eos=bool(req.ignore_eos),
+            ignore_eos=sampling.ignore_eos,
         )
-        set_logits_processing(params, req, self.vocab_size, defaults)
+        set_logits_processing(params, sampling, self.vocab_size, defaults)
         return params
 
     def sse_response(

@@ -29,16 +29,14 @@ from msgspec import UNSET, UnsetType
 from frontend.lmdeploy.protocol import GenerateRequest
 from frontend.openai.protocol import (
     MAX_LOGPROBS,
-    MAX_N,
     check_spaces_between_special_tokens,
     check_unsupported,
     decode_request,
 )
 from frontend.server.errors import APIError, bad_request
+from frontend.serving.sampling import SGLANG_RULES, RequestSampling, stop_list
 
 ANY_JSON = "$$ANY$$"  # SGLang's json_schema for "any JSON value"
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_TOKEN_ID = re.compile(r"-?[0-9]+")  # str.isdigit() also takes "²", which int() refuses
 
 _SAMPLING_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "stop_regex": (None, []),
@@ -124,33 +122,27 @@ class SGLangSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=T
             if getattr(self, name) is None:
                 setattr(self, name, value)
 
-    # ------------------------------------------------------------------ SamplingRequest
-
-    @property
-    def seed(self) -> int | None:
-        return self.sampling_seed
-
-    @property
-    def include_stop_str_in_output(self) -> bool:
-        return bool(self.no_stop_trim)
-
-    @property
-    def min_tokens(self) -> int | None:
-        return self.min_new_tokens
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_new_tokens
-
-    @property
-    def max_tokens_param(self) -> str:
-        return "sampling_params.max_new_tokens"
-
-    @property
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+    def to_sampling(self) -> RequestSampling:
+        return RequestSampling(
+            max_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.sampling_seed,
+            n=1 if self.n is None else self.n,
+            stop=stop_list(self.stop),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=bool(self.ignore_eos),
+            skip_special_tokens=self.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(self.no_stop_trim),
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            min_tokens=self.min_new_tokens,
+            rules=SGLANG_RULES,
+        )
 
     @property
     def constraints(self) -> dict[str, str]:
@@ -163,60 +155,20 @@ class SGLangSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=T
         sampling_params.<field>."""
         try:
             check_unsupported(self, _SAMPLING_UNSUPPORTED)
-            self._check_ranges()
             check_spaces_between_special_tokens(self)
+            names = list(self.constraints)
+            if len(names) > 1:
+                raise bad_request(
+                    f"set at most one of json_schema, regex, ebnf, structural_tag; got "
+                    f"{', '.join(names)}",
+                    names[1],
+                )
         except APIError as e:
             if e.param is not None:
                 e.message = e.message.replace(f"'{e.param}'", f"'sampling_params.{e.param}'")
                 e.param = f"sampling_params.{e.param}"
             raise
-
-    def _check_ranges(self) -> None:
-        t, p, k, min_p = self.temperature, self.top_p, self.top_k, self.min_p
-        assert t is not None and p is not None and k is not None and min_p is not None
-        if not 0.0 <= t < float("inf"):
-            raise bad_request(f"temperature must be a non-negative number, got {t}", "temperature")
-        if not 0.0 < p <= 1.0:
-            raise bad_request(f"top_p must be in (0, 1], got {p}", "top_p")
-        if not 0.0 <= min_p <= 1.0:
-            raise bad_request(f"min_p must be in [0, 1], got {min_p}", "min_p")
-        if k < 1 and k != -1:
-            raise bad_request(f"top_k must be -1 (disable) or at least 1, got {k}", "top_k")
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                raise bad_request(f"{name} must be in [-2, 2], got {value}", name)
-        rep = self.repetition_penalty
-        assert rep is not None
-        if not 0.0 < rep <= 2.0:
-            raise bad_request(
-                f"repetition_penalty must be in (0, 2], got {rep}", "repetition_penalty"
-            )
-        max_new, min_new = self.max_new_tokens, self.min_new_tokens
-        assert min_new is not None
-        if max_new is not None and max_new < 0:
-            raise bad_request(f"max_new_tokens must be at least 0, got {max_new}", "max_new_tokens")
-        if min_new < 0 or (max_new is not None and min_new > max_new):
-            raise bad_request(
-                f"min_new_tokens must be in [0, max_new_tokens], got {min_new}", "min_new_tokens"
-            )
-        if self.n is not None and not 1 <= self.n <= MAX_N:
-            raise bad_request(f"n must be in [1, {MAX_N}], got {self.n}", "n")
-        seed = self.sampling_seed
-        if seed is not None and not _INT64_MIN <= seed <= _INT64_MAX:
-            raise bad_request("sampling_seed must fit in a signed 64-bit integer", "sampling_seed")
-        if any(s == "" for s in self.stop_strings):
-            raise bad_request("stop strings must not be empty", "stop")
-        for key in self.logit_bias or {}:
-            if not _TOKEN_ID.fullmatch(key):
-                raise bad_request(f"logit_bias keys are token ids; got {key!r}", "logit_bias")
-        names = list(self.constraints)
-        if len(names) > 1:
-            raise bad_request(
-                f"set at most one of json_schema, regex, ebnf, structural_tag; got "
-                f"{', '.join(names)}",
-                names[1],
-            )
+        self.to_sampling().verify()
 
 
 class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -291,10 +243,6 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     images_config: Any = UNSET
     multi_item_delimiter_indices: Any = UNSET
     cache_salt: Any = UNSET
-
-    @property
-    def is_stream(self) -> bool:
-        return bool(self.stream)
 
     @property
     def is_batch(self) -> bool:

@@ -99,7 +99,7 @@ class SGLangServing:
         group = self._start(req, prompts, items, keys)
         view = _OutputView(req, TokenStrings(s.tokenizer.backend), arrival)
         is_list = req.is_batch or req.n > 1
-        if req.is_stream:
+        if req.stream:
             return s.sse_response(self._stream(group, view, items, is_list), group, headers)
         texts = await group.collect_unless_disconnected(http_request)
         if texts is None:
@@ -117,7 +117,9 @@ class SGLangServing:
         if limit is not None and room >= 1:  # else sampling_params names the prompt's length
             limit = max(min(limit, room), 1)
         bounded = msgspec.structs.replace(params, max_new_tokens=limit)
-        s.sampling_params(bounded, ids, req.prompt_param)  # its 400s, before anything starts
+        s.sampling_params(
+            bounded.to_sampling(), ids, req.prompt_param
+        )  # its 400s, before anything starts
         return _Prompt(ids, bounded, params.max_new_tokens == 0, _constraint(params))
 
     def _keys(self, req: SGLangGenerateRequest, items: list[_Item]) -> list[str]:
@@ -148,7 +150,7 @@ class SGLangServing:
                 wants_prompt = k is not None and first.logprob_start < len(p.ids) - 1
                 groups.append(
                     s.start(
-                        first.id, keys, p.params, [p.ids], req.prompt_param, n=n, logprobs=k,
+                        first.id, keys, p.params.to_sampling(), [p.ids], req.prompt_param, n=n, logprobs=k,
                         prompt_logprobs=k if wants_prompt else None,
                         discard_output=p.is_prefill_only, structured_output=p.structured_output,
                     )

@@ -23,7 +23,6 @@ from typing import Any
 from enginecore.messages import StructuredOutputKind, StructuredOutputSpec
 from enginecore.structured_output import json_schema_grammar, structural_tag_args
 from frontend.server.errors import bad_request
-from frontend.serving.sampling import request_field
 
 _K = StructuredOutputKind
 _STRUCTURED_OUTPUTS_KINDS = {
@@ -37,33 +36,40 @@ _STRUCTURED_OUTPUTS_KINDS = {
 # structured_outputs options: accepted values that change nothing here.
 _NEUTRAL_OPTIONS = {"disable_fallback": (False, True), "disable_additional_properties": (False,)}
 _GUIDED_BACKENDS = (None, "auto", "xgrammar")
+_GUIDED_KINDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 _MAX_CHECKED = 512  # specs whose check is cached
 
 
-def structured_output_spec(req: Any) -> StructuredOutputSpec | None:
-    """The request's output constraint, or None. Raises APIError (400) naming the field."""
+def structured_output_spec(
+    response_format: Any = None,
+    structured_outputs: Any = None,
+    guided: dict[str, Any] | None = None,
+    guided_decoding_backend: str | None = None,
+) -> StructuredOutputSpec | None:
+    """The request's output constraint, or None. Raises APIError (400) naming the field.
+
+    `guided`: vLLM's older fields by name (guided_json, guided_regex, ...), None when unset.
+    """
     found: list[tuple[str, StructuredOutputSpec]] = []
-    response_format = request_field(req, "response_format")
     if response_format is not None:
         spec = from_response_format(response_format, "response_format")
         if spec is not None:
             found.append(("response_format", spec))
-    structured = request_field(req, "structured_outputs")
-    if structured is not None:
-        found.append(("structured_outputs", _from_structured_outputs(structured)))
-    for name, kind in (
-        ("guided_json", "json"),
-        ("guided_regex", "regex"),
-        ("guided_choice", "choice"),
-        ("guided_grammar", "grammar"),
-    ):
-        value = request_field(req, name)
+    if structured_outputs is not None:
+        found.append(("structured_outputs", _from_structured_outputs(structured_outputs)))
+    for name, value in (guided or {}).items():
         if value is not None:
+            kind = _GUIDED_KINDS[name]
             found.append((name, _build(kind, value, name, any_whitespace=True)))
-    backend = request_field(req, "guided_decoding_backend")
-    if backend not in _GUIDED_BACKENDS:
+    if guided_decoding_backend not in _GUIDED_BACKENDS:
         raise bad_request(
-            f"guided_decoding_backend {backend!r} is not available; this server uses xgrammar",
+            f"guided_decoding_backend {guided_decoding_backend!r} is not available; this server "
+            "uses xgrammar",
             "guided_decoding_backend",
         )
     if len(found) > 1:
@@ -72,37 +78,64 @@ def structured_output_spec(req: Any) -> StructuredOutputSpec | None:
     return found[0][1] if found else None
 
 
+# response_format's types -> the keys each defines besides "type" (any other key is a 400).
+_RESPONSE_FORMAT_KEYS: dict[str, tuple[str, ...]] = {
+    "text": (),
+    "json_object": ("schema",),  # with a schema: that schema (TensorRT-LLM's and instructor's)
+    "json_schema": ("json_schema",),
+    "structural_tag": ("structures", "triggers", "format"),
+    "regex_schema": ("regex_schema",),  # LMDeploy's
+    "regex": ("regex",),  # TensorRT-LLM's
+    "json": ("schema",),  # TensorRT-LLM's
+    "ebnf": ("ebnf",),  # TensorRT-LLM's
+}
+_JSON_SCHEMA_KEYS = ("name", "schema", "strict", "description")
+
+
 def from_response_format(value: Any, param: str) -> StructuredOutputSpec | None:
     """OpenAI's response_format (and LMDeploy's / TensorRT-LLM's variants); None for text."""
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise bad_request(f"{param} must be an object with a string 'type'", param)
     kind = value["type"]
+    if kind not in _RESPONSE_FORMAT_KEYS:
+        raise bad_request(
+            f"{param}.type {kind!r} is not supported; use one of "
+            f"{', '.join(_RESPONSE_FORMAT_KEYS)}",
+            f"{param}.type",
+        )
+    _check_keys(value, ("type", *_RESPONSE_FORMAT_KEYS[kind]), f"{param}", f"type {kind!r}")
     if kind == "text":
         return None
-    if kind == "json_object":
-        return _build("json_object", True, param)
+    if kind in ("json_object", "json"):
+        schema = value.get("schema")
+        if schema is None:
+            if kind == "json":
+                raise bad_request(f"{param}.schema is required", f"{param}.schema")
+            return _build("json_object", True, param)
+        return _build("json", schema, f"{param}.schema")
     if kind == "json_schema":
         schema_spec = value.get("json_schema")
         if not isinstance(schema_spec, dict):
             raise bad_request(f"{param}.json_schema must be an object", f"{param}.json_schema")
+        _check_keys(schema_spec, _JSON_SCHEMA_KEYS, f"{param}.json_schema", "json_schema")
         schema = schema_spec.get("schema")
         if schema is None:  # OpenAI: a json_schema format without a schema is any JSON object
             return _build("json_object", True, param)
         return _build("json", schema, f"{param}.json_schema.schema")
     if kind == "structural_tag":
-        tag = {k: v for k, v in value.items()}
-        return _build("structural_tag", tag, param)
-    if kind in ("regex_schema", "regex"):  # LMDeploy's, TensorRT-LLM's
+        return _build("structural_tag", dict(value), param)
+    if kind in ("regex_schema", "regex"):
         return _build("regex", value.get(kind), f"{param}.{kind}")
-    if kind == "json":  # TensorRT-LLM's
-        return _build("json", value.get("schema"), f"{param}.schema")
-    if kind == "ebnf":  # TensorRT-LLM's
-        return _build("grammar", value.get("ebnf"), f"{param}.ebnf")
-    raise bad_request(
-        f"{param}.type {kind!r} is not supported; use text, json_object, json_schema, "
-        "structural_tag or regex_schema",
-        f"{param}.type",
-    )
+    return _build("grammar", value.get("ebnf"), f"{param}.ebnf")
+
+
+def _check_keys(value: dict[str, Any], known: tuple[str, ...], param: str, what: str) -> None:
+    for key in value:
+        if key not in known:
+            raise bad_request(
+                f"{param}.{key} is not a field of {what} (it has: {', '.join(known)})",
+                f"{param}.{key}",
+            )
 
 
 def json_schema_spec(schema: dict[str, Any], param: str) -> StructuredOutputSpec:

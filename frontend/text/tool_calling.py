@@ -18,9 +18,8 @@ from typing import Any
 
 from enginecore.messages import StructuredOutputSpec
 from frontend.chat_options import ChatOptions
-from frontend.openai.protocol import ChatCompletionRequest
 from frontend.server.errors import bad_request
-from frontend.text.structured_outputs import json_schema_spec, structured_output_spec
+from frontend.text.structured_outputs import json_schema_spec
 from frontend.text.tool_parsers import (
     JsonArrayToolCallParser,
     NamedToolCallParser,
@@ -37,14 +36,21 @@ class ToolPlan:
     max_calls: int | None  # None: no limit (parallel_tool_calls)
 
 
-def plan_tools(req: ChatCompletionRequest, options: ChatOptions) -> ToolPlan:
-    """Checks tools, tool_choice and the output constraint together. Raises APIError (400)."""
-    tools = _checked_tools(req.tools)
-    response_constraint = structured_output_spec(req)
-    choice = req.tool_choice
+def plan_tools(
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None,
+    parallel_tool_calls: bool | None,
+    response_constraint: StructuredOutputSpec | None,
+    options: ChatOptions,
+) -> ToolPlan:
+    """Checks tools (in chat completions' shape), tool_choice ("none", "auto", "required" or
+    {"type": "function", "function": {"name"}}) and the output constraint together. Raises
+    APIError (400); other APIs turn their tools into this shape first."""
+    tools = _checked_tools(tools)
+    choice = tool_choice
     if choice is None:
         choice = "auto" if tools else "none"
-    max_calls = 1 if req.parallel_tool_calls is False else None
+    max_calls = 1 if parallel_tool_calls is False else None
     if choice == "none":
         return ToolPlan(tools or None, None, response_constraint, None)
     if not tools:

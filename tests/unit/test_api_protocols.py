@@ -77,7 +77,8 @@ def test_responses_input_forms_become_chat_messages() -> None:
         ("assistant", "b"),
         ("user", "c"),
     ]
-    assert req.requested_max_tokens is None and req.max_tokens_param == "max_output_tokens"
+    sampling = req.to_sampling()
+    assert sampling.max_tokens is None and sampling.param("max_tokens") == "max_output_tokens"
 
 
 @pytest.mark.parametrize(
@@ -144,7 +145,7 @@ def test_lmdeploy_example_names_what_is_not_supported_yet() -> None:
         body = {**LMDEPLOY_GENERATE_EXAMPLE, **NOT_YET}
         del body[drop]
         req = decode(GenerateRequest, **body)
-        assert req.is_stream and req.stop_strings == ["string"] and req.max_tokens == 1
+        assert req.stream and req.to_sampling().stop == ["string"] and req.max_tokens == 1
         assert req.return_logprob and req.repetition_penalty == 1.0
 
 

@@ -35,7 +35,7 @@ def rejects(fn: Any, param: str | None, **fields: Any) -> APIError:
 
 def test_minimal_and_full_chat_requests_are_accepted() -> None:
     req = chat()
-    assert req.model is None and not req.is_stream and req.requested_max_tokens is None
+    assert req.model is None and not req.stream and req.to_sampling().max_tokens is None
     req = chat(
         model="m",
         max_tokens=5,
@@ -54,18 +54,18 @@ def test_minimal_and_full_chat_requests_are_accepted() -> None:
         add_generation_prompt=False,
         chat_template_kwargs={"enable_thinking": False},
     )
-    assert req.stop_strings == ["a", "b"] and req.is_stream and req.requested_max_tokens == 5
+    assert req.to_sampling().stop == ["a", "b"] and req.stream and req.to_sampling().max_tokens == 5
     assert req.stream_options is not None and req.stream_options.include_usage
 
 
 def test_max_completion_tokens_wins_over_max_tokens() -> None:
-    assert chat(max_tokens=5, max_completion_tokens=9).requested_max_tokens == 9
+    assert chat(max_tokens=5, max_completion_tokens=9).to_sampling().max_tokens == 9
     rejects(chat, "max_completion_tokens", max_completion_tokens=0)
 
 
 def test_stop_may_be_a_string() -> None:
-    assert completion(stop="\n").stop_strings == ["\n"]
-    assert completion().stop_strings == []
+    assert completion(stop="\n").to_sampling().stop == ["\n"]
+    assert completion().to_sampling().stop == []
 
 
 @pytest.mark.parametrize(
@@ -176,7 +176,7 @@ def test_completion_only_fields() -> None:
     rejects(completion, "suffix", suffix="end")
     completion(suffix="", logprobs=None)
     # echo with max_tokens 0 scores the prompt: one token is generated and dropped.
-    assert completion(echo=True, max_tokens=0).requested_max_tokens == 1
+    assert completion(echo=True, max_tokens=0).to_sampling().max_tokens == 1
     assert completion(echo=True, max_tokens=0).is_echo_only
     rejects(completion, "max_tokens", max_tokens=0)
 
@@ -311,7 +311,7 @@ def serving(max_model_len: int = 100) -> OpenAIServing:
 
 
 def test_sampling_params_defaults() -> None:
-    params = serving().sampling_params(completion(), [1] * 30, "prompt")
+    params = serving().sampling_params(completion().to_sampling(), [1] * 30, "prompt")
     assert params.max_tokens == 70  # max_model_len - prompt_len
     assert params.temperature == 0.6 and params.top_k == 20  # generation_config.json defaults
     assert params.top_p == 1.0 and params.min_p == 0.0 and params.seed is None
@@ -329,7 +329,7 @@ def test_sampling_params_from_request() -> None:
         stop_token_ids=[9],
         ignore_eos=True,
     )
-    params = serving().sampling_params(req, [1, 2], "prompt")
+    params = serving().sampling_params(req.to_sampling(), [1, 2], "prompt")
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.0, 0.5, 0, 0.1)
     assert params.seed == 3 and params.max_tokens == 4 and params.stop_token_ids == [9]
     assert params.ignore_eos and params.is_greedy
@@ -341,17 +341,24 @@ def test_sampling_params_from_request() -> None:
 )
 def test_context_length_is_enforced(prompt_len: int, max_tokens: int | None, param: str) -> None:
     with pytest.raises(APIError) as info:
-        serving().sampling_params(completion(max_tokens=max_tokens), [1] * prompt_len, "prompt")
+        serving().sampling_params(
+            completion(max_tokens=max_tokens).to_sampling(), [1] * prompt_len, "prompt"
+        )
     assert info.value.status == 400 and info.value.param == param
 
 
 def test_prompt_plus_max_tokens_may_fill_the_context() -> None:
-    assert serving().sampling_params(completion(max_tokens=10), [1] * 90, "prompt").max_tokens == 10
+    assert (
+        serving()
+        .sampling_params(completion(max_tokens=10).to_sampling(), [1] * 90, "prompt")
+        .max_tokens
+        == 10
+    )
 
 
 def test_stop_token_ids_outside_the_vocabulary_are_400() -> None:
     with pytest.raises(APIError) as info:
-        serving().sampling_params(completion(stop_token_ids=[50]), [1], "prompt")
+        serving().sampling_params(completion(stop_token_ids=[50]).to_sampling(), [1], "prompt")
     assert info.value.param == "stop_token_ids"
 
 
@@ -375,12 +382,12 @@ def test_logits_processing_from_request() -> None:
         min_tokens=2,
         max_tokens=8,
     )
-    params = serving().sampling_params(req, [1, 2], "prompt")
+    params = serving().sampling_params(req.to_sampling(), [1, 2], "prompt")
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0)
     assert params.repetition_penalty == 1.3 and params.min_tokens == 2
     assert params.logit_bias == {3: 100.0, 4: -100.0, 5: 7.5}  # clamped to [-100, 100], as vLLM
     assert params.allowed_token_ids == [3, 4, 5]
-    plain = serving().sampling_params(completion(), [1, 2], "prompt")
+    plain = serving().sampling_params(completion().to_sampling(), [1, 2], "prompt")
     assert not plain.has_penalties and plain.logit_bias == {} and not plain.needs_history
 
 
@@ -394,7 +401,7 @@ def test_logits_processing_from_request() -> None:
 )
 def test_logits_processing_checks(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as info:
-        serving().sampling_params(completion(**fields), [1, 2], "prompt")
+        serving().sampling_params(completion(**fields).to_sampling(), [1, 2], "prompt")
     assert info.value.status == 400 and info.value.param == param
 
 
@@ -404,9 +411,9 @@ def test_truncate_and_per_sample_params() -> None:
     assert truncate_prompt(list(range(10)), -1, 6) == [4, 5, 6, 7, 8, 9]
     with pytest.raises(APIError):
         truncate_prompt([1], 101, 100)
-    base = serving().sampling_params(completion(seed=2**63 - 2), [1], "prompt")
+    base = serving().sampling_params(completion(seed=2**63 - 2).to_sampling(), [1], "prompt")
     seeds = [for_sample(base, i, 3, 1).seed for i in range(3)]
     assert seeds == [2**63 - 2, 2**63 - 1, -(2**63)]  # seed + i, kept a signed 64-bit integer
     assert for_sample(base, 1, 3, 1).logprobs == 3 and base.logprobs is None
-    unseeded = serving().sampling_params(completion(), [1], "prompt")
+    unseeded = serving().sampling_params(completion().to_sampling(), [1], "prompt")
     assert for_sample(unseeded, 2, None, None).seed is None  # the engine core draws one each
