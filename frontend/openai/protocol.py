@@ -328,16 +328,22 @@ def _is_allowed(value: Any, allowed: tuple[Any, ...]) -> bool:
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Chat messages as the chat template expects them: text-part lists joined into strings.
+    """Chat messages as chat templates expect them, from any form OpenAI's API allows.
 
-    Raises APIError (400, param messages[i]...) for a missing or unknown role, or non-text content.
+    `content` is always there and a string (templates index it): text-part lists are joined,
+    an assistant's absent or null content (a turn of tool calls only) is "", and an assistant's
+    `refusal` stands in for its content; tool calls' arguments become objects. Raises APIError
+    (400, param messages[i].<field>) for what the API forbids: a missing or unknown role, content
+    missing where it is required, non-text parts, tool calls off an assistant message.
     """
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     return [_normalize_message(i, m) for i, m in enumerate(messages)]
 
 
-def _normalize_message(i: int, message: dict[str, Any]) -> dict[str, Any]:
+def _normalize_message(i: int, message: Any) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise bad_request("each message must be an object", f"messages[{i}]")
     role = message.get("role")
     if not isinstance(role, str):
         raise bad_request("each message needs a string 'role'", f"messages[{i}].role")
@@ -346,31 +352,45 @@ def _normalize_message(i: int, message: dict[str, Any]) -> dict[str, Any]:
             f"unsupported role {role!r}; expected one of {', '.join(CHAT_ROLES)}",
             f"messages[{i}].role",
         )
+    for name in ("name", "tool_call_id", "refusal"):
+        value = message.get(name)
+        if value is not None and not isinstance(value, str):
+            raise bad_request(f"{name} must be a string", f"messages[{i}].{name}")
+    out = {k: v for k, v in message.items() if k != "refusal"}
+    out["content"] = _content_text(i, role, message)
+    if role == "developer":  # OpenAI's newer name for system instructions; templates know system
+        out["role"] = "system"
+    if message.get("tool_calls") is not None:
+        out["tool_calls"] = _template_tool_calls(i, message)
+    elif "tool_calls" in out:
+        del out["tool_calls"]  # null: templates test for the key
+    return out
+
+
+def _content_text(i: int, role: str, message: dict[str, Any]) -> str:
+    """The message's content as one string (absent or null only on an assistant turn)."""
     content = message.get("content")
     if content is None:
         if role != "assistant":
             raise bad_request(f"a {role} message needs 'content'", f"messages[{i}].content")
-    elif isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            param = f"messages[{i}].content[{j}]"
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise bad_request(f"content part type {kind!r} is not supported (text only)", param)
-            if not isinstance(part.get("text"), str):
-                raise bad_request("a text content part needs a string 'text'", param)
-            texts.append(part["text"])
-        # vLLM joins the text parts of a message with newlines for string-content templates.
-        message = {**message, "content": "\n".join(texts)}
-    elif not isinstance(content, str):
+        return message.get("refusal") or ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
         raise bad_request("content must be a string or a list of parts", f"messages[{i}].content")
-    if role == "developer":  # OpenAI's newer name for system instructions; templates know system
-        message = {**message, "role": "system"}
-    if message.get("tool_calls") is not None:
-        message = {**message, "tool_calls": _template_tool_calls(i, message)}
-    if role == "tool" and not isinstance(message.get("tool_call_id", ""), str):
-        raise bad_request("tool_call_id must be a string", f"messages[{i}].tool_call_id")
-    return message
+    texts = []
+    for j, part in enumerate(content):
+        param = f"messages[{i}].content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        # An assistant's parts may be refusals (OpenAI's ChatCompletionContentPartRefusal).
+        key = "refusal" if kind == "refusal" and role == "assistant" else "text"
+        if kind != key:
+            raise bad_request(f"content part type {kind!r} is not supported (text only)", param)
+        if not isinstance(part.get(key), str):
+            raise bad_request(f"a {kind} content part needs a string {key!r}", param)
+        texts.append(part[key])
+    # vLLM joins the text parts of a message with newlines for string-content templates.
+    return "\n".join(texts)
 
 
 def _template_tool_calls(i: int, message: dict[str, Any]) -> list[dict[str, Any]]:

@@ -9,7 +9,12 @@ from typing import Any
 import msgspec
 import pytest
 
-from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest, decode_request
+from frontend.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_request,
+    normalize_messages,
+)
 from frontend.server.errors import APIError
 from frontend.serving.base import OpenAIServing
 from frontend.serving.sampling import for_sample, truncate_prompt
@@ -417,3 +422,45 @@ def test_truncate_and_per_sample_params() -> None:
     assert for_sample(base, 1, 3, 1).logprobs == 3 and base.logprobs is None
     unseeded = serving().sampling_params(completion().to_sampling(), [1], "prompt")
     assert for_sample(unseeded, 2, None, None).seed is None  # the engine core draws one each
+
+
+def test_messages_reach_the_template_with_content_in_every_form_the_api_allows() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    turns = [
+        {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "assistant", "tool_calls": [call]},  # no content key (exclude_none)
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "18 C"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        {"role": "assistant", "content": None, "refusal": "I can't"},
+        {
+            "role": "assistant",
+            "content": [{"type": "refusal", "refusal": "no"}],
+            "tool_calls": None,
+        },
+    ]
+    out = normalize_messages(turns)
+    assert [m["content"] for m in out] == ["hi", "", "18 C", "", "ok", "I can't", "no"]
+    assert out[0]["name"] == "ann"
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert "refusal" not in out[5] and "tool_calls" not in out[6]
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "user"}, "messages[0].content"),
+        ({"role": "tool", "tool_call_id": "c1", "content": None}, "messages[0].content"),
+        (
+            {"role": "user", "content": [{"type": "refusal", "refusal": "x"}]},
+            "messages[0].content[0]",
+        ),
+        ({"role": "user", "content": "x", "tool_calls": []}, "messages[0].tool_calls"),
+        ({"role": "tool", "tool_call_id": 5, "content": "x"}, "messages[0].tool_call_id"),
+        ({"role": "assistant", "content": 3}, "messages[0].content"),
+    ],
+)
+def test_messages_the_api_forbids_are_400_naming_index_and_field(message: dict, param: str) -> None:
+    with pytest.raises(APIError) as e:
+        normalize_messages([message])
+    assert e.value.status == 400 and e.value.param == param
