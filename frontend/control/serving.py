@@ -36,20 +36,6 @@ from frontend.server.errors import APIError, bad_request, engine_dead_error
 from frontend.server.middleware import send_error
 from frontend.serving.base import json_response
 
-# Every route that runs the model: answered 503 while asleep or before new weights arrived.
-GENERATION_PATHS = frozenset(
-    {
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/responses",
-        "/generate",
-        "/v1/embeddings",
-        "/pooling",
-        "/classify",
-        "/score",
-    }
-)
-
 
 async def decode_body(request: Request, route: ControlRoute) -> msgspec.Struct:
     """The route's body (empty means all defaults), with the query parameters it allows, checked."""
@@ -147,16 +133,13 @@ class ControlServing:
 class GenerationGate:
     """503 for generation routes while the engine sleeps or waits for weights after waking."""
 
-    def __init__(self, app: ASGIApp, control: ControlServing) -> None:
+    def __init__(self, app: ASGIApp, control: ControlServing, paths: frozenset[str]) -> None:
         self.app = app
         self.control = control
+        self.paths = paths  # the routes that run the model (server/routes.py)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] == "http"
-            and scope["path"] in GENERATION_PATHS
-            and not self.control.is_serving
-        ):
+        if scope["type"] == "http" and scope["path"] in self.paths and not self.control.is_serving:
             asleep = self.control.state.get("is_sleeping")
             reason = (
                 "the server is asleep: POST /wake_up first"

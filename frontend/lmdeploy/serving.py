@@ -1,5 +1,4 @@
-"""The native routes: LMDeploy's POST /generate and POST /abort_request, vLLM's POST /tokenize and
-POST /detokenize.
+"""LMDeploy's native routes: POST /generate and POST /abort_request.
 
 /generate takes text (tokenized as is, no chat template) or token ids and answers
 {"text", "output_ids", "meta_info"}; streamed, each SSE event carries the new text and token ids, and
@@ -18,23 +17,17 @@ import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from enginecore.messages import Logprobs
 from frontend.lmdeploy.protocol import (
     AbortRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
     GenerateMetaInfo,
     GenerateRequest,
     GenerateResponse,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    TokenizeResponse,
 )
-from frontend.openai.protocol import decode_request, normalize_messages
+from frontend.openai.protocol import decode_request
 from frontend.server.errors import APIError, bad_request
 from frontend.serving.base import OpenAIServing, json_response, sse
 from frontend.serving.generation import Generation, RequestGroup
@@ -132,43 +125,6 @@ class NativeServing:
             group.cancel(info)
         return json_response({"aborted": [g.keys[0] for g in running]})
 
-    # ------------------------------------------------------------------ /tokenize, /detokenize
-
-    async def tokenize(self, http_request: Request) -> Response:
-        s = self.serving
-        body = await http_request.body()
-        try:
-            is_chat = "messages" in _as_dict(msgspec.json.decode(body))
-        except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec: invalid UTF-8
-            raise bad_request(f"malformed JSON body: {e}") from None
-        if is_chat:
-            chat = decode_request(body, TokenizeChatRequest)
-            s.check_model(chat.model)
-            tokens = s.tokenizer.apply_chat_template(
-                normalize_messages(chat.messages),
-                add_generation_prompt=chat.add_generation_prompt,
-                continue_final_message=chat.continue_final_message,
-                add_special_tokens=chat.add_special_tokens,
-                chat_template_kwargs=chat.chat_template_kwargs,
-            )
-            return_strs = chat.return_token_strs
-        else:
-            req = decode_request(body, TokenizeCompletionRequest)
-            s.check_model(req.model)
-            tokens = s.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-            return_strs = req.return_token_strs
-        token_strs = s.tokenizer.token_strs(tokens) if return_strs else None
-        return json_response(TokenizeResponse(len(tokens), s.max_model_len, tokens, token_strs))
-
-    async def detokenize(self, http_request: Request) -> Response:
-        s = self.serving
-        req = decode_request(await http_request.body(), DetokenizeRequest)
-        s.check_model(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < s.vocab_size]
-        if bad:
-            raise bad_request(f"token ids must be in [0, {s.vocab_size}); got {bad[0]}", "tokens")
-        return json_response(DetokenizeResponse(s.tokenizer.decode(req.tokens, False)))
-
 
 def _meta_info(gen: Generation, logprobs: Logprobs | None) -> GenerateMetaInfo:
     """`logprobs`: of the tokens the response carries (None: the request did not ask)."""
@@ -179,12 +135,6 @@ def _meta_info(gen: Generation, logprobs: Logprobs | None) -> GenerateMetaInfo:
             finish = dict(gen.abort_info)
     token_logprobs = lmdeploy_logprobs(logprobs) if logprobs is not None else None
     return GenerateMetaInfo(gen.num_prompt_tokens, gen.num_output_tokens, finish, token_logprobs)
-
-
-def _as_dict(obj: Any) -> dict[str, Any]:
-    if not isinstance(obj, dict):
-        raise bad_request("the request body must be a JSON object")
-    return obj
 
 
 def _not_found(message: str, param: str) -> APIError:

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from enginecore.messages import EngineCoreRequest, EngineReady, FinishReason, SamplingParams
-from frontend.engine.client import EngineClient, EngineDeadError, RequestStream
+from frontend.engine.client import EngineDeadError, RequestStream
 from frontend.openai.protocol import UsageInfo, normalize_messages
 from frontend.pooling.protocol import (
     ClassificationData,
@@ -79,19 +79,6 @@ def task_error(path: str, task: str, needed: str) -> APIError:
     )
 
 
-def require_task(engine: EngineClient, tasks: tuple[str, ...], endpoint: Endpoint) -> Endpoint:
-    """`endpoint`, answering a 400 that names the served task unless it is one of `tasks`."""
-
-    async def guarded(request: Request) -> Response:
-        assert engine.ready is not None
-        if engine.ready.task not in tasks:
-            needed = " or ".join(f"task {t!r}" for t in tasks)
-            raise task_error(request.url.path, engine.ready.task, f"a model of {needed}")
-        return await endpoint(request)
-
-    return guarded
-
-
 class PoolingServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
@@ -102,19 +89,11 @@ class PoolingServing:
         assert ready is not None, "the engine is started before requests arrive"
         return ready
 
-    def _check_task(self, route: str, tasks: tuple[str, ...]) -> str:
-        task = self.ready.task
-        if task not in tasks:
-            names = " or ".join(repr(t) for t in tasks)
-            raise task_error(route, task, f"a pooling model of task {names}")
-        return task
-
     # ------------------------------------------------------------------ routes
 
     async def embeddings(self, http_request: Request) -> Response:
         route = "/v1/embeddings"
         req = decode_pooling_request(await http_request.body(), EmbeddingRequest, route)
-        self._check_task(route, ("embed",))
         self.serving.check_model(req.model)
         self._check_dimensions(req.dimensions)
         prompts = self._prompts(req)
@@ -135,7 +114,7 @@ class PoolingServing:
     async def pooling(self, http_request: Request) -> Response:
         route = "/pooling"
         req = decode_pooling_request(await http_request.body(), PoolingRequest, route)
-        task = self._check_task(route, ("embed", "classify", "reward"))
+        task = self.ready.task  # the route table lets only pooling tasks in
         self.serving.check_model(req.model)
         if req.task is not None and req.task != task:
             raise bad_request(f"this model serves task {task!r}, not {req.task!r}", "task")
@@ -160,7 +139,6 @@ class PoolingServing:
     async def classify(self, http_request: Request) -> Response:
         route = "/classify"
         req = decode_pooling_request(await http_request.body(), ClassificationRequest, route)
-        self._check_task(route, ("classify",))
         self.serving.check_model(req.model)
         prompts = self._prompts(req)
         result = await self._pool(http_request, "classify-", req.request_id, prompts)
@@ -180,7 +158,7 @@ class PoolingServing:
     async def score(self, http_request: Request) -> Response:
         route = "/score"
         req = decode_pooling_request(await http_request.body(), ScoreRequest, route)
-        task = self._check_task(route, ("embed", "classify"))
+        task = self.ready.task  # embed or classify (the route table's task gate)
         self.serving.check_model(req.model)
         pairs = req.pairs()
         if task == "classify":

@@ -2,53 +2,18 @@
 decode the requests and encode the responses, and the Swagger UI page for it (GET /docs), served
 from the `swagger-ui-bundle` package's files (no CDN: it works offline).
 
-Every route of api_server.py has an entry in ROUTES (a test checks that none is missing).
+Its routes are server/routes.py's ROUTES, the table the app's routes are built from.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from frontend.control.routes import CONTROL_ROUTES
-from frontend.lmdeploy.protocol import (
-    AbortRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    GenerateRequest,
-    GenerateResponse,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    TokenizeResponse,
-)
-from frontend.openai.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatCompletionStreamResponse,
-    CompletionRequest,
-    CompletionResponse,
-    CompletionStreamResponse,
-    ModelCard,
-    ModelList,
-)
-from frontend.openai.responses_protocol import ResponseObject, ResponsesRequest
-from frontend.pooling.protocol import (
-    ClassificationRequest,
-    ClassificationResponse,
-    EmbeddingRequest,
-    EmbeddingResponse,
-    EncodeRequest,
-    EncodeResponse,
-    PoolingRequest,
-    PoolingResponse,
-    ScoreRequest,
-    ScoreResponse,
-)
 from frontend.server.errors import ErrorResponse
-from frontend.sglang.protocol import SGLangGenerateOutput, SGLangGenerateRequest
+from frontend.server.routes import ROUTES, RouteSpec
 
 _REF = "#/components/schemas/{name}"
 _ERROR_STATUSES = {
@@ -58,82 +23,6 @@ _ERROR_STATUSES = {
     "413": "The request body is too large",
     "503": "The engine is not serving (dead, asleep, or paused)",
 }
-
-
-@dataclass(frozen=True)
-class RouteDoc:
-    path: str
-    method: str
-    summary: str
-    tag: str
-    request: Any = None  # a msgspec type, or a tuple of them (any of)
-    response: Any = None  # None: a JSON object this document does not detail; a tuple: any of
-    stream: Any = None  # the SSE chunk's type, for routes with `stream: true`
-    text: bool = False  # the response is text/plain (Prometheus metrics)
-    html: bool = False  # the response is a web page
-    empty: bool = False  # the response has no body (its status says it all)
-
-
-_OPENAI, _NATIVE, _CONTROL, _OPS = "OpenAI", "Native", "Control (RL trainers)", "Operations"
-_POOLING = "Pooling models (embedding, classification, reward)"
-_ROUTERS = "Routers (vllm-router, sglang-router)"  # frontend/server/router_routes.py
-
-ROUTES: tuple[RouteDoc, ...] = (
-    RouteDoc("/v1/chat/completions", "post", "Chat completion", _OPENAI, ChatCompletionRequest,
-             ChatCompletionResponse, ChatCompletionStreamResponse),
-    RouteDoc("/v1/completions", "post", "Text completion", _OPENAI, CompletionRequest,
-             CompletionResponse, CompletionStreamResponse),
-    RouteDoc("/v1/responses", "post", "Response (OpenAI's Responses API, text)", _OPENAI,
-             ResponsesRequest, ResponseObject),
-    RouteDoc("/v1/embeddings", "post", "Embeddings (task embed)", _OPENAI, EmbeddingRequest,
-             EmbeddingResponse),
-    RouteDoc("/v1/models", "get", "Served models", _OPENAI, response=ModelList),
-    RouteDoc("/v1/models/{model}", "get", "One served model", _OPENAI, response=ModelCard),
-    RouteDoc("/generate", "post", "LMDeploy's or SGLang's /generate (told apart by the body)",
-             _NATIVE, (GenerateRequest, SGLangGenerateRequest),
-             (GenerateResponse, SGLangGenerateOutput, list[SGLangGenerateOutput])),
-    RouteDoc("/abort_request", "post", "Abort requests by id or session", _NATIVE, AbortRequest),
-    RouteDoc("/tokenize", "post", "Tokenize a prompt or chat messages", _NATIVE,
-             (TokenizeCompletionRequest, TokenizeChatRequest), TokenizeResponse),
-    RouteDoc("/detokenize", "post", "Token ids to text", _NATIVE, DetokenizeRequest,
-             DetokenizeResponse),
-    RouteDoc("/pooling", "post", "Pooled vectors or scores (vLLM's and LMDeploy's /pooling)",
-             _POOLING, PoolingRequest, PoolingResponse),
-    RouteDoc("/classify", "post", "Label probabilities (task classify)", _POOLING,
-             ClassificationRequest, ClassificationResponse),
-    RouteDoc("/score", "post", "Scores of text pairs (cross-encoders, embedding models)",
-             _POOLING, ScoreRequest, ScoreResponse),
-    RouteDoc("/v1/encode", "post", "LMDeploy's tokenization", _NATIVE, EncodeRequest,
-             EncodeResponse),
-    RouteDoc("/weight_version", "get", "The weights' version", _CONTROL),
-    RouteDoc("/get_weight_version", "get", "The weights' version", _CONTROL),
-    RouteDoc("/is_sleeping", "get", "Whether the server sleeps", _CONTROL),
-    RouteDoc("/get_model_info", "get", "The model (SGLang's names)", _CONTROL),
-    RouteDoc("/get_server_info", "get", "/server_info with SGLang's names", _CONTROL),
-    RouteDoc("/model_info", "get", "Same as /get_model_info (SGLang's newer name)", _ROUTERS),
-    RouteDoc("/v1/completions/render", "post", "The prompts' token ids (vLLM's render)", _ROUTERS,
-             CompletionRequest),
-    RouteDoc("/v1/chat/completions/render", "post", "The prompt's token ids (vLLM's render)",
-             _ROUTERS, ChatCompletionRequest),
-    RouteDoc("/get_load", "get", "Load per data-parallel rank (SGLang's)", _ROUTERS),
-    RouteDoc("/load", "get", "Requests in flight (vLLM's)", _ROUTERS),
-    RouteDoc("/health_generate", "get", "200 once one token was generated", _ROUTERS,
-             empty=True),
-    *(
-        RouteDoc(path, method.lower(), route.summary, _CONTROL, route.body)
-        for route in CONTROL_ROUTES
-        for path in route.paths
-        for method in route.http_methods
-    ),
-    RouteDoc("/health", "get", "200 while the engine serves, 503 otherwise", _OPS, empty=True),
-    RouteDoc("/ping", "get", "Same as /health", _OPS, empty=True),
-    RouteDoc("/ping", "post", "Same as /health", _OPS, empty=True),
-    RouteDoc("/version", "get", "The server's version", _OPS),
-    RouteDoc("/server_info", "get", "Configuration and scheduler statistics", _OPS),
-    RouteDoc("/metrics", "get", "Prometheus metrics", _OPS, text=True),
-    RouteDoc("/openapi.json", "get", "This document", _OPS),
-    RouteDoc("/docs", "get", "This document's page (Swagger UI)", _OPS, html=True),
-)  # fmt: skip
 
 
 def openapi_document(title: str, version: str) -> dict[str, Any]:
@@ -150,7 +39,9 @@ def openapi_document(title: str, version: str) -> dict[str, Any]:
                 schema_of[_key(t)] = {"anyOf": [schema_of[_key(x)] for x in t]}
     paths: dict[str, dict[str, Any]] = {}
     for r in ROUTES:
-        paths.setdefault(r.path, {})[r.method] = _operation(r, schema_of)
+        path = r.path.replace(":path}", "}")  # Starlette's converter; OpenAPI has none
+        for method in r.methods:
+            paths.setdefault(path, {})[method.lower()] = _operation(r, method.lower(), schema_of)
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
@@ -167,26 +58,28 @@ def _key(t: Any) -> str:
     return repr(t)
 
 
-def _operation(r: RouteDoc, schema_of: dict[str, Any]) -> dict[str, Any]:
+def _operation(r: RouteSpec, method: str, schema_of: dict[str, Any]) -> dict[str, Any]:
     op: dict[str, Any] = {
         "summary": r.summary,
         "tags": [r.tag],
-        "operationId": r.method + "_" + "_".join(re.findall(r"\w+", r.path)),
+        "operationId": method + "_" + "_".join(re.findall(r"\w+", r.path.replace(":path", ""))),
     }
-    if r.path == "/v1/models/{model}":
+    names = re.findall(r"\{(\w+)", r.path)
+    if names:
         op["parameters"] = [
-            {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+            {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+            for name in names
         ]
     if r.request is not None:
         op["requestBody"] = {
-            "required": r.path not in _OPTIONAL_BODY,
+            "required": not r.optional_body,
             "content": {"application/json": {"schema": schema_of[_key(r.request)]}},
         }
     ok: dict[str, Any] = {"description": "OK"}
-    if r.empty:
+    if r.body == "empty":
         pass
-    elif r.text or r.html:
-        kind = "text/html" if r.html else "text/plain"
+    elif r.body in ("text", "html"):
+        kind = "text/html" if r.body == "html" else "text/plain"
         ok["content"] = {kind: {"schema": {"type": "string"}}}
     else:
         body = schema_of[_key(r.response)] if r.response is not None else {"type": "object"}
@@ -203,15 +96,6 @@ def _operation(r: RouteDoc, schema_of: dict[str, Any]) -> dict[str, Any]:
         **{code: {"description": text, "content": error} for code, text in _ERROR_STATUSES.items()},
     }
     return op
-
-
-# Routes whose body may be left out: the control routes whose fields all have defaults.
-_OPTIONAL_BODY = frozenset(
-    path
-    for route in CONTROL_ROUTES
-    if not any(f.required for f in msgspec.structs.fields(route.body))
-    for path in route.paths
-)
 
 
 def docs_page(openapi_url: str, static_url: str, title: str) -> str:

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from frontend.lmdeploy.protocol import AbortRequest, GenerateRequest, TokenizeChatRequest
+from frontend.lmdeploy.protocol import AbortRequest, GenerateRequest
 from frontend.openai.protocol import decode_request
 from frontend.openai.responses_protocol import ResponsesRequest
+from frontend.openai.tokenize import TokenizeChatRequest
 from frontend.server.errors import APIError
 from frontend.serving.generation import InflightRequests, unique_ids
 
