@@ -93,20 +93,26 @@ def parse_message(parser: ChoiceParser, text: str) -> ParsedMessage:
 
 
 def delta_message(delta: ChoiceDelta) -> DeltaMessage:
-    """A stream chunk's delta: reasoning under both names vLLM has used, tool calls as OpenAI's."""
-    calls = [
-        DeltaToolCall(
-            d.index,
-            d.id,
-            "function" if d.id is not None else None,
-            DeltaFunctionCall(d.name, d.arguments),
-        )
-        for d in delta.tool_calls
-    ]
+    """A stream chunk's delta: reasoning under both names vLLM has used, tool calls as OpenAI's
+    (one entry per call index: clients merge a chunk's entries by index, and some keep only the
+    last of two with the same index)."""
+    merged: dict[int, DeltaToolCall] = {}
+    for d in delta.tool_calls:
+        entry = merged.get(d.index)
+        if entry is None:
+            merged[d.index] = DeltaToolCall(
+                d.index,
+                d.id,
+                "function" if d.id is not None else None,
+                DeltaFunctionCall(d.name, d.arguments),
+            )
+            continue
+        assert entry.function is not None
+        entry.function.arguments = (entry.function.arguments or "") + d.arguments
     reasoning = delta.reasoning or None
     return DeltaMessage(
         content=delta.content or None,
         reasoning_content=reasoning,
         reasoning=reasoning,
-        tool_calls=calls or None,
+        tool_calls=list(merged.values()) or None,
     )
