@@ -1,5 +1,5 @@
 """Every control route, declared once: its paths (SGLang's, LMDeploy's and vLLM's names for the same
-operation), the body it takes and the engine-core call it makes. The HTTP routes (api_server.py),
+operation), the body it takes and the engine-core call it makes. The HTTP routes (server/app.py),
 the OpenAPI document and the access guard (middleware.CONTROL_PATHS) are all built from CONTROL_ROUTES;
 the engine core answers a call with the EngineControl method named after its UtilityMethod, and a
 worker runs the WorkerControl method named after its message's tag. A new operation is one entry

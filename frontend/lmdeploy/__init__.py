@@ -1,1 +1,1 @@
-"""LMDeploy's native API: /generate with sessions, /abort_request."""
+"""LMDeploy's own API: /generate with sessions, /abort_request."""

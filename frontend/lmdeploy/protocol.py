@@ -1,5 +1,4 @@
-"""Schemas of the native (non-OpenAI) routes: LMDeploy's /generate and /abort_request, and vLLM's
-/tokenize and /detokenize.
+"""Schemas of LMDeploy's own routes: /generate and /abort_request.
 
 Field names and defaults are theirs, so that their clients work unchanged. As elsewhere, a known
 field this server does not implement is a 400 naming it when set to anything but its neutral value.
@@ -48,7 +47,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # The tokenizers backend never puts spaces around special tokens (see protocol.py).
     spaces_between_special_tokens: bool | UnsetType | None = UNSET
     return_logprob: bool | None = None  # meta_info.output_token_logprobs: [logprob, token id]
-    # LMDeploy's chat route has it: json_schema, regex_schema or json_object (structured_outputs.py).
+    # LMDeploy's chat route has it: json_schema, regex_schema or json_object (text/structured_outputs.py).
     response_format: dict[str, Any] | None = None
 
     image_data: Any = UNSET

@@ -7,8 +7,8 @@ client's, or a new one) by which /abort_request can stop it; any request can als
 response id or X-Request-Id, or all at once. An aborted request ends normally with finish reason
 "abort" and the text it had so far.
 
-SGLang's /generate shares the path: bodies protocol_sglang.is_sglang_generate recognises go to
-serving_sglang.py.
+SGLang's /generate shares the path: bodies sglang/protocol.py's is_sglang_generate recognises go to
+sglang/serving.py.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from frontend.text.logprobs import lmdeploy_logprobs
 from frontend.text.structured_outputs import structured_output_spec
 
 
-class NativeServing:
+class LMDeployServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
         self._session_ids = itertools.count(1)

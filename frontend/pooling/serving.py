@@ -4,7 +4,7 @@ A pooling model (EngineReady.task "embed", "classify" or "reward") runs each inp
 only, and its engine request ends with one output carrying `pooled`: the pooled hidden state, or
 the score head's logits. Inputs become engine requests here (text, token ids, or a conversation
 through the chat template; /score pair-encodes its texts), all of one HTTP request at once; this
-module then turns the vectors into each API's answer (protocol_pooling.py has the arithmetic). A
+module then turns the vectors into each API's answer (pooling/protocol.py has the arithmetic). A
 route the served task cannot answer, here or a generating route (`require_task`), is a 400 that
 names the task. A client that goes away aborts its requests in the engine core; POST
 /abort_request does not know pooling requests (each is one prefill, over in a step or a few).

@@ -23,7 +23,7 @@ from enginecore.config import Config
 from frontend.args import FrontendConfig
 from frontend.control.serving import ControlServing, GenerationGate
 from frontend.engine.client import EngineClient
-from frontend.lmdeploy.serving import NativeServing
+from frontend.lmdeploy.serving import LMDeployServing
 from frontend.openai.chat import ChatServing
 from frontend.openai.completion import CompletionServing
 from frontend.openai.responses import ResponsesServing
@@ -62,7 +62,7 @@ def build_app(
         completion=CompletionServing(serving),
         responses=ResponsesServing(serving),
         tokenize=TokenizeServing(serving),
-        native=NativeServing(serving),
+        lmdeploy=LMDeployServing(serving),
         pooling=PoolingServing(serving),
         control=control,
         router=RouterServing(serving, chat, control),

@@ -1,6 +1,6 @@
 """ASGI middleware of the HTTP server: access control, request-body limits, X-Request-Id echo.
 
-Order (outermost first, set up in api_server.py): CORS (starlette's; answers preflights itself),
+Order (outermost first, set up in server/app.py): CORS (starlette's; answers preflights itself),
 AccessMiddleware (401 or 403 before anything reads the body or reaches the engine; left out when
 it has nothing to check), BodyLimitMiddleware (413, 408), RequestIdMiddleware. Each is a plain ASGI
 callable: streaming responses pass through untouched.
@@ -37,7 +37,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/openapi.json", "/docs"})
 DOCS_STATIC = "/docs/static"  # Swagger UI's files, for /docs: open too
 # Routes that change the engine's state for every user (weights, sleep, pause, the prefix cache) are
-# declared in control_routes.py.
+# declared in control/routes.py.
 _json = msgspec.json.Encoder()
 
 

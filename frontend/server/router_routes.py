@@ -1,10 +1,10 @@
-"""The worker-side routes that routers call, beside the ones api_server.py serves for everyone.
+"""The worker-side routes that routers call, beside the ones server/app.py serves for everyone.
 
 What the routers in front of a tern server call, read from their sources and checked against the
 binaries (vllm-router 0.1.17, sglang-router 0.3.2):
 - at registration: GET /health (both), GET /server_info and /model_info (sglang-router: model_path,
   served_model_name, dp_size; model_type, architectures), GET /get_server_info and /get_model_info
-  (older SGLang routers) -- served by api_server.py;
+  (older SGLang routers) -- served by server/app.py;
 - per request, vllm-router's cache-aware policy: POST /v1/completions/render or
   /v1/chat/completions/render (vLLM's render routes: the prompt's token ids, so it routes on tokens),
   falling back to POST /tokenize;
@@ -12,7 +12,7 @@ binaries (vllm-router 0.1.17, sglang-router 0.3.2):
   num_reqs, num_waiting_reqs, num_tokens; sglang-router sums num_tokens) and GET /load (vLLM's
   {"server_load"});
 - health checks on demand: GET /health_generate (SGLang: generate one token; 200 when it came);
-- fanned out by the router: GET/POST /flush_cache (control_routes.py), GET /v1/models.
+- fanned out by the router: GET/POST /flush_cache (control/routes.py), GET /v1/models.
 
 This module knows the HTTP shapes only; prompts are built as the generating routes build them.
 """

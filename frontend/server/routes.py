@@ -53,7 +53,7 @@ from frontend.sglang.protocol import SGLangGenerateOutput, SGLangGenerateRequest
 
 if TYPE_CHECKING:
     from frontend.control.serving import ControlServing
-    from frontend.lmdeploy.serving import NativeServing
+    from frontend.lmdeploy.serving import LMDeployServing
     from frontend.openai.chat import ChatServing
     from frontend.openai.completion import CompletionServing
     from frontend.openai.responses import ResponsesServing
@@ -73,7 +73,7 @@ class Handlers:
     completion: CompletionServing
     responses: ResponsesServing
     tokenize: TokenizeServing
-    native: NativeServing
+    lmdeploy: LMDeployServing
     pooling: PoolingServing
     control: ControlServing
     router: RouterServing
@@ -96,7 +96,12 @@ class RouteSpec:
     optional_body: bool = False  # the request body may be left out
 
 
-_OPENAI, _NATIVE, _CONTROL, _OPS = "OpenAI", "Native", "Control (RL trainers)", "Operations"
+_OPENAI, _PEERS, _CONTROL, _OPS = (
+    "OpenAI",
+    "LMDeploy and SGLang",
+    "Control (RL trainers)",
+    "Operations",
+)
 _POOLING = "Pooling models (embedding, classification, reward)"
 _ROUTERS = "Routers (vllm-router, sglang-router)"  # frontend/server/router_routes.py
 _GENERATE, _POST, _GET = ("generate",), ("POST",), ("GET",)
@@ -126,13 +131,13 @@ ROUTES: tuple[RouteSpec, ...] = (
               response=ModelList),
     RouteSpec("/v1/models/{model:path}", _GET, lambda h: h.info.model, "One served model",
               _OPENAI, response=ModelCard),
-    RouteSpec("/generate", _POST, lambda h: h.native.generate,
-              "LMDeploy's or SGLang's /generate (told apart by the body)", _NATIVE,
+    RouteSpec("/generate", _POST, lambda h: h.lmdeploy.generate,
+              "LMDeploy's or SGLang's /generate (told apart by the body)", _PEERS,
               (GenerateRequest, SGLangGenerateRequest),
               (GenerateResponse, SGLangGenerateOutput, list[SGLangGenerateOutput]),
               runs_model=True, tasks=_GENERATE),
-    RouteSpec("/abort_request", _POST, lambda h: h.native.abort_request,
-              "Abort requests by id or session", _NATIVE, AbortRequest),
+    RouteSpec("/abort_request", _POST, lambda h: h.lmdeploy.abort_request,
+              "Abort requests by id or session", _PEERS, AbortRequest),
     RouteSpec("/tokenize", _POST, lambda h: h.tokenize.tokenize,
               "Tokenize a prompt or chat messages (vLLM's)", _OPENAI,
               (TokenizeCompletionRequest, TokenizeChatRequest), TokenizeResponse),
@@ -149,7 +154,7 @@ ROUTES: tuple[RouteSpec, ...] = (
               "Scores of text pairs (cross-encoders, embedding models)", _POOLING, ScoreRequest,
               ScoreResponse, runs_model=True, tasks=("embed", "classify")),
     RouteSpec("/v1/encode", _POST, lambda h: h.pooling.encode, "LMDeploy's tokenization",
-              _NATIVE, EncodeRequest, EncodeResponse),
+              _PEERS, EncodeRequest, EncodeResponse),
     *(_control(route, path) for route in CONTROL_ROUTES for path in route.paths),
     RouteSpec("/weight_version", _GET, lambda h: h.control.get_weight_version,
               "The weights' version", _CONTROL),

@@ -1,7 +1,6 @@
 """What every generating route shares: OpenAI-style requests to engine requests, SSE streams back.
 
-OpenAIServing holds it (serving_chat.py, serving_completion.py, serving_responses.py and
-serving_native.py use it): model-name checks, request ids (X-Request-Id), prompt encoding,
+OpenAIServing holds it (every API family's generating routes use it): model-name checks, request ids (X-Request-Id), prompt encoding,
 request -> SamplingParams, and starting a RequestGroup registered for POST /abort_request. Every
 request ends in an answer: a response, a final chunk, or an OpenAI error (4xx for the client's
 mistakes, 503 when the engine is gone). A client that goes away aborts its requests in the engine core, which frees their KV blocks.

@@ -1,1 +1,1 @@
-"""SGLang's native API: /generate with sampling_params and meta_info."""
+"""SGLang's own API: /generate with sampling_params and meta_info."""

@@ -1,5 +1,5 @@
-"""SGLang's native POST /generate (serving_native.py hands it the bodies protocol_sglang.py
-recognises as SGLang's).
+"""SGLang's POST /generate (lmdeploy/serving.py hands it the bodies sglang/protocol.py recognises
+as SGLang's).
 
 A request is one prompt or a batch (text, or token ids: tokenized with special tokens, no chat
 template), each sampled n times, prompt by prompt. One prompt with n = 1 answers one

@@ -16,7 +16,7 @@ from frontend.server.openapi import openapi_document
 
 
 def _registered_routes() -> set[tuple[str, str]]:
-    """(path, method) of every route of the app api_server.py builds."""
+    """(path, method) of every route of the app server/app.py builds."""
     engine = SimpleNamespace(ready=SimpleNamespace(max_model_len=64))
     config = Config(model=ModelConfig(path="/m", served_model_name="m"))
     app = build_app(config, FrontendConfig(("m",)), engine, MagicMock())  # type: ignore[arg-type]
