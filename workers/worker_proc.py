@@ -218,7 +218,13 @@ def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) ->
         mq.close()
         replies.close()
         ctx.term()
-    sys.exit(exit_code)
+    # NOTE: not sys.exit: a rank that ran gloo collectives and the OpenMP kernels can abort in
+    # interpreter teardown (static destructors with those libraries' threads alive; see
+    # tests/dist/gloo_world.py). Everything the worker owns is closed above.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 def _join_node_zero(config: Config, sock: zmq.Socket) -> NodeBootstrap:

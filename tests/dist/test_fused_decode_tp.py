@@ -49,6 +49,8 @@ def _steps(batch: int, prompt_len: int, num_decode: int) -> list[SchedulerOutput
 
 
 def _rank_main(rank: int, model_dir: str, port: int, dtype: str, out) -> None:
+    from gloo_world import leave_world
+
     from workers.distributed import destroy_distributed, init_distributed
     from workers.layers.fused_decode import FusedDecodeLayer
     from workers.model_runner import ModelRunner
@@ -82,9 +84,11 @@ def _rank_main(rank: int, model_dir: str, port: int, dtype: str, out) -> None:
         out.put((rank, all(torch.equal(a, b) for a, b in zip(results[True], results[False]))))
     except Exception as e:  # report rather than leave the test waiting for the queue
         out.put((rank, repr(e)))
-        raise
-    finally:
         destroy_distributed()
+        raise
+    out.close()
+    out.join_thread()  # the result is in the pipe before the rank leaves by os._exit
+    leave_world()
 
 
 @pytest.mark.parametrize(

@@ -7,13 +7,10 @@ collectives the result must be within int8 rounding of the unsharded float32 one
 
 from __future__ import annotations
 
-import datetime
-import socket
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_world import run_world
 
 from workers.distributed import ParallelContext
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -81,25 +78,11 @@ def _check(ctx: ParallelContext) -> None:
     assert _rel_err(head(x), F.linear(x, w["embed"])) < 0.02
 
 
-def _rank_main(rank: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        ctx = ParallelContext(tp_rank=rank, tp_size=WORLD, tp_group=dist.group.WORLD)
-        with torch.no_grad():
-            _check(ctx)
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank: int) -> None:
+    ctx = ParallelContext(tp_rank=rank, tp_size=WORLD, tp_group=dist.group.WORLD)
+    with torch.no_grad():
+        _check(ctx)
 
 
 def test_int8_layers_match_float32_in_a_gloo_world_of_2() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank_main, args=(port,), nprocs=WORLD, join=True)
+    run_world(_rank_main, world_size=WORLD)

@@ -9,14 +9,12 @@ layer, because starting a process that imports torch costs seconds here.
 
 from __future__ import annotations
 
-import datetime
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_world import run_world
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -142,36 +140,22 @@ def _check_vocab(ctx: ParallelContext, w: dict[str, torch.Tensor], lazy: dict) -
     torch.testing.assert_close(head(w["x"]), F.linear(w["x"], w["embed"]))
 
 
-def _rank_main(rank: int, port: int, path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        ctx = ParallelContext(tp_rank=rank, tp_size=WORLD, tp_group=dist.group.WORLD)
-        w = _weights()
-        with safe_open(path, framework="pt") as f:
-            lazy = {name: LazyWeight(f.get_slice(name)) for name in f.keys()}  # noqa: SIM118
-            with torch.no_grad():
-                _check_linears(ctx, w, lazy)
-                _check_qkv(ctx, w, lazy)
-                _check_vocab(ctx, w, lazy)
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank: int, path: str) -> None:
+    ctx = ParallelContext(tp_rank=rank, tp_size=WORLD, tp_group=dist.group.WORLD)
+    w = _weights()
+    with safe_open(path, framework="pt") as f:
+        lazy = {name: LazyWeight(f.get_slice(name)) for name in f.keys()}  # noqa: SIM118
+        with torch.no_grad():
+            _check_linears(ctx, w, lazy)
+            _check_qkv(ctx, w, lazy)
+            _check_vocab(ctx, w, lazy)
 
 
 def test_sharded_layers_match_unsharded_in_a_gloo_world_of_2(tmp_path: Path) -> None:
     path = tmp_path / "weights.safetensors"
     save_file(_weights(), str(path))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     # A failed assertion in a rank re-raises here with its traceback.
-    mp.spawn(_rank_main, args=(port, str(path)), nprocs=WORLD, join=True)
+    run_world(_rank_main, str(path), world_size=WORLD)
 
 
 class _SpySlice:

@@ -7,15 +7,13 @@ the timeout instead of hanging; no segment is left in /dev/shm.
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_world import run_world
 
 from workers.distributed import ParallelContext
 from workers.layers import native
@@ -63,20 +61,11 @@ def _check(rank: int) -> None:
         assert time.monotonic() - start < 10
 
 
-def _rank_main(rank: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))  # fmt: skip
-    try:
-        _check(rank)
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank: int) -> None:
+    _check(rank)
 
 
 def test_shm_collectives_match_gloo_in_a_world_of_2() -> None:
     before = _segments()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank_main, args=(port,), nprocs=WORLD, join=True)
+    run_world(_rank_main, world_size=WORLD)
     assert _segments() == before
