@@ -182,6 +182,13 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputConfig:
+    # JSON number literals of at most 17 significant digits and 3 exponent digits
+    # (enginecore/json_grammar.py); --no-json-number-bound lifts it.
+    bound_json_numbers: bool = True
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -194,6 +201,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     # Directory of this instance's IPC sockets: unique per server so that instances never collide.
     ipc_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="tern-"))
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])

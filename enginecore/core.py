@@ -39,7 +39,11 @@ class EngineCore:
         self.max_model_len = executor.max_model_len
         self.scheduler = Scheduler(config, executor.num_kv_blocks, self.max_model_len)
         self._rng = random.Random()
-        self.grammars = GrammarCompiler(config.model.path, executor.vocab_size)
+        self.grammars = GrammarCompiler(
+            config.model.path,
+            executor.vocab_size,
+            config.structured_output.bound_json_numbers,
+        )
         # Waiting requests whose grammar is compiling, and its future.
         self._compiling: dict[str, tuple[Request, Future[Any]]] = {}
 

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from enginecore.json_grammar import bound_any_json_grammar, bound_schema_grammar
 from enginecore.messages import StructuredOutputKind, StructuredOutputSpec
 
 if TYPE_CHECKING:
@@ -32,17 +33,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tern.engine")
 
 GRAMMAR_CACHE_BYTES = 256 << 20
-# Whitespace between JSON tokens, at most (enough to indent a pretty-printed document 8 levels
-# deep): unbounded, a weak model can pad with whitespace until max_tokens and never close the JSON.
-MAX_JSON_WHITESPACE = 17
 
 
 class GrammarCompiler:
     """Compiles StructuredOutputSpecs on one background thread; results are cached by xgrammar."""
 
-    def __init__(self, tokenizer_path: str | Path, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer_path: str | Path, vocab_size: int, bound_json_numbers: bool = True
+    ) -> None:
         self.tokenizer_path = str(tokenizer_path)
         self.vocab_size = vocab_size
+        self.bound_json_numbers = bound_json_numbers  # enginecore/json_grammar.py
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._compiler: xgrammar.GrammarCompiler | None = None
@@ -57,9 +58,11 @@ class GrammarCompiler:
         compiler = self._get_compiler(stop_token_ids)
         kind = spec.kind
         if kind == StructuredOutputKind.JSON:
-            return compiler.compile_grammar(json_schema_grammar(spec.spec, spec.any_whitespace))
+            grammar = json_schema_grammar(spec.spec, spec.any_whitespace, self.bound_json_numbers)
+            return compiler.compile_grammar(grammar)
         if kind == StructuredOutputKind.JSON_OBJECT:
-            return compiler.compile_builtin_json_grammar()
+            grammar = any_json_grammar(spec.any_whitespace, self.bound_json_numbers)
+            return compiler.compile_grammar(grammar)
         if kind == StructuredOutputKind.REGEX:
             return compiler.compile_regex(spec.spec)
         if kind == StructuredOutputKind.GRAMMAR:
@@ -99,8 +102,9 @@ class GrammarCompiler:
 
 
 @functools.lru_cache(maxsize=256)
-def json_schema_grammar(schema: str, any_whitespace: bool) -> str:
-    """The EBNF grammar of a JSON schema (xgrammar's), strict JSON. Raises on a bad schema.
+def json_schema_grammar(schema: str, any_whitespace: bool, bound_numbers: bool = True) -> str:
+    """The EBNF grammar of a JSON schema (xgrammar's), strict JSON, with numbers and whitespace
+    bounded (enginecore/json_grammar.py). Raises on a bad schema.
 
     NOTE: xgrammar (0.2) lets a string with minLength / maxLength hold raw control characters
     (tab, NUL...), which strict JSON parsers (Python's json, pydantic) reject: its character class
@@ -109,13 +113,23 @@ def json_schema_grammar(schema: str, any_whitespace: bool) -> str:
     import xgrammar as xgr
 
     grammar = xgr.Grammar.from_json_schema(
-        schema,
-        any_whitespace=any_whitespace,
-        max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None,
+        schema, any_whitespace=any_whitespace, max_whitespace_cnt=_XGRAMMAR_WHITESPACE
     )
-    return str(grammar).replace(_LENIENT_STRING_CHAR, _JSON_STRING_CHAR)
+    text = str(grammar).replace(_LENIENT_STRING_CHAR, _JSON_STRING_CHAR)
+    return bound_schema_grammar(text, bound_numbers)
 
 
+@functools.lru_cache(maxsize=4)
+def any_json_grammar(any_whitespace: bool, bound_numbers: bool = True) -> str:
+    """The EBNF grammar of any JSON object or array (json_object), bounded as schemas are."""
+    import xgrammar as xgr
+
+    text = str(xgr.Grammar.builtin_json_grammar())
+    return bound_any_json_grammar(text, bound_numbers, any_whitespace)
+
+
+# Whitespace runs as xgrammar writes them (a rule repeated 0..n times), then rewritten.
+_XGRAMMAR_WHITESPACE = 17
 _LENIENT_STRING_CHAR = r"[^\"\\\r\n]"
 _JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 

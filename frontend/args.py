@@ -25,6 +25,7 @@ from enginecore.config import (
     ParallelConfig,
     SchedulerConfig,
     ServerConfig,
+    StructuredOutputConfig,
 )
 from frontend.chat_options import ChatOptions
 from frontend.server.http_protocol import DEFAULT_KEEP_ALIVE_S
@@ -270,6 +271,13 @@ def make_parser() -> argparse.ArgumentParser:
         default=None,
         help="split <think>...</think> off into message.reasoning_content",
     )
+    launch.add_argument(
+        "--no-json-number-bound",
+        dest="json_number_bound",
+        action="store_false",
+        help="let JSON numbers in structured output have any number of digits (by default at "
+        "most 17 significant digits and a 3-digit exponent, so a weak model cannot loop in one)",
+    )
     launch.add_argument("--seed", type=int, default=0)
     launch.add_argument(
         "--logprobs-mode",
@@ -386,6 +394,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ),
         parallel=parallel,
         server=ServerConfig(host=args.host, port=args.port),
+        structured_output=StructuredOutputConfig(bound_json_numbers=args.json_number_bound),
     )
 
 
