@@ -146,6 +146,6 @@ class GenerationGate:
                 if asleep
                 else "the weights were released: push new weights (update_weights*) first"
             )
-            await send_error(send, APIError(reason, 503, None, "server_asleep"))
+            await send_error(send, APIError(reason, 503, None, "server_asleep"), path=scope["path"])
             return
         await self.app(scope, receive, send)

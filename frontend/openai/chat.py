@@ -55,7 +55,7 @@ class ChatServing:
         s.check_model(req.model)
         plan = self.plan(req)
         prompt_text, prompt_ids = self.render(req, plan)
-        constraint, opens_reasoning = self._after_reasoning(plan.constraint, prompt_text)
+        constraint, opens_reasoning = self.after_reasoning(plan.constraint, prompt_text)
         request_id, keys, headers = s.request_ids(http_request, "chatcmpl-", req.request_id)
         group = s.start(
             request_id, keys, req.to_sampling(), [prompt_ids], "messages",
@@ -65,7 +65,9 @@ class ChatServing:
         view = _ChatView(
             req, TokenStrings(s.tokenizer.backend, bool(req.return_tokens_as_token_ids))
         )
-        parsers = [self._choice_parser(req, plan, opens_reasoning) for _ in group.gens]
+        parsers = [
+            self.choice_parser(plan, opens_reasoning, req.include_reasoning) for _ in group.gens
+        ]
         created = int(time.time())
         if req.stream:
             return s.sse_response(self._stream(group, req, view, parsers, created), group, headers)
@@ -117,7 +119,7 @@ class ChatServing:
             prompt_ids = s.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
         return prompt_text, truncate_prompt(prompt_ids, req.truncate_prompt_tokens, s.max_model_len)
 
-    def _after_reasoning(
+    def after_reasoning(
         self, constraint: StructuredOutputSpec | None, prompt_text: str
     ) -> tuple[StructuredOutputSpec | None, bool]:
         """(the constraint, starting after the reasoning when the model will reason first;
@@ -139,13 +141,14 @@ class ChatServing:
             )
         return constraint, opens
 
-    def _choice_parser(
-        self, req: ChatCompletionRequest, plan: ToolPlan, opens_reasoning: bool
+    def choice_parser(
+        self, plan: ToolPlan, opens_reasoning: bool, include_reasoning: bool = True
     ) -> ChoiceParser:
+        """A parser of one choice's text into reasoning, content and tool calls."""
         name = self.options.reasoning_parser
         reasoning = make_reasoning_parser(name, opens_reasoning) if name else None
         tools = plan.new_parser() if plan.new_parser is not None else None
-        return ChoiceParser(reasoning, tools, plan.max_calls, req.include_reasoning)
+        return ChoiceParser(reasoning, tools, plan.max_calls, include_reasoning)
 
     async def _stream(
         self,

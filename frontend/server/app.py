@@ -20,6 +20,7 @@ from starlette.staticfiles import StaticFiles
 from swagger_ui_bundle import swagger_ui_path
 
 from enginecore.config import Config
+from frontend.anthropic.serving import MessagesServing
 from frontend.args import FrontendConfig
 from frontend.control.serving import ControlServing, GenerationGate
 from frontend.engine.client import EngineClient
@@ -61,6 +62,7 @@ def build_app(
         chat=chat,
         completion=CompletionServing(serving),
         responses=ResponsesServing(serving),
+        messages=MessagesServing(chat),
         tokenize=TokenizeServing(serving),
         lmdeploy=LMDeployServing(serving),
         pooling=PoolingServing(serving),
@@ -136,16 +138,17 @@ def _middleware(frontend: FrontendConfig) -> list[Middleware]:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    response = error_response(APIError(str(exc.detail), exc.status_code))
+    response = error_response(APIError(str(exc.detail), exc.status_code), request.url.path)
     response.headers.update(exc.headers or {})  # e.g. 405's Allow (RFC 9110)
     return response
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(APIError(f"internal server error: {type(exc).__name__}: {exc}", 500))
+    error = APIError(f"internal server error: {type(exc).__name__}: {exc}", 500)
+    return error_response(error, request.url.path)

@@ -52,6 +52,31 @@ class APIError(Exception):
         return ErrorResponse(ErrorInfo(self.message, err_type, self.param, self.code))
 
 
+# Anthropic's error types by status (its Messages API answers {"type": "error", "error": {...}}).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+
+
+def error_body(err: APIError, path: str) -> object:
+    """The error body clients of `path` parse: Anthropic's under /v1/messages, else OpenAI's."""
+    if not path.startswith(ANTHROPIC_PATH_PREFIX):
+        return err.to_response()
+    message = err.message
+    if err.param is not None and err.param not in message:
+        message = f"{err.param}: {message}"
+    kind = _ANTHROPIC_TYPES.get(err.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(message, 400, param)
 

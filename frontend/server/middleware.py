@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from frontend.control.routes import CONTROL_PATHS
-from frontend.server.errors import APIError
+from frontend.server.errors import APIError, error_body
 
 if TYPE_CHECKING:
     from frontend.args import FrontendConfig
@@ -42,9 +42,9 @@ _json = msgspec.json.Encoder()
 
 
 async def send_error(
-    send: Send, err: APIError, headers: tuple[tuple[bytes, bytes], ...] = ()
+    send: Send, err: APIError, headers: tuple[tuple[bytes, bytes], ...] = (), path: str = ""
 ) -> None:
-    body = _json.encode(err.to_response())
+    body = _json.encode(error_body(err, path))
     await send(
         {
             "type": "http.response.start",
@@ -125,7 +125,7 @@ class AccessMiddleware:
             err = self._check(scope)
             if err is not None:
                 headers = ((b"www-authenticate", b"Bearer"),) if err.status == 401 else ()
-                await send_error(send, err, headers)
+                await send_error(send, err, headers, path)
                 return
         await self.app(scope, receive, send)
 
@@ -150,11 +150,14 @@ class AccessMiddleware:
 
 def _check_key(scope: Scope, expected: bytes, what: str) -> APIError | None:
     given = _header(scope, b"authorization") or b""
+    api_key = _header(scope, b"x-api-key")  # what the anthropic SDK sends
+    if not given and api_key is not None:
+        given = b"Bearer " + api_key
     # NOTE: constant-time comparison: response timing must not reveal the key's prefix.
     if hmac.compare_digest(given, expected):
         return None
     return APIError(
-        f"Incorrect or missing {what}: send 'Authorization: Bearer <key>'",
+        f"Incorrect or missing {what}: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
         401,
         None,
         "invalid_api_key",
@@ -182,7 +185,7 @@ class BodyLimitMiddleware:
             return
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await send_error(send, self._too_large())
+            await send_error(send, self._too_large(), path=scope.get("path", ""))
             return
         received = 0
         is_body_complete = False

@@ -17,6 +17,12 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from frontend.anthropic.protocol import (
+    CountTokensRequest,
+    CountTokensResponse,
+    MessageResponse,
+    MessagesRequest,
+)
 from frontend.control.routes import CONTROL_ROUTES, ControlRoute
 from frontend.lmdeploy.protocol import AbortRequest, GenerateRequest, GenerateResponse
 from frontend.openai.protocol import (
@@ -52,6 +58,7 @@ from frontend.pooling.protocol import (
 from frontend.sglang.protocol import SGLangGenerateOutput, SGLangGenerateRequest
 
 if TYPE_CHECKING:
+    from frontend.anthropic.serving import MessagesServing
     from frontend.control.serving import ControlServing
     from frontend.lmdeploy.serving import LMDeployServing
     from frontend.openai.chat import ChatServing
@@ -72,6 +79,7 @@ class Handlers:
     chat: ChatServing
     completion: CompletionServing
     responses: ResponsesServing
+    messages: MessagesServing
     tokenize: TokenizeServing
     lmdeploy: LMDeployServing
     pooling: PoolingServing
@@ -102,6 +110,7 @@ _OPENAI, _PEERS, _CONTROL, _OPS = (
     "Control (RL trainers)",
     "Operations",
 )
+_ANTHROPIC = "Anthropic"
 _POOLING = "Pooling models (embedding, classification, reward)"
 _ROUTERS = "Routers (vllm-router, sglang-router)"  # frontend/server/router_routes.py
 _GENERATE, _POST, _GET = ("generate",), ("POST",), ("GET",)
@@ -125,6 +134,12 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/v1/responses", _POST, lambda h: h.responses.create,
               "Response (OpenAI's Responses API)", _OPENAI, ResponsesRequest, ResponseObject,
               runs_model=True, tasks=_GENERATE),
+    RouteSpec("/v1/messages", _POST, lambda h: h.messages.create,
+              "Message (Anthropic's Messages API)", _ANTHROPIC, MessagesRequest, MessageResponse,
+              runs_model=True, tasks=_GENERATE),
+    RouteSpec("/v1/messages/count_tokens", _POST, lambda h: h.messages.count_tokens,
+              "Tokens a Messages request's prompt takes", _ANTHROPIC, CountTokensRequest,
+              CountTokensResponse, tasks=_GENERATE),
     RouteSpec("/v1/embeddings", _POST, lambda h: h.pooling.embeddings, "Embeddings (task embed)",
               _OPENAI, EmbeddingRequest, EmbeddingResponse, runs_model=True, tasks=("embed",)),
     RouteSpec("/v1/models", _GET, lambda h: h.info.models, "Served models", _OPENAI,

@@ -23,7 +23,7 @@ from frontend.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from frontend.server.errors import APIError, bad_request, engine_dead_error
+from frontend.server.errors import APIError, bad_request, engine_dead_error, error_body
 from frontend.serving.generation import (
     Generation,
     InflightRequests,
@@ -52,8 +52,9 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
     return Response(_json.encode(obj), status, headers=headers, media_type="application/json")
 
 
-def error_response(err: APIError) -> Response:
-    return json_response(err.to_response(), err.status)
+def error_response(err: APIError, path: str = "") -> Response:
+    """The error in the shape the clients of `path` parse (frontend/server/errors.py)."""
+    return json_response(error_body(err, path), err.status)
 
 
 class OpenAIServing:
