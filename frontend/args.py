@@ -70,6 +70,7 @@ class FrontendConfig:
     chat_options: ChatOptions = ChatOptions()
     generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
     uvicorn_log_level: str = "warning"
+    max_stored_responses: int = 1000  # /v1/responses kept for GET and previous_response_id
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -83,6 +84,8 @@ class FrontendConfig:
         options = self.chat_options
         if options.enable_auto_tool_choice and options.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.max_stored_responses < 0:
+            raise ValueError("--max-stored-responses must not be negative")
         if self.max_request_body_bytes < 1:
             raise ValueError("--max-request-body-bytes must be positive")
         if not self.request_body_timeout_s > 0:
@@ -270,6 +273,13 @@ def make_parser() -> argparse.ArgumentParser:
         choices=REASONING_PARSERS,
         default=None,
         help="split <think>...</think> off into message.reasoning_content",
+    )
+    launch.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1000,
+        help="Responses API answers kept in memory (store: true) for GET /v1/responses/{id} and "
+        "previous_response_id; the least recently used are forgotten beyond it (0: none)",
     )
     launch.add_argument(
         "--no-json-number-bound",
@@ -463,6 +473,7 @@ def frontend_config_from_args(args: argparse.Namespace, config: Config) -> Front
         ),
         generation_config=args.generation_config,
         uvicorn_log_level=args.uvicorn_log_level,
+        max_stored_responses=args.max_stored_responses,
     )
 
 

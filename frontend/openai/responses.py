@@ -1,18 +1,22 @@
-"""POST /v1/responses: OpenAI's Responses API for text, streaming and not.
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API over the chat path.
 
-The prompt is the chat template applied to `instructions` + `input`; the output is one assistant
-message with one output_text part. A stream is the event sequence OpenAI sends for text:
-response.created, response.in_progress, response.output_item.added, response.content_part.added,
-response.output_text.delta (one per text chunk), response.output_text.done,
-response.content_part.done, response.output_item.done, and response.completed (response.incomplete
-when max_output_tokens cut the text; response.failed when the engine failed), each with its
-sequence_number. Like OpenAI, and unlike chat completions, the stream has no [DONE] line.
+The prompt is rendered as a chat completion's is (the chat template with tools, reasoning), and the
+output parsed by the same ChoiceParser into output items: `reasoning` (with --reasoning-parser),
+a `message` with one output_text part, and `function_call` items (call_id, name, arguments). A
+stream is OpenAI's event sequence: response.created, response.in_progress, then per item
+response.output_item.added, its deltas (response.reasoning_text.delta, response.content_part.added
++ response.output_text.delta, response.function_call_arguments.delta) and their .done events,
+response.output_item.done; and response.completed (response.incomplete when max_output_tokens cut
+it, response.failed when the engine failed), each with its sequence_number. Like OpenAI, and unlike
+chat completions, the stream has no [DONE] line. Responses with `store` (the default) are kept in
+memory, the oldest forgotten past --max-stored-responses, for GET, DELETE and previous_response_id.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,87 +25,257 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.engine.client import EngineDeadError
+from frontend.openai.chat import ChatServing
+from frontend.openai.chat_output import ChoiceParser, parse_message
 from frontend.openai.protocol import decode_request
 from frontend.openai.responses_protocol import (
+    FunctionCallItem,
     InputTokensDetails,
+    OutputItem,
     OutputMessage,
     OutputText,
     OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
 )
-from frontend.serving.base import OpenAIServing, json_response, streaming_response
+from frontend.server.errors import APIError, bad_request
+from frontend.serving.base import json_response, streaming_response
 from frontend.serving.generation import RequestFailedError, RequestGroup
+from frontend.text.tool_calling import plan_tools
 
 _json = msgspec.json.Encoder()
 
 
+class ResponseStore:
+    """Stored responses and the conversation each ends (for previous_response_id), LRU-bounded."""
+
+    def __init__(self, max_responses: int) -> None:
+        self.max_responses = max_responses
+        self._items: OrderedDict[str, tuple[ResponseObject, list[dict[str, Any]]]] = OrderedDict()
+
+    def put(self, response: ResponseObject, conversation: list[dict[str, Any]]) -> None:
+        if self.max_responses < 1:
+            return
+        self._items[response.id] = (response, conversation)
+        self._items.move_to_end(response.id)
+        while len(self._items) > self.max_responses:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[ResponseObject, list[dict[str, Any]]] | None:
+        item = self._items.get(response_id)
+        if item is not None:
+            self._items.move_to_end(response_id)
+        return item
+
+    def delete(self, response_id: str) -> bool:
+        return self._items.pop(response_id, None) is not None
+
+
 class ResponsesServing:
-    def __init__(self, serving: OpenAIServing) -> None:
-        self.serving = serving
+    def __init__(self, chat: ChatServing, store: ResponseStore) -> None:
+        self.chat = chat
+        self.serving = chat.serving
+        self.store = store
 
     async def create(self, http_request: Request) -> Response:
         s = self.serving
         req = decode_request(await http_request.body(), ResponsesRequest)
         s.check_model(req.model)
-        prompt_ids = s.tokenizer.apply_chat_template(req.messages(), add_generation_prompt=True)
+        history = None
+        if req.previous_response_id is not None:
+            stored = self.store.get(req.previous_response_id)
+            if stored is None:
+                raise bad_request(
+                    f"no stored response has id {req.previous_response_id!r}",
+                    "previous_response_id",
+                )
+            history = stored[1]
+        messages = req.messages(history)
+        plan = plan_tools(
+            req.chat_tools(), req.chat_tool_choice(), req.parallel_tool_calls,
+            req.output_constraint(), self.chat.options,
+        )  # fmt: skip
+        prompt_text = s.tokenizer.render_chat(messages, tools=plan.tools)
+        prompt_ids = s.tokenizer.encode(prompt_text, add_special_tokens=False)
+        constraint, opens = self.chat.after_reasoning(plan.constraint, prompt_text)
         response_id, keys, headers = s.request_ids(http_request, "resp_", req.request_id)
         group = s.start(
-            response_id,
-            keys,
-            req.to_sampling(),
-            [prompt_ids],
-            "input",
-            structured_output=req.output_constraint(),
-        )
+            response_id, keys, req.to_sampling(), [prompt_ids], "input",
+            structured_output=constraint,
+        )  # fmt: skip
         params = group.gens[0].params
         draft = _Draft(req, response_id, s.model_name, params.temperature, params.top_p)
+        parser = self.chat.choice_parser(plan, opens)
         if req.stream:
-            return streaming_response(self._events(group, draft), group, headers)
+            events = self._events(group, parser, draft, messages)
+            return streaming_response(events, group, headers)
         texts = await group.collect_unless_disconnected(http_request)
         if texts is None:
             return Response(status_code=499)
-        return json_response(draft.final(group, texts[0]), headers=headers)
+        parsed = parse_message(parser, texts[0])
+        calls = [(c.id, c.function.name, c.function.arguments) for c in parsed.tool_calls]
+        items = draft.items(parsed.reasoning or "", parsed.content or "", calls)
+        final = draft.final(group, items)
+        self._keep(req, final, messages)
+        return json_response(final, headers=headers)
 
-    async def _events(self, group: RequestGroup, draft: _Draft) -> AsyncIterator[bytes]:
-        seq = iter(range(1 << 62))
+    def _keep(
+        self, req: ResponsesRequest, response: ResponseObject, messages: list[dict[str, Any]]
+    ) -> None:
+        if not req.store:
+            return
+        turn: dict[str, Any] = {"role": "assistant", "content": ""}
+        for item in response.output:
+            if isinstance(item, OutputMessage):
+                turn["content"] = "".join(part.text for part in item.content)
+            elif isinstance(item, FunctionCallItem):
+                call = {"name": item.name, "arguments": item.arguments}
+                turn.setdefault("tool_calls", []).append(
+                    {"id": item.call_id, "type": "function", "function": call}
+                )
+        self.store.put(response, [*messages[1 if req.instructions else 0 :], turn])
 
-        def event(kind: str, **fields: Any) -> bytes:
-            body = {"type": kind, "sequence_number": next(seq), **fields}
-            return b"event: " + kind.encode() + b"\ndata: " + _json.encode(body) + b"\n\n"
+    async def retrieve(self, http_request: Request) -> Response:
+        stored = self.store.get(http_request.path_params["response_id"])
+        if stored is None:
+            raise _not_found(http_request.path_params["response_id"])
+        return json_response(stored[0])
 
-        where = {"item_id": draft.message_id, "output_index": 0}
-        yield event("response.created", response=draft.in_progress())
-        yield event("response.in_progress", response=draft.in_progress())
-        item = OutputMessage(id=draft.message_id, status="in_progress", content=[])
-        yield event("response.output_item.added", output_index=0, item=item)
-        yield event(
-            "response.content_part.added", **where, content_index=0, part=OutputText(text="")
-        )
-        parts: list[str] = []
+    async def delete(self, http_request: Request) -> Response:
+        response_id = http_request.path_params["response_id"]
+        if not self.store.delete(response_id):
+            raise _not_found(response_id)
+        return json_response({"id": response_id, "object": "response", "deleted": True})
+
+    async def _events(
+        self,
+        group: RequestGroup,
+        parser: ChoiceParser,
+        draft: _Draft,
+        messages: list[dict[str, Any]],
+    ) -> AsyncIterator[bytes]:
+        gen = group.gens[0]
+        items = _ItemStream(draft)
+        yield items.event("response.created", response=draft.in_progress())
+        yield items.event("response.in_progress", response=draft.in_progress())
         try:
             async for _, text in group.merged():
-                if text:
-                    parts.append(text)
-                    yield event(
-                        "response.output_text.delta", **where, content_index=0, delta=text,
-                        logprobs=[],
-                    )  # fmt: skip
+                parts = [parser.feed(text) if text else None]
+                if gen.is_finished:
+                    parts.append(parser.finish())
+                for part in parts:
+                    if part is not None:
+                        for event in items.feed(part.reasoning, part.content, part.tool_calls):
+                            yield event
         except (EngineDeadError, RequestFailedError) as e:
-            failed = draft.failed(group, "".join(parts), str(e))
-            yield event("response.failed", response=failed)
+            failed = draft.final(group, items.items(), error=str(e))
+            yield items.event("response.failed", response=failed)
             return
-        final = draft.final(group, "".join(parts))
-        message = final.output[0]
-        part = message.content[0]
-        yield event(
-            "response.output_text.done", **where, content_index=0, text=part.text, logprobs=[]
-        )
-        yield event("response.content_part.done", **where, content_index=0, part=part)
-        yield event("response.output_item.done", output_index=0, item=message)
+        for event in items.close():
+            yield event
+        final = draft.final(group, items.items())
+        self._keep(draft.req, final, messages)
         kind = "response.completed" if final.status == "completed" else "response.incomplete"
-        yield event(kind, response=final)
+        yield items.event(kind, response=final)
+
+
+class _ItemStream:
+    """Parsed deltas -> output items and their events, one item open at a time."""
+
+    def __init__(self, draft: _Draft) -> None:
+        self.draft = draft
+        self.seq = 0
+        self.done: list[tuple[str, Any]] = []  # (kind, item data) of closed items
+        self.kind: str | None = None  # the open item: reasoning | message | function_call
+        self.item_id = ""
+        self.text = ""
+        self.call: tuple[str, str] = ("", "")  # (call_id, name)
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        body = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + _json.encode(body) + b"\n\n"
+
+    @property
+    def index(self) -> int:
+        return len(self.done)
+
+    def feed(self, reasoning: str, content: str, calls: list[Any]) -> list[bytes]:
+        out: list[bytes] = []
+        if reasoning:
+            out += self._open("reasoning")
+            out.append(self._delta("response.reasoning_text.delta", reasoning, content_index=0))
+        if content:
+            out += self._open("message")
+            out.append(self._delta("response.output_text.delta", content, content_index=0,
+                                   logprobs=[]))  # fmt: skip
+        for call in calls:
+            if call.id is not None:
+                out += self.close()
+                self.call = (call.id, call.name or "")
+                out += self._open("function_call")
+            if call.arguments:
+                out.append(self._delta("response.function_call_arguments.delta", call.arguments))
+        return out
+
+    def _delta(self, kind: str, text: str, **fields: Any) -> bytes:
+        self.text += text
+        where = {"item_id": self.item_id, "output_index": self.index}
+        return self.event(kind, **where, **fields, delta=text)
+
+    def _open(self, kind: str) -> list[bytes]:
+        if self.kind == kind and kind != "function_call":
+            return []
+        out = self.close()
+        self.kind, self.text = kind, ""
+        self.item_id = self.draft.new_item_id(kind)
+        item = self._item(status="in_progress")
+        out.append(self.event("response.output_item.added", output_index=self.index, item=item))
+        if kind == "message":
+            out.append(self.event("response.content_part.added", item_id=self.item_id,
+                                  output_index=self.index, content_index=0,
+                                  part=OutputText(text="")))  # fmt: skip
+        return out
+
+    def _item(self, status: str) -> OutputItem:
+        if self.kind == "reasoning":
+            return ReasoningItem(id=self.item_id, content=[ReasoningText(text=self.text)],
+                                 status=status)  # fmt: skip
+        if self.kind == "message":
+            return OutputMessage(id=self.item_id, status=status,
+                                 content=[OutputText(text=self.text)])  # fmt: skip
+        call_id, name = self.call
+        return FunctionCallItem(id=self.item_id, call_id=call_id, name=name,
+                                arguments=self.text, status=status)  # fmt: skip
+
+    def close(self) -> list[bytes]:
+        if self.kind is None:
+            return []
+        where = {"item_id": self.item_id, "output_index": self.index}
+        out = []
+        if self.kind == "reasoning":
+            out.append(self.event("response.reasoning_text.done", **where, content_index=0,
+                                  text=self.text))  # fmt: skip
+        elif self.kind == "message":
+            part = OutputText(text=self.text)
+            out.append(self.event("response.output_text.done", **where, content_index=0,
+                                  text=self.text, logprobs=[]))  # fmt: skip
+            out.append(self.event("response.content_part.done", **where, content_index=0,
+                                  part=part))  # fmt: skip
+        else:
+            out.append(self.event("response.function_call_arguments.done", **where,
+                                  name=self.call[1], arguments=self.text))  # fmt: skip
+        item = self._item(status="completed")
+        out.append(self.event("response.output_item.done", output_index=self.index, item=item))
+        self.done.append((self.kind, item))
+        self.kind = None
+        return out
+
+    def items(self) -> list[OutputItem]:
+        return [item for _, item in self.done]
 
 
 class _Draft:
@@ -112,13 +286,33 @@ class _Draft:
     ) -> None:
         self.req = req
         self.response_id = response_id
-        self.message_id = f"msg_{uuid.uuid4().hex}"
         self.model = model
         self.temperature = temperature
         self.top_p = top_p
         self.created_at = int(time.time())
 
-    def _response(self, status: str, output: list[OutputMessage], **fields: Any) -> ResponseObject:
+    @staticmethod
+    def new_item_id(kind: str) -> str:
+        prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
+        return f"{prefix}_{uuid.uuid4().hex}"
+
+    def items(
+        self, reasoning: str, content: str, calls: list[tuple[str, str, str]]
+    ) -> list[OutputItem]:
+        """The output items of a whole (unstreamed) answer, in the order a stream opens them."""
+        out: list[OutputItem] = []
+        if reasoning:
+            out.append(ReasoningItem(id=self.new_item_id("reasoning"),
+                                     content=[ReasoningText(text=reasoning)]))  # fmt: skip
+        if content:
+            out.append(OutputMessage(id=self.new_item_id("message"), status="completed",
+                                     content=[OutputText(text=content)]))  # fmt: skip
+        for call_id, name, arguments in calls:
+            out.append(FunctionCallItem(id=self.new_item_id("function_call"), call_id=call_id,
+                                        name=name, arguments=arguments))  # fmt: skip
+        return out
+
+    def _response(self, status: str, output: list[OutputItem], **fields: Any) -> ResponseObject:
         req = self.req
         return ResponseObject(
             id=self.response_id,
@@ -130,8 +324,11 @@ class _Draft:
             max_output_tokens=req.max_output_tokens,
             metadata=req.metadata,
             parallel_tool_calls=req.parallel_tool_calls is not False,
+            previous_response_id=req.previous_response_id,
+            store=req.store,
             temperature=self.temperature,
-            tool_choice=req.tool_choice if isinstance(req.tool_choice, str) else "auto",
+            tool_choice=req.tool_choice or ("auto" if req.tools else "none"),
+            tools=list(req.tools or []),
             top_p=self.top_p,
             user=req.user,
             text=req.text or {"format": {"type": "text"}},
@@ -141,28 +338,23 @@ class _Draft:
     def in_progress(self) -> ResponseObject:
         return self._response("in_progress", [])
 
-    def final(self, group: RequestGroup, text: str) -> ResponseObject:
+    def final(
+        self, group: RequestGroup, items: list[OutputItem], error: str | None = None
+    ) -> ResponseObject:
         gen = group.gens[0]
+        if error is not None:
+            error_info = {"code": "server_error", "message": error}
+            return self._response("failed", items, usage=_usage(group), error=error_info)
         status, details = "completed", None
         if gen.finish_reason == "length":
             status, details = "incomplete", {"reason": "max_output_tokens"}
         elif gen.finish_reason == "abort":
             status = "cancelled"
-        message = OutputMessage(
-            id=self.message_id,
-            status="completed" if status == "completed" else "incomplete",
-            content=[OutputText(text=text)],
-        )
-        return self._response(status, [message], usage=_usage(group), incomplete_details=details)
-
-    def failed(self, group: RequestGroup, text: str, error: str) -> ResponseObject:
-        message = OutputMessage(
-            id=self.message_id, status="incomplete", content=[OutputText(text=text)]
-        )
-        return self._response(
-            "failed", [message], usage=_usage(group),
-            error={"code": "server_error", "message": error},
-        )  # fmt: skip
+        if status != "completed":
+            for item in items:
+                if isinstance(item, OutputMessage):
+                    item.status = "incomplete"
+        return self._response(status, items, usage=_usage(group), incomplete_details=details)
 
 
 def _usage(group: RequestGroup) -> ResponseUsage:
@@ -174,4 +366,10 @@ def _usage(group: RequestGroup) -> ResponseUsage:
         output_tokens=u.completion_tokens,
         output_tokens_details=OutputTokensDetails(),
         total_tokens=u.total_tokens,
+    )
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(
+        f"no stored response has id {response_id!r}", 404, "response_id", "response_not_found"
     )

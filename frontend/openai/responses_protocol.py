@@ -1,10 +1,16 @@
-"""OpenAI's Responses API (POST /v1/responses) for text: the request, the response, the events.
+"""OpenAI's Responses API (POST /v1/responses): the request, its conversion to chat messages and
+tools, and the response's items.
 
-Text in, text out: `input` is a string or a list of messages (roles user, system, developer,
-assistant; content a string or input_text/output_text parts), `instructions` becomes a system
-message. Nothing is stored: `store`, `previous_response_id`, `background` and `conversation` are
-400s, as are tools, reasoning, logprobs, structured output and every other field this server does
-not implement. Field names mirror OpenAI's and vLLM's (its extensions top_k, seed, stop, ignore_eos,
+`input` is a string or a list of items: messages (roles user, system, developer, assistant; content
+a string or input_text/output_text parts), `function_call` items (the model's earlier calls: an
+assistant turn with tool_calls) and `function_call_output` items (a `tool` message answering one
+by call_id); `reasoning` items a client echoes back are dropped (earlier reasoning is not prompt
+text). `instructions` becomes a system message; `previous_response_id` puts a stored response's
+conversation first. Tools are function tools ({"type": "function", name, description,
+parameters}); tool_choice auto / required / none / {"type": "function", "name"}. A
+function_call_output whose call_id no function_call has, other tool types, `background`,
+`conversation`, logprobs and every other field this server does not implement are 400s naming
+them. Field names mirror OpenAI's and vLLM's (its extensions top_k, seed, stop, ignore_eos,
 skip_special_tokens, include_stop_str_in_output, request_id included).
 """
 
@@ -25,12 +31,8 @@ _TEXT_FORMAT = {"format": {"type": "text"}}
 
 # Known fields we do not implement -> the values that mean "not used" (anything else is a 400).
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "max_tool_calls": (None,),
-    "previous_response_id": (None,),
     "conversation": (None,),
-    "store": (None, False),
     "background": (None, False),
     "include": (None, []),
     "prompt": (None,),
@@ -64,7 +66,11 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     stream: bool | None = False
     user: str | None = None
     metadata: dict[str, str] | None = None  # echoed in the response, as OpenAI does
-    parallel_tool_calls: bool | None = None  # no tools: nothing to parallelize
+    parallel_tool_calls: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    store: bool = True  # OpenAI's default: kept (in memory, --max-stored-responses) for GET
     prompt_cache_key: str | None = None  # routing hints with no effect on the output
     safety_identifier: str | None = None
     # vLLM's extensions
@@ -76,12 +82,8 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     include_stop_str_in_output: bool = False
     request_id: str | None = None
 
-    tools: Any = UNSET
-    tool_choice: Any = UNSET
     max_tool_calls: Any = UNSET
-    previous_response_id: Any = UNSET
     conversation: Any = UNSET
-    store: Any = UNSET
     background: Any = UNSET
     include: Any = UNSET
     prompt: Any = UNSET
@@ -139,48 +141,124 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
             text_format = {"type": "json_schema", "json_schema": schema}
         return from_response_format(text_format, "text.format")
 
-    def messages(self) -> list[dict[str, Any]]:
-        """The chat messages the prompt is rendered from: instructions first, then the input."""
-        messages = []
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        """The function tools in chat completions' shape."""
+        if not self.tools:
+            return None
+        out = []
+        for i, tool in enumerate(self.tools):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function" or not isinstance(tool.get("name"), str):
+                raise bad_request(
+                    f"only function tools are supported; got type {kind!r}", f"tools[{i}].type"
+                )
+            function = {"name": tool["name"], "parameters": tool.get("parameters") or {}}
+            if tool.get("description"):
+                function["description"] = tool["description"]
+            out.append({"type": "function", "function": function})
+        return out
+
+    def chat_tool_choice(self) -> str | dict[str, Any] | None:
+        choice = self.tool_choice
+        if choice is None or isinstance(choice, str):
+            return choice
+        if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+            return {"type": "function", "function": {"name": choice["name"]}}
+        raise bad_request(
+            'tool_choice must be "auto", "required", "none" or {"type": "function", "name"}',
+            "tool_choice",
+        )
+
+    def messages(self, history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """The chat messages the prompt is rendered from: instructions, the previous response's
+        conversation (`history`), then the input."""
+        messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
+        messages += [dict(m) for m in history or []]
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         else:
             if not self.input:
                 raise bad_request("input must not be empty", "input")
-            messages += [_input_message(i, item) for i, item in enumerate(self.input)]
+            known = {c["id"] for m in messages for c in m.get("tool_calls") or []}
+            for i, item in enumerate(self.input):
+                _add_item(messages, i, item, known)
         return normalize_messages(messages)
 
 
-def _input_message(i: int, item: dict[str, Any]) -> dict[str, Any]:
-    kind = item.get("type", "message")
-    if kind != "message":
+def _add_item(messages: list[dict[str, Any]], i: int, item: Any, known_calls: set[str]) -> None:
+    """Appends input item i (consecutive function_call items share one assistant turn)."""
+    kind = item.get("type", "message") if isinstance(item, dict) else None
+    if kind == "message":
+        messages.append(_input_message(i, item))
+    elif kind == "function_call":
+        call = _function_call(i, item)
+        known_calls.add(call["id"])
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+            last["tool_calls"] = [*last["tool_calls"], call]
+        else:
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    elif kind == "function_call_output":
+        call_id = item.get("call_id")
+        if call_id not in known_calls:
+            raise bad_request(
+                f"function_call_output refers to call_id {call_id!r}, which no function_call "
+                "in the input or the previous response has",
+                f"input[{i}].call_id",
+            )
+        output = item.get("output")
+        if isinstance(output, list):
+            output = _parts_text(i, output, "output")
+        if not isinstance(output, str):
+            raise bad_request("output must be a string or text parts", f"input[{i}].output")
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+    elif kind != "reasoning":
         raise bad_request(
-            f"input items of type {kind!r} are not supported (messages only)", "input"
+            f"input items of type {kind!r} are not supported (message, function_call, "
+            "function_call_output, reasoning)",
+            f"input[{i}].type",
         )
+
+
+def _function_call(i: int, item: dict[str, Any]) -> dict[str, Any]:
+    call_id, name = item.get("call_id"), item.get("name")
+    if not isinstance(call_id, str) or not isinstance(name, str):
+        raise bad_request("a function_call needs a string call_id and name", f"input[{i}]")
+    arguments = item.get("arguments", "{}")
+    if not isinstance(arguments, str):
+        raise bad_request("arguments must be a JSON string", f"input[{i}].arguments")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _parts_text(i: int, parts: list[Any], field: str = "content") -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        param = f"input[{i}].{field}[{j}]"
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad_request(
+                f"content of type {kind!r} is not supported (input_text and output_text only)",
+                param,
+            )
+        if not isinstance(part.get("text"), str):
+            raise bad_request("a text part needs a string 'text'", param)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _input_message(i: int, item: dict[str, Any]) -> dict[str, Any]:
     role = item.get("role")
     if role not in _ROLES:
         raise bad_request(
-            f"input[{i}]: role must be one of {', '.join(_ROLES)}, not {role!r}", "input"
+            f"role must be one of {', '.join(_ROLES)}, not {role!r}", f"input[{i}].role"
         )
     content = item.get("content")
     if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise bad_request(
-                    f"input[{i}].content[{j}]: content of type {kind!r} is not supported "
-                    "(input_text and output_text only)",
-                    "input",
-                )
-            if not isinstance(part.get("text"), str):
-                raise bad_request(f"input[{i}].content[{j}] needs a string 'text'", "input")
-            texts.append(part["text"])
-        content = "\n".join(texts)
+        content = _parts_text(i, content)
     elif not isinstance(content, str):
-        raise bad_request(f"input[{i}].content must be a string or a list of parts", "input")
+        raise bad_request("content must be a string or a list of parts", f"input[{i}].content")
     return {"role": _ROLES[role], "content": content}
 
 
@@ -194,12 +272,34 @@ class OutputText(msgspec.Struct, kw_only=True):
     logprobs: list[Any] = []
 
 
-class OutputMessage(msgspec.Struct, kw_only=True):
+class OutputMessage(msgspec.Struct, kw_only=True, tag="message", tag_field="type"):
     id: str
     status: str  # in_progress | completed | incomplete
     content: list[OutputText]
-    type: str = "message"
     role: str = "assistant"
+
+
+class FunctionCallItem(msgspec.Struct, kw_only=True, tag="function_call", tag_field="type"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # a JSON object, as text
+    status: str = "completed"
+
+
+class ReasoningText(msgspec.Struct, kw_only=True):
+    text: str
+    type: str = "reasoning_text"
+
+
+class ReasoningItem(msgspec.Struct, kw_only=True, tag="reasoning", tag_field="type"):
+    id: str
+    content: list[ReasoningText]
+    summary: list[Any] = []
+    status: str = "completed"
+
+
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
 
 
 class InputTokensDetails(msgspec.Struct):
@@ -223,7 +323,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     created_at: int
     model: str
     status: str  # in_progress | completed | incomplete | cancelled | failed
-    output: list[OutputMessage]
+    output: list[OutputItem]
     object: str = "response"
     usage: ResponseUsage | None = None
     error: dict[str, Any] | None = None
@@ -232,12 +332,12 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     max_output_tokens: int | None = None
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool = True
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     reasoning: None = None
     store: bool = False
     temperature: float
     text: dict[str, Any] = msgspec.field(default_factory=lambda: dict(_TEXT_FORMAT))
-    tool_choice: str = "none"
+    tool_choice: str | dict[str, Any] = "auto"
     tools: list[Any] = []
     top_p: float
     truncation: str = "disabled"

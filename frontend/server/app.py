@@ -27,7 +27,7 @@ from frontend.engine.client import EngineClient
 from frontend.lmdeploy.serving import LMDeployServing
 from frontend.openai.chat import ChatServing
 from frontend.openai.completion import CompletionServing
-from frontend.openai.responses import ResponsesServing
+from frontend.openai.responses import ResponsesServing, ResponseStore
 from frontend.openai.tokenize import TokenizeServing
 from frontend.pooling.serving import PoolingServing, task_error
 from frontend.server.errors import APIError
@@ -61,7 +61,7 @@ def build_app(
     handlers = Handlers(
         chat=chat,
         completion=CompletionServing(serving),
-        responses=ResponsesServing(serving),
+        responses=ResponsesServing(chat, ResponseStore(frontend.max_stored_responses)),
         messages=MessagesServing(chat),
         tokenize=TokenizeServing(serving),
         lmdeploy=LMDeployServing(serving),

@@ -7,6 +7,7 @@ psutil that none of its processes survived.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -64,3 +65,12 @@ def module_server() -> Iterator[Callable[..., TernServer]]:
 
     yield launch
     _stop_all(servers)
+
+
+_LENGTH = re.compile(r'^tern:request_success_total\{finished_reason="length"[^}]*\} (\S+)$', re.M)
+
+
+def length_finishes(server: TernServer) -> float:
+    """How many requests the server has ended by length (max_tokens) so far."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    return sum(float(v) for v in _LENGTH.findall(text))

@@ -12,7 +12,6 @@ the structure comes from the server's constraints, not from the model.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +28,9 @@ from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
+from tests.integration.conftest import length_finishes
+
 MAX_TOKENS = 200
-_LENGTH = re.compile(r'^tern:request_success_total\{finished_reason="length"[^}]*\} (\S+)$', re.M)
 
 
 class City(BaseModel):
@@ -68,16 +68,11 @@ def model_name(server: Any) -> str:
     return httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"][0]["id"]
 
 
-def _length_finishes(server: Any) -> float:
-    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    return sum(float(v) for v in _LENGTH.findall(text))
-
-
 @pytest.fixture(autouse=True)
 def no_length_finish(server: Any) -> Iterator[None]:
-    before = _length_finishes(server)
+    before = length_finishes(server)
     yield
-    assert _length_finishes(server) == before, "a request ended by length (max_tokens)"
+    assert length_finishes(server) == before, "a request ended by length (max_tokens)"
 
 
 @pytest.fixture

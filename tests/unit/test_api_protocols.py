@@ -83,26 +83,45 @@ def test_responses_input_forms_become_chat_messages() -> None:
 
 
 @pytest.mark.parametrize(
-    "item",
+    ("item", "param"),
     [
-        {"type": "function_call_output", "call_id": "x", "output": "1"},
-        {"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]},
-        {"role": "wizard", "content": "hi"},
-        {"role": "user", "content": 5},
+        ({"type": "function_call_output", "call_id": "x", "output": "1"}, "input[0].call_id"),
+        (
+            {"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]},
+            "input[0].content[0]",
+        ),
+        ({"role": "wizard", "content": "hi"}, "input[0].role"),
+        ({"role": "user", "content": 5}, "input[0].content"),
+        ({"type": "web_search_call", "id": "w"}, "input[0].type"),
     ],
 )
-def test_responses_non_text_input_is_400(item: dict[str, Any]) -> None:
+def test_responses_input_the_api_cannot_serve_is_400(item: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as info:
         decode(ResponsesRequest, input=[item]).messages()
-    assert info.value.status == 400 and info.value.param == "input"
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_responses_tool_round_trip_items_become_chat_turns() -> None:
+    req = decode(
+        ResponsesRequest,
+        input=[
+            {"role": "user", "content": "weather?"},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "function_call", "call_id": "c1", "name": "w", "arguments": '{"c": 1}'},
+            {"type": "function_call", "call_id": "c2", "name": "w", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            {"type": "function_call_output", "call_id": "c2", "output": "rain"},
+        ],
+    )
+    out = req.messages()
+    assert [m["role"] for m in out] == ["user", "assistant", "tool", "tool"]
+    assert [c["id"] for c in out[1]["tool_calls"]] == ["c1", "c2"] and out[1]["content"] == ""
+    assert out[2] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
 
 
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("tools", [{"type": "function", "name": "f", "parameters": {}}]),
-        ("previous_response_id", "resp_1"),
-        ("store", True),
         ("background", True),
         ("reasoning", {"effort": "low"}),
         ("top_logprobs", 2),
