@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -74,3 +75,12 @@ def length_finishes(server: TernServer) -> float:
     """How many requests the server has ended by length (max_tokens) so far."""
     text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
     return sum(float(v) for v in _LENGTH.findall(text))
+
+
+@pytest.fixture
+def no_length_finish(server: Any) -> Iterator[None]:
+    """Fails the test if the module's `server` ended any request by length while it ran (the
+    client-library tests: every call must finish, not hit max_tokens)."""
+    before = length_finishes(server)
+    yield
+    assert length_finishes(server) == before, "a request ended by length (max_tokens)"

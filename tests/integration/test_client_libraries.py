@@ -12,7 +12,6 @@ the structure comes from the server's constraints, not from the model.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +26,6 @@ from pydantic_ai import Agent
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
-
-from tests.integration.conftest import length_finishes
 
 MAX_TOKENS = 200
 
@@ -58,6 +55,9 @@ WEATHER_TOOL = {
 }
 
 
+pytestmark = pytest.mark.usefixtures("no_length_finish")
+
+
 @pytest.fixture(scope="module")
 def server(module_server: Any) -> Any:
     return module_server("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
@@ -66,13 +66,6 @@ def server(module_server: Any) -> Any:
 @pytest.fixture(scope="module")
 def model_name(server: Any) -> str:
     return httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"][0]["id"]
-
-
-@pytest.fixture(autouse=True)
-def no_length_finish(server: Any) -> Iterator[None]:
-    before = length_finishes(server)
-    yield
-    assert length_finishes(server) == before, "a request ended by length (max_tokens)"
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -21,8 +20,6 @@ from agents import (
     function_tool,
     set_tracing_disabled,
 )
-
-from tests.integration.conftest import length_finishes
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is the weather in Paris? Answer in one short sentence."
@@ -41,16 +38,12 @@ TOOLS: list[Any] = [
 GREEDY = {"model": MODEL, "temperature": 0, "max_output_tokens": 200}
 
 
+pytestmark = pytest.mark.usefixtures("no_length_finish")
+
+
 @pytest.fixture(scope="module")
 def server(module_server: Any) -> Any:
     return module_server("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-
-
-@pytest.fixture(autouse=True)
-def no_length_finish(server: Any) -> Iterator[None]:
-    before = length_finishes(server)
-    yield
-    assert length_finishes(server) == before, "a request ended by length (max_tokens)"
 
 
 @pytest.fixture
