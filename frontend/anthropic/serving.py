@@ -128,7 +128,8 @@ class MessagesServing:
                         yield event
         except (EngineDeadError, RequestFailedError) as e:
             status = 503 if isinstance(e, EngineDeadError) else 500
-            yield _event("error", **error_body(APIError(str(e), status), ANTHROPIC_PATH_PREFIX))
+            body = error_body(APIError(str(e), status), ANTHROPIC_PATH_PREFIX)
+            yield _event("error", **msgspec.to_builtins(body))
             return
         for event in blocks.close():
             yield event

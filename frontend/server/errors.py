@@ -66,7 +66,16 @@ _ANTHROPIC_TYPES = {
 ANTHROPIC_PATH_PREFIX = "/v1/messages"
 
 
-def error_body(err: APIError, path: str) -> object:
+class AnthropicErrorInfo(msgspec.Struct):
+    type: str
+    message: str  # names the offending field, when there is one
+
+
+class AnthropicErrorResponse(msgspec.Struct, tag="error", tag_field="type"):
+    error: AnthropicErrorInfo
+
+
+def error_body(err: APIError, path: str) -> ErrorResponse | AnthropicErrorResponse:
     """The error body clients of `path` parse: Anthropic's under /v1/messages, else OpenAI's."""
     if not path.startswith(ANTHROPIC_PATH_PREFIX):
         return err.to_response()
@@ -74,7 +83,7 @@ def error_body(err: APIError, path: str) -> object:
     if err.param is not None and err.param not in message:
         message = f"{err.param}: {message}"
     kind = _ANTHROPIC_TYPES.get(err.status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    return AnthropicErrorResponse(AnthropicErrorInfo(kind, message))
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -12,7 +12,11 @@ from typing import Any
 
 import msgspec
 
-from frontend.server.errors import ErrorResponse
+from frontend.server.errors import (
+    ANTHROPIC_PATH_PREFIX,
+    AnthropicErrorResponse,
+    ErrorResponse,
+)
 from frontend.server.routes import ROUTES, RouteSpec
 
 _REF = "#/components/schemas/{name}"
@@ -27,7 +31,7 @@ _ERROR_STATUSES = {
 
 def openapi_document(title: str, version: str) -> dict[str, Any]:
     """The OpenAPI 3.1 document of ROUTES."""
-    types: list[Any] = [ErrorResponse]
+    types: list[Any] = [ErrorResponse, AnthropicErrorResponse]
     for r in ROUTES:
         for t in (r.request, r.response, r.stream):
             types += list(t) if isinstance(t, tuple) else [t] if t is not None else []
@@ -90,7 +94,8 @@ def _operation(r: RouteSpec, method: str, schema_of: dict[str, Any]) -> dict[str
                 "description": "with `stream: true`: server-sent events, each `data:` a "
                 f"{r.stream.__name__}, then `data: [DONE]`",
             }
-    error = {"application/json": {"schema": schema_of[_key(ErrorResponse)]}}
+    shape = AnthropicErrorResponse if r.path.startswith(ANTHROPIC_PATH_PREFIX) else ErrorResponse
+    error = {"application/json": {"schema": schema_of[_key(shape)]}}
     op["responses"] = {
         "200": ok,
         **{code: {"description": text, "content": error} for code, text in _ERROR_STATUSES.items()},
