@@ -10,7 +10,11 @@ rewritten here:
   exponent of at most MAX_EXPONENT_DIGITS digits; every other run of digits in the grammar (the
   range rules xgrammar writes for minimum / maximum) is bounded the same way;
 - whitespace between tokens is at most two spaces or tabs, or one newline followed by at most
-  MAX_INDENT spaces or tabs: enough for pretty-printed JSON, nothing to pad with.
+  MAX_INDENT spaces or tabs: enough for pretty-printed JSON, nothing to pad with;
+- a string's characters exclude the control characters (JSON escapes them) and the UTF-16
+  surrogates (no valid UTF-8 encodes them): xgrammar's length-bounded strings (maxLength) allow both,
+  so a weak model could write raw control bytes json.loads refuses, or a surrogate's three bytes
+  that decode to three replacement characters where the grammar counted one.
 
 `bound_numbers=False` (the server's --no-json-number-bound) keeps xgrammar's number rules and
 bounds only the whitespace. Each rewrite is checked to have happened, so an xgrammar release that
@@ -31,6 +35,9 @@ _RULE = re.compile(r"^(\w+) ::= (.*)$", re.M)
 _DIGIT_RULE_BODIES = ("(([0-9]))", "([0-9])")
 _WHITESPACE_REPEAT = re.compile(r"\bwhitespace(?:_\d+)?\{0, \d+\}")
 _LOOSE_WHITESPACE = "[ \\n\\r\\t]*"
+_NEGATED_CLASS = re.compile(r"\[\^((?:\\.|[^\]\\])*)\]")
+_CONTROL = "\\0-\\x1f"
+_SURROGATES = "\\uD800-\\uDFFF"
 
 
 def number_rules(name: str) -> str:
@@ -59,7 +66,7 @@ def whitespace_rule(any_whitespace: bool = True) -> str:
 def bound_schema_grammar(ebnf: str, bound_numbers: bool) -> str:
     """xgrammar's grammar of a JSON schema (from_json_schema), bounded. (Without any_whitespace
     xgrammar's grammar has no whitespace rules; the numbers are bounded all the same.)"""
-    out = _bound_whitespace(ebnf)
+    out = _valid_string_characters(_bound_whitespace(ebnf))
     if bound_numbers:
         out = _bound_digit_runs(out)
         out = _replace_rule(out, "basic_number", "tern_number")
@@ -72,10 +79,26 @@ def bound_any_json_grammar(ebnf: str, bound_numbers: bool, any_whitespace: bool 
     """xgrammar's builtin any-JSON grammar (json_object), bounded."""
     if _LOOSE_WHITESPACE not in ebnf:
         raise ValueError("xgrammar's JSON grammar has no [ \\n\\r\\t]* whitespace to bound")
-    out = ebnf.replace(_LOOSE_WHITESPACE, WS_RULE)
+    out = _valid_string_characters(ebnf.replace(_LOOSE_WHITESPACE, WS_RULE))
     if bound_numbers:
         out = _bound_builtin_numbers(out)
     return out + whitespace_rule(any_whitespace)
+
+
+def _valid_string_characters(ebnf: str) -> str:
+    """Every negated character class (a JSON string's characters) also excludes the control
+    characters and the surrogates."""
+
+    def exclude(match: re.Match) -> str:
+        body = match[1]
+        if _CONTROL not in body:
+            body = _CONTROL + body
+        return f"[^{body}{_SURROGATES}]"
+
+    out, count = _NEGATED_CLASS.subn(exclude, ebnf)
+    if count == 0 and "string" in ebnf:
+        raise ValueError("xgrammar's string rules changed shape: cannot bound their characters")
+    return out
 
 
 def _bound_whitespace(ebnf: str) -> str:

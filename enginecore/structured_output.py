@@ -104,19 +104,14 @@ class GrammarCompiler:
 @functools.lru_cache(maxsize=256)
 def json_schema_grammar(schema: str, any_whitespace: bool, bound_numbers: bool = True) -> str:
     """The EBNF grammar of a JSON schema (xgrammar's), strict JSON, with numbers and whitespace
-    bounded (enginecore/json_grammar.py). Raises on a bad schema.
-
-    NOTE: xgrammar (0.2) lets a string with minLength / maxLength hold raw control characters
-    (tab, NUL...), which strict JSON parsers (Python's json, pydantic) reject: its character class
-    for them excludes only quote, backslash, CR and LF. Its other strings exclude U+0000-U+001F.
-    """
+    bounded and its strings' characters valid (enginecore/json_grammar.py). Raises on a bad
+    schema."""
     import xgrammar as xgr
 
     grammar = xgr.Grammar.from_json_schema(
         schema, any_whitespace=any_whitespace, max_whitespace_cnt=_XGRAMMAR_WHITESPACE
     )
-    text = str(grammar).replace(_LENIENT_STRING_CHAR, _JSON_STRING_CHAR)
-    return bound_schema_grammar(text, bound_numbers)
+    return bound_schema_grammar(str(grammar), bound_numbers)
 
 
 @functools.lru_cache(maxsize=4)
@@ -130,8 +125,6 @@ def any_json_grammar(any_whitespace: bool, bound_numbers: bool = True) -> str:
 
 # Whitespace runs as xgrammar writes them (a rule repeated 0..n times), then rewritten.
 _XGRAMMAR_WHITESPACE = 17
-_LENIENT_STRING_CHAR = r"[^\"\\\r\n]"
-_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
 
 def structural_tag_args(spec: str) -> tuple[Any, ...]:

@@ -160,6 +160,8 @@ class MessagesRequest(MessagesBase, forbid_unknown_fields=True, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    # tern's extension (as vLLM's on its other APIs): reproducible sampling at temperature > 0.
+    seed: int | None = None
     metadata: dict[str, Any] | None = None  # user_id: a tracking hint, no effect on the output
 
     def validate(self) -> None:
@@ -179,6 +181,7 @@ class MessagesRequest(MessagesBase, forbid_unknown_fields=True, kw_only=True):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            seed=self.seed,
             stop=list(self.stop_sequences or []),
         )
 

@@ -313,15 +313,15 @@ def test_responses_streaming_event_sequence(client: openai.OpenAI) -> None:
 
 
 def test_responses_unsupported_fields_are_400(client: openai.OpenAI) -> None:
-    for kwargs in [
-        {"previous_response_id": "resp_123"},
-        {"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]},
-        {"store": True},
-        {"reasoning": {"effort": "high"}},
+    for kwargs, param in [
+        ({"previous_response_id": "resp_123"}, "previous_response_id"),  # not stored
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),  # function tools only
+        ({"background": True}, "background"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
     ]:
         with pytest.raises(openai.BadRequestError) as info:
             client.responses.create(model="tiny", input="x", **kwargs)
-        assert info.value.body["param"] == next(iter(kwargs))
+        assert info.value.body["param"] == param
 
 
 # --------------------------------------------------------------------------- /generate

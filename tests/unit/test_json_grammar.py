@@ -159,3 +159,24 @@ def test_random_schemas_at_temperature_1_finish_valid_and_bounded(
             digits = (integer.lstrip("0") or "") + fraction if integer != "0" else fraction
             assert len(digits) <= MAX_SIGNIFICANT_DIGITS, text
             assert len(exponent) <= MAX_EXPONENT_DIGITS, text
+
+
+@pytest.mark.parametrize("maxlen", [None, 4])
+def test_strings_refuse_control_characters_and_surrogates(maxlen: int | None) -> None:
+    """xgrammar's strings (length-bounded ones above all) take raw control characters, which
+    json.loads refuses, and a surrogate's three bytes, which decode to three replacement characters
+    where the grammar counted one: both are refused, at the byte level the sampler works at."""
+    string = {"type": "string"} if maxlen is None else {"type": "string", "maxLength": maxlen}
+    schema = {"type": "object", "properties": {"s": string}, "required": ["s"]}
+    vocab = xgr.TokenizerInfo([bytes([b]) for b in range(256)])
+    compiled = xgr.GrammarCompiler(vocab).compile_grammar(
+        json_schema_grammar(json.dumps(schema), True)
+    )
+
+    def accepts(raw: bytes) -> bool:
+        return xgr.GrammarMatcher(compiled).accept_string(b'{"s": "' + raw + b'"}')
+
+    assert accepts("ab€".encode()) and accepts(b"\xed\x9f\xbf")
+    assert accepts(b"\\t") == (maxlen is None)  # xgrammar's bounded strings take no escapes
+    for bad in (b"\x01", b"\t", b"\xed\xa0\x80", b"\xed\xbf\xbf"):
+        assert not accepts(bad), bad
