@@ -53,7 +53,9 @@ def test_responses_function_calls(server: Any) -> None:
         with client.responses.stream(**kwargs) as stream:
             streamed = stream.get_final_response()
         calls = [(o.name, o.arguments) for o in whole.output if o.type == "function_call"]
-        assert calls == [(o.name, o.arguments) for o in streamed.output if o.type == "function_call"]
+        assert calls == [
+            (o.name, o.arguments) for o in streamed.output if o.type == "function_call"
+        ]
         assert whole.status == streamed.status == "completed", (seed, whole.output)
         ((name, arguments),) = calls
         assert name == "forecast"
