@@ -55,7 +55,7 @@ from workers.layers.logprobs import (
 )
 from workers.layers.pooler import Pooler, PoolingState
 from workers.layers.sampler import Sampler, SamplingTensors
-from workers.models.llama import mlp_shard_of
+from workers.models.decoder import mlp_shard_of
 from workers.models.registry import ModelArgs, build_model, load_model_args
 from workers.weight_loader import load_checkpoint
 
@@ -285,6 +285,8 @@ class ModelRunner:
             params += f", tp {tp} x pp {pp}"
         if self.pooler is not None:
             params += f", task {a.task} ({self.pooler.pooling_type} pooling)"
+        if a.multimodal:
+            params += ", its language model only (image inputs are not served)"
         dtype = str(self.dtype).removeprefix("torch.")
         if self.weight_dtype != self.dtype:
             dtype += " (bfloat16-stored weights: no bfloat16 arithmetic on this CPU)"

@@ -1,0 +1,108 @@
+"""The model zoo against Hugging Face (fp32): a tiny random-weight checkpoint of each family, made from
+transformers' own config class (scripts/make_tiny_model.py), serves 8 prompts of 3 to 64 tokens in one
+batch with the greedy tokens of Hugging Face's model: through the engine core with prefix caching
+(a second pass hits the cache), under preemption, with every prefill chunked (7 tokens a step), and
+through the model runner with logprobs within 1e-3. The sliding windows of the tiny checkpoints (8
+tokens) are shorter than most prompts; the layer kinds of each family repeat.
+
+The families and what each tiny checkpoint exercises: Mistral (every layer slides), Ministral
+(sliding and full layers), Gemma 2 (attention and final softcapping, 1 + weight sandwich norms, GELU,
+scaled embeddings), Gemma 3 (5:1-style local/global layers with two rope bases, q/k norms), Phi-3
+(fused qkv / gate_up checkpoint, partial rotation, longrope), SmolLM3 (NoPE layers), OLMo 2 (post
+norms, whole-projection q/k norms, yarn), Granite (multipliers, dynamic rope), GLM-4 (sandwich norms,
+interleaved partial rotation, fused gate_up).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from enginecore.messages import EngineCoreRequest, SamplingParams
+from tests.conftest import ZOO_FIXTURES, make_tiny_model
+from tests.unit.test_engine_inproc import (
+    MAX_TOKENS,
+    hf_greedy,
+    make_prompts,
+    run_greedy,
+    vocab_of,
+)
+from tests.unit.test_model_runner import GREEDY, make_runner, run
+from tests.unit.test_model_runner import make_prompts as runner_prompts
+
+_reference: dict[Path, list[list[int]]] = {}
+
+
+@pytest.fixture(params=ZOO_FIXTURES)
+def model_dir(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(request.param)
+
+
+def _hf(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    if model_dir not in _reference:
+        _reference[model_dir] = hf_greedy(model_dir, prompts, MAX_TOKENS)
+        assert len({tuple(r) for r in _reference[model_dir]}) == len(prompts)
+    return _reference[model_dir]
+
+
+def test_engine_matches_hf_and_the_prefix_cache_hits(model_dir: Path) -> None:
+    prompts = make_prompts(vocab_of(model_dir))
+    ref = _hf(model_dir, prompts)
+    out, core = run_greedy(model_dir, prompts, block_size=4)
+    assert out == ref
+    # The same prompts again on the same engine: their full blocks come from the prefix cache.
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        assert core.add_request(EngineCoreRequest(f"again{i}", p, params)) == []
+    cached = 0
+    outs: dict[str, list[int]] = {}
+    while core.scheduler.has_requests:
+        for o in core.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            cached = max(cached, o.num_cached_tokens or 0)
+    assert cached > 0
+    assert [outs[f"again{i}"] for i in range(len(prompts))] == ref
+
+
+def test_preemption_and_chunked_prefill(model_dir: Path) -> None:
+    prompts = make_prompts(vocab_of(model_dir))
+    ref = _hf(model_dir, prompts)
+    # 24 blocks of 4 tokens: far fewer than 8 requests of up to 80 tokens need at once.
+    out, core = run_greedy(model_dir, prompts, block_size=4, num_blocks=24)
+    assert core.scheduler.num_preempted_total > 0
+    assert out == ref
+    out, _ = run_greedy(model_dir, prompts, max_num_batched_tokens=7)
+    assert out == ref
+
+
+def test_logprobs_match_hf(model_dir: Path) -> None:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = runner_prompts(hf.config.vocab_size)
+    reqs = run(make_runner(model_dir, block_size=16), prompts, GREEDY, chunk_size=7)
+    with torch.no_grad():
+        for r in reqs.values():
+            ids = torch.tensor([r.prompt + r.output[:-1]])
+            hf_logprobs = hf(ids).logits[0].float().log_softmax(-1)[len(r.prompt) - 1 :]
+            torch.testing.assert_close(
+                torch.stack(r.logprobs), hf_logprobs, atol=1e-3, rtol=0
+            )
+
+
+
+def test_a_checkpoint_with_a_vision_tower_serves_its_language_model(
+    tmp_path: Path, tokenizer_dir: Path | None
+) -> None:
+    """Gemma3ForConditionalGeneration (random one-layer vision tower): the text answers are those of
+    Hugging Face's model on the same weights, the vision weights are skipped, the log says so."""
+    model_dir = make_tiny_model("gemma3_vl", tmp_path / "gemma3_vl", tokenizer_dir)
+    vocab = json.loads((model_dir / "config.json").read_text())["text_config"]["vocab_size"]
+    prompts = make_prompts(vocab)
+    out, _ = run_greedy(model_dir, prompts)
+    assert out == hf_greedy(model_dir, prompts, MAX_TOKENS)
+    runner = make_runner(model_dir, block_size=16)
+    assert "image inputs are not served" in runner.model_summary
+    assert runner.args.architecture == "Gemma3ForConditionalGeneration"
