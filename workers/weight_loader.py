@@ -120,7 +120,10 @@ def _unfused(
             yield name, tensor
             continue
         if parts[-2] == "qkv_proj":
-            q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
+            q, kv = (
+                args.num_attention_heads * args.head_dim,
+                args.num_key_value_heads * args.head_dim,
+            )
             pieces = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
         else:
             pieces = [("gate_proj", args.intermediate_size), ("up_proj", args.intermediate_size)]

@@ -87,10 +87,7 @@ def test_logprobs_match_hf(model_dir: Path) -> None:
         for r in reqs.values():
             ids = torch.tensor([r.prompt + r.output[:-1]])
             hf_logprobs = hf(ids).logits[0].float().log_softmax(-1)[len(r.prompt) - 1 :]
-            torch.testing.assert_close(
-                torch.stack(r.logprobs), hf_logprobs, atol=1e-3, rtol=0
-            )
-
+            torch.testing.assert_close(torch.stack(r.logprobs), hf_logprobs, atol=1e-3, rtol=0)
 
 
 def test_a_checkpoint_with_a_vision_tower_serves_its_language_model(

@@ -74,7 +74,9 @@ class ShardedRMSNorm(nn.Module):
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         if shard_id is not None or loaded.shape[0] != self.full_size:
-            raise ValueError(f"expected a norm weight of {self.full_size}, got {tuple(loaded.shape)}")
+            raise ValueError(
+                f"expected a norm weight of {self.full_size}, got {tuple(loaded.shape)}"
+            )
         copy_checked(param.data, loaded.narrow(0, *self.shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, size) -> (T, size)

@@ -68,7 +68,9 @@ class RopeParams:
             )
             params["original_max_position_embeddings"] = original
         if rope_type in ("yarn", "longrope") and params.get("factor") is None:
-            params["factor"] = hf["max_position_embeddings"] / params["original_max_position_embeddings"]
+            params["factor"] = (
+                hf["max_position_embeddings"] / params["original_max_position_embeddings"]
+            )
         return cls(
             theta=float(theta), rope_type=rope_type, scaling=params,
             partial_rotary_factor=float(partial),
@@ -78,7 +80,9 @@ class RopeParams:
         return int(head_dim * self.partial_rotary_factor)
 
 
-def compute_inv_freq(head_dim: int, rope: RopeParams, factors: list[float] | None = None) -> torch.Tensor:
+def compute_inv_freq(
+    head_dim: int, rope: RopeParams, factors: list[float] | None = None
+) -> torch.Tensor:
     """Inverse frequencies (rotary_dim / 2,) in float32, computed as transformers does; `factors`:
     longrope's short or long factors."""
     dim = rope.rotary_dim(head_dim)
@@ -197,10 +201,16 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache[positions].unsqueeze(1)  # (T, 1, R/2)
         sin = self.sin_cache[positions].unsqueeze(1)
         if self.interleaved:
-            cos, sin = cos.repeat_interleave(2, -1).to(q.dtype), sin.repeat_interleave(2, -1).to(q.dtype)
+            cos, sin = (
+                cos.repeat_interleave(2, -1).to(q.dtype),
+                sin.repeat_interleave(2, -1).to(q.dtype),
+            )
             rotate = _rotate_pairs
         else:
-            cos, sin = torch.cat((cos, cos), dim=-1).to(q.dtype), torch.cat((sin, sin), dim=-1).to(q.dtype)
+            cos, sin = (
+                torch.cat((cos, cos), dim=-1).to(q.dtype),
+                torch.cat((sin, sin), dim=-1).to(q.dtype),
+            )
             rotate = _rotate_halves
         r = self.rotary_dim
         if r == self.head_dim:

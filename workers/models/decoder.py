@@ -113,9 +113,7 @@ def layer_kinds(args: ModelArgs, default_types: list[str] | None = None) -> tupl
     if unknown or len(types) != n:
         raise ValueError(f"layer_types must name {n} layers sliding_attention or full_attention")
     ropes = {t: RopeParams.from_hf_config(hf, t) for t in set(types)}
-    return tuple(
-        LayerKind(ropes[t], window if t == "sliding_attention" else None) for t in types
-    )
+    return tuple(LayerKind(ropes[t], window if t == "sliding_attention" else None) for t in types)
 
 
 class DecoderAttention(nn.Module):
@@ -332,7 +330,9 @@ class DecoderModel(nn.Module):
             for i, kind in enumerate(spec.layers)
         )
         self.norm = (
-            RMSNorm(args.hidden_size, args.rms_norm_eps, spec.norm_offset, spec.norm_weight_in_float32)
+            RMSNorm(
+                args.hidden_size, args.rms_norm_eps, spec.norm_offset, spec.norm_weight_in_float32
+            )
             if ctx.is_last_stage
             else None
         )
@@ -396,7 +396,12 @@ def language_model_name(name: str) -> str | None:
 
 
 def _hashable(rope: RopeParams) -> tuple:
-    return (rope.theta, rope.rope_type, repr(sorted(rope.scaling.items())), rope.partial_rotary_factor)
+    return (
+        rope.theta,
+        rope.rope_type,
+        repr(sorted(rope.scaling.items())),
+        rope.partial_rotary_factor,
+    )
 
 
 class DecoderForCausalLM(nn.Module):

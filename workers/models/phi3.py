@@ -10,4 +10,6 @@ from workers.models.registry import ModelArgs
 
 
 def decoder_spec(args: ModelArgs) -> DecoderSpec:
-    return DecoderSpec(layers=layer_kinds(args), activation=args.hf_config.get("hidden_act", "silu"))
+    return DecoderSpec(
+        layers=layer_kinds(args), activation=args.hf_config.get("hidden_act", "silu")
+    )

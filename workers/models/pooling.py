@@ -47,9 +47,7 @@ def build_score_head(head: str, args: ModelArgs, ctx: ParallelContext) -> nn.Mod
 
 
 class DecoderForPooling(nn.Module):
-    def __init__(
-        self, args: ModelArgs, ctx: ParallelContext, spec: DecoderSpec, head: str
-    ) -> None:
+    def __init__(self, args: ModelArgs, ctx: ParallelContext, spec: DecoderSpec, head: str) -> None:
         super().__init__()
         self.args = args
         self.ctx = ctx
