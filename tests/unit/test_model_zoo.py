@@ -22,17 +22,20 @@ import pytest
 import torch
 import transformers
 
-from enginecore.messages import EngineCoreRequest, SamplingParams
+from enginecore.control import EngineControl
+from enginecore.messages import EngineCoreRequest, SamplingParams, UtilityMethod
 from tests.conftest import ZOO_FIXTURES, make_tiny_model
 from tests.unit.test_engine_inproc import (
     MAX_TOKENS,
     hf_greedy,
+    make_core,
     make_prompts,
     run_greedy,
     vocab_of,
 )
 from tests.unit.test_model_runner import GREEDY, make_runner, run
 from tests.unit.test_model_runner import make_prompts as runner_prompts
+from tests.unit.test_weight_control import N, blob, call, greedy
 
 _reference: dict[Path, list[list[int]]] = {}
 
@@ -103,3 +106,24 @@ def test_a_checkpoint_with_a_vision_tower_serves_its_language_model(
     runner = make_runner(model_dir, block_size=16)
     assert "image inputs are not served" in runner.model_summary
     assert runner.args.architecture == "Gemma3ForConditionalGeneration"
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi3"])
+def test_weight_updates_from_disk_and_tensors(
+    arch: str, tmp_path: Path, tokenizer_dir: Path | None, request: pytest.FixtureRequest
+) -> None:
+    """Gemma 3 (1 + weight norms, two rope bases) and Phi-3 (fused checkpoint tensors, split as
+    they arrive) take new weights from disk and as tensors, then answer as Hugging Face does on
+    them."""
+    original = request.getfixturevalue(f"tiny_{arch}")
+    trained = make_tiny_model(arch, tmp_path / "trained", tokenizer_dir, seed=1)
+    prompts = make_prompts(vocab_of(original), n=3)
+    expected_trained = hf_greedy(trained, prompts, N)
+    expected_original = hf_greedy(original, prompts, N)
+    assert expected_trained != expected_original
+    control = EngineControl(make_core(original))
+    assert greedy(control, prompts, "a")[0] == expected_original
+    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_DISK, model_path=str(trained))
+    assert greedy(control, prompts, "b")[0] == expected_trained
+    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs=[blob(original)])
+    assert greedy(control, prompts, "c")[0] == expected_original
