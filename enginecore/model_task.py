@@ -60,9 +60,13 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Glm4ForCausalLM": ("glm4", "lm_head"),
     "Glm4Model": ("glm4", "none"),
     "Glm4ForSequenceClassification": ("glm4", "score"),
+    "Qwen3_5ForCausalLM": ("qwen3_5", "lm_head"),
+    "Qwen3_5TextModel": ("qwen3_5", "none"),
     # Released with a vision tower: tern serves their language model (text_config).
     "Gemma3ForConditionalGeneration": ("gemma3", "lm_head"),
 }
+# Families with linear-attention layers.
+HYBRID_FAMILIES = ("qwen3_5",)
 # Checkpoints whose config.json nests the language model's config in `text_config`.
 MULTIMODAL_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 
@@ -84,6 +88,9 @@ class ModelTask:
     hidden_size: int
     num_labels: int  # outputs of the score head (0 without one)
     id2label: dict[int, str] = field(default_factory=dict)  # for classify
+    # Linear-attention layers (Qwen3.5): each sequence also carries a recurrent state, which a
+    # prefix-cache hit could not restore (see EngineCore).
+    has_linear_attention: bool = False
 
     @property
     def is_pooling(self) -> bool:
@@ -160,7 +167,8 @@ def model_task(hf: dict[str, Any], requested: str = "auto") -> ModelTask:
     if task == "classify":
         names = {int(k): str(v) for k, v in (hf.get("id2label") or {}).items()}
         id2label = {i: names.get(i, f"LABEL_{i}") for i in range(num_labels)}
-    return ModelTask(arch, head, task, int(hf["hidden_size"]), num_labels, id2label)
+    linear = ARCHITECTURES[arch][0] in HYBRID_FAMILIES
+    return ModelTask(arch, head, task, int(hf["hidden_size"]), num_labels, id2label, linear)
 
 
 def read_model_task(model_dir: str | Path, requested: str = "auto") -> ModelTask:

@@ -50,6 +50,7 @@ _FAMILIES = {
     "olmo2": "Olmo2",
     "granite": "Granite",
     "glm4": "Glm4",
+    "qwen3_5": "Qwen3_5",  # Qwen3_5TextConfig, Qwen3_5ForCausalLM
 }
 # gemma3_vl: Gemma3ForConditionalGeneration, the tiny gemma3 under a random one-layer vision tower.
 ARCHS = (*_FAMILIES, "gemma3_vl")
@@ -153,6 +154,12 @@ def _zoo_config_kwargs(arch: str) -> dict[str, Any] | None:
                 "attention_multiplier": 0.1, "logits_scaling": 4.0, "tie_word_embeddings": True,
                 "rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
                                     "rope_theta": 10000.0}}  # fmt: skip
+    if arch == "qwen3_5":  # Gated DeltaNet layers around gated full attention
+        lin = "linear_attention"
+        return {"num_hidden_layers": 6, "head_dim": 16, "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16, "layer_types": [lin, lin, f, lin, lin, f],
+                "tie_word_embeddings": False}  # fmt: skip
     if arch == "glm4":
         return {"num_hidden_layers": 2, "head_dim": 16, "attention_bias": True,
                 "partial_rotary_factor": 0.5, "tie_word_embeddings": False,
@@ -259,6 +266,11 @@ def make_tiny_model(
     family = _FAMILIES[arch]
     config_class = getattr(transformers, f"{family}Config")
     model_class = getattr(transformers, family + HEADS[head])
+    if arch == "qwen3_5":
+        config_class = transformers.Qwen3_5TextConfig
+        model_class = getattr(
+            transformers, {"Model": "Qwen3_5TextModel"}.get(HEADS[head], family + HEADS[head])
+        )
     if arch == "gemma3":  # the text-only classes (Gemma3Config is the multimodal one)
         config_class = transformers.Gemma3TextConfig
         model_class = getattr(

@@ -116,6 +116,12 @@ class AttentionMetadata:
     groups: list[AttentionGroup]  # the sequences with several query tokens
     decode: DecodeGroup | None = None  # the sequences with one
     native_step: Any = None  # fused_decode.StepBuffers, built by the first fused layer of the step
+    # Per sequence, as Python ints (for layers that loop over sequences: linear attention).
+    start_pos_list: list[int] = field(default_factory=list)
+    query_len_list: list[int] = field(default_factory=list)
+    query_start_list: list[int] = field(default_factory=list)
+    # (B,) each sequence's row in the recurrent-state pools; set by the model runner (hybrid models).
+    state_slots: torch.Tensor | None = None
 
 
 def build_attention_metadata(
@@ -177,6 +183,9 @@ def build_attention_metadata(
         block_tables=tables.to(device=device, dtype=torch.int32),
         groups=groups,
         decode=decode,
+        start_pos_list=list(start_pos),
+        query_len_list=list(query_lens),
+        query_start_list=query_start_loc[:-1].tolist(),
     )
 
 

@@ -34,6 +34,7 @@ from workers.layers.activation import GATED_ACTIVATIONS
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.fused_decode import DecodeLayerSpec, FusedDecodeLayer
+from workers.layers.gated_delta_net import GatedDeltaNet
 from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm, ShardedRMSNorm
 from workers.layers.rotary import RopeParams, RotaryEmbedding
@@ -50,6 +51,9 @@ class LayerKind:
 
     rope: RopeParams | None  # None: no rotation (SmolLM3's NoPE layers)
     sliding_window: int | None = None  # keys q - window < k <= q; None: all earlier keys
+    # "attention" (softmax attention over the KV cache) or "linear_attention" (Gated DeltaNet over
+    # per-sequence states: Qwen3.5's linear layers)
+    mixer: str = "attention"
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,9 @@ class DecoderSpec:
     residual_scale: float = 1.0  # multiplies each branch before the residual add (Granite)
     logits_divisor: float = 1.0  # divides the logits (Granite's logits_scaling)
     rope_interleaved: bool = False  # rotate pairs (GLM) rather than halves
+    attn_output_gate: bool = False  # q_proj also gives a per-head gate: o * sigmoid(gate) (Qwen3.5)
+    # Gated DeltaNet's sizes (linear_attention layers): heads, head dims, conv kernel.
+    linear_attention: dict[str, int] = field(default_factory=dict)
 
     def layer_is_llama_style(self, kind: LayerKind) -> str | None:
         """None when a layer of `kind` computes exactly Llama's maths, else how it differs."""
@@ -83,6 +90,7 @@ class DecoderSpec:
             ("partial, interleaved or no rotation",
              kind.rope is None or kind.rope.partial_rotary_factor != 1.0 or self.rope_interleaved),
             ("residual multiplier", self.residual_scale != 1.0),
+            ("output gate", self.attn_output_gate),
         ]  # fmt: skip
         found = [name for name, differs in differences if differs]
         return ", ".join(found) if found else None
@@ -109,11 +117,18 @@ def layer_kinds(args: ModelArgs, default_types: list[str] | None = None) -> tupl
                      for i in range(n)]  # fmt: skip
         else:
             types = ["sliding_attention"] * n
-    unknown = set(types) - {"sliding_attention", "full_attention"}
-    if unknown or len(types) != n:
-        raise ValueError(f"layer_types must name {n} layers sliding_attention or full_attention")
-    ropes = {t: RopeParams.from_hf_config(hf, t) for t in set(types)}
-    return tuple(LayerKind(ropes[t], window if t == "sliding_attention" else None) for t in types)
+    kinds = {"sliding_attention", "full_attention", "linear_attention"}
+    if set(types) - kinds or len(types) != n:
+        raise ValueError(f"layer_types must name {n} layers, each one of {sorted(kinds)}")
+    ropes = {t: RopeParams.from_hf_config(hf, t) for t in set(types) if t != "linear_attention"}
+    return tuple(
+        LayerKind(
+            ropes.get(t),
+            window if t == "sliding_attention" else None,
+            "linear_attention" if t == "linear_attention" else "attention",
+        )
+        for t in types
+    )
 
 
 class DecoderAttention(nn.Module):
@@ -135,7 +150,9 @@ class DecoderAttention(nn.Module):
             bias=spec.qkv_bias,
             ctx=ctx,
             quant=args.quantization,
+            q_per_head=2 if spec.attn_output_gate else 1,
         )
+        self.output_gate = spec.attn_output_gate
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
@@ -178,6 +195,10 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj(hidden_states)  # (T, (H + 2 Hkv) D)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        gate = None
+        if self.output_gate:  # each head's rows: its query, then its gate
+            q, gate = q.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
+            q, gate = q.flatten(1), gate.flatten(1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(-1, self.num_heads, self.head_dim)  # (T, H, D)
@@ -187,8 +208,10 @@ class DecoderAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary_emb is not None:
             q, k = self.rotary_emb(meta.positions, q, k)
-        o = self.attn(q, k, v, meta)  # (T, H, D)
-        return self.o_proj(o.flatten(1))
+        o = self.attn(q, k, v, meta).flatten(1)  # (T, H D)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
 
 
 def mlp_shard_of(args: ModelArgs, tp_size: int, tp_rank: int) -> tuple[int, int]:
@@ -231,7 +254,16 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding | None,
     ) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(args, ctx, spec, kind, rotary)
+        if kind.mixer == "linear_attention":
+            la = spec.linear_attention
+            self.linear_attn = GatedDeltaNet(
+                args.hidden_size, la["num_k_heads"], la["num_v_heads"], la["head_k_dim"],
+                la["head_v_dim"], la["conv_kernel"], args.rms_norm_eps, ctx, args.quantization,
+            )  # fmt: skip
+            self.mixer: nn.Module = self.linear_attn
+        else:
+            self.self_attn = DecoderAttention(args, ctx, spec, kind, rotary)
+            self.mixer = self.self_attn
         self.mlp = DecoderMLP(args, ctx, spec.activation)
         self.residual_scale = spec.residual_scale
         self.norm_names = {slot: spec.norms.get(slot) for slot in NORM_SLOTS}
@@ -240,6 +272,9 @@ class DecoderLayer(nn.Module):
                 args.hidden_size, args.rms_norm_eps, spec.norm_offset, spec.norm_weight_in_float32
             )
             setattr(self, name, norm)
+        self.fused_decode = None
+        if kind.mixer != "attention":
+            return
         attn, mlp = self.self_attn, self.mlp
         fused = DecodeLayerSpec(
             qkv=attn.qkv_proj, o=attn.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj,
@@ -258,9 +293,10 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's branch output, the residual stream before it is added): each layer adds
         the previous one's branch into the stream inside its first norm."""
-        fused = self.fused_decode(x, residual, meta)  # one native call for small decode steps
-        if fused is not None:
-            return fused
+        if self.fused_decode is not None:
+            fused = self.fused_decode(x, residual, meta)  # one native call for small decode steps
+            if fused is not None:
+                return fused
         input_norm, attn_out = self._norm("input"), self._norm("attn_out")
         pre_mlp, mlp_out = self._norm("pre_mlp"), self._norm("mlp_out")
         if input_norm is not None:
@@ -268,7 +304,7 @@ class DecoderLayer(nn.Module):
         else:
             stream = x if residual is None else x + residual
             h = stream
-        h = self.self_attn(h, meta)
+        h = self.mixer(h, meta)
         if attn_out is not None:
             h = attn_out(h)
         if self.residual_scale != 1.0:
