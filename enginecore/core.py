@@ -9,6 +9,8 @@ the other kind are refused with an error output, as are those that cannot be ser
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import random
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
@@ -27,6 +29,8 @@ from enginecore.request import Request
 from enginecore.scheduler import Scheduler
 from enginecore.structured_output import GrammarCompiler, RequestGrammar
 
+logger = logging.getLogger(__name__)
+
 # How long a step with nothing to run waits for a compiling grammar before going back to its inputs.
 GRAMMAR_WAIT_S = 0.02
 
@@ -36,6 +40,16 @@ class EngineCore:
         self.config = config
         self.executor = executor
         self.model_task: ModelTask = read_model_task(config.model.path, config.model.task)
+        if self.model_task.has_linear_attention and config.cache.enable_prefix_caching:
+            # A hit would skip prompt tokens whose linear-attention state is not kept anywhere.
+            logger.warning(
+                "prefix caching is off: %s has linear-attention layers, whose per-sequence state "
+                "a cached prefix does not restore", self.model_task.architecture,
+            )  # fmt: skip
+            config = dataclasses.replace(
+                config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False)
+            )
+            self.config = config
         self.max_model_len = executor.max_model_len
         self.scheduler = Scheduler(config, executor.num_kv_blocks, self.max_model_len)
         self._rng = random.Random()

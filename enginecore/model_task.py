@@ -34,7 +34,41 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("qwen3", "lm_head"),
     "Qwen3Model": ("qwen3", "none"),
     "Qwen3ForSequenceClassification": ("qwen3", "score"),
+    "MistralForCausalLM": ("llama", "lm_head"),
+    "MistralModel": ("llama", "none"),
+    "MistralForSequenceClassification": ("llama", "score"),
+    "MinistralForCausalLM": ("llama", "lm_head"),
+    "MinistralModel": ("llama", "none"),
+    "MinistralForSequenceClassification": ("llama", "score"),
+    "Gemma2ForCausalLM": ("gemma2", "lm_head"),
+    "Gemma2Model": ("gemma2", "none"),
+    "Gemma2ForSequenceClassification": ("gemma2", "score"),
+    "Gemma3ForCausalLM": ("gemma3", "lm_head"),
+    "Gemma3TextModel": ("gemma3", "none"),
+    "Gemma3TextForSequenceClassification": ("gemma3", "score"),
+    "Phi3ForCausalLM": ("phi3", "lm_head"),
+    "Phi3Model": ("phi3", "none"),
+    "Phi3ForSequenceClassification": ("phi3", "score"),
+    "SmolLM3ForCausalLM": ("smollm3", "lm_head"),
+    "SmolLM3Model": ("smollm3", "none"),
+    "SmolLM3ForSequenceClassification": ("smollm3", "score"),
+    "Olmo2ForCausalLM": ("olmo2", "lm_head"),
+    "Olmo2Model": ("olmo2", "none"),
+    "Olmo2ForSequenceClassification": ("olmo2", "score"),
+    "GraniteForCausalLM": ("granite", "lm_head"),
+    "GraniteModel": ("granite", "none"),
+    "Glm4ForCausalLM": ("glm4", "lm_head"),
+    "Glm4Model": ("glm4", "none"),
+    "Glm4ForSequenceClassification": ("glm4", "score"),
+    "Qwen3_5ForCausalLM": ("qwen3_5", "lm_head"),
+    "Qwen3_5TextModel": ("qwen3_5", "none"),
+    # Released with a vision tower: tern serves their language model (text_config).
+    "Gemma3ForConditionalGeneration": ("gemma3", "lm_head"),
 }
+# Families with linear-attention layers.
+HYBRID_FAMILIES = ("qwen3_5",)
+# Checkpoints whose config.json nests the language model's config in `text_config`.
+MULTIMODAL_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 
 # Head -> the tasks it serves, the one `--task auto` picks first.
 _TASKS_OF_HEAD = {
@@ -54,6 +88,9 @@ class ModelTask:
     hidden_size: int
     num_labels: int  # outputs of the score head (0 without one)
     id2label: dict[int, str] = field(default_factory=dict)  # for classify
+    # Linear-attention layers (Qwen3.5): each sequence also carries a recurrent state, which a
+    # prefix-cache hit could not restore (see EngineCore).
+    has_linear_attention: bool = False
 
     @property
     def is_pooling(self) -> bool:
@@ -65,6 +102,26 @@ class ModelTask:
         if self.task == "embed":
             return self.hidden_size
         return self.num_labels if self.is_pooling else 0
+
+
+def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json of the language model: `hf` itself, or for a checkpoint released with a vision
+    tower its `text_config` (with the checkpoint's architectures, and its tie_word_embeddings where
+    the outer config sets it)."""
+    if not is_multimodal(hf) or "text_config" not in hf and "hidden_size" in hf:
+        return hf  # not multimodal, or already the text part
+    text = dict(hf.get("text_config") or {})
+    if not text:
+        raise ValueError(f"{hf['architectures'][0]}: config.json has no text_config")
+    text["architectures"] = hf["architectures"]
+    if "tie_word_embeddings" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text
+
+
+def is_multimodal(hf: dict[str, Any]) -> bool:
+    """Whether the checkpoint carries a vision tower tern does not serve (it serves the text)."""
+    return bool(hf.get("architectures")) and hf["architectures"][0] in MULTIMODAL_ARCHITECTURES
 
 
 def architecture_of(hf: dict[str, Any]) -> str:
@@ -90,6 +147,7 @@ def num_labels_of(hf: dict[str, Any]) -> int:
 def model_task(hf: dict[str, Any], requested: str = "auto") -> ModelTask:
     """The task `requested` (--task) resolves to for this config.json; ValueError if the model
     cannot serve it."""
+    hf = text_config_of(hf)
     arch = architecture_of(hf)
     head = ARCHITECTURES[arch][1]
     tasks = _TASKS_OF_HEAD[head]
@@ -109,7 +167,8 @@ def model_task(hf: dict[str, Any], requested: str = "auto") -> ModelTask:
     if task == "classify":
         names = {int(k): str(v) for k, v in (hf.get("id2label") or {}).items()}
         id2label = {i: names.get(i, f"LABEL_{i}") for i in range(num_labels)}
-    return ModelTask(arch, head, task, int(hf["hidden_size"]), num_labels, id2label)
+    linear = ARCHITECTURES[arch][0] in HYBRID_FAMILIES
+    return ModelTask(arch, head, task, int(hf["hidden_size"]), num_labels, id2label, linear)
 
 
 def read_model_task(model_dir: str | Path, requested: str = "auto") -> ModelTask:

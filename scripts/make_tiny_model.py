@@ -37,8 +37,26 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "added_tokens.json",
 )
-ARCHS = ("llama", "qwen2", "qwen3")
-_FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_FAMILIES = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mistral": "Mistral",
+    "ministral": "Ministral",
+    "gemma2": "Gemma2",
+    "gemma3": "Gemma3",  # Gemma3TextConfig, Gemma3ForCausalLM
+    "phi3": "Phi3",
+    "smollm3": "SmolLM3",
+    "olmo2": "Olmo2",
+    "granite": "Granite",
+    "glm4": "Glm4",
+    "qwen3_5": "Qwen3_5",  # Qwen3_5TextConfig, Qwen3_5ForCausalLM
+}
+# gemma3_vl: Gemma3ForConditionalGeneration, the tiny gemma3 under a random one-layer vision tower.
+ARCHS = (*_FAMILIES, "gemma3_vl")
+# The families added for the 2026 model zoo: each exercises what its DecoderSpec changes, with a
+# sliding window (8) shorter than the test prompts where the family has one.
+ZOO_ARCHS = tuple(_FAMILIES)[3:]
 # Head -> the transformers class built (its family's name + this).
 HEADS = {
     "lm_head": "ForCausalLM",
@@ -94,7 +112,106 @@ def _config_kwargs(arch: str, vocab_size: int) -> dict[str, Any]:
             "tie_word_embeddings": False,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
         }
+    zoo = _zoo_config_kwargs(arch)
+    if zoo is not None:
+        return {**common, **zoo}
     raise ValueError(f"unknown tiny architecture {arch!r} (one of {ARCHS})")
+
+
+def _zoo_config_kwargs(arch: str) -> dict[str, Any] | None:
+    s, f = "sliding_attention", "full_attention"
+    if arch == "mistral":  # every layer slides
+        return {"num_hidden_layers": 2, "sliding_window": 8, "tie_word_embeddings": False}
+    if arch == "ministral":
+        return {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 8,
+                "layer_types": [s, f, s, f], "tie_word_embeddings": False}  # fmt: skip
+    if arch == "gemma2":  # softcapping on the attention and the final logits
+        return {"num_hidden_layers": 4, "head_dim": 16, "query_pre_attn_scalar": 24,
+                "sliding_window": 8, "attn_logit_softcapping": 20.0,
+                "final_logit_softcapping": 15.0, "tie_word_embeddings": True}  # fmt: skip
+    if arch == "gemma3":  # two rope bases, the global one scaled
+        rope = {f: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                s: {"rope_type": "default", "rope_theta": 10000.0}}  # fmt: skip
+        return {"num_hidden_layers": 6, "head_dim": 16, "query_pre_attn_scalar": 16,
+                "sliding_window": 8, "layer_types": [s, s, f, s, s, f],
+                "rope_parameters": rope, "tie_word_embeddings": True}  # fmt: skip
+    if arch == "phi3":  # Phi-4-mini's partial rotation and longrope
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "original_max_position_embeddings": 1024,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                "long_factor": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]}  # fmt: skip
+        return {"num_hidden_layers": 2, "rope_parameters": rope, "tie_word_embeddings": False,
+                "pad_token_id": 0}  # fmt: skip
+    if arch == "smollm3":  # NoPE every other layer
+        return {"num_hidden_layers": 4, "no_rope_layers": [1, 0, 1, 0],
+                "tie_word_embeddings": True, "pad_token_id": 0}  # fmt: skip
+    if arch == "olmo2":
+        rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+                "rope_theta": 10000.0}  # fmt: skip
+        return {"num_hidden_layers": 2, "rope_parameters": rope, "tie_word_embeddings": False}
+    if arch == "granite":
+        return {"num_hidden_layers": 2, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                "attention_multiplier": 0.1, "logits_scaling": 4.0, "tie_word_embeddings": True,
+                "rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
+                                    "rope_theta": 10000.0}}  # fmt: skip
+    if arch == "qwen3_5":  # Gated DeltaNet layers around gated full attention
+        lin = "linear_attention"
+        return {"num_hidden_layers": 6, "head_dim": 16, "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16, "layer_types": [lin, lin, f, lin, lin, f],
+                "tie_word_embeddings": False}  # fmt: skip
+    if arch == "glm4":
+        return {"num_hidden_layers": 2, "head_dim": 16, "attention_bias": True,
+                "partial_rotary_factor": 0.5, "tie_word_embeddings": False,
+                "pad_token_id": 0}  # fmt: skip
+    return None
+
+
+def _make_gemma3_vl(out_dir: Path, tokenizer_dir: Path | None, seed: int) -> Path:
+    import torch
+    import transformers
+
+    vocab_size = 49152 if tokenizer_dir is not None else 512
+    text = transformers.Gemma3TextConfig(**_config_kwargs("gemma3", vocab_size))
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=32, patch_size=8,
+    )  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+        image_token_index=vocab_size - 1, boi_token_index=vocab_size - 2,
+        eoi_token_index=vocab_size - 3,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32)
+    _perturb(model)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    _copy_tokenizer(out_dir, tokenizer_dir)
+    return out_dir
+
+
+def _perturb(model: Any) -> None:
+    """Norms start at 1.0 (or 0 for 1 + weight): perturb them, and the biases, so a wrong one shows."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, INIT_STD)
+
+
+def _copy_tokenizer(out_dir: Path, tokenizer_dir: Path | None) -> None:
+    generation_config = {"bos_token_id": 1, "eos_token_id": 2}
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy(Path(tokenizer_dir) / name, out_dir / name)
+        source = Path(tokenizer_dir) / "generation_config.json"
+        if source.is_file():
+            generation_config = json.loads(source.read_text())
+    (out_dir / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
 
 
 def _to_transformers4_style(config_path: Path) -> None:
@@ -138,26 +255,36 @@ def make_tiny_model(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab_size = 49152 if tokenizer_dir is not None else 512
-    if arch not in _FAMILIES:
+    if arch not in ARCHS:
         raise ValueError(f"unknown tiny architecture {arch!r} (one of {ARCHS})")
     if head not in HEADS or (head == "score_mlp" and arch != "qwen2"):
         raise ValueError(
             f"unknown head {head!r} for {arch} (one of {sorted(HEADS)}; score_mlp: qwen2)"
         )
-    config_class = getattr(transformers, f"{_FAMILIES[arch]}Config")
-    model_class = getattr(transformers, _FAMILIES[arch] + HEADS[head])
+    if arch == "gemma3_vl":
+        return _make_gemma3_vl(out_dir, tokenizer_dir, seed)
+    family = _FAMILIES[arch]
+    config_class = getattr(transformers, f"{family}Config")
+    model_class = getattr(transformers, family + HEADS[head])
+    if arch == "qwen3_5":
+        config_class = transformers.Qwen3_5TextConfig
+        model_class = getattr(
+            transformers, {"Model": "Qwen3_5TextModel"}.get(HEADS[head], family + HEADS[head])
+        )
+    if arch == "gemma3":  # the text-only classes (Gemma3Config is the multimodal one)
+        config_class = transformers.Gemma3TextConfig
+        model_class = getattr(
+            transformers, {"Model": "Gemma3TextModel"}.get(HEADS[head], family + HEADS[head])
+        )
+        if head == "score":
+            model_class = transformers.Gemma3TextForSequenceClassification
     kwargs = _config_kwargs(arch, vocab_size)
     if head == "score":
         kwargs["num_labels"] = num_labels
     config = config_class(**kwargs)
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
-    with torch.no_grad():  # norms start at 1.0: perturb them so a wrong norm weight shows
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.2)
-            elif name.endswith(".bias"):
-                p.normal_(0.0, INIT_STD)
+    _perturb(model)
     if head == "score_mlp":
         _save_reward_model(model, out_dir)
     else:
@@ -165,15 +292,7 @@ def make_tiny_model(
     if arch == "qwen2":
         _to_transformers4_style(out_dir / "config.json")
 
-    generation_config = {"bos_token_id": 1, "eos_token_id": 2}
-    if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / name).is_file():
-                shutil.copy(Path(tokenizer_dir) / name, out_dir / name)
-        source = Path(tokenizer_dir) / "generation_config.json"
-        if source.is_file():
-            generation_config = json.loads(source.read_text())
-    (out_dir / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
+    _copy_tokenizer(out_dir, tokenizer_dir)
     return out_dir
 
 

@@ -19,16 +19,16 @@ ROOT = Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
 
 
-def _load_make_tiny_model():
+def _load_tiny_model_module():
     spec = importlib.util.spec_from_file_location(
         "make_tiny_model", ROOT / "scripts/make_tiny_model.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.make_tiny_model
+    return module
 
 
-make_tiny_model = _load_make_tiny_model()
+make_tiny_model = _load_tiny_model_module().make_tiny_model
 
 
 def _prepared_tokenizer_dir() -> Path | None:
@@ -66,6 +66,21 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | N
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
     """Qwen3: q/k norm, head_dim from config.json."""
     return _tiny("qwen3", tmp_path_factory, tokenizer_dir)
+
+
+def _zoo_fixture(arch: str) -> Callable[..., Path]:
+    @pytest.fixture(scope="session")
+    def fixture(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
+        return _tiny(arch, tmp_path_factory, tokenizer_dir)
+
+    fixture.__doc__ = f"A tiny {arch} (scripts/make_tiny_model.py: what the family changes)."
+    return fixture
+
+
+# tiny_mistral, tiny_gemma3, ...: one fixture per family of the model zoo.
+ZOO_FIXTURES = tuple(f"tiny_{arch}" for arch in _load_tiny_model_module().ZOO_ARCHS)
+for _name in ZOO_FIXTURES:
+    globals()[_name] = _zoo_fixture(_name.removeprefix("tiny_"))
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -45,6 +46,7 @@ from workers.distributed import ParallelContext, shard_heads, stage_layers
 from workers.layers import kernel_library
 from workers.layers.attention import Attention, build_attention_metadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.gated_delta_net import GatedDeltaNet
 from workers.layers.linear import LinearBase
 from workers.layers.logits_processors import TokenHistory
 from workers.layers.logprobs import (
@@ -55,7 +57,7 @@ from workers.layers.logprobs import (
 )
 from workers.layers.pooler import Pooler, PoolingState
 from workers.layers.sampler import Sampler, SamplingTensors
-from workers.models.llama import mlp_shard_of
+from workers.models.decoder import mlp_shard_of
 from workers.models.registry import ModelArgs, build_model, load_model_args
 from workers.weight_loader import load_checkpoint
 
@@ -133,6 +135,7 @@ class _RequestState:
     sampling_params: SamplingParams
     history: TokenHistory | None = None  # every token, when sampling reads them (penalties...)
     pooling: PoolingState | None = None  # pooling models: the prompt's pooling so far
+    state_slot: int = -1  # hybrid models: its row in the linear-attention state pools
 
 
 class ModelRunner:
@@ -160,6 +163,10 @@ class ModelRunner:
         self.pooler = None if self.args.task == "generate" else Pooler(config.model.pooling_type)
         self.model: torch.nn.Module | None = None
         self.attn_layers: list[Attention] = []
+        # Linear-attention layers (hybrid models) and the free rows of their per-sequence state
+        # pools: one row per sequence that can run at once (--max-num-seqs).
+        self.linear_layers: list[GatedDeltaNet] = []
+        self.free_state_slots: list[int] = []
         self.kv_cache: torch.Tensor | None = None
         self.num_kv_blocks = 0
         # False after the weights were discarded (sleep level 2) until an update commits new ones.
@@ -180,6 +187,7 @@ class ModelRunner:
         load_checkpoint(model, self.config.model.path)
         self.model = model.eval()
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.linear_layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
         self.repack_weights()
         logger.info("loaded %s", self.model_summary)
 
@@ -198,17 +206,29 @@ class ModelRunner:
         ).num_kv_heads
 
     def kv_cache_bytes_per_block(self) -> int:
-        """K and V of one block over this stage's layers and this rank's KV heads."""
+        """K and V of one block over this stage's attention layers and this rank's KV heads."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         per_layer = 2 * self.block_size * self._kv_heads_per_rank() * self.args.head_dim * elem
         p = self.parallel
-        return per_layer * len(stage_layers(self.args.num_hidden_layers, p.pp_size, p.pp_rank))
+        layers = len(stage_layers(self.args.num_hidden_layers, p.pp_size, p.pp_rank))
+        if self.model is not None:  # hybrid models: the linear-attention layers keep no KV
+            layers = len(self.attn_layers)
+        return per_layer * max(layers, 1)
+
+    def state_pool_bytes(self) -> int:
+        """The linear-attention layers' per-sequence states, for --max-num-seqs sequences."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        total = 0
+        for layer in self.linear_layers:
+            conv, recurrent = layer.state_shapes()
+            total += math.prod(conv) * elem + math.prod(recurrent) * 4
+        return total * self.config.scheduler.max_num_seqs
 
     def num_kv_blocks_for_memory(self) -> int:
         if self.config.cache.num_gpu_blocks_override is not None:
             return self.config.cache.num_gpu_blocks_override
-        budget = int(self.config.cache.kv_cache_memory_gib * (1 << 30))
-        return budget // self.kv_cache_bytes_per_block()
+        budget = int(self.config.cache.kv_cache_memory_gib * (1 << 30)) - self.state_pool_bytes()
+        return max(budget, 0) // self.kv_cache_bytes_per_block()
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate (layers, 2, num_blocks, block_size, Hkv, D) and hand each layer its slice."""
@@ -228,6 +248,14 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attn_layers):
             layer.kv_cache = self.kv_cache[i]
+        slots = self.config.scheduler.max_num_seqs
+        for layer in self.linear_layers:
+            conv, recurrent = layer.state_shapes()
+            layer.conv_states = torch.zeros((slots, *conv), dtype=self.dtype, device=self.device)
+            layer.recurrent_states = torch.zeros(
+                (slots, *recurrent), dtype=torch.float32, device=self.device
+            )
+        self.free_state_slots = list(range(slots)) if self.linear_layers else []
         self.num_kv_blocks = num_blocks
         self.requests.clear()
 
@@ -258,6 +286,8 @@ class ModelRunner:
         """Frees the KV cache (sleep); init_kv_cache(self.num_kv_blocks) brings it back."""
         for layer in self.attn_layers:
             layer.kv_cache = torch.empty(0)
+        for layer in self.linear_layers:
+            layer.conv_states = layer.recurrent_states = torch.empty(0)
         self.kv_cache = None
         self.requests.clear()
 
@@ -285,6 +315,8 @@ class ModelRunner:
             params += f", tp {tp} x pp {pp}"
         if self.pooler is not None:
             params += f", task {a.task} ({self.pooler.pooling_type} pooling)"
+        if a.multimodal:
+            params += ", its language model only (image inputs are not served)"
         dtype = str(self.dtype).removeprefix("torch.")
         if self.weight_dtype != self.dtype:
             dtype += " (bfloat16-stored weights: no bfloat16 arithmetic on this CPU)"
@@ -314,14 +346,16 @@ class ModelRunner:
 
     def _update_states(self, step: SchedulerOutput) -> None:
         for req_id in step.finished_req_ids:
-            self.requests.pop(req_id, None)
+            self._forget(req_id)
         for r in step.requests:
             if r.sampling_params is not None:  # first schedule, or resumed after preemption
+                self._forget(r.req_id)
                 self.requests[r.req_id] = _RequestState(
                     list(r.new_block_ids),
                     r.sampling_params,
                     _new_history(r),
                     PoolingState() if self.pooler is not None else None,
+                    self._take_state_slot(r.req_id),
                 )
             elif r.req_id in self.requests:
                 self.requests[r.req_id].block_table.extend(r.new_block_ids)
@@ -333,6 +367,21 @@ class ModelRunner:
             history = self.requests[r.req_id].history
             if history is not None:
                 history.extend(r.start_pos, r.token_ids)
+
+    def _forget(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None and state.state_slot >= 0:
+            self.free_state_slots.append(state.state_slot)
+
+    def _take_state_slot(self, req_id: str) -> int:
+        if not self.linear_layers:
+            return -1
+        if not self.free_state_slots:
+            raise ValueError(
+                f"request {req_id!r}: all {self.config.scheduler.max_num_seqs} linear-attention "
+                "states are taken (more sequences scheduled than --max-num-seqs)"
+            )
+        return self.free_state_slots.pop()
 
     def _validate(self, step: SchedulerOutput) -> None:
         for r in step.requests:
@@ -380,6 +429,10 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
+        if self.linear_layers:
+            meta.state_slots = torch.tensor(
+                [self.requests[r.req_id].state_slot for r in reqs], device=self.device
+            )
         p = self.parallel
         t1 = time.perf_counter()
         timings["prepare"] = t1 - t0

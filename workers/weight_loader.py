@@ -2,7 +2,8 @@
 
 `load_weights(model, weights)` is the one loop, used at start-up and for weight updates: it maps
 Hugging Face names onto tern's fused parameters (q/k/v_proj -> qkv_proj shards "q"/"k"/"v",
-gate/up_proj -> gate_up_proj shards 0/1) and lets the parameter copy in its tensor-parallel shard.
+gate/up_proj -> gate_up_proj shards 0/1; checkpoints that store them fused are split first) and lets
+the parameter copy in its tensor-parallel shard.
 `load_checkpoint` feeds it every tensor of the *.safetensors files as a `LazyWeight` (a safetensors
 slice: the parameter's loader narrows it to its shard and only that shard is read), and then checks
 that nothing is missing. Under pipeline parallelism the model's `local_weight_name` drops the tensors
@@ -28,6 +29,10 @@ _PACKED: dict[str, tuple[str, object]] = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# Fused projections some checkpoints store (split by `_unfused`).
+_FUSED_IN_CHECKPOINT = ("qkv_proj", "gate_up_proj")
+# The LM head's names (a multimodal checkpoint's too): skipped when the embedding is tied to it.
+_LM_HEADS = ("lm_head.", "language_model.lm_head.")
 # Checkpoint tensors that carry no parameter (RoPE tables some exporters save).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -103,6 +108,34 @@ def _map_name(name: str) -> tuple[str, object]:
     return name, None
 
 
+def _unfused(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | LazyWeight]]
+) -> Iterator[tuple[str, torch.Tensor | LazyWeight]]:
+    """Checkpoints that store q/k/v as one `qkv_proj` or gate/up as one `gate_up_proj` (Phi-3,
+    GLM-4) as Hugging Face's separate projections, which map onto tern's fused parameters."""
+    args = getattr(model, "args", None)
+    for name, tensor in weights:
+        parts = name.split(".")
+        if args is None or len(parts) < 2 or parts[-2] not in _FUSED_IN_CHECKPOINT:
+            yield name, tensor
+            continue
+        if parts[-2] == "qkv_proj":
+            q, kv = (
+                args.num_attention_heads * args.head_dim,
+                args.num_key_value_heads * args.head_dim,
+            )
+            pieces = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
+        else:
+            pieces = [("gate_proj", args.intermediate_size), ("up_proj", args.intermediate_size)]
+        total = sum(n for _, n in pieces)
+        if tensor.shape[0] != total:
+            raise ValueError(f"checkpoint weight {name!r} has {tensor.shape[0]} rows, not {total}")
+        start = 0
+        for proj, rows in pieces:
+            yield ".".join([*parts[:-2], proj, parts[-1]]), tensor.narrow(0, start, rows)
+            start += rows
+
+
 @torch.no_grad()
 def load_weights(
     model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | LazyWeight]]
@@ -113,8 +146,8 @@ def load_weights(
     tied = _is_tied(model)
     local_name = getattr(model, "local_weight_name", None)
     loaded: set[str] = set()
-    for name, tensor in weights:
-        if name.endswith(_IGNORED_SUFFIXES) or (tied and name.startswith("lm_head.")):
+    for name, tensor in _unfused(model, weights):
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name.startswith(_LM_HEADS)):
             continue
         if local_name is not None:
             name = local_name(name)

@@ -1,4 +1,4 @@
-"""Gated activation of Llama-style MLPs: silu(gate) * up over the fused gate_up projection."""
+"""Gated activations of Llama-style MLPs over the fused gate_up projection: act(gate) * up."""
 
 from __future__ import annotations
 
@@ -18,3 +18,20 @@ class SiluAndMul(nn.Module):
             return native.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate, tanh approximation) * up: Gemma's `gelu_pytorch_tanh`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+# config.json's hidden_act / hidden_activation -> the gated activation.
+GATED_ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "silu": SiluAndMul,
+    "swish": SiluAndMul,
+    "gelu_pytorch_tanh": GeluTanhAndMul,
+    "gelu_tanh": GeluTanhAndMul,
+}

@@ -14,11 +14,17 @@ Step 2 serves two kinds of sequences, with no Python loop over sequences:
   (G, max_blocks * block_size) context under a boolean mask.
 Indices and masks are computed once per step and shared by all layers. The cache layout of one
 layer is (2, num_blocks, block_size, num_kv_heads, head_dim).
+
+A sliding-window layer (Mistral, Gemma's local layers) lets query position q see keys
+q - window < k <= q, as Hugging Face's sliding mask; its masks are derived from the step's once per
+window size and shared too. Such layers and layers with logit softcapping (Gemma 2: tanh(s / cap) *
+cap on the scores, which SDPA cannot apply) take the padded path for decodes as well; softcapping
+computes the scores explicitly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -45,6 +51,30 @@ class AttentionGroup:
     # Causal groups whose G x max_q query rows are one contiguous run of the flat batch (no
     # padding): the run's first token, so that they are viewed rather than gathered.
     first_token: int | None = None
+    # (G, max_q, 1) position of each query row, for sliding-window masks (None: fresh groups,
+    # whose query rows are positions 0..max_q - 1).
+    q_pos: torch.Tensor | None = None
+    _window_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
+
+    def window_mask(self, window: int) -> torch.Tensor | None:
+        """The group's mask narrowed to keys within `window` of each query; None where a fresh
+        group's queries all fit in the window (plain causal attention is then the same)."""
+        if window not in self._window_masks:
+            self._window_masks[window] = self._build_window_mask(window)
+        return self._window_masks[window]
+
+    def _build_window_mask(self, window: int) -> torch.Tensor | None:
+        device = self.q_gather.device
+        if self.mask is None:
+            if self.max_q <= window:
+                return None
+            pos = torch.arange(self.max_q, device=device)
+            diff = pos[:, None] - pos[None, :]
+            return ((diff >= 0) & (diff < window))[None, None]  # (1, 1, max_q, max_q)
+        kv_pos = torch.arange(self.mask.size(-1), device=device)
+        mask = self.mask & (kv_pos[None, None, None, :] > self.q_pos[:, None] - window)
+        # Padded query rows (discarded) must not be fully masked: SDPA would give NaN.
+        return mask | ~mask.any(-1, keepdim=True)
 
 
 @dataclass
@@ -70,6 +100,7 @@ class DecodeGroup:
             kv_blocks=self.block_tables.long(),
             mask=mask[:, None, None, :],
             max_q=1,
+            q_pos=(self.context_lens.long() - 1)[:, None, None],
         )
 
 
@@ -85,6 +116,12 @@ class AttentionMetadata:
     groups: list[AttentionGroup]  # the sequences with several query tokens
     decode: DecodeGroup | None = None  # the sequences with one
     native_step: Any = None  # fused_decode.StepBuffers, built by the first fused layer of the step
+    # Per sequence, as Python ints (for layers that loop over sequences: linear attention).
+    start_pos_list: list[int] = field(default_factory=list)
+    query_len_list: list[int] = field(default_factory=list)
+    query_start_list: list[int] = field(default_factory=list)
+    # (B,) each sequence's row in the recurrent-state pools; set by the model runner (hybrid models).
+    state_slots: torch.Tensor | None = None
 
 
 def build_attention_metadata(
@@ -146,6 +183,9 @@ def build_attention_metadata(
         block_tables=tables.to(device=device, dtype=torch.int32),
         groups=groups,
         decode=decode,
+        start_pos_list=list(start_pos),
+        query_len_list=list(query_lens),
+        query_start_list=query_start_loc[:-1].tolist(),
     )
 
 
@@ -222,6 +262,7 @@ def _build_group(
         kv_blocks=tables[idx, :num_blocks],
         mask=mask.unsqueeze(1),
         max_q=max_q,
+        q_pos=q_pos[:, :, None],
     )
 
 
@@ -234,21 +275,35 @@ def _to_device(g: AttentionGroup, device: torch.device) -> AttentionGroup:
         mask=None if g.mask is None else g.mask.to(device),
         max_q=g.max_q,
         first_token=g.first_token,
+        q_pos=None if g.q_pos is None else g.q_pos.to(device),
     )
 
 
 class Attention(nn.Module):
     """Paged causal attention of one layer; `kv_cache` is assigned by the model runner."""
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.softcap = softcap
         # Built (or loaded) now, while the model is built, rather than in the first request.
         self.has_decode_kernel = (
-            torch.get_default_device().type == "cpu" and native.load() is not None
+            torch.get_default_device().type == "cpu"
+            and native.load() is not None
+            and sliding_window is None
+            and softcap is None
         )
         self.kv_cache = torch.empty(0)  # (2, num_blocks, block_size, Hkv, D) once allocated
 
@@ -341,10 +396,8 @@ class Attention(nn.Module):
         qg = qg.view(num, g.max_q, self.num_heads, self.head_dim)
         kg = kg.view(num, g.max_q, self.num_kv_heads, self.head_dim)
         vg = vg.view(num, g.max_q, self.num_kv_heads, self.head_dim)
-        og = F.scaled_dot_product_attention(
-            qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
-            is_causal=True, scale=self.scale, enable_gqa=True,
-        )  # fmt: skip
+        mask = None if self.sliding_window is None else g.window_mask(self.sliding_window)
+        og = self._sdpa(qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2), mask)
         og = og.transpose(1, 2).reshape(num * g.max_q, self.num_heads, self.head_dim)
         if g.first_token is not None:
             out[rows] = og
@@ -364,8 +417,33 @@ class Attention(nn.Module):
         # (G, num_blocks, block_size, Hkv, D) -> (G, Hkv, max_ctx, D)
         kg = k_cache[g.kv_blocks].flatten(1, 2).transpose(1, 2)
         vg = v_cache[g.kv_blocks].flatten(1, 2).transpose(1, 2)
-        og = F.scaled_dot_product_attention(
-            qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True
-        )  # (G, H, max_q, D)
+        mask = g.mask if self.sliding_window is None else g.window_mask(self.sliding_window)
+        og = self._sdpa(qg, kg, vg, mask, is_causal=False)  # (G, H, max_q, D)
         og = og.transpose(1, 2).reshape(num * g.max_q, self.num_heads, self.head_dim)
         out[g.q_tokens] = og[g.q_rows]
+
+    def _sdpa(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool = True,
+    ) -> torch.Tensor:
+        """q (G, H, Q, D), k and v (G, Hkv, K, D) -> (G, H, Q, D); causal when `is_causal` and no
+        mask is given."""
+        causal = is_causal and mask is None
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True
+            )
+        group = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if causal:
+            mask = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)

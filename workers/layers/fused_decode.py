@@ -48,9 +48,10 @@ class DecodeLayerSpec:
     input_norm: RMSNorm
     post_norm: RMSNorm
     attention: Attention
-    rotary: RotaryEmbedding
-    qk_norm: bool  # per-head norms on q and k (Qwen3): not in the native layer
-    silu_gate: bool  # the MLP's activation is SiLU(gate) * up
+    rotary: RotaryEmbedding | None
+    # None when the layer computes exactly the above (Llama's maths), else how it differs (q/k
+    # norms, another activation, a sliding window, ...): such layers are not fused.
+    not_llama_style: str | None
 
 
 def max_rows(dtype: torch.dtype) -> int:
@@ -146,6 +147,9 @@ class FusedDecodeLayer:
 
     def _fixed_struct(self) -> TernDecodeLayer | None:
         spec = self.spec
+        if spec.not_llama_style is not None:
+            self._off_reason = f"the layer is not Llama-style ({spec.not_llama_style})"
+            return None
         linears = (spec.qkv, spec.o, spec.gate_up, spec.down)
         tensors = [lin.weight for lin in linears] + [
             spec.input_norm.weight, spec.post_norm.weight, spec.attention.kv_cache,
@@ -198,8 +202,6 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
     dtype = a.kv_cache.dtype  # the activations'
     if native.load() is None:
         return None, "the kernels are off"
-    if spec.qk_norm or not spec.silu_gate:
-        return None, "the layer is not Llama-style (q/k norms or another activation)"
     if not a.uses_decode_kernel or dtype not in (torch.float32, torch.bfloat16):
         return None, f"the KV cache is {dtype} or not on tern's decode kernel"
     if dtype == torch.bfloat16 and native.bf16_gemv_max_rows() == 0:

@@ -291,6 +291,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
+        if shard_id is None and loaded_weight.size(0) == sum(self.output_sizes):
+            # The projections stored as one tensor (Qwen3.5's in_proj_qkv): each in turn.
+            start = 0
+            for i, rows in enumerate(self.output_sizes):
+                self.weight_loader(param, loaded_weight.narrow(0, start, rows), i)
+                start += rows
+            return
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(
                 f"{type(self).__name__} needs a shard id in 0..{len(self.output_sizes)}"
@@ -310,6 +317,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     Each rank holds whole KV groups, possibly unevenly (9 heads / 3 KV heads at tp 2: 6 + 3); with
     fewer KV heads than ranks, each KV head is replicated on tp_size / num_kv_heads ranks.
+    `q_per_head` 2: each query head's rows are its query and then its output gate (Qwen3.5).
     """
 
     def __init__(
@@ -322,14 +330,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         *,
         ctx: ParallelContext,
         quant: str | None = None,
+        q_per_head: int = 1,
     ) -> None:
         shard = shard_heads(total_num_heads, total_num_kv_heads, ctx.tp_size, ctx.tp_rank)
         self.head_dim = head_dim
+        self.q_rows_per_head = head_dim * q_per_head
         self.head_start = shard.head_start
         self.num_heads = shard.num_heads
         self.num_kv_heads = shard.num_kv_heads
         self.kv_head_index = shard.kv_head_start
-        self.q_size = self.num_heads * head_dim
+        self.q_size = self.num_heads * self.q_rows_per_head
         self.kv_size = self.num_kv_heads * head_dim
         # NOTE: skips ColumnParallelLinear's even split: this rank's rows are q + k + v of its heads.
         LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias, 0, ctx, quant)
@@ -338,7 +348,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
         if shard_id == "q":
-            offset, size, start = 0, self.q_size, self.head_start * self.head_dim
+            offset, size, start = 0, self.q_size, self.head_start * self.q_rows_per_head
         elif shard_id in ("k", "v"):
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
             size, start = self.kv_size, self.kv_head_index * self.head_dim

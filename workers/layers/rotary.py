@@ -1,9 +1,18 @@
-"""Rotary position embedding (neox style, as Hugging Face Llama), with the rope-scaling types we support.
+"""Rotary position embedding as Hugging Face computes it: neox style (rotate halves, Llama) or
+interleaved (rotate pairs, GLM), over the whole head or its first `partial_rotary_factor` part.
 
 `RopeParams.from_hf_config` reads both config.json styles: transformers-4 (`rope_theta` at top level,
 optional `rope_scaling: {type|rope_type, factor, ...}`) and transformers-5 (`rope_parameters:
-{rope_theta, rope_type, ...}`). Supported types: "default", "linear", "llama3"; anything else raises.
-The cos/sin table is computed once in float32 for every position up to max_position.
+{rope_theta, rope_type, ...}`, or one such dict per layer type as Gemma 3's `{"sliding_attention":
+..., "full_attention": ...}`). Types: "default", "linear", "llama3", "yarn", "longrope", "dynamic";
+anything else raises. The cos/sin table is computed once in float32 for every position up to
+max_position, with the type's attention factor folded in (yarn, longrope), so the kernels that read
+it need not know the type. Two types differ from Hugging Face's by construction, beyond a limit:
+- "longrope": positions below `original_max_position_embeddings` rotate by the short factors and
+  later ones by the long factors (as vLLM does); Hugging Face switches the whole sequence to the long
+  factors once it grows past that length, which a KV cache computed earlier cannot follow.
+- "dynamic": Hugging Face rescales the base only for sequences longer than max_position_embeddings;
+  the table stops there (tern never serves longer), so it is the default rotation exactly.
 """
 
 from __future__ import annotations
@@ -17,7 +26,8 @@ from torch import nn
 
 from workers.layers import native
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+_NEEDS_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -26,37 +36,87 @@ class RopeParams:
     rope_type: str = "default"
     # The type's own parameters (factor, low_freq_factor, original_max_position_embeddings, ...).
     scaling: dict[str, Any] = field(default_factory=dict)
+    partial_rotary_factor: float = 1.0
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> RopeParams:
+    def from_hf_config(cls, hf: dict[str, Any], layer_type: str | None = None) -> RopeParams:
+        """The rotation of config.json `hf`, for the layers of `layer_type` where the config has one
+        per layer type (Gemma 3's local layers rotate by another base than its global ones)."""
         params = dict(hf.get("rope_parameters") or {})
+        if layer_type is not None and isinstance(params.get(layer_type), dict):
+            params = dict(params[layer_type])
+        elif params and all(isinstance(v, dict) for v in params.values()):
+            raise ValueError(f"rope_parameters has one entry per layer type: {sorted(params)}")
         scaling = hf.get("rope_scaling") or {}
         if not params or ("rope_theta" not in params and "rope_type" not in params):
             params = {**scaling}
         theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        if layer_type == "sliding_attention" and "rope_local_base_freq" in hf:
+            theta, params = hf["rope_local_base_freq"], {}  # transformers-4 Gemma 3: unscaled
         rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
         params.pop("type", None)
+        if rope_type == "su":  # Phi-3's first name for longrope
+            rope_type = "longrope"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"rope type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
             )
         partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            raise ValueError(f"partial_rotary_factor {partial} is not supported")
-        if rope_type == "llama3":
-            params.setdefault("original_max_position_embeddings", hf["max_position_embeddings"])
-        return cls(theta=float(theta), rope_type=rope_type, scaling=params)
+        if rope_type in _NEEDS_ORIGINAL_MAX:
+            original = params.get("original_max_position_embeddings") or hf.get(
+                "original_max_position_embeddings", hf["max_position_embeddings"]
+            )
+            params["original_max_position_embeddings"] = original
+        if rope_type in ("yarn", "longrope") and params.get("factor") is None:
+            params["factor"] = (
+                hf["max_position_embeddings"] / params["original_max_position_embeddings"]
+            )
+        return cls(
+            theta=float(theta), rope_type=rope_type, scaling=params,
+            partial_rotary_factor=float(partial),
+        )  # fmt: skip
+
+    def rotary_dim(self, head_dim: int) -> int:
+        return int(head_dim * self.partial_rotary_factor)
 
 
-def compute_inv_freq(head_dim: int, rope: RopeParams) -> torch.Tensor:
-    """Inverse frequencies (head_dim / 2,) in float32, computed as transformers does."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+def compute_inv_freq(
+    head_dim: int, rope: RopeParams, factors: list[float] | None = None
+) -> torch.Tensor:
+    """Inverse frequencies (rotary_dim / 2,) in float32, computed as transformers does; `factors`:
+    longrope's short or long factors."""
+    dim = rope.rotary_dim(head_dim)
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    if rope.rope_type == "longrope":
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponent)
     inv_freq = 1.0 / (rope.theta**exponent)
     if rope.rope_type == "linear":
         inv_freq = inv_freq / rope.scaling["factor"]
     elif rope.rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, rope.scaling)
+    elif rope.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(dim, rope)
     return inv_freq
+
+
+def attention_factor(rope: RopeParams) -> float:
+    """The scale of cos and sin (yarn and longrope's temperature), 1.0 for the other types."""
+    s = rope.scaling
+    if rope.rope_type not in ("yarn", "longrope"):
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = s["factor"]
+    if rope.rope_type == "longrope":
+        original = s["original_max_position_embeddings"]
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return float(mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"]))
+    return mscale(factor)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -72,36 +132,103 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(dim: int, rope: RopeParams) -> torch.Tensor:
+    """YaRN: interpolated low frequencies, extrapolated high ones, a linear ramp between."""
+    s, base = rope.scaling, rope.theta
+    factor, original = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # the extrapolation's share
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def _angles(head_dim: int, max_position: int, rope: RopeParams) -> torch.Tensor:
+    """Rotation angles (max_position, rotary_dim / 2) in float32."""
+    positions = torch.arange(max_position, dtype=torch.float32)
+    if rope.rope_type != "longrope":
+        return positions[:, None] * compute_inv_freq(head_dim, rope)[None, :]
+    s = rope.scaling
+    split = min(s["original_max_position_embeddings"], max_position)
+    short = positions[:split, None] * compute_inv_freq(head_dim, rope, s["short_factor"])[None, :]
+    long = positions[split:, None] * compute_inv_freq(head_dim, rope, s["long_factor"])[None, :]
+    return torch.cat((short, long))
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, rope: RopeParams) -> None:
+    def __init__(
+        self, head_dim: int, max_position: int, rope: RopeParams, interleaved: bool = False
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = compute_inv_freq(head_dim, rope)
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
+        self.rotary_dim = rope.rotary_dim(head_dim)
+        self.interleaved = interleaved
+        freqs = _angles(head_dim, max_position, rope)  # (P, R/2)
+        scale = attention_factor(rope)
         # NOTE: float32 regardless of the model dtype (cast per use), as Hugging Face does.
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.register_buffer("cos_cache", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * scale, persistent=False)
+
+    @property
+    def is_plain_neox(self) -> bool:
+        """Whether tern's kernels (whole-head neox rotation) compute this rotation."""
+        return self.rotary_dim == self.head_dim and not self.interleaved
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q (T, H, D) and k (T, Hkv, D) by their tokens' positions (T,)."""
-        if native.usable(q, k) and _heads_contiguous(q) and _heads_contiguous(k):
+        if (
+            self.is_plain_neox
+            and native.usable(q, k)
+            and _heads_contiguous(q)
+            and _heads_contiguous(k)
+        ):
             # NOTE: in place: q and k are this layer's fresh projections (views of its qkv output).
             native.rotary_neox_(q, k, positions, self.cos_cache, self.sin_cache)
             return q, k
-        cos = self.cos_cache[positions].unsqueeze(1)  # (T, 1, D/2)
+        cos = self.cos_cache[positions].unsqueeze(1)  # (T, 1, R/2)
         sin = self.sin_cache[positions].unsqueeze(1)
-        cos = torch.cat((cos, cos), dim=-1).to(q.dtype)  # (T, 1, D)
-        sin = torch.cat((sin, sin), dim=-1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.interleaved:
+            cos, sin = (
+                cos.repeat_interleave(2, -1).to(q.dtype),
+                sin.repeat_interleave(2, -1).to(q.dtype),
+            )
+            rotate = _rotate_pairs
+        else:
+            cos, sin = (
+                torch.cat((cos, cos), dim=-1).to(q.dtype),
+                torch.cat((sin, sin), dim=-1).to(q.dtype),
+            )
+            rotate = _rotate_halves
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return rotate(q, cos, sin), rotate(k, cos, sin)
+        q = torch.cat((rotate(q[..., :r], cos, sin), q[..., r:]), dim=-1)
+        k = torch.cat((rotate(k[..., :r], cos, sin), k[..., r:]), dim=-1)
+        return q, k
 
 
 def _heads_contiguous(x: torch.Tensor) -> bool:
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.size(2)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return x * cos + torch.stack((-x2, x1), dim=-1).flatten(-2) * sin

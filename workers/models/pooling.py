@@ -1,6 +1,6 @@
 """A decoder served as a pooling model: embeddings, sequence classifiers, reward models.
 
-`DecoderForPooling` is the family's LlamaModel (the same layers, KV cache and pipeline split as for
+`DecoderForPooling` is the family's DecoderModel (the same layers, KV cache and pipeline split as for
 generation) with, on the last pipeline stage, one of these heads on the pooled hidden state
 (pooling itself is workers/layers/pooler.py, run by the model runner across prefill chunks):
 - "none" (task embed): the pooled hidden state itself; an LM head or score head in the checkpoint
@@ -25,7 +25,7 @@ from torch import nn
 from workers.distributed import ParallelContext
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from workers.models.llama import DecoderVariant, LlamaModel
+from workers.models.decoder import DecoderModel, DecoderSpec, language_model_name
 from workers.models.registry import ModelArgs
 
 _BARE_DECODER_PREFIXES = ("layers", "embed_tokens", "norm")
@@ -47,13 +47,11 @@ def build_score_head(head: str, args: ModelArgs, ctx: ParallelContext) -> nn.Mod
 
 
 class DecoderForPooling(nn.Module):
-    def __init__(
-        self, args: ModelArgs, ctx: ParallelContext, variant: DecoderVariant, head: str
-    ) -> None:
+    def __init__(self, args: ModelArgs, ctx: ParallelContext, spec: DecoderSpec, head: str) -> None:
         super().__init__()
         self.args = args
         self.ctx = ctx
-        self.model = LlamaModel(args, ctx, variant)
+        self.model = DecoderModel(args, ctx, spec)
         self.head = head
         self.score = build_score_head(head, args, ctx) if ctx.is_last_stage else None
 
@@ -63,13 +61,15 @@ class DecoderForPooling(nn.Module):
         meta: AttentionMetadata,
         intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """As LlamaForCausalLM's: final hidden states (T, hidden) on the last stage, hidden states
+        """As DecoderForCausalLM's: final hidden states (T, hidden) on the last stage, hidden states
         and residual (2, T, hidden) on the others."""
         return self.model(input_ids, meta, intermediate)
 
     def local_weight_name(self, name: str) -> str | None:
         """The name this stage loads checkpoint tensor `name` as, or None to skip it (another
         stage's, or a head this model does not build)."""
+        if self.args.multimodal and (name := language_model_name(name)) is None:
+            return None
         parts = name.split(".")
         if parts[0] in _BARE_DECODER_PREFIXES:
             name, parts = f"model.{name}", ["model", *parts]

@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import importlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from enginecore.model_task import ARCHITECTURES, architecture_of, model_task, num_labels_of
+from enginecore.model_task import (
+    ARCHITECTURES,
+    architecture_of,
+    is_multimodal,
+    model_task,
+    num_labels_of,
+    text_config_of,
+)
 from workers.distributed import ParallelContext
 from workers.layers.rotary import RopeParams
 
@@ -37,19 +44,23 @@ class ModelArgs:
     rope: RopeParams
     attention_bias: bool = False
     mlp_bias: bool = False
-    use_sliding_window: bool = False
     checkpoint_dtype: str | None = None  # "dtype" / "torch_dtype" of config.json
     num_labels: int = 0  # outputs of the score head of classifiers and reward models
     # Not from config.json: the serving options --quantization (set by the model runner) and --task
     # (resolved: generate, embed, classify or reward).
     quantization: str | None = None
     task: str = "generate"
+    # Released with a vision tower (*ForConditionalGeneration): the language model's weights are
+    # under its prefix, the vision tower's are skipped.
+    multimodal: bool = False
+    # The whole config.json (its text part), for what only one family reads: its DecoderSpec.
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], task: str = "auto") -> ModelArgs:
+        multimodal = is_multimodal(hf)
+        hf = text_config_of(hf)
         architecture = architecture_of(hf)
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
         heads = hf["num_attention_heads"]
         return cls(
             architecture=architecture,
@@ -63,13 +74,14 @@ class ModelArgs:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             max_position_embeddings=hf["max_position_embeddings"],
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rope=RopeParams.from_hf_config(hf),
+            rope=RopeParams.from_hf_config(hf, "full_attention"),
             attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            use_sliding_window=bool(hf.get("use_sliding_window", False)),
             checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
             num_labels=num_labels_of(hf),
             task=model_task(hf, task).task,
+            hf_config=hf,
+            multimodal=multimodal,
         )
 
 
@@ -86,11 +98,17 @@ def build_model(args: ModelArgs, ctx: ParallelContext) -> nn.Module:
     parameters): the decoder of the architecture's family under an LM head (generate) or a
     pooling head (workers/models/pooling.py)."""
     # NOTE: imported here: the model modules import this one (ModelArgs).
-    from workers.models.llama import LlamaForCausalLM
+    from workers.models.decoder import DecoderForCausalLM
     from workers.models.pooling import DecoderForPooling
 
     family, head = ARCHITECTURES[args.architecture]
-    variant = importlib.import_module(f"workers.models.{family}").decoder_variant(args)
+    spec = family_module(args).decoder_spec(args)
     if args.task == "generate":
-        return LlamaForCausalLM(args, ctx, variant)
-    return DecoderForPooling(args, ctx, variant, "none" if args.task == "embed" else head)
+        return DecoderForCausalLM(args, ctx, spec)
+    return DecoderForPooling(args, ctx, spec, "none" if args.task == "embed" else head)
+
+
+def family_module(args: ModelArgs) -> Any:
+    """The module of the architecture's family (workers/models/<family>.py): its decoder_spec and,
+    where its checkpoints store projections fused, checkpoint_names."""
+    return importlib.import_module(f"workers.models.{ARCHITECTURES[args.architecture][0]}")

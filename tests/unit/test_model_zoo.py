@@ -1,0 +1,152 @@
+"""The model zoo against Hugging Face (fp32): a tiny random-weight checkpoint of each family, made from
+transformers' own config class (scripts/make_tiny_model.py), serves 8 prompts of 3 to 64 tokens in one
+batch with the greedy tokens of Hugging Face's model: through the engine core with prefix caching
+(a second pass hits the cache), under preemption, with every prefill chunked (7 tokens a step), and
+through the model runner with logprobs within 1e-3. The sliding windows of the tiny checkpoints (8
+tokens) are shorter than most prompts; the layer kinds of each family repeat.
+
+The families and what each tiny checkpoint exercises: Qwen3.5 (Gated DeltaNet layers around gated
+full attention; prefix caching off), Mistral (every layer slides), Ministral
+(sliding and full layers), Gemma 2 (attention and final softcapping, 1 + weight sandwich norms, GELU,
+scaled embeddings), Gemma 3 (5:1-style local/global layers with two rope bases, q/k norms), Phi-3
+(fused qkv / gate_up checkpoint, partial rotation, longrope), SmolLM3 (NoPE layers), OLMo 2 (post
+norms, whole-projection q/k norms, yarn), Granite (multipliers, dynamic rope), GLM-4 (sandwich norms,
+interleaved partial rotation, fused gate_up).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from enginecore.control import EngineControl
+from enginecore.messages import EngineCoreRequest, SamplingParams, UtilityMethod
+from tests.conftest import ZOO_FIXTURES, make_tiny_model
+from tests.unit.test_engine_inproc import (
+    MAX_TOKENS,
+    hf_greedy,
+    make_core,
+    make_prompts,
+    run_greedy,
+    vocab_of,
+)
+from tests.unit.test_model_runner import GREEDY, make_runner, run
+from tests.unit.test_model_runner import make_prompts as runner_prompts
+from tests.unit.test_weight_control import N, blob, call, greedy
+
+_reference: dict[Path, list[list[int]]] = {}
+
+
+@pytest.fixture(params=ZOO_FIXTURES)
+def model_dir(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(request.param)
+
+
+def _hf(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    if model_dir not in _reference:
+        _reference[model_dir] = hf_greedy(model_dir, prompts, MAX_TOKENS)
+        assert len({tuple(r) for r in _reference[model_dir]}) == len(prompts)
+    return _reference[model_dir]
+
+
+def test_engine_matches_hf_and_the_prefix_cache_hits(model_dir: Path) -> None:
+    prompts = make_prompts(vocab_of(model_dir))
+    ref = _hf(model_dir, prompts)
+    out, core = run_greedy(model_dir, prompts, block_size=4)
+    assert out == ref
+    # The same prompts again on the same engine: their full blocks come from the prefix cache.
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        assert core.add_request(EngineCoreRequest(f"again{i}", p, params)) == []
+    cached = 0
+    outs: dict[str, list[int]] = {}
+    while core.scheduler.has_requests:
+        for o in core.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            cached = max(cached, o.num_cached_tokens or 0)
+    # Hybrid models run with prefix caching off (a hit cannot restore linear-attention state).
+    assert cached > 0 or core.model_task.has_linear_attention
+    assert core.scheduler.kv.enable_prefix_caching != core.model_task.has_linear_attention
+    assert [outs[f"again{i}"] for i in range(len(prompts))] == ref
+
+
+def test_preemption_and_chunked_prefill(model_dir: Path) -> None:
+    prompts = make_prompts(vocab_of(model_dir))
+    ref = _hf(model_dir, prompts)
+    # 24 blocks of 4 tokens: far fewer than 8 requests of up to 80 tokens need at once.
+    out, core = run_greedy(model_dir, prompts, block_size=4, num_blocks=24)
+    assert core.scheduler.num_preempted_total > 0
+    assert out == ref
+    out, _ = run_greedy(model_dir, prompts, max_num_batched_tokens=7)
+    assert out == ref
+
+
+def test_logprobs_match_hf(model_dir: Path) -> None:
+    """Against the scores of Hugging Face's generate (the prompt in one pass, then one token at a
+    time with its cache): the order tern computes in. A single forward over prompt and output
+    differs from those scores by up to 1.3e-3 itself on the tiny Qwen3.5, whose logits are large."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = runner_prompts(hf.config.vocab_size)
+    reqs = run(make_runner(model_dir, block_size=16), prompts, GREEDY, chunk_size=7)
+    with torch.no_grad():
+        for r in reqs.values():
+            ids = torch.tensor([r.prompt])
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=len(r.output), min_new_tokens=len(r.output), pad_token_id=0,
+                eos_token_id=None, output_scores=True, return_dict_in_generate=True,
+            )  # fmt: skip
+            assert out.sequences[0, len(r.prompt) :].tolist() == r.output
+            hf_logprobs = torch.stack([s[0] for s in out.scores]).float().log_softmax(-1)
+            torch.testing.assert_close(torch.stack(r.logprobs), hf_logprobs, atol=1e-3, rtol=0)
+
+
+def test_a_checkpoint_with_a_vision_tower_serves_its_language_model(
+    tmp_path: Path, tokenizer_dir: Path | None
+) -> None:
+    """Gemma3ForConditionalGeneration (random one-layer vision tower): the text answers are those of
+    Hugging Face's model on the same weights, the vision weights are skipped, the log says so."""
+    model_dir = make_tiny_model("gemma3_vl", tmp_path / "gemma3_vl", tokenizer_dir)
+    vocab = json.loads((model_dir / "config.json").read_text())["text_config"]["vocab_size"]
+    prompts = make_prompts(vocab)
+    out, _ = run_greedy(model_dir, prompts)
+    assert out == hf_greedy(model_dir, prompts, MAX_TOKENS)
+    runner = make_runner(model_dir, block_size=16)
+    assert "image inputs are not served" in runner.model_summary
+    assert runner.args.architecture == "Gemma3ForConditionalGeneration"
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi3"])
+def test_weight_updates_from_disk_and_tensors(
+    arch: str, tmp_path: Path, tokenizer_dir: Path | None, request: pytest.FixtureRequest
+) -> None:
+    """Gemma 3 (1 + weight norms, two rope bases) and Phi-3 (fused checkpoint tensors, split as
+    they arrive) take new weights from disk and as tensors, then answer as Hugging Face does on
+    them."""
+    original = request.getfixturevalue(f"tiny_{arch}")
+    trained = make_tiny_model(arch, tmp_path / "trained", tokenizer_dir, seed=1)
+    prompts = make_prompts(vocab_of(original), n=3)
+    expected_trained = hf_greedy(trained, prompts, N)
+    expected_original = hf_greedy(original, prompts, N)
+    assert expected_trained != expected_original
+    control = EngineControl(make_core(original))
+    assert greedy(control, prompts, "a")[0] == expected_original
+    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_DISK, model_path=str(trained))
+    assert greedy(control, prompts, "b")[0] == expected_trained
+    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs=[blob(original)])
+    assert greedy(control, prompts, "c")[0] == expected_original
+
+
+def test_qwen3_5_prompts_over_several_chunks(tiny_qwen3_5: Path) -> None:
+    """Prompts of 1 to 3 delta-rule chunks (64 tokens), whole and prefilled 50 tokens a step."""
+    rng = random.Random(5)
+    vocab = vocab_of(tiny_qwen3_5)
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (63, 64, 65, 130, 200)]
+    ref = hf_greedy(tiny_qwen3_5, prompts, MAX_TOKENS)
+    assert run_greedy(tiny_qwen3_5, prompts)[0] == ref
+    assert run_greedy(tiny_qwen3_5, prompts, max_num_batched_tokens=50)[0] == ref
