@@ -64,11 +64,12 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3_5TextModel": ("qwen3_5", "none"),
     # Released with a vision tower: tern serves their language model (text_config).
     "Gemma3ForConditionalGeneration": ("gemma3", "lm_head"),
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5", "lm_head"),
 }
 # Families with linear-attention layers.
 HYBRID_FAMILIES = ("qwen3_5",)
 # Checkpoints whose config.json nests the language model's config in `text_config`.
-MULTIMODAL_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+MULTIMODAL_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Qwen3_5ForConditionalGeneration")
 
 # Head -> the tasks it serves, the one `--task auto` picks first.
 _TASKS_OF_HEAD = {

@@ -52,8 +52,9 @@ _FAMILIES = {
     "glm4": "Glm4",
     "qwen3_5": "Qwen3_5",  # Qwen3_5TextConfig, Qwen3_5ForCausalLM
 }
-# gemma3_vl: Gemma3ForConditionalGeneration, the tiny gemma3 under a random one-layer vision tower.
-ARCHS = (*_FAMILIES, "gemma3_vl")
+# gemma3_vl / qwen3_5_vl: *ForConditionalGeneration, the tiny gemma3 / qwen3_5 beside a random
+# one-layer vision tower.
+ARCHS = (*_FAMILIES, "gemma3_vl", "qwen3_5_vl")
 # The families added for the 2026 model zoo: each exercises what its DecoderSpec changes, with a
 # sliding window (8) shorter than the test prompts where the family has one.
 ZOO_ARCHS = tuple(_FAMILIES)[3:]
@@ -167,23 +168,38 @@ def _zoo_config_kwargs(arch: str) -> dict[str, Any] | None:
     return None
 
 
-def _make_gemma3_vl(out_dir: Path, tokenizer_dir: Path | None, seed: int) -> Path:
+def _make_with_vision_tower(
+    arch: str, out_dir: Path, tokenizer_dir: Path | None, seed: int
+) -> Path:
     import torch
     import transformers
 
     vocab_size = 49152 if tokenizer_dir is not None else 512
-    text = transformers.Gemma3TextConfig(**_config_kwargs("gemma3", vocab_size))
-    vision = transformers.SiglipVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        image_size=32, patch_size=8,
-    )  # fmt: skip
-    config = transformers.Gemma3Config(
-        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
-        image_token_index=vocab_size - 1, boi_token_index=vocab_size - 2,
-        eoi_token_index=vocab_size - 3,
-    )  # fmt: skip
+    if arch == "gemma3_vl":
+        text = transformers.Gemma3TextConfig(**_config_kwargs("gemma3", vocab_size))
+        vision = transformers.SiglipVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            image_size=32, patch_size=8,
+        )  # fmt: skip
+        config = transformers.Gemma3Config(
+            text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+            image_token_index=vocab_size - 1, boi_token_index=vocab_size - 2,
+            eoi_token_index=vocab_size - 3,
+        )  # fmt: skip
+        model_class = transformers.Gemma3ForConditionalGeneration
+    else:
+        text = transformers.Qwen3_5TextConfig(**_config_kwargs("qwen3_5", vocab_size))
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                  "out_hidden_size": 64, "patch_size": 4, "spatial_merge_size": 2,
+                  "temporal_patch_size": 2, "num_position_embeddings": 16}  # fmt: skip
+        config = transformers.Qwen3_5Config(
+            text_config=text.to_dict(), vision_config=vision,
+            image_token_id=vocab_size - 1, video_token_id=vocab_size - 2,
+            vision_start_token_id=vocab_size - 3, vision_end_token_id=vocab_size - 4,
+        )  # fmt: skip
+        model_class = transformers.Qwen3_5ForConditionalGeneration
     torch.manual_seed(seed)
-    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
     _perturb(model)
     model.save_pretrained(out_dir, safe_serialization=True)
     _copy_tokenizer(out_dir, tokenizer_dir)
@@ -261,8 +277,8 @@ def make_tiny_model(
         raise ValueError(
             f"unknown head {head!r} for {arch} (one of {sorted(HEADS)}; score_mlp: qwen2)"
         )
-    if arch == "gemma3_vl":
-        return _make_gemma3_vl(out_dir, tokenizer_dir, seed)
+    if arch in ("gemma3_vl", "qwen3_5_vl"):
+        return _make_with_vision_tower(arch, out_dir, tokenizer_dir, seed)
     family = _FAMILIES[arch]
     config_class = getattr(transformers, f"{family}Config")
     model_class = getattr(transformers, family + HEADS[head])

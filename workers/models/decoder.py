@@ -416,19 +416,21 @@ _LANGUAGE_MODEL_PREFIXES = (
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
 )
-_VISION_PREFIXES = (
+# The vision tower and its projector (Gemma 3's, Qwen3.5's), and Qwen3.5's multi-token-prediction
+# head (speculative decoding's draft, not served).
+_SKIPPED_PREFIXES = (
     "model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
-    "multi_modal_projector.",
+    "multi_modal_projector.", "model.visual.", "visual.", "mtp.",
 )  # fmt: skip
 
 
 def language_model_name(name: str) -> str | None:
-    """A multimodal checkpoint's tensor name as the text model names it; None for the vision tower
-    and its projector, which tern does not serve."""
+    """A multimodal checkpoint's tensor name as the text model names it; None for what tern does
+    not serve (vision tower, projector, multi-token prediction)."""
     for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
         if name.startswith(prefix):
             return replacement + name[len(prefix) :]
-    return None if name.startswith(_VISION_PREFIXES) else name
+    return None if name.startswith(_SKIPPED_PREFIXES) else name
 
 
 def _hashable(rope: RopeParams) -> tuple:
@@ -472,6 +474,8 @@ class DecoderForCausalLM(nn.Module):
         With tied embeddings, a last stage without the embedding loads it as its LM head.
         """
         if self.args.multimodal and (name := language_model_name(name)) is None:
+            return None
+        if name.startswith("mtp."):  # Qwen3.5's multi-token-prediction head: not served
             return None
         parts = name.split(".")
         if parts[:2] == ["model", "embed_tokens"] and self.model.embed_tokens is None:
