@@ -1,7 +1,7 @@
 """Pooling models (embed, classify, reward) through EngineCore in one process, against Hugging Face.
 
 Sixteen prompts of different lengths in flight at once: the pooled outputs of tiny Llama / Qwen2 /
-Qwen3 sequence classifiers (1 and 3 labels), a Qwen2ForRewardModel and a Llama served as an
+Qwen3 sequence classifiers (1 and 3 labels) and of every zoo family's (3 labels), a Qwen2ForRewardModel and a Llama served as an
 embedding model (LAST, MEAN, CLS; from a *ForCausalLM and from a bare LlamaModel checkpoint) equal
 transformers' fp32 outputs to 1e-4, also when every prompt is chunked, when requests are preempted,
 and when the prefix cache holds the prompts already. Requests of the wrong kind, and prompts
@@ -116,7 +116,11 @@ def hf_reference(model_dir: Path, prompts: list[list[int]], pooling_type: str) -
     return _hf_cache[key]
 
 
-CLASSIFIERS = [(a, n) for a in ("llama", "qwen2", "qwen3") for n in (1, 3)]
+# The model zoo's families with a *ForSequenceClassification in transformers: 3 labels each.
+ZOO_CLASSIFIERS = ("mistral", "ministral", "gemma2", "gemma3", "phi3", "smollm3", "olmo2", "glm4")
+CLASSIFIERS = [(a, n) for a in ("llama", "qwen2", "qwen3") for n in (1, 3)] + [
+    (a, 3) for a in ZOO_CLASSIFIERS
+]
 
 
 @pytest.mark.parametrize("arch,num_labels", CLASSIFIERS)

@@ -1,0 +1,167 @@
+"""Decode speed of every family tern serves, beside the Llama of the same size.
+
+For each family a random checkpoint of about 100M parameters (hidden 768, 12 layers, 12 heads / 4
+KV heads, intermediate 2048, vocabulary 32000) is made from transformers' own config class with the
+family's features on (the tiny test checkpoints' settings of scripts/make_tiny_model.py: windows,
+softcapping, NoPE layers, multipliers, linear attention ...; sliding windows of 64 tokens, shorter
+than the context, so they bite), and served in process through the real scheduler and model runner
+(an EngineCore on an InProcExecutor): --input-len random prompt tokens, --output-len tokens each,
+greedy, ignore_eos. Reported per family: c=1 TPOT (the median decode step with one sequence) and
+c=32 output tokens per second (32 prompts at once, wall clock), each as a ratio to Llama's.
+
+    python scripts/bench_models.py [--families llama gemma3 ...] [--dtype auto] [--out FILE.json]
+
+The CPU's name and flags are printed first: every table must say which CPU it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import make_tiny_model as tiny  # noqa: E402
+import torch  # noqa: E402
+
+from enginecore.config import CacheConfig, Config, ModelConfig, SchedulerConfig  # noqa: E402
+from enginecore.core import EngineCore  # noqa: E402
+from enginecore.executor import InProcExecutor  # noqa: E402
+from enginecore.messages import EngineCoreRequest, SamplingParams  # noqa: E402
+
+SIZE = {
+    "vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048,
+    "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64,
+    "num_hidden_layers": 12, "max_position_embeddings": 4096,
+}  # fmt: skip
+WINDOW = 64
+
+
+def family_config(arch: str) -> dict:
+    """The tiny checkpoint's features at the benchmark's size (layer lists stretched to 12)."""
+    kwargs = {**tiny._config_kwargs(arch, SIZE["vocab_size"]), **SIZE, "initializer_range": 0.02}
+    n = SIZE["num_hidden_layers"]
+    for key in ("layer_types", "no_rope_layers"):
+        if key in kwargs:
+            pattern = kwargs[key]
+            kwargs[key] = [pattern[i % len(pattern)] for i in range(n)]
+    if "sliding_window" in kwargs:
+        kwargs["sliding_window"] = WINDOW
+    if arch == "gemma2" or arch == "gemma3":
+        kwargs["query_pre_attn_scalar"] = SIZE["head_dim"]
+    if arch == "qwen3_5":  # 4 key / 8 value heads of 64: about the attention layers' width
+        kwargs.update(linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                      linear_value_head_dim=64)  # fmt: skip
+    if arch == "phi3":  # its factors cover the rotated half of a 64-dim head
+        rope = dict(kwargs["rope_parameters"])
+        rope["short_factor"] = [1.0 + 0.05 * i for i in range(24)]
+        rope["long_factor"] = [2.0 + 0.5 * i for i in range(24)]
+        kwargs["rope_parameters"] = rope
+    return kwargs
+
+
+def make_checkpoint(arch: str, out_dir: Path) -> Path:
+    import transformers
+
+    family = tiny._FAMILIES[arch]
+    config_class = {"gemma3": transformers.Gemma3TextConfig,
+                    "qwen3_5": transformers.Qwen3_5TextConfig}.get(arch) or getattr(
+        transformers, f"{family}Config")  # fmt: skip
+    model_class = getattr(transformers, f"{family}ForCausalLM")
+    torch.manual_seed(0)
+    model = model_class(config_class(**family_config(arch))).to(torch.float32)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def run(
+    core: EngineCore, prompts: list[list[int]], output_len: int, tag: str
+) -> tuple[float, float]:
+    """-> (median seconds of a decode-only step, output tokens per second over the whole run)."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        assert core.add_request(EngineCoreRequest(f"{tag}{i}", p, params)) == []
+    decode_steps, produced = [], 0
+    start = time.perf_counter()
+    while core.scheduler.has_requests:
+        decoding = not core.scheduler.waiting and all(
+            r.num_computed_tokens >= len(r.prompt_token_ids) for r in core.scheduler.running
+        )
+        t0 = time.perf_counter()
+        outs = core.step()
+        if decoding and core.scheduler.running:
+            decode_steps.append(time.perf_counter() - t0)
+        produced += sum(len(o.new_token_ids) for o in outs)
+    wall = time.perf_counter() - start
+    return statistics.median(decode_steps), produced / wall
+
+
+def bench(arch: str, work: Path, args: argparse.Namespace) -> dict:
+    model_dir = make_checkpoint(arch, work / arch)
+    config = Config(
+        model=ModelConfig(path=str(model_dir), dtype=args.dtype),
+        cache=CacheConfig(block_size=16, kv_cache_memory_gib=1.0),
+        scheduler=SchedulerConfig(max_num_seqs=32),
+    )
+    core = EngineCore(config, InProcExecutor(config))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, SIZE["vocab_size"]) for _ in range(args.input_len)]
+               for _ in range(32)]  # fmt: skip
+    run(core, prompts[:1], 8, "warm")
+    tpot, _ = run(core, prompts[:1], args.output_len, "c1-")
+    _, throughput = run(core, prompts, args.output_len, "c32-")
+    report = core.executor.runner.kernel_report()
+    return {"family": arch, "tpot_ms": tpot * 1e3, "c32_tok_s": throughput, "kernels": report}
+
+
+def cpu_description() -> str:
+    text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    name = next(
+        (ln.split(":", 1)[1].strip() for ln in text.splitlines() if "Model name" in ln), "?"
+    )
+    flags = next(
+        (ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("Flags")), []
+    )
+    simd = sorted(f for f in flags if f.startswith(("avx", "amx")))
+    return f"{name}, {torch.get_num_threads()} threads, flags: {' '.join(simd)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="+", default=list(tiny._FAMILIES))
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    families = ["llama", *[f for f in args.families if f != "llama"]]
+    print(f"CPU: {cpu_description()}", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in families:
+            results.append(bench(arch, Path(tmp), args))
+            r = results[-1]
+            print(f"{arch:10s} TPOT {r['tpot_ms']:7.2f} ms   c=32 {r['c32_tok_s']:7.1f} tok/s   "
+                  f"{r['kernels'].split(', fused decode layer: ')[-1]}", flush=True)  # fmt: skip
+    base = results[0]
+    print("\n| family | c=1 TPOT ms | vs Llama | c=32 tok/s | vs Llama | fused decode layer |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        fused = r["kernels"].split(", fused decode layer: ")[-1]
+        print(f"| {r['family']} | {r['tpot_ms']:.2f} | {r['tpot_ms'] / base['tpot_ms']:.2f}x | "
+              f"{r['c32_tok_s']:.0f} | {r['c32_tok_s'] / base['c32_tok_s']:.2f}x | {fused} |")  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps({"cpu": cpu_description(), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
