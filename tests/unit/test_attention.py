@@ -54,6 +54,7 @@ def _reference(
     query_lens: list[int],
     start_pos: list[int],
     block_size: int,
+    window: int | None = None,
 ) -> torch.Tensor:
     out, offset = [], 0
     for table, n, start in zip(tables, query_lens, start_pos):
@@ -64,6 +65,8 @@ def _reference(
         k = cache[0].flatten(0, 1)[slots].float().transpose(0, 1)  # (Hkv, ctx, D)
         v = cache[1].flatten(0, 1)[slots].float().transpose(0, 1)
         mask = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]  # (n, ctx)
+        if window is not None:  # keys q - window < k <= q
+            mask &= torch.arange(ctx)[None, :] > torch.arange(start, ctx)[:, None] - window
         qs = q[offset : offset + n].float().transpose(0, 1)  # (H, n, D)
         o = F.scaled_dot_product_attention(
             qs, k, v, attn_mask=mask, scale=q.size(-1) ** -0.5, enable_gqa=True
@@ -82,6 +85,7 @@ def _run(
     use_kernel: bool,
     seed: int = 0,
     shape: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM),
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Attention's output, the reference) for one step; the step's own K/V go in first.
     `shape`: (heads, KV heads, head dim)."""
@@ -94,12 +98,12 @@ def _run(
     q = torch.randn(num_tokens, heads, head_dim, generator=g).to(dtype)
     k = torch.randn(num_tokens, kv_heads, head_dim, generator=g).to(dtype)
     v = torch.randn(num_tokens, kv_heads, head_dim, generator=g).to(dtype)
-    attn = Attention(heads, head_dim, kv_heads, head_dim**-0.5)
+    attn = Attention(heads, head_dim, kv_heads, head_dim**-0.5, sliding_window=window)
     attn.has_decode_kernel = use_kernel
     attn.kv_cache = cache
     meta = build_attention_metadata(start_pos, query_lens, tables, block_size, torch.device("cpu"))
     out = attn(q, k, v, meta)
-    return out.float(), _reference(q, cache, tables, query_lens, start_pos, block_size)
+    return out.float(), _reference(q, cache, tables, query_lens, start_pos, block_size, window)
 
 
 @pytest.mark.parametrize("tier", [*TIERS, "off"])
@@ -156,6 +160,24 @@ def test_bf16_kernel_at_real_models_head_dims(shape: tuple[int, int, int], block
             use_kernel=True, shape=shape,
         )  # fmt: skip
         torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("tier", [*TIERS, "off"])
+@pytest.mark.parametrize("window", [1, 5, 16, 200])
+def test_sliding_windows(window: int, tier: str) -> None:
+    """Decodes (the kernel starts each sequence at its window, mid-block too), padded later chunks
+    and fresh prompts longer than the window, on every tier and the torch path; a window longer
+    than every context changes nothing."""
+    query_lens, start_pos = [1, 1, 1, 7, 12, 1], [0, 3, 40, 9, 0, 100]
+    with use_tier(tier):
+        for block_size in (4, 16):
+            out, ref = _run(query_lens, start_pos, block_size=block_size,
+                            use_kernel=tier != "off", window=window)  # fmt: skip
+            torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+            if tier != "off":
+                out, ref = _run(query_lens, start_pos, block_size=block_size, use_kernel=True,
+                                window=window, dtype=torch.bfloat16, shape=(8, 2, 64))  # fmt: skip
+                torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
 @needs_kernels

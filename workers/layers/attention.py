@@ -17,9 +17,9 @@ layer is (2, num_blocks, block_size, num_kv_heads, head_dim).
 
 A sliding-window layer (Mistral, Gemma's local layers) lets query position q see keys
 q - window < k <= q, as Hugging Face's sliding mask; its masks are derived from the step's once per
-window size and shared too. Such layers and layers with logit softcapping (Gemma 2: tanh(s / cap) *
-cap on the scores, which SDPA cannot apply) take the padded path for decodes as well; softcapping
-computes the scores explicitly.
+window size and shared too; the decode kernel starts each sequence at its window. Layers with
+logit softcapping (Gemma 2: tanh(s / cap) * cap on the scores, which SDPA cannot apply) take the
+padded path for decodes as well, computing the scores explicitly.
 """
 
 from __future__ import annotations
@@ -302,7 +302,6 @@ class Attention(nn.Module):
         self.has_decode_kernel = (
             torch.get_default_device().type == "cpu"
             and native.load() is not None
-            and sliding_window is None
             and softcap is None
         )
         self.kv_cache = torch.empty(0)  # (2, num_blocks, block_size, Hkv, D) once allocated
@@ -353,7 +352,7 @@ class Attention(nn.Module):
             # One call writes this step's K/V and attends: the common decode step.
             return native.paged_decode_attention(
                 q.contiguous(), k_cache, v_cache, d.block_tables, d.context_lens, self.scale,
-                new_kv=(k, v, meta.slot_mapping),
+                new_kv=(k, v, meta.slot_mapping), window=self.sliding_window,
             )  # fmt: skip
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
@@ -362,7 +361,13 @@ class Attention(nn.Module):
         if use_kernel:
             q_dec = q if d.is_whole_batch else q[d.q_tokens]  # the cache's dtype, as q's
             o_dec = native.paged_decode_attention(
-                q_dec.contiguous(), k_cache, v_cache, d.block_tables, d.context_lens, self.scale
+                q_dec.contiguous(),
+                k_cache,
+                v_cache,
+                d.block_tables,
+                d.context_lens,
+                self.scale,
+                window=self.sliding_window,
             )
             if d.is_whole_batch:
                 return o_dec

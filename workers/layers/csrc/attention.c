@@ -170,7 +170,7 @@ static inline void prefetch_rows(const char *p, int n, int64_t row_stride, int r
 #define DEFINE_DECODE_HEADS(SUFFIX, KV_T)                                                        \
     static void decode_heads_##SUFFIX(const float *qs, const uint16_t *qb, float scale,          \
                                       const KV_T *k, const KV_T *v, const int32_t *table,        \
-                                      int ctx, int nh, int G, int D, int block_size,             \
+                                      int start, int ctx, int nh, int G, int D, int block_size,  \
                                       int64_t slot_stride, float *out) {                         \
         int R = nh * G;                                                                          \
         float scores[MAX_GROUP * MAX_BLOCK]; /* [g][t]: one KV head of the current block */      \
@@ -182,9 +182,13 @@ static inline void prefetch_rows(const char *p, int n, int64_t row_stride, int r
         memset(acc, 0, sizeof(float) * R * D);                                                   \
         int64_t row_stride = slot_stride * (int64_t)sizeof(KV_T);                                \
         int num_blocks = (ctx + block_size - 1) / block_size;                                    \
-        for (int j = 0; j < num_blocks; j++) {                                                   \
+        for (int j = start / block_size; j < num_blocks; j++) {                                  \
             int64_t base = (int64_t)table[j] * block_size;                                       \
             int n = ctx - j * block_size < block_size ? ctx - j * block_size : block_size;       \
+            if (j == start / block_size) { /* a sliding window starts inside this block */       \
+                base += start % block_size;                                                      \
+                n -= start % block_size;                                                         \
+            }                                                                                    \
             if (j + 1 < num_blocks) { /* blocks are scattered: fetch the next one early */       \
                 int64_t next = (int64_t)table[j + 1] * block_size * slot_stride;                 \
                 int bytes = nh * D * (int)sizeof(KV_T);                                          \
@@ -243,8 +247,9 @@ static inline int widened_index(int i) {
 #define PV_HEADS 4 /* query heads whose accumulators stay in registers */
 
 static void decode_heads_bf16_x16(const uint16_t *qb, float scale, const uint16_t *k,
-                                  const uint16_t *v, const int32_t *table, int ctx, int nh, int G,
-                                  int D, int block_size, int64_t slot_stride, float *out) {
+                                  const uint16_t *v, const int32_t *table, int start, int ctx,
+                                  int nh, int G, int D, int block_size, int64_t slot_stride,
+                                  float *out) {
     int R = nh * G;
     float acc[R * D], row_max[R], row_sum[R], p[MAX_GROUP][16], corr[MAX_GROUP];
     for (int r = 0; r < R; r++) {
@@ -255,9 +260,13 @@ static void decode_heads_bf16_x16(const uint16_t *qb, float scale, const uint16_
     const __m512i zero = _mm512_setzero_si512();
     int64_t row_stride = slot_stride * (int64_t)sizeof(uint16_t);
     int num_blocks = (ctx + block_size - 1) / block_size;
-    for (int j = 0; j < num_blocks; j++) {
+    for (int j = start / block_size; j < num_blocks; j++) {
         int64_t base = (int64_t)table[j] * block_size;
         int n = ctx - j * block_size < block_size ? ctx - j * block_size : block_size;
+        if (j == start / block_size) { /* a sliding window starts inside this block */
+            base += start % block_size;
+            n -= start % block_size;
+        }
         for (int h = 0; h < nh; h++) {
             const uint16_t *qh = qb + (int64_t)h * G * D;
             for (int c0 = 0; c0 < n; c0 += 16) {
@@ -350,7 +359,8 @@ static void decode_heads_bf16_x16(const uint16_t *qb, float scale, const uint16_
  * (B,) int32, each >= 1. With `slots` (B,) int64, this step's k_new and v_new (B, Hkv, D) in the
  * cache's dtype, token rows k_new_stride / v_new_stride elements apart, are first written to those
  * cache slots
- * (each work item writes the heads it then reads). Returns 0, -1 when the shapes exceed the
+ * (each work item writes the heads it then reads). `window` > 0: each query sees only its last
+ * `window` tokens (a sliding-window layer: keys q - window < k <= q). Returns 0, -1 when the shapes exceed the
  * kernel's fixed buffers, -2 (having written nothing) when a slot is outside [0, num_slots). */
 int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
                                 const int32_t *block_tables, int64_t table_stride,
@@ -358,7 +368,7 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
                                 int D, int block_size, float scale, int kv_is_bf16,
                                 int io_is_bf16, const void *k_new, int64_t k_new_stride,
                                 const void *v_new, int64_t v_new_stride, const int64_t *slots,
-                                int64_t num_slots) {
+                                int64_t num_slots, int window) {
     int G = H / Hkv;
     if (G > MAX_GROUP || D > MAX_HEAD_DIM || block_size > MAX_BLOCK || G * Hkv != H ||
         H * D > MAX_QUERY_FLOATS)
@@ -389,6 +399,7 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
             qs[i] = (io_is_bf16 ? bf16_to_f32(((const uint16_t *)q)[first + i])
                                 : ((const float *)q)[first + i]) * scale;
         const int32_t *table = block_tables + (int64_t)b * table_stride;
+        int start = window > 0 && context_lens[b] > window ? context_lens[b] - window : 0;
         float *o = io_is_bf16 ? os : (float *)out + first;
         /* bf16 queries against a bf16 cache: the pair dot products (when the build has them) */
         const uint16_t *qb =
@@ -396,18 +407,18 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
 #ifdef __AVX512BF16__
         if (qb != NULL && D % 64 == 0)
             decode_heads_bf16_x16(qb, scale, (const uint16_t *)k_cache + h0 * D,
-                                  (const uint16_t *)v_cache + h0 * D, table, context_lens[b], nh,
-                                  G, D, block_size, slot_stride, o);
+                                  (const uint16_t *)v_cache + h0 * D, table, start,
+                                  context_lens[b], nh, G, D, block_size, slot_stride, o);
         else
 #endif
         if (kv_is_bf16)
             decode_heads_bf16(qs, qb, scale, (const uint16_t *)k_cache + h0 * D,
-                              (const uint16_t *)v_cache + h0 * D, table, context_lens[b], nh, G,
-                              D, block_size, slot_stride, o);
+                              (const uint16_t *)v_cache + h0 * D, table, start, context_lens[b],
+                              nh, G, D, block_size, slot_stride, o);
         else
             decode_heads_f32(qs, NULL, scale, (const float *)k_cache + h0 * D,
-                             (const float *)v_cache + h0 * D, table, context_lens[b], nh, G, D,
-                             block_size, slot_stride, o);
+                             (const float *)v_cache + h0 * D, table, start, context_lens[b], nh,
+                             G, D, block_size, slot_stride, o);
         if (io_is_bf16)
             for (int i = 0; i < n; i++) ((uint16_t *)out)[first + i] = f32_to_bf16(os[i]);
     }
