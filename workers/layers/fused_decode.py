@@ -50,7 +50,7 @@ class DecodeLayerSpec:
     attention: Attention
     rotary: RotaryEmbedding | None
     # None when the layer computes exactly the above (Llama's maths), else how it differs (q/k
-    # norms, another activation, a sliding window, ...): such layers are not fused.
+    # norms, another activation, softcapping, ...): such layers are not fused.
     not_llama_style: str | None
 
 
@@ -227,7 +227,7 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
         linears[1].n, a.num_heads, a.num_kv_heads, a.head_dim, linears[3].k,
         rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr(), rope.cos_cache.size(0),
         k_cache.data_ptr(), a.v_cache.data_ptr(), k_cache.size(0) * k_cache.size(1),
-        k_cache.size(1),
+        k_cache.size(1), a.sliding_window or 0,
         ctx.tp_shm.base if ctx.tp_size > 1 else None, ctx.tp_rank, ctx.tp_size,
         ctx.tp_shm.slot_bytes if ctx.tp_size > 1 else 0,
         ctx.tp_shm.timeout_s if ctx.tp_size > 1 else 0.0,

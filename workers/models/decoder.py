@@ -85,7 +85,6 @@ class DecoderSpec:
             ("q/k norms", self.qk_norm is not None),
             ("another activation", self.activation not in ("silu", "swish")),
             ("other norms", self.norms != LLAMA_NORMS or self.norm_offset or self.norm_weight_in_float32),
-            ("sliding window", kind.sliding_window is not None),
             ("softcapping", self.attn_softcap is not None),
             ("partial, interleaved or no rotation",
              kind.rope is None or kind.rope.partial_rotary_factor != 1.0 or self.rope_interleaved),

@@ -42,6 +42,7 @@ typedef struct {
     void *k_cache, *v_cache;
     int64_t num_slots;
     int block_size;
+    int window; /* a sliding-window layer's window, or 0 */
     /* tensor parallelism: the TP group's shared-memory segment (shm_collectives.py), or tp_size 1 */
     char *shm;
     int tp_rank, tp_size;
