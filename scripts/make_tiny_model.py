@@ -5,7 +5,12 @@ Three flavours, each exercising a different path of the worker's model code:
   (`rope_parameters`);
 - "qwen2": untied embeddings, bias on q/k/v, linear rope scaling, config.json rewritten in
   transformers-4 style (`rope_theta` + `rope_scaling`);
-- "qwen3": q/k RMSNorm, head_dim (32) != hidden_size / heads (16).
+- "qwen3": q/k RMSNorm, head_dim (32) != hidden_size / heads (16);
+- the model zoo (ZOO_ARCHS: mistral, ministral, gemma2, gemma3, phi3, smollm3, olmo2, granite, glm4,
+  qwen3_5): each with what its family changes on (sliding windows of 8 tokens, softcapping, NoPE
+  layers, multipliers, yarn / longrope / dynamic rope, Gated DeltaNet layers; `_zoo_config_kwargs`);
+- "gemma3_vl", "qwen3_5_vl": *ForConditionalGeneration, the tiny gemma3 / qwen3_5 beside a random
+  one-layer vision tower.
 All have hidden size 64, 4 heads / 2 KV heads, and vocab 49152 with the tokenizer files of
 `tokenizer_dir` copied in, else vocab 512 and no tokenizer.
 

@@ -6,13 +6,15 @@ on its output, before the MLP, on the MLP's output) under Hugging Face's names, 
 1 + weight), q/k norms per head or over the whole projection, the MLP's activation, the attention
 scale and logit softcapping, each layer's sliding window and rotation (its own rope base, none for
 NoPE layers, partial or interleaved), and the multipliers of the embedding, the residual branches and
-the logits, and the final logit softcapping. Module names mirror Hugging Face
-(`model.layers.N.self_attn.qkv_proj`, ...) so the weight loader only maps q/k/v and gate/up, and a
-family's `checkpoint_names` splits checkpoints that store them fused (Phi-3, GLM-4). Pooling models
-put another head on the same DecoderModel: workers/models/pooling.py.
+the logits, and the final logit softcapping; and for hybrids (Qwen3.5) which layers are Gated DeltaNet
+linear attention (workers/layers/gated_delta_net.py) and that attention has an output gate. Module
+names mirror Hugging Face (`model.layers.N.self_attn.qkv_proj`, ...) so the weight loader only maps
+q/k/v and gate/up (and splits checkpoints that store them fused: Phi-3, GLM-4). Pooling models put
+another head on the same DecoderModel: workers/models/pooling.py. Checkpoints released with a vision
+tower (`*ForConditionalGeneration`) load their language model (`language_model_name`).
 
-A layer with Llama's maths (pre-norms of Llama's form, SiLU gate, whole-head neox rotation, no
-window, softcap or multipliers) takes the fused decode path (workers/layers/fused_decode.py); any
+A layer with Llama's maths (pre-norms of Llama's form, SiLU gate, whole-head neox rotation, a
+sliding window or none, no softcap or multipliers) takes the fused decode path (workers/layers/fused_decode.py); any
 other says why not, and the start-up log shows it.
 
 Pipeline parallelism: a stage builds only its own decoder layers (the others are parameterless

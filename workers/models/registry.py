@@ -109,6 +109,6 @@ def build_model(args: ModelArgs, ctx: ParallelContext) -> nn.Module:
 
 
 def family_module(args: ModelArgs) -> Any:
-    """The module of the architecture's family (workers/models/<family>.py): its decoder_spec and,
-    where its checkpoints store projections fused, checkpoint_names."""
+    """The module of the architecture's family (workers/models/<family>.py), whose decoder_spec
+    says how its decoder differs from Llama's."""
     return importlib.import_module(f"workers.models.{ARCHITECTURES[args.architecture][0]}")
