@@ -1,7 +1,8 @@
 """The fused decoder layer of small decode steps (csrc/decode_layer.c) against the module-by-module
 path: the same logprobs bit for bit, on every kernel tier this CPU runs, for `--dtype bfloat16`
 (bfloat16 activations on AVX512-BF16 tiers; float32 activations with bfloat16-stored weights on the
-others) and `--dtype float32`, unquantized and int8, Llama and Qwen2 (q/k/v bias), decode steps of
+others) and `--dtype float32`, unquantized and int8, Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k
+norms) and Mistral (a sliding window shorter than the prompts), decode steps of
 one to five sequences (the few-row kernels, and AMX where the CPU has it), after prompts and
 chunked prefills."""
 
@@ -39,7 +40,7 @@ def _runner(model_dir: Path, quantization: str | None, dtype: str) -> ModelRunne
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("quantization", [None, "int8"])
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_mistral"])
 def test_fused_layer_is_bit_identical_to_the_modules(
     arch: str, quantization: str | None, dtype: str, request: pytest.FixtureRequest, monkeypatch
 ) -> None:
@@ -78,11 +79,12 @@ def test_fused_layer_is_bit_identical_to_the_modules(
             assert torch.equal(a, b)
 
 
-def test_layers_outside_the_fused_path_say_so(tiny_qwen3) -> None:
-    """q/k norm (Qwen3) keeps the module path, and the start-up report says why."""
+def test_layers_outside_the_fused_path_say_so(tiny_gemma3) -> None:
+    """Gemma's layer (1 + weight sandwich norms, GELU) keeps the module path, and the start-up
+    report says why."""
     for dtype in ("bfloat16", "float32"):
         config = Config(
-            model=ModelConfig(path=str(tiny_qwen3), dtype=dtype),
+            model=ModelConfig(path=str(tiny_gemma3), dtype=dtype),
             cache=CacheConfig(block_size=4, num_gpu_blocks_override=64),
         )
         runner = ModelRunner(config)

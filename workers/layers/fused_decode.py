@@ -38,8 +38,9 @@ from workers.layers.rotary import RotaryEmbedding
 
 @dataclass(frozen=True)
 class DecodeLayerSpec:
-    """A Llama-style decoder layer as the native layer reads it: x -> input_norm -> qkv -> rotary
-    -> attention -> o (+ residual) -> post_norm -> gate_up -> SiLU gate -> down."""
+    """A Llama-style decoder layer as the native layer reads it: x -> input_norm -> qkv -> (per-head
+    q and k norms) -> rotary -> attention -> o (+ residual) -> post_norm -> gate_up -> SiLU gate
+    -> down."""
 
     qkv: LinearBase
     o: LinearBase  # row-parallel: bias on TP rank 0 only, all-reduced
@@ -47,6 +48,8 @@ class DecodeLayerSpec:
     down: LinearBase  # row-parallel
     input_norm: RMSNorm
     post_norm: RMSNorm
+    q_norm: RMSNorm | None  # per-head norms of q and k (Qwen3), or None
+    k_norm: RMSNorm | None
     attention: Attention
     rotary: RotaryEmbedding | None
     # None when the layer computes exactly the above (Llama's maths), else how it differs (q/k
@@ -151,9 +154,9 @@ class FusedDecodeLayer:
             self._off_reason = f"the layer is not Llama-style ({spec.not_llama_style})"
             return None
         linears = (spec.qkv, spec.o, spec.gate_up, spec.down)
-        tensors = [lin.weight for lin in linears] + [
-            spec.input_norm.weight, spec.post_norm.weight, spec.attention.kv_cache,
-            spec.rotary.cos_cache,
+        norms = [n for n in (spec.input_norm, spec.post_norm, spec.q_norm, spec.k_norm) if n]
+        tensors = [lin.weight for lin in linears] + [n.weight for n in norms] + [
+            spec.attention.kv_cache, spec.rotary.cos_cache,
         ]  # fmt: skip
         # NOTE: whether each bf16 linear is packed decides whether the unfused path would take the
         # few-row kernel, so it is part of the key.
@@ -197,7 +200,7 @@ def _linear(lin: LinearBase, dtype: torch.dtype, row_parallel: bool = False) -> 
 def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
     """The layer's struct, or None and why the layer does not qualify."""
     a = spec.attention
-    norms = (spec.input_norm, spec.post_norm)
+    norms = [n for n in (spec.input_norm, spec.post_norm, spec.q_norm, spec.k_norm) if n]
     ctx = spec.qkv.ctx
     dtype = a.kv_cache.dtype  # the activations'
     if native.load() is None:
@@ -211,8 +214,10 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
         or max_rows(dtype) * norms[0].weight.numel() * dtype.itemsize > ctx.tp_shm.slot_bytes
     ):  # the all-reduces run in the native call: on the shared segment, rows of the largest step
         return None, "no shared-memory segment for the tensor-parallel all-reduces"
-    if any(n.weight.dtype != dtype or n.eps != norms[0].eps for n in norms):
+    if any(n.weight.dtype != dtype or n.eps != norms[0].eps or not n.is_plain for n in norms):
         return None, f"the norms are not {dtype} with one eps"
+    if (spec.q_norm is None) != (spec.k_norm is None):
+        return None, "a q norm without a k norm"
     linears = [
         _linear(spec.qkv, dtype), _linear(spec.o, dtype, row_parallel=True),
         _linear(spec.gate_up, dtype), _linear(spec.down, dtype, row_parallel=True),
@@ -223,7 +228,10 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
     k_cache = a.k_cache  # (num_blocks, block_size, Hkv, D)
     return TernDecodeLayer(
         *linears,
-        norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].eps, a.scale,
+        norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
+        spec.q_norm.weight.data_ptr() if spec.q_norm is not None else None,
+        spec.k_norm.weight.data_ptr() if spec.k_norm is not None else None,
+        norms[0].eps, a.scale,
         linears[1].n, a.num_heads, a.num_kv_heads, a.head_dim, linears[3].k,
         rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr(), rope.cos_cache.size(0),
         k_cache.data_ptr(), a.v_cache.data_ptr(), k_cache.size(0) * k_cache.size(1),

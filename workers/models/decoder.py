@@ -84,7 +84,7 @@ class DecoderSpec:
     def layer_is_llama_style(self, kind: LayerKind) -> str | None:
         """None when a layer of `kind` computes exactly Llama's maths, else how it differs."""
         differences = [
-            ("q/k norms", self.qk_norm is not None),
+            ("q/k norms over the whole projection", self.qk_norm == "full"),
             ("another activation", self.activation not in ("silu", "swish")),
             ("other norms", self.norms != LLAMA_NORMS or self.norm_offset or self.norm_weight_in_float32),
             ("softcapping", self.attn_softcap is not None),
@@ -206,13 +206,20 @@ class DecoderAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = _per_head(self.q_norm, q), _per_head(self.k_norm, k)
         if self.rotary_emb is not None:
             q, k = self.rotary_emb(meta.positions, q, k)
         o = self.attn(q, k, v, meta).flatten(1)  # (T, H D)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
+
+
+def _per_head(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm over each head of x (T, heads, D), as rows (T * heads, D): tern's kernel, the one
+    the fused decode layer runs, where it applies."""
+    t, heads, d = x.shape
+    return norm(x.reshape(t * heads, d)).view(t, heads, d)
 
 
 def mlp_shard_of(args: ModelArgs, tp_size: int, tp_rank: int) -> tuple[int, int]:
@@ -280,6 +287,8 @@ class DecoderLayer(nn.Module):
         fused = DecodeLayerSpec(
             qkv=attn.qkv_proj, o=attn.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj,
             input_norm=self._norm("input"), post_norm=self._norm("pre_mlp"),
+            q_norm=getattr(attn, "q_norm", None) if attn.qk_norm == "head" else None,
+            k_norm=getattr(attn, "k_norm", None) if attn.qk_norm == "head" else None,
             attention=attn.attn, rotary=attn.rotary_emb,
             not_llama_style=spec.layer_is_llama_style(kind),
         )  # fmt: skip

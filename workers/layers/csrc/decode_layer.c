@@ -59,6 +59,12 @@ static int decode_layer(const TernDecodeLayer *L, const TernDecodeStep *S, const
     }
     if (linear(&L->qkv, S->normed, S->qkv, T, bf16) != 0) return -1;
     char *qkv = (char *)S->qkv, *k = qkv + elem * H * D, *v = k + elem * Hkv * D;
+    if (L->q_norm != NULL) /* per head, in place: each token's H query and Hkv key rows of D */
+        for (int t = 0; t < T; t++) {
+            char *qt = qkv + elem * t * row, *kt = k + elem * t * row;
+            rms_norm(qt, NULL, NULL, L->q_norm, qt, H, D, L->eps, bf16);
+            rms_norm(kt, NULL, NULL, L->k_norm, kt, Hkv, D, L->eps, bf16);
+        }
     int rc = bf16 ? tern_rotary_neox_bf16((uint16_t *)qkv, row, (uint16_t *)k, row, S->positions,
                                           L->num_positions, L->cos_cache, L->sin_cache, T, H,
                                           Hkv, D)

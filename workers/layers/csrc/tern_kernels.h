@@ -35,6 +35,7 @@ typedef struct {
 typedef struct {
     TernLinear qkv, o, gate_up, down;
     const void *input_norm, *post_norm;
+    const void *q_norm, *k_norm; /* per-head RMSNorm weights (D,) of q and k (Qwen3), or NULL */
     float eps, attn_scale;
     int hidden, num_heads, num_kv_heads, head_dim, intermediate;
     const float *cos_cache, *sin_cache;
