@@ -119,9 +119,13 @@ class AttentionMetadata:
     # Per sequence, as Python ints (for layers that loop over sequences: linear attention).
     start_pos_list: list[int] = field(default_factory=list)
     query_len_list: list[int] = field(default_factory=list)
-    query_start_list: list[int] = field(default_factory=list)
     # (B,) each sequence's row in the recurrent-state pools; set by the model runner (hybrid models).
     state_slots: torch.Tensor | None = None
+
+    @cached_property
+    def query_start_list(self) -> list[int]:
+        """Each sequence's first token in the flat batch; derived once, on first use (hybrids)."""
+        return self.query_start_loc[:-1].tolist()
 
 
 def build_attention_metadata(
@@ -185,7 +189,6 @@ def build_attention_metadata(
         decode=decode,
         start_pos_list=list(start_pos),
         query_len_list=list(query_lens),
-        query_start_list=query_start_loc[:-1].tolist(),
     )
 
 

@@ -4,18 +4,17 @@ attention scale, and the logits divided by `logits_scaling`."""
 
 from __future__ import annotations
 
-from workers.models.decoder import DecoderSpec, layer_kinds
+from dataclasses import replace
+
+from workers.models import llama
+from workers.models.decoder import DecoderSpec
 from workers.models.registry import ModelArgs
 
 
 def decoder_spec(args: ModelArgs) -> DecoderSpec:
     hf = args.hf_config
-    bias = args.attention_bias
-    return DecoderSpec(
-        layers=layer_kinds(args),
-        qkv_bias=bias,
-        o_bias=bias,
-        activation=hf.get("hidden_act", "silu"),
+    return replace(
+        llama.decoder_spec(args),
         attn_scale=hf.get("attention_multiplier", args.head_dim**-0.5),
         embed_scale=hf.get("embedding_multiplier", 1.0),
         residual_scale=hf.get("residual_multiplier", 1.0),

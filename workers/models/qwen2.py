@@ -3,13 +3,12 @@ the layers from `max_window_layers` on when `use_sliding_window` is set."""
 
 from __future__ import annotations
 
-from workers.models.decoder import DecoderSpec, layer_kinds
+from dataclasses import replace
+
+from workers.models import llama
+from workers.models.decoder import DecoderSpec
 from workers.models.registry import ModelArgs
 
 
 def decoder_spec(args: ModelArgs) -> DecoderSpec:
-    return DecoderSpec(
-        layers=layer_kinds(args),
-        qkv_bias=True,
-        activation=args.hf_config.get("hidden_act", "silu"),
-    )
+    return replace(llama.decoder_spec(args), qkv_bias=True, o_bias=False)

@@ -6,16 +6,12 @@ bias only when `attention_bias` says so; windows as Qwen2's.
 
 from __future__ import annotations
 
-from workers.models.decoder import DecoderSpec, layer_kinds
+from dataclasses import replace
+
+from workers.models import llama
+from workers.models.decoder import DecoderSpec
 from workers.models.registry import ModelArgs
 
 
 def decoder_spec(args: ModelArgs) -> DecoderSpec:
-    bias = args.attention_bias
-    return DecoderSpec(
-        layers=layer_kinds(args),
-        qkv_bias=bias,
-        o_bias=bias,
-        qk_norm="head",
-        activation=args.hf_config.get("hidden_act", "silu"),
-    )
+    return replace(llama.decoder_spec(args), qk_norm="head")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from workers.models import llama
 from workers.models.decoder import DecoderSpec, layer_kinds
 from workers.models.registry import ModelArgs
 
@@ -18,7 +19,4 @@ def decoder_spec(args: ModelArgs) -> DecoderSpec:
         kind if rope else replace(kind, rope=None)
         for kind, rope in zip(layer_kinds(args), uses_rope)
     )
-    bias = args.attention_bias
-    return DecoderSpec(
-        layers=layers, qkv_bias=bias, o_bias=bias, activation=hf.get("hidden_act", "silu")
-    )
+    return replace(llama.decoder_spec(args), layers=layers)
