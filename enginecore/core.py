@@ -51,7 +51,9 @@ class EngineCore:
             )
             self.config = config
         self.max_model_len = executor.max_model_len
-        self.scheduler = Scheduler(config, executor.num_kv_blocks, self.max_model_len)
+        self.scheduler = Scheduler(
+            config, executor.num_kv_blocks, self.max_model_len, executor.kv_cache_windows
+        )
         self._rng = random.Random()
         self.grammars = GrammarCompiler(
             config.model.path,

@@ -30,6 +30,7 @@ import psutil
 import zmq
 
 from enginecore.config import Config, ParallelConfig
+from enginecore.kv_cache_manager import servable_len
 from enginecore.messages import (
     BitmaskSource,
     Codec,
@@ -84,6 +85,7 @@ class WorkerFailed(RuntimeError):
 class Executor(Protocol):
     num_kv_blocks: int
     max_model_len: int
+    kv_cache_windows: list[int | None]  # per KV-cache group (workers/kv_cache_groups.py)
     vocab_size: int
     model_summary: str
 
@@ -109,9 +111,11 @@ class InProcExecutor:
         self.control = WorkerControl(self.runner, rank=0)
         self.num_kv_blocks = self.runner.num_kv_blocks_for_memory()
         self.runner.init_kv_cache(self.num_kv_blocks)
-        self.max_model_len = min(
-            self.runner.max_model_len, self.num_kv_blocks * config.cache.block_size
-        )
+        self.kv_cache_windows = [g.window for g in self.runner.kv_cache_groups]
+        self.max_model_len = servable_len(
+            self.runner.max_model_len, self.num_kv_blocks, config.cache.block_size,
+            self.kv_cache_windows, config.scheduler.max_num_batched_tokens,
+        )  # fmt: skip
         self.vocab_size = self.runner.vocab_size
         self.model_summary = self.runner.model_summary
 
@@ -206,9 +210,12 @@ class MultiprocExecutor:
             self._failed = True
             self.shutdown()
             raise
-        kv_tokens = self.num_kv_blocks * config.cache.block_size
         driver = readies[self.driver_rank]
-        self.max_model_len = min(driver.max_model_len, kv_tokens)
+        self.kv_cache_windows = driver.kv_cache_windows
+        self.max_model_len = servable_len(
+            driver.max_model_len, self.num_kv_blocks, config.cache.block_size,
+            self.kv_cache_windows, config.scheduler.max_num_batched_tokens,
+        )  # fmt: skip
         self.vocab_size = driver.vocab_size
         self.model_summary = driver.model_summary
 

@@ -299,7 +299,7 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     req_id: str
     token_ids: list[int]  # the tokens computed this step (a prefill chunk, or one decode token)
     start_pos: int  # position of token_ids[0] == tokens of this request already in the KV cache
-    new_block_ids: list[int]  # appended to the request's block table
+    new_block_ids: list[int]  # appended to the request's block table (of KV-cache group 0)
     # Index of the output token sampled at the end of this step; -1 when a prefill chunk ends before
     # the prompt does (nothing sampled).
     sample_index: int
@@ -311,6 +311,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # worker never computes, and how many of them are the prompt.
     history_token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
+    # Models whose attention layers form several KV-cache groups (workers/kv_cache_groups.py): the
+    # blocks appended to each further group's table.
+    other_group_block_ids: list[list[int]] = []
 
 
 class SchedulerOutput(msgspec.Struct, omit_defaults=True):
@@ -440,6 +443,8 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     max_model_len: int
     vocab_size: int
     model_summary: str
+    # The window of each KV-cache group (None: full attention); the same on every rank.
+    kv_cache_windows: list[int | None] = msgspec.field(default_factory=lambda: [None])
 
 
 class WorkerResult(msgspec.Struct, tag="result", omit_defaults=True):

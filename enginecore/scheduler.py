@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 
 from enginecore.config import Config
 from enginecore.kv_cache_manager import KVCacheManager
@@ -31,12 +32,20 @@ from enginecore.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: Config, num_kv_blocks: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: Config,
+        num_kv_blocks: int,
+        max_model_len: int,
+        kv_cache_windows: Sequence[int | None] = (None,),
+    ) -> None:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
-        self.kv = KVCacheManager(num_kv_blocks, self.block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_kv_blocks, self.block_size, config.cache.enable_prefix_caching, kv_cache_windows
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -138,7 +147,7 @@ class Scheduler:
             if request.is_waiting_for_grammar:
                 not_ready.append(self.waiting.popleft())
                 continue
-            cached_blocks, num_cached = [], 0
+            cached_blocks, num_cached = None, 0
             if not request.skips_prefix_cache:
                 cached_blocks, num_cached = self.kv.find_cached_prefix(request)
             num_new = min(request.num_tokens - num_cached, budget)
@@ -163,7 +172,7 @@ class Scheduler:
         return SchedulerOutput(self._step_id, scheduled, finished)
 
     def _schedule_chunk(
-        self, request: Request, num_new: int, new_block_ids: list[int]
+        self, request: Request, num_new: int, new_block_ids: list[list[int]]
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
@@ -177,7 +186,8 @@ class Scheduler:
             req_id=request.request_id,
             token_ids=request.all_token_ids[start:end],
             start_pos=start,
-            new_block_ids=new_block_ids,
+            new_block_ids=new_block_ids[0],
+            other_group_block_ids=new_block_ids[1:],
             sample_index=request.num_output_tokens if end == request.num_tokens else -1,
             sampling_params=request.sampling_params if is_new else None,
         )

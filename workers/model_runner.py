@@ -43,6 +43,7 @@ from enginecore.messages import (
     SchedulerOutput,
 )
 from workers.distributed import ParallelContext, shard_heads, stage_layers
+from workers.kv_cache_groups import KVCacheGroup
 from workers.layers import kernel_library
 from workers.layers.attention import Attention, build_attention_metadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -131,7 +132,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 @dataclass
 class _RequestState:
-    block_table: list[int]
+    block_tables: list[list[int]]  # one per KV-cache group
     sampling_params: SamplingParams
     history: TokenHistory | None = None  # every token, when sampling reads them (penalties...)
     pooling: PoolingState | None = None  # pooling models: the prompt's pooling so far
@@ -163,6 +164,7 @@ class ModelRunner:
         self.pooler = None if self.args.task == "generate" else Pooler(config.model.pooling_type)
         self.model: torch.nn.Module | None = None
         self.attn_layers: list[Attention] = []
+        self.kv_cache_groups: list[KVCacheGroup] = []
         # Linear-attention layers (hybrid models) and the free rows of their per-sequence state
         # pools: one row per sequence that can run at once (--max-num-seqs).
         self.linear_layers: list[GatedDeltaNet] = []
@@ -187,6 +189,7 @@ class ModelRunner:
         load_checkpoint(model, self.config.model.path)
         self.model = model.eval()
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.kv_cache_groups = model.model.kv_cache_groups
         self.linear_layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
         self.repack_weights()
         logger.info("loaded %s", self.model_summary)
@@ -205,15 +208,18 @@ class ModelRunner:
             self.args.num_attention_heads, self.args.num_key_value_heads, p.tp_size, p.tp_rank
         ).num_kv_heads
 
+    def _kv_cache_slots(self) -> int:
+        """Layers one block holds on this stage: the most any KV-cache group has here."""
+        if self.model is None:
+            p = self.parallel
+            return len(stage_layers(self.args.num_hidden_layers, p.pp_size, p.pp_rank))
+        return max((layer.kv_slot + 1 for layer in self.attn_layers), default=1)
+
     def kv_cache_bytes_per_block(self) -> int:
-        """K and V of one block over this stage's attention layers and this rank's KV heads."""
+        """K and V of one block over this stage's cache slots and this rank's KV heads."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         per_layer = 2 * self.block_size * self._kv_heads_per_rank() * self.args.head_dim * elem
-        p = self.parallel
-        layers = len(stage_layers(self.args.num_hidden_layers, p.pp_size, p.pp_rank))
-        if self.model is not None:  # hybrid models: the linear-attention layers keep no KV
-            layers = len(self.attn_layers)
-        return per_layer * max(layers, 1)
+        return per_layer * self._kv_cache_slots()
 
     def state_pool_bytes(self) -> int:
         """The linear-attention layers' per-sequence states, for --max-num-seqs sequences."""
@@ -231,13 +237,13 @@ class ModelRunner:
         return max(budget, 0) // self.kv_cache_bytes_per_block()
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate (layers, 2, num_blocks, block_size, Hkv, D) and hand each layer its slice."""
+        """Allocate (slots, 2, num_blocks, block_size, Hkv, D) and hand each layer its slot."""
         if self.model is None:
             raise RuntimeError("load_model must run before init_kv_cache")
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, not {num_blocks}")
         shape = (
-            len(self.attn_layers),
+            self._kv_cache_slots(),
             2,
             num_blocks,
             self.block_size,
@@ -246,8 +252,8 @@ class ModelRunner:
         )
         # NOTE: zeros, not empty: masked-out keys are still multiplied, and NaN * 0 is NaN.
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(self.attn_layers):
-            layer.kv_cache = self.kv_cache[i]
+        for layer in self.attn_layers:
+            layer.kv_cache = self.kv_cache[layer.kv_slot]
         slots = self.config.scheduler.max_num_seqs
         for layer in self.linear_layers:
             conv, recurrent = layer.state_shapes()
@@ -351,14 +357,16 @@ class ModelRunner:
             if r.sampling_params is not None:  # first schedule, or resumed after preemption
                 self._forget(r.req_id)
                 self.requests[r.req_id] = _RequestState(
-                    list(r.new_block_ids),
+                    [list(r.new_block_ids), *map(list, r.other_group_block_ids)],
                     r.sampling_params,
                     _new_history(r),
                     PoolingState() if self.pooler is not None else None,
                     self._take_state_slot(r.req_id),
                 )
             elif r.req_id in self.requests:
-                self.requests[r.req_id].block_table.extend(r.new_block_ids)
+                tables = self.requests[r.req_id].block_tables
+                for table, new in zip(tables, [r.new_block_ids, *r.other_group_block_ids]):
+                    table.extend(new)
             else:
                 raise ValueError(
                     f"request {r.req_id!r} scheduled without sampling params, "
@@ -385,7 +393,7 @@ class ModelRunner:
 
     def _validate(self, step: SchedulerOutput) -> None:
         for r in step.requests:
-            table = self.requests[r.req_id].block_table
+            tables = self.requests[r.req_id].block_tables
             end = r.start_pos + len(r.token_ids)
             if not r.token_ids:
                 raise ValueError(f"request {r.req_id!r} scheduled with no tokens")
@@ -394,12 +402,18 @@ class ModelRunner:
                     f"request {r.req_id!r} reaches {end} tokens, beyond "
                     f"max_model_len {self.max_model_len}"
                 )
-            if end > len(table) * self.block_size:
+            if len(tables) != len(self.kv_cache_groups):
+                raise ValueError(
+                    f"request {r.req_id!r} has {len(tables)} block tables for "
+                    f"{len(self.kv_cache_groups)} KV-cache groups"
+                )
+            if any(end > len(table) * self.block_size for table in tables):
                 raise ValueError(
                     f"request {r.req_id!r} needs {end} slots, its block table has "
-                    f"{len(table)} blocks of {self.block_size}"
+                    f"{min(map(len, tables))} blocks of {self.block_size}"
                 )
-            if any(not 0 <= b < self.num_kv_blocks for b in r.new_block_ids):
+            new_ids = [r.new_block_ids, *r.other_group_block_ids]
+            if any(not 0 <= b < self.num_kv_blocks for ids in new_ids for b in ids):
                 raise ValueError(f"request {r.req_id!r} has a block id outside the KV cache")
 
     @torch.inference_mode()
@@ -422,12 +436,14 @@ class ModelRunner:
         input_ids = torch.tensor(
             [t for r in reqs for t in r.token_ids], dtype=torch.int64, device=self.device
         )
+        tables = [self.requests[r.req_id].block_tables for r in reqs]
         meta = build_attention_metadata(
             [r.start_pos for r in reqs],
             [len(r.token_ids) for r in reqs],
-            [self.requests[r.req_id].block_table for r in reqs],
+            [t[0] for t in tables],
             self.block_size,
             self.device,
+            [[t[g] for t in tables] for g in range(1, len(self.kv_cache_groups))],
         )
         if self.linear_layers:
             meta.state_slots = torch.tensor(

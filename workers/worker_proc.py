@@ -164,6 +164,7 @@ def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) ->
             max_model_len=runner.max_model_len,
             vocab_size=runner.vocab_size,
             model_summary=runner.model_summary,
+            kv_cache_windows=[g.window for g in runner.kv_cache_groups],
         )
         replies.send(reply_codec.encode(ready))
         from workers.worker_control import WorkerControl

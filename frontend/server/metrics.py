@@ -197,6 +197,12 @@ class _EngineStatsCollector(Collector):
                      lambda s, up: s.num_waiting_reqs if up else 0)  # fmt: skip
         yield family(G, "kv_cache_usage_perc", "KV-cache usage (1 = full).",
                      lambda s, up: _kv_usage(s) if up else 0.0)  # fmt: skip
+        yield family(G, "kv_cache_blocks_used",
+                     "KV-cache blocks held by requests (sliding-window layers give back the "
+                     "blocks out of their window).",
+                     lambda s, up: s.num_total_blocks - s.num_free_blocks if up else 0)  # fmt: skip
+        yield family(G, "kv_cache_blocks_total", "KV-cache blocks in the pool.",
+                     lambda s, up: s.num_total_blocks)  # fmt: skip
         yield family(C, "num_preemptions",
                      "Preemptions (a request's KV blocks freed for recomputation).",
                      lambda s, up: s.num_preempted_total)  # fmt: skip

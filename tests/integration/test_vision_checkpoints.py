@@ -4,10 +4,12 @@ served, and a request with an image part is a 400 naming that part, on chat and 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -49,3 +51,34 @@ def test_text_is_served_and_images_are_400(server: Any) -> None:
         )
     assert "image" in err.value.body["error"]["message"]
     assert "image inputs are not served" in server.log
+
+
+def _blocks_used(base_url: str) -> int:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return int(float(re.search(r"^tern:kv_cache_blocks_used\{[^}]*\} (\S+)", text, re.M)[1]))
+
+
+def test_a_long_request_holds_the_windows_of_its_sliding_layers(server: Any) -> None:
+    """The tiny Gemma 3 has 2 global and 4 local layers (window 8): KV-cache groups of 2 layers,
+    one global and two local. Its local groups hold the 2 blocks of 16 tokens a window of 8 can
+    straddle, whatever the length; only the global group grows with it."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    stream = client.completions.create(
+        model="vl", prompt="Once upon a time " * 8, max_tokens=300, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    generated, peak, seen_at = 0, 0, 0
+    for chunk in stream:
+        if chunk.choices:
+            generated += 1
+            if generated >= 200 and generated % 20 == 0:  # still running: its blocks are held
+                used = _blocks_used(server.base_url)
+                peak, seen_at = max(peak, used), max(seen_at, generated)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert usage.completion_tokens == 300 and seen_at >= 200
+    length = usage.prompt_tokens + 300
+    assert peak >= -(-(usage.prompt_tokens + 200) // 16)  # at least the global group's blocks
+    # A cache that kept every layer's keys would hold 3 groups x ceil(length / 16).
+    assert peak <= -(-length // 16) + 2 * 2
+    assert _blocks_used(server.base_url) == 0

@@ -36,7 +36,7 @@ class _Req:
     arrival_step: int
     output: list[int] = field(default_factory=list)
     num_computed: int = 0
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[list[int]] = field(default_factory=list)  # per KV-cache group
     is_new: bool = True  # the next schedule sends sampling params and starts a new block table
     logprobs: list[torch.Tensor] = field(default_factory=list)
 
@@ -69,6 +69,7 @@ def run(
 ) -> dict[str, _Req]:
     """Serve every prompt to MAX_TOKENS output tokens; `preempt` maps step -> request to preempt."""
     num_blocks, bs = runner.num_kv_blocks, runner.block_size
+    num_groups = len(runner.kv_cache_groups)  # a block table per KV-cache group, none freed here
     free_blocks = list(range(num_blocks))
     random.Random(seed).shuffle(free_blocks)
     reqs = [_Req(f"r{i}", p, params, a) for i, (p, a) in enumerate(zip(prompts, arrival_steps))]
@@ -83,24 +84,27 @@ def run(
         for r in running:
             if r.req_id == victim:
                 finished.append(r.req_id)
-                free_blocks += r.blocks
+                free_blocks += [b for table in r.blocks for b in table]
                 r.blocks, r.num_computed, r.is_new = [], 0, True
                 continue
             tokens = r.prompt + r.output
             end = (
                 len(tokens) if chunk_size is None else min(len(tokens), r.num_computed + chunk_size)
             )
-            num_new_blocks = -(-end // bs) - len(r.blocks)
-            new_blocks = [free_blocks.pop() for _ in range(num_new_blocks)]
-            r.blocks += new_blocks
+            r.blocks = r.blocks or [[] for _ in range(num_groups)]
+            num_new_blocks = -(-end // bs) - len(r.blocks[0])
+            new_blocks = [[free_blocks.pop() for _ in range(num_new_blocks)] for _ in r.blocks]
+            for table, new in zip(r.blocks, new_blocks):
+                table += new
             scheduled.append(
                 ScheduledRequest(
                     req_id=r.req_id,
                     token_ids=tokens[r.num_computed : end],
                     start_pos=r.num_computed,
-                    new_block_ids=new_blocks,
+                    new_block_ids=new_blocks[0],
                     sample_index=len(r.output) if end == len(tokens) else -1,
                     sampling_params=r.params if r.is_new else None,
+                    other_group_block_ids=new_blocks[1:],
                 )
             )
             r.num_computed, r.is_new = end, False
@@ -116,7 +120,7 @@ def run(
         finished = [r.req_id for r in running if len(r.output) == MAX_TOKENS]
         for r in running:
             if len(r.output) == MAX_TOKENS:
-                free_blocks += r.blocks
+                free_blocks += [b for table in r.blocks for b in table]
         running = [r for r in running if len(r.output) < MAX_TOKENS]
         step += 1
     return {r.req_id: r for r in reqs}

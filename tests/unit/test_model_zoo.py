@@ -75,11 +75,27 @@ def test_engine_matches_hf_and_the_prefix_cache_hits(model_dir: Path) -> None:
     assert [outs[f"again{i}"] for i in range(len(prompts))] == ref
 
 
+def _layer_windows(model_dir: Path) -> set[str]:
+    """"sliding" and / or "full": the attention layers' kinds of the tiny checkpoint."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if not config.get("sliding_window"):
+        return {"full"}
+    types = set(config.get("layer_types") or ["sliding_attention"]) - {"linear_attention"}
+    return {t.removesuffix("_attention") for t in types}
+
+
 def test_preemption_and_chunked_prefill(model_dir: Path) -> None:
     prompts = make_prompts(vocab_of(model_dir))
     ref = _hf(model_dir, prompts)
-    # 24 blocks of 4 tokens: far fewer than 8 requests of up to 80 tokens need at once.
-    out, core = run_greedy(model_dir, prompts, block_size=4, num_blocks=24)
+    # 24 blocks of 4 tokens: far fewer than 8 requests of up to 80 tokens need at once. Sliding
+    # layers give back the blocks out of their window (and their blocks hold fewer layers when
+    # full layers keep their own): prompts chunked by 16 tokens and fewer blocks run out.
+    kw = {
+        frozenset({"full"}): {"num_blocks": 24},
+        frozenset({"sliding", "full"}): {"num_blocks": 40, "max_num_batched_tokens": 16},
+        frozenset({"sliding"}): {"num_blocks": 12, "max_num_batched_tokens": 16},
+    }[frozenset(_layer_windows(model_dir))]
+    out, core = run_greedy(model_dir, prompts, block_size=4, **kw)
     assert core.scheduler.num_preempted_total > 0
     assert out == ref
     out, _ = run_greedy(model_dir, prompts, max_num_batched_tokens=7)

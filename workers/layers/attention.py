@@ -24,7 +24,7 @@ padded path for decodes as well, computing the scores explicitly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -121,6 +121,12 @@ class AttentionMetadata:
     query_len_list: list[int] = field(default_factory=list)
     # (B,) each sequence's row in the recurrent-state pools; set by the model runner (hybrid models).
     state_slots: torch.Tensor | None = None
+    # The same step through each further KV-cache group's block tables (workers/kv_cache_groups.py).
+    other_kv_groups: list[AttentionMetadata] = field(default_factory=list)
+
+    def for_kv_group(self, group: int) -> AttentionMetadata:
+        """This step as the layers of KV-cache group `group` see it (their block tables)."""
+        return self if group == 0 else self.other_kv_groups[group - 1]
 
     @cached_property
     def query_start_list(self) -> list[int]:
@@ -134,14 +140,14 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    other_group_tables: list[list[list[int]]] | None = None,
 ) -> AttentionMetadata:
-    """Positions, slots, and per-group gather indices and masks for one step."""
+    """Positions, slots, and per-group gather indices and masks for one step; with
+    `other_group_tables` (each further KV-cache group's tables, per sequence) also the step as
+    those groups' layers see it (`for_kv_group`)."""
     num_seqs = len(query_lens)
     context_lens = [s + q for s, q in zip(start_pos, query_lens)]
-    max_blocks = max(len(bt) for bt in block_tables)
-    tables = torch.tensor(
-        [bt + [0] * (max_blocks - len(bt)) for bt in block_tables], dtype=torch.int64
-    )  # (B, max_blocks)
+    tables = _padded_tables(block_tables)  # (B, max_blocks)
     q_lens = torch.tensor(query_lens, dtype=torch.int64)
     starts = torch.tensor(start_pos, dtype=torch.int64)
     query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int64)
@@ -152,17 +158,19 @@ def build_attention_metadata(
         + torch.arange(int(query_start_loc[-1]))
         - (query_start_loc[seq_of_token])
     )
-    slot_mapping = _slots(tables[seq_of_token], positions.unsqueeze(-1), block_size).squeeze(-1)
+
+    def slots_through(tables: torch.Tensor) -> torch.Tensor:
+        return _slots(tables[seq_of_token], positions.unsqueeze(-1), block_size).squeeze(-1)
 
     decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
     other_seqs = [i for i, n in enumerate(query_lens) if n != 1]
     decode = None
     if decode_seqs:
-        idx = torch.tensor(decode_seqs, dtype=torch.int64)
-        num_blocks = max(-(-context_lens[i] // block_size) for i in decode_seqs)
+        decode_idx = torch.tensor(decode_seqs, dtype=torch.int64)
+        decode_blocks = max(-(-context_lens[i] // block_size) for i in decode_seqs)
         decode = DecodeGroup(
-            q_tokens=query_start_loc[idx].to(device),
-            block_tables=tables[idx, :num_blocks].to(device=device, dtype=torch.int32),
+            q_tokens=query_start_loc[decode_idx].to(device),
+            block_tables=tables[decode_idx, :decode_blocks].to(device=device, dtype=torch.int32),
             context_lens=torch.tensor(
                 [context_lens[i] for i in decode_seqs], dtype=torch.int32, device=device
             ),
@@ -179,9 +187,10 @@ def build_attention_metadata(
             cached, query_lens, context_lens, tables, starts, query_start_loc, block_size
         )
         groups.append(_to_device(group, device))
-    return AttentionMetadata(
+        cached_idx = torch.tensor(cached, dtype=torch.int64)
+    meta = AttentionMetadata(
         positions=positions.to(device),
-        slot_mapping=slot_mapping.to(device),
+        slot_mapping=slots_through(tables).to(device),
         query_start_loc=query_start_loc.to(device),
         context_lens=torch.tensor(context_lens, dtype=torch.int64, device=device),
         block_tables=tables.to(device=device, dtype=torch.int32),
@@ -189,6 +198,39 @@ def build_attention_metadata(
         decode=decode,
         start_pos_list=list(start_pos),
         query_len_list=list(query_lens),
+    )
+    # Further KV-cache groups: the same queries and masks, read through other block tables.
+    for group_tables in other_group_tables or []:
+        t = _padded_tables(group_tables)
+        meta.other_kv_groups.append(
+            replace(
+                meta,
+                slot_mapping=slots_through(t).to(device),
+                block_tables=t.to(device=device, dtype=torch.int32),
+                decode=None
+                if decode is None
+                else replace(
+                    decode,
+                    block_tables=t[decode_idx, : decode.block_tables.size(1)].to(
+                        device=device, dtype=torch.int32
+                    ),
+                ),
+                groups=[
+                    g
+                    if g.kv_blocks is None
+                    else replace(g, kv_blocks=t[cached_idx, : g.kv_blocks.size(1)].to(device))
+                    for g in groups
+                ],
+                other_kv_groups=[],
+            )
+        )
+    return meta
+
+
+def _padded_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    max_blocks = max(len(bt) for bt in block_tables)
+    return torch.tensor(
+        [bt + [0] * (max_blocks - len(bt)) for bt in block_tables], dtype=torch.int64
     )
 
 
@@ -308,6 +350,7 @@ class Attention(nn.Module):
             and softcap is None
         )
         self.kv_cache = torch.empty(0)  # (2, num_blocks, block_size, Hkv, D) once allocated
+        self.kv_slot = 0  # its slot in the model runner's cache (workers/kv_cache_groups.py)
 
     @property
     def kv_cache(self) -> torch.Tensor:

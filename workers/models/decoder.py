@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from workers.distributed import ParallelContext, mlp_shard, shard_heads, stage_layers
+from workers.kv_cache_groups import cache_slots, plan_kv_cache_groups
 from workers.layers.activation import GATED_ACTIVATIONS
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -281,6 +282,7 @@ class DecoderLayer(nn.Module):
             )
             setattr(self, name, norm)
         self.fused_decode = None
+        self.kv_group = 0  # its KV-cache group (workers/kv_cache_groups.py), set by the model
         if kind.mixer != "attention":
             return
         attn, mlp = self.self_attn, self.mlp
@@ -303,6 +305,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's branch output, the residual stream before it is added): each layer adds
         the previous one's branch into the stream inside its first norm."""
+        meta = meta.for_kv_group(self.kv_group)
         if self.fused_decode is not None:
             fused = self.fused_decode(x, residual, meta)  # one native call for small decode steps
             if fused is not None:
@@ -375,6 +378,12 @@ class DecoderModel(nn.Module):
             else MissingLayer()
             for i, kind in enumerate(spec.layers)
         )
+        self.kv_cache_groups = plan_kv_cache_groups(
+            {i: k.sliding_window for i, k in enumerate(spec.layers) if k.mixer == "attention"}
+        )
+        for i, (group, slot) in cache_slots(self.kv_cache_groups, self.stage_layers).items():
+            self.layers[i].kv_group = group
+            self.layers[i].self_attn.attn.kv_slot = slot
         self.norm = (
             RMSNorm(
                 args.hidden_size, args.rms_norm_eps, spec.norm_offset, spec.norm_weight_in_float32
