@@ -52,7 +52,13 @@ class EngineCore:
             self.config = config
         self.max_model_len = executor.max_model_len
         self.scheduler = Scheduler(
-            config, executor.num_kv_blocks, self.max_model_len, executor.kv_cache_windows
+            config,
+            executor.num_kv_blocks,
+            self.max_model_len,
+            executor.kv_cache_windows,
+            num_state_slots=config.scheduler.max_num_seqs
+            if self.model_task.has_linear_attention
+            else 0,
         )
         self._rng = random.Random()
         self.grammars = GrammarCompiler(

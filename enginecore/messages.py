@@ -252,6 +252,9 @@ class SchedulerStats(msgspec.Struct):
     prefix_cache_hits: int  # of which found cached
     num_prefill_tokens_total: int = 0  # tokens computed in prefill chunks (recomputation included)
     num_generated_tokens_total: int = 0  # tokens sampled
+    # Hybrid models: per-sequence linear-attention states in the pool, and those free.
+    num_state_slots: int = 0
+    num_free_state_slots: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
@@ -314,6 +317,8 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Models whose attention layers form several KV-cache groups (workers/kv_cache_groups.py): the
     # blocks appended to each further group's table.
     other_group_block_ids: list[list[int]] = []
+    # With sampling_params, on hybrid models: the request's row in the linear-attention state pools.
+    state_slot: int = -1
 
 
 class SchedulerOutput(msgspec.Struct, omit_defaults=True):

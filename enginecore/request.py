@@ -59,6 +59,8 @@ class Request:
         # Set when the worker must (re)start this request's state from scratch: first schedule, or resume
         # after preemption.
         self.needs_new_state = True
+        # Hybrid models: its row in the workers' linear-attention state pools while it runs.
+        self.state_slot = -1
         # Block hashes of the full blocks of all_token_ids, extended as tokens arrive (prefix caching).
         self.block_hashes: list[int] = []
         # Logprobs of prompt tokens 1, 2, ... received so far (when the request asked for them).

@@ -38,7 +38,11 @@ class Scheduler:
         num_kv_blocks: int,
         max_model_len: int,
         kv_cache_windows: Sequence[int | None] = (None,),
+        num_state_slots: int = 0,
     ) -> None:
+        """num_state_slots: hybrid models' per-sequence linear-attention states (one per
+        sequence that can run): a request takes one when it starts running and gives it back
+        when it finishes, is aborted or is preempted."""
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -47,6 +51,8 @@ class Scheduler:
             num_kv_blocks, self.block_size, config.cache.enable_prefix_caching, kv_cache_windows
         )
         self.requests: dict[str, Request] = {}
+        self.num_state_slots = num_state_slots
+        self.free_state_slots = list(reversed(range(num_state_slots)))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_req_ids: list[str] = []  # to tell the workers at the next step
@@ -162,6 +168,9 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
             request.status = RequestStatus.RUNNING
+            if self.num_state_slots:
+                # NOTE: never empty: at most max_num_seqs run, and there are as many slots.
+                request.state_slot = self.free_state_slots.pop()
             request.num_computed_tokens = num_cached
             self.running.append(request)
             scheduled.append(self._schedule_chunk(request, num_new, new_block_ids))
@@ -191,6 +200,8 @@ class Scheduler:
             sample_index=request.num_output_tokens if end == request.num_tokens else -1,
             sampling_params=request.sampling_params if is_new else None,
         )
+        if is_new:
+            scheduled.state_slot = request.state_slot
         if is_new and request.sampling_params.needs_history:
             scheduled.history_token_ids = list(request.all_token_ids)
             scheduled.num_prompt_tokens = request.num_prompt_tokens
@@ -207,6 +218,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        self._free_state_slot(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.needs_new_state = True
@@ -295,9 +307,15 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv.free(request)
+        self._free_state_slot(request)
         del self.requests[request.request_id]
         if not request.needs_new_state:  # the worker holds state for it
             self._finished_req_ids.append(request.request_id)
+
+    def _free_state_slot(self, request: Request) -> None:
+        if request.state_slot >= 0:
+            self.free_state_slots.append(request.state_slot)
+            request.state_slot = -1
 
     # ----------------------------------------------------------------------------- introspection
 
@@ -313,4 +331,6 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_prefill_tokens_total=self.num_prefill_tokens_total,
             num_generated_tokens_total=self.num_generated_tokens_total,
+            num_state_slots=self.num_state_slots,
+            num_free_state_slots=len(self.free_state_slots),
         )

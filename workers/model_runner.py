@@ -165,10 +165,9 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.attn_layers: list[Attention] = []
         self.kv_cache_groups: list[KVCacheGroup] = []
-        # Linear-attention layers (hybrid models) and the free rows of their per-sequence state
-        # pools: one row per sequence that can run at once (--max-num-seqs).
+        # Linear-attention layers (hybrid models), whose per-sequence state pools have one row per
+        # sequence that can run at once (--max-num-seqs); the scheduler hands the rows out.
         self.linear_layers: list[GatedDeltaNet] = []
-        self.free_state_slots: list[int] = []
         self.kv_cache: torch.Tensor | None = None
         self.num_kv_blocks = 0
         # False after the weights were discarded (sleep level 2) until an update commits new ones.
@@ -261,7 +260,6 @@ class ModelRunner:
             layer.recurrent_states = torch.zeros(
                 (slots, *recurrent), dtype=torch.float32, device=self.device
             )
-        self.free_state_slots = list(range(slots)) if self.linear_layers else []
         self.num_kv_blocks = num_blocks
         self.requests.clear()
 
@@ -361,7 +359,7 @@ class ModelRunner:
                     r.sampling_params,
                     _new_history(r),
                     PoolingState() if self.pooler is not None else None,
-                    self._take_state_slot(r.req_id),
+                    self._state_slot(r),
                 )
             elif r.req_id in self.requests:
                 tables = self.requests[r.req_id].block_tables
@@ -377,19 +375,17 @@ class ModelRunner:
                 history.extend(r.start_pos, r.token_ids)
 
     def _forget(self, req_id: str) -> None:
-        state = self.requests.pop(req_id, None)
-        if state is not None and state.state_slot >= 0:
-            self.free_state_slots.append(state.state_slot)
+        self.requests.pop(req_id, None)
 
-    def _take_state_slot(self, req_id: str) -> int:
+    def _state_slot(self, r: ScheduledRequest) -> int:
         if not self.linear_layers:
             return -1
-        if not self.free_state_slots:
+        if not 0 <= r.state_slot < self.config.scheduler.max_num_seqs:
             raise ValueError(
-                f"request {req_id!r}: all {self.config.scheduler.max_num_seqs} linear-attention "
-                "states are taken (more sequences scheduled than --max-num-seqs)"
+                f"request {r.req_id!r} scheduled with linear-attention state {r.state_slot}, "
+                f"outside the pool of {self.config.scheduler.max_num_seqs}"
             )
-        return self.free_state_slots.pop()
+        return r.state_slot
 
     def _validate(self, step: SchedulerOutput) -> None:
         for r in step.requests:

@@ -203,6 +203,13 @@ class _EngineStatsCollector(Collector):
                      lambda s, up: s.num_total_blocks - s.num_free_blocks if up else 0)  # fmt: skip
         yield family(G, "kv_cache_blocks_total", "KV-cache blocks in the pool.",
                      lambda s, up: s.num_total_blocks)  # fmt: skip
+        yield family(G, "linear_attention_states_used",
+                     "Per-sequence linear-attention states held by running requests (hybrid "
+                     "models such as Qwen3.5; counted in --kv-cache-memory).",
+                     lambda s, up: s.num_state_slots - s.num_free_state_slots if up else 0)  # fmt: skip
+        yield family(G, "linear_attention_states_total",
+                     "Per-sequence linear-attention states in the pool (--max-num-seqs).",
+                     lambda s, up: s.num_state_slots)  # fmt: skip
         yield family(C, "num_preemptions",
                      "Preemptions (a request's KV blocks freed for recomputation).",
                      lambda s, up: s.num_preempted_total)  # fmt: skip

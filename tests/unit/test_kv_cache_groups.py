@@ -41,7 +41,9 @@ class WindowedToyModel:
         for r in step.requests:
             if r.sampling_params is not None:
                 self.tables[r.req_id] = [[] for _ in self.windows]
-            for table, new in zip(self.tables[r.req_id], [r.new_block_ids, *r.other_group_block_ids]):
+            for table, new in zip(
+                self.tables[r.req_id], [r.new_block_ids, *r.other_group_block_ids]
+            ):
                 table.extend(new)
             for table in self.tables[r.req_id]:
                 for i, tok in enumerate(r.token_ids):
@@ -75,7 +77,9 @@ def run(
     sched = Scheduler(cfg, num_blocks, max_model_len=4096, kv_cache_windows=windows)
     model = WindowedToyModel(num_blocks, windows, read_windows)
     for i, p in enumerate(prompts):
-        sched.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        sched.add_request(
+            Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        )
     outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     peak = 0
     for _ in range(5000):
@@ -96,9 +100,7 @@ def prompts_of(n: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]
     return [prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))] for _ in range(n)]
 
 
-@pytest.mark.parametrize(
-    ("windows", "few_blocks"), [([None, 6, 6], 40), ([5], 7), ([None, 9], 30)]
-)
+@pytest.mark.parametrize(("windows", "few_blocks"), [([None, 6, 6], 40), ([5], 7), ([None, 9], 30)])
 def test_outputs_equal_a_full_cache_whatever_the_scheduling(
     windows: list[int | None], few_blocks: int
 ) -> None:

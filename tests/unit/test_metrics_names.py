@@ -65,3 +65,15 @@ def test_replicas_get_a_sample_each() -> None:
     assert value("tern:replica_up", replica="1") == 0
     assert value("tern:replica_requests_routed_total", replica="1", reason="prefix") == 1
     assert value("tern:replica_generation_tokens_sampled_total", replica="0") == 3
+
+
+def test_blocks_and_linear_attention_states() -> None:
+    stats = SchedulerStats(2, 0, 0, 30, 40, 16, 0, 0, num_state_slots=8, num_free_state_slots=6)
+    got = samples(Metrics("tiny", lambda: stats))
+
+    def value(name: str) -> float:
+        return got[(name, (("model_name", "tiny"),))]
+
+    assert value("tern:kv_cache_blocks_used") == 10 and value("tern:kv_cache_blocks_total") == 40
+    assert value("tern:linear_attention_states_used") == 2
+    assert value("tern:linear_attention_states_total") == 8

@@ -105,6 +105,7 @@ def run(
                     sample_index=len(r.output) if end == len(tokens) else -1,
                     sampling_params=r.params if r.is_new else None,
                     other_group_block_ids=new_blocks[1:],
+                    state_slot=reqs.index(r),  # hybrid models' state row: one per request here
                 )
             )
             r.num_computed, r.is_new = end, False

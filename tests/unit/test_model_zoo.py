@@ -76,7 +76,7 @@ def test_engine_matches_hf_and_the_prefix_cache_hits(model_dir: Path) -> None:
 
 
 def _layer_windows(model_dir: Path) -> set[str]:
-    """"sliding" and / or "full": the attention layers' kinds of the tiny checkpoint."""
+    """ "sliding" and / or "full": the attention layers' kinds of the tiny checkpoint."""
     config = json.loads((model_dir / "config.json").read_text())
     if not config.get("sliding_window"):
         return {"full"}

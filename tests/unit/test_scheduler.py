@@ -225,3 +225,33 @@ def test_ignore_eos_and_min_tokens():
             else next((i + 1 for i, t in enumerate(ref["r0"]) if t == first and i + 1 >= 2), 8)
         )
         assert tokens == ref["r0"][:expected_len]
+
+
+def test_linear_attention_states_follow_running_requests() -> None:
+    """A hybrid model's state rows: one per running request, taken when it starts, given back at
+    finish, abort and preemption, never two requests on one row."""
+    cfg, num_blocks = make_config(num_blocks=16, max_num_seqs=3)
+    sched = Scheduler(cfg, num_blocks, max_model_len=64, num_state_slots=3)
+    model = PagedToyModel(num_blocks, 4)
+    for i, p in enumerate(prompts_of(6, seed=5)):
+        sched.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=8, ignore_eos=True)))
+    slot_of: dict[str, int] = {}
+    aborted = False
+    for _ in range(500):
+        if not sched.has_requests:
+            break
+        step = sched.schedule()
+        for r in step.requests:
+            if r.sampling_params is not None:
+                slot_of[r.req_id] = r.state_slot
+        running = [r.state_slot for r in sched.running]
+        assert sorted(running) == sorted(set(running)) and -1 not in running
+        assert {slot_of[r.request_id] for r in sched.running} == set(running)
+        assert len(sched.free_state_slots) == 3 - len(running)
+        sched.update_from_output(step, model.execute(step))
+        if not aborted and sched.running:
+            sched.abort_requests([sched.running[0].request_id])
+            aborted = True
+    assert sched.num_preempted_total > 0
+    assert sorted(sched.free_state_slots) == [0, 1, 2]
+    assert sched.stats().num_free_state_slots == sched.stats().num_state_slots == 3
