@@ -55,6 +55,7 @@ def _reference(
     start_pos: list[int],
     block_size: int,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     out, offset = [], 0
     for table, n, start in zip(tables, query_lens, start_pos):
@@ -68,9 +69,16 @@ def _reference(
         if window is not None:  # keys q - window < k <= q
             mask &= torch.arange(ctx)[None, :] > torch.arange(start, ctx)[:, None] - window
         qs = q[offset : offset + n].float().transpose(0, 1)  # (H, n, D)
-        o = F.scaled_dot_product_attention(
-            qs, k, v, attn_mask=mask, scale=q.size(-1) ** -0.5, enable_gqa=True
-        )
+        if softcap is None:
+            o = F.scaled_dot_product_attention(
+                qs, k, v, attn_mask=mask, scale=q.size(-1) ** -0.5, enable_gqa=True
+            )
+        else:  # Gemma 2's eager attention: scores capped before the mask and softmax
+            group = qs.size(0) // k.size(0)
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+            scores = qs @ k.transpose(-1, -2) * q.size(-1) ** -0.5
+            scores = torch.tanh(scores / softcap) * softcap
+            o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
         out.append(o.transpose(0, 1))
         offset += n
     return torch.cat(out)
@@ -86,6 +94,7 @@ def _run(
     seed: int = 0,
     shape: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM),
     window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Attention's output, the reference) for one step; the step's own K/V go in first.
     `shape`: (heads, KV heads, head dim)."""
@@ -98,12 +107,15 @@ def _run(
     q = torch.randn(num_tokens, heads, head_dim, generator=g).to(dtype)
     k = torch.randn(num_tokens, kv_heads, head_dim, generator=g).to(dtype)
     v = torch.randn(num_tokens, kv_heads, head_dim, generator=g).to(dtype)
-    attn = Attention(heads, head_dim, kv_heads, head_dim**-0.5, sliding_window=window)
+    attn = Attention(
+        heads, head_dim, kv_heads, head_dim**-0.5, sliding_window=window, softcap=softcap
+    )
     attn.has_decode_kernel = use_kernel
     attn.kv_cache = cache
     meta = build_attention_metadata(start_pos, query_lens, tables, block_size, torch.device("cpu"))
     out = attn(q, k, v, meta)
-    return out.float(), _reference(q, cache, tables, query_lens, start_pos, block_size, window)
+    ref = _reference(q, cache, tables, query_lens, start_pos, block_size, window, softcap)
+    return out.float(), ref
 
 
 @pytest.mark.parametrize("tier", [*TIERS, "off"])
@@ -178,6 +190,21 @@ def test_sliding_windows(window: int, tier: str) -> None:
                 out, ref = _run(query_lens, start_pos, block_size=block_size, use_kernel=True,
                                 window=window, dtype=torch.bfloat16, shape=(8, 2, 64))  # fmt: skip
                 torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("tier", [*TIERS, "off"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_softcapping(window: int | None, tier: str) -> None:
+    """Gemma 2's capped scores (a cap of 2: random scores reach it): decodes through the kernel
+    on every tier, prefill chunks through the explicit path, float32 and bfloat16."""
+    query_lens, start_pos = [1, 1, 1, 7, 12, 1], [0, 3, 40, 9, 0, 100]
+    with use_tier(tier):
+        out, ref = _run(query_lens, start_pos, use_kernel=tier != "off", window=window,
+                        softcap=2.0)  # fmt: skip
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+        out, ref = _run(query_lens, start_pos, block_size=16, use_kernel=tier != "off",
+                        window=window, softcap=2.0, dtype=torch.bfloat16, shape=(8, 2, 64))  # fmt: skip
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
 @needs_kernels

@@ -18,8 +18,8 @@ layer is (2, num_blocks, block_size, num_kv_heads, head_dim).
 A sliding-window layer (Mistral, Gemma's local layers) lets query position q see keys
 q - window < k <= q, as Hugging Face's sliding mask; its masks are derived from the step's once per
 window size and shared too; the decode kernel starts each sequence at its window. Layers with
-logit softcapping (Gemma 2: tanh(s / cap) * cap on the scores, which SDPA cannot apply) take the
-padded path for decodes as well, computing the scores explicitly.
+logit softcapping (Gemma 2: tanh(s / cap) * cap on the scores, which SDPA cannot apply) compute
+their prefill scores explicitly; the decode kernel caps its scores itself.
 """
 
 from __future__ import annotations
@@ -345,9 +345,7 @@ class Attention(nn.Module):
         self.softcap = softcap
         # Built (or loaded) now, while the model is built, rather than in the first request.
         self.has_decode_kernel = (
-            torch.get_default_device().type == "cpu"
-            and native.load() is not None
-            and softcap is None
+            torch.get_default_device().type == "cpu" and native.load() is not None
         )
         self.kv_cache = torch.empty(0)  # (2, num_blocks, block_size, Hkv, D) once allocated
         self.kv_slot = 0  # its slot in the model runner's cache (workers/kv_cache_groups.py)
@@ -398,7 +396,7 @@ class Attention(nn.Module):
             # One call writes this step's K/V and attends: the common decode step.
             return native.paged_decode_attention(
                 q.contiguous(), k_cache, v_cache, d.block_tables, d.context_lens, self.scale,
-                new_kv=(k, v, meta.slot_mapping), window=self.sliding_window,
+                new_kv=(k, v, meta.slot_mapping), window=self.sliding_window, softcap=self.softcap,
             )  # fmt: skip
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
@@ -414,6 +412,7 @@ class Attention(nn.Module):
                 d.context_lens,
                 self.scale,
                 window=self.sliding_window,
+                softcap=self.softcap,
             )
             if d.is_whole_batch:
                 return o_dec

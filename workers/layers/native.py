@@ -90,9 +90,11 @@ def paged_decode_attention(
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q (B, H, D) float32 or bfloat16 -> (B, H, D) alike: each sequence's one query over its
-    cached context (its last `window` tokens only, for a sliding-window layer).
+    cached context (its last `window` tokens only, for a sliding-window layer; scores capped to
+    softcap * tanh(score / softcap) with `softcap`).
 
     k_cache, v_cache (num_blocks, block_size, Hkv, D) float32 or bfloat16; block_tables
     (B, max_blocks) int32; context_lens (B,) int32, each at least 1. `new_kv` = (k, v, slots):
@@ -129,6 +131,7 @@ def paged_decode_attention(
         _ptr(k_new) if k_new is not None else None, k_new.stride(0) if k_new is not None else 0,
         _ptr(v_new) if v_new is not None else None, v_new.stride(0) if v_new is not None else 0,
         _ptr(slots) if slots is not None else None, num_blocks * block_size, window or 0,
+        softcap or 0.0,
     )  # fmt: skip
     if rc == -2:
         raise ValueError("a new K/V slot is outside the KV cache")

@@ -76,7 +76,7 @@ static int decode_layer(const TernDecodeLayer *L, const TernDecodeStep *S, const
     rc = tern_paged_decode_attention(S->q, L->k_cache, L->v_cache, S->block_tables,
                                      S->table_stride, S->context_lens, S->attn, T, H, Hkv, D,
                                      L->block_size, L->attn_scale, bf16, bf16, k, row, v, row,
-                                     S->slots, L->num_slots, L->window);
+                                     S->slots, L->num_slots, L->window, 0.f);
     if (rc != 0) return rc == -2 ? -2 : -1;
     if (linear(&L->o, S->attn, S->attn_out, T, bf16) != 0) return -1;
     if ((rc = all_reduce(L, S->attn_out, T, seq, bf16)) != 0) return rc;
