@@ -12,7 +12,8 @@ L2-normalised, q scaled by key_dim ** -0.5; beta = sigmoid(in_proj_b); the decay
 softplus(in_proj_a + dt_bias); per token S = exp(g) S + k (beta (v - S^T k))^T, out = S^T q; then a
 per-head RMSNorm gated by SiLU(in_proj_z) and out_proj. A prompt (or a chunk of one) runs the delta
 rule chunk by chunk in the WY form (one triangular solve per 64 tokens), a decode step the
-recurrence for every decoding sequence at once.
+recurrence for every decoding sequence at once: on the CPU, from the input projection to the gated
+norm, in one native kernel (csrc/gated_delta_net.c).
 
 Tensor parallelism shards the key heads and their value heads evenly (each rank's value heads are
 those of its key heads); out_proj is row-parallel.
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.distributed import ParallelContext, divide
+from workers.layers import native
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import (
     ColumnParallelLinear,
@@ -118,23 +120,42 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x)
         beta = self.in_proj_b(x).sigmoid()  # (T, Hv)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        out = torch.empty(x.size(0), self.v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
         slots, starts, lens = meta.state_slots, meta.start_pos_list, meta.query_len_list
-        first = meta.query_start_list
         decodes = [i for i, n in enumerate(lens) if n == 1]
-        if decodes:
+        fresh = [starts[i] == 0 for i in decodes]
+        if len(decodes) == x.size(0) and self._uses_kernel(mixed):  # a decode-only step
+            heads = (self.k_heads, self.v_heads, self.head_k_dim, self.head_v_dim)
+            o = native.gated_delta_decode(
+                mixed, z, beta, g, self.conv1d.weight, self.conv_states, self.recurrent_states,
+                slots, fresh, self.norm.weight, self.eps, heads,
+            )  # fmt: skip
+            return self.out_proj(o)
+        out = torch.empty(x.size(0), self.v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
+        if len(decodes) == x.size(0):  # every row, in order
+            self._decode(mixed, beta, g, slots, fresh, out, slice(None))
+        elif decodes:
+            first = meta.query_start_list
             rows = torch.tensor([first[i] for i in decodes], device=x.device)
-            self._decode(mixed[rows], beta[rows], g[rows], slots[decodes],
-                         torch.tensor([starts[i] == 0 for i in decodes], device=x.device),
-                         out, rows)  # fmt: skip
+            self._decode(mixed[rows], beta[rows], g[rows], slots[decodes], fresh, out, rows)
         for i, n in enumerate(lens):
             if n != 1:
+                first = meta.query_start_list
                 span = slice(first[i], first[i] + n)
                 self._prefill(
                     mixed[span], beta[span], g[span], int(slots[i]), starts[i] == 0, out, span
                 )
         o = self._gated_norm(out, z.view(-1, self.v_heads, self.head_v_dim))
         return self.out_proj(o.flatten(1))
+
+    def _uses_kernel(self, mixed: torch.Tensor) -> bool:
+        """Whether decode steps run tern's native kernel (a CPU with the kernels, the layer's
+        tensors all in the activations' dtype)."""
+        return (
+            mixed.is_cpu
+            and native.load() is not None
+            and self.conv1d.weight.dtype == self.conv_states.dtype == mixed.dtype
+            and self.norm.weight.dtype == mixed.dtype
+        )
 
     def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(N, conv_dim) after the convolution -> q, k (N, Hv, dk) L2-normalised, float32; v. Each
@@ -147,22 +168,27 @@ class GatedDeltaNet(nn.Module):
         return _l2norm(q), _l2norm(k), v
 
     def _decode(self, mixed, beta, g, slots, fresh, out, rows) -> None:
-        """One token for each of G sequences: the convolution's and the recurrence's single step."""
+        """One token for each of G sequences: the convolution's and the recurrence's single step.
+        `fresh`: Python bools, the sequences whose states start here (one-token prompts)."""
         conv_state = self.conv_states[slots]  # (G, C, K - 1)
-        recurrent = self.recurrent_states[slots]  # (G, Hv, dk, dv)
-        conv_state = conv_state.masked_fill(fresh[:, None, None], 0)
-        recurrent = recurrent.masked_fill(fresh[:, None, None, None], 0)
+        recurrent = self.recurrent_states[slots]  # (G, Hv, dk, dv), a copy: updated in place
+        if any(fresh):
+            starts = torch.tensor(fresh, device=mixed.device)
+            conv_state = conv_state.masked_fill(starts[:, None, None], 0)
+            recurrent.masked_fill_(starts[:, None, None, None], 0)
         window = torch.cat((conv_state, mixed.unsqueeze(-1).to(conv_state.dtype)), dim=-1)
         self.conv_states[slots] = window[..., 1:]
-        conv_out = F.conv1d(window, self.conv1d.weight, groups=window.size(1))  # (G, C, 1)
-        q, k, v = self._split_heads(F.silu(conv_out.squeeze(-1)).to(mixed.dtype))
+        # A depthwise convolution's one output per channel: its K taps times the window.
+        weight = self.conv1d.weight.squeeze(1)  # (C, K)
+        conv_out = (window.float() * weight.float()).sum(-1).to(window.dtype)  # (G, C)
+        q, k, v = self._split_heads(F.silu(conv_out).to(mixed.dtype))
         q = q / self.head_k_dim**0.5
-        recurrent = recurrent * g.exp()[..., None, None]
-        memory = (recurrent * k.unsqueeze(-1)).sum(dim=-2)  # (G, Hv, dv)
+        recurrent.mul_(g.exp()[..., None, None])
+        memory = (k.unsqueeze(-2) @ recurrent).squeeze(-2)  # (G, Hv, dv)
         delta = (v - memory) * beta.float().unsqueeze(-1)
-        recurrent = recurrent + k.unsqueeze(-1) * delta.unsqueeze(-2)
+        recurrent.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))
         self.recurrent_states[slots] = recurrent
-        out[rows] = (recurrent * q.unsqueeze(-1)).sum(dim=-2).to(out.dtype)
+        out[rows] = (q.unsqueeze(-2) @ recurrent).squeeze(-2).to(out.dtype)
 
     def _prefill(self, mixed, beta, g, slot, fresh, out, span) -> None:
         """Several tokens of one sequence, continuing its states."""

@@ -320,6 +320,70 @@ def rms_norm(
     return out, res_out
 
 
+def gated_delta_decode(
+    mixed: torch.Tensor,
+    z: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    recurrent: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: list[bool],
+    norm_weight: torch.Tensor,
+    eps: float,
+    heads: tuple[int, int, int, int],
+) -> torch.Tensor:
+    """A Gated DeltaNet decode step of G sequences (see csrc/gated_delta_net.c), updating their
+    conv and recurrent states in place -> the gated norm's output (G, Hv * dv) for out_proj.
+
+    mixed (G, C), z (G, Hv * dv), beta (G, Hv): rows of the input projections (any row stride),
+    float32 or bfloat16, as conv_weight (C, 1, K), conv_states (slots, C, K - 1) and norm_weight
+    (dv,); g (G, Hv), recurrent (slots, Hv, dk, dv) float32; slots (G,) int64. heads: (Hk, Hv,
+    dk, dv) on this rank."""
+    lib = load()
+    assert lib is not None, "the CPU kernels are not available"
+    dtype = _float_dtype(mixed)
+    hk, hv, dk, dv = heads
+    num, c = mixed.shape
+    for t, name in ((mixed, "mixed"), (z, "z"), (beta, "beta")):
+        if t.dtype != dtype or not t.is_cpu or t.dim() != 2 or t.stride(1) != 1 or t.size(0) != num:
+            raise ValueError(f"{name} must be (G, n) CPU {dtype} rows with contiguous features")
+    _check(conv_weight, dtype, "conv_weight")
+    _check(conv_states, dtype, "conv_states")
+    _check(norm_weight, dtype, "norm_weight")
+    _check(g, torch.float32, "g")
+    _check(recurrent, torch.float32, "recurrent")
+    _check(slots, torch.int64, "slots")
+    kernel = conv_weight.size(-1)
+    if (
+        c != 2 * hk * dk + hv * dv
+        or z.size(1) != hv * dv
+        or beta.size(1) != hv
+        or g.shape != (num, hv)
+        or conv_weight.shape != (c, 1, kernel)
+        or conv_states.shape[1:] != (c, kernel - 1)
+        or recurrent.shape[1:] != (hv, dk, dv)
+        or recurrent.size(0) != conv_states.size(0)
+        or slots.numel() != num
+        or len(fresh) != num
+        or norm_weight.numel() != dv
+    ):
+        raise ValueError("gated delta decode: the shapes do not agree")
+    starts = torch.tensor(fresh, dtype=torch.uint8)
+    scratch = torch.empty(num, c, dtype=torch.float32)
+    out = torch.empty(num, hv * dv, dtype=dtype)
+    rc = lib.tern_gated_delta_decode(
+        _ptr(mixed), mixed.stride(0), _ptr(z), z.stride(0), _ptr(beta), beta.stride(0), _ptr(g),
+        _ptr(conv_weight), _ptr(conv_states), _ptr(recurrent), _ptr(slots), _ptr(starts),
+        recurrent.size(0), _ptr(norm_weight), eps, _ptr(scratch), _ptr(out), num, hk, hv, dk, dv,
+        kernel, int(dtype == torch.bfloat16),
+    )  # fmt: skip
+    if rc == -2:
+        raise ValueError("gated delta decode: a state slot is outside the pools")
+    return out
+
+
 def _float_dtype(x: torch.Tensor) -> torch.dtype:
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"expected a float32 or bfloat16 tensor, got {x.dtype}")
