@@ -56,6 +56,7 @@ from workers.layers.logprobs import (
     prompt_logprobs_jobs,
     sampled_logprobs_by_request,
 )
+from workers.layers.norm import RMSNorm
 from workers.layers.pooler import Pooler, PoolingState
 from workers.layers.sampler import Sampler, SamplingTensors
 from workers.models.decoder import mlp_shard_of
@@ -198,7 +199,7 @@ class ModelRunner:
         change of the weights (update, rollback) and when they are discarded or come back."""
         assert self.model is not None
         for module in self.model.modules():
-            if isinstance(module, (LinearBase, ParallelLMHead)):
+            if isinstance(module, (LinearBase, ParallelLMHead, RMSNorm)):
                 module.repack_weights()
 
     def _kv_heads_per_rank(self) -> int:
@@ -279,7 +280,7 @@ class ModelRunner:
         ]
         reasons = {r for r in (f.off_reason() for f in fused)}
         if not fused:
-            state = "off, reason: this model has no Llama-style decoder layers"
+            state = "off, reason: this model has no softmax-attention decoder layers"
         elif reasons == {None}:
             state = "on"
         else:

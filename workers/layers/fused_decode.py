@@ -9,7 +9,9 @@ exactly these kernels, so its output is bit for bit the same: the kernels on, ac
 cache on the CPU in bfloat16 (kernels with AVX512-BF16; bfloat16 or int8 weights) or float32 (any
 tier; float32, bfloat16-stored or int8 weights), a layer unsharded or tensor-parallel within one
 host (the two all-reduces then run in the native call, on the shared-memory segment of
-shm_collectives.py), Llama-style (no q/k norm, SiLU gate), and a step whose tokens are all
+shm_collectives.py), with a SiLU gate and no residual multiplier or output gate (norms where the
+family puts them, q/k norms, rotation whole, partial or none, softcapping: DecodeLayerSpec), norms
+that multiply in float32 (Gemma, OLMo 2) under float32 activations only, and a step whose tokens are all
 single-token decodes, at most `max_rows(dtype)` of them (the rows tern's few-row kernels take:
 bfloat16 2, or 32 with AMX; float32 63). Everything else returns None and runs module by module;
 `off_reason` says why a layer does not qualify (the start-up log shows it).
@@ -32,29 +34,32 @@ from workers.layers import native
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.kernel_library import TernDecodeLayer, TernDecodeStep, TernLinear
 from workers.layers.linear import NATIVE_F32_MAX_ROWS, LinearBase
-from workers.layers.norm import RMSNorm
+from workers.layers.norm import RMSNorm, ShardedRMSNorm
 from workers.layers.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True)
 class DecodeLayerSpec:
-    """A Llama-style decoder layer as the native layer reads it: x -> input_norm -> qkv -> (per-head
-    q and k norms) -> rotary -> attention -> o (+ residual) -> post_norm -> gate_up -> SiLU gate
-    -> down."""
+    """A decoder layer as the native layer reads it: x (+ residual) -> [input_norm] -> qkv ->
+    [q and k norms, per head or over the projection] -> [rotary, whole or partial, halves or
+    pairs] -> attention [softcapped] -> o -> [attn_out_norm] (+ residual) -> [post_norm] ->
+    gate_up -> SiLU gate -> down -> [mlp_out_norm]; bracketed parts may be absent."""
 
     qkv: LinearBase
     o: LinearBase  # row-parallel: bias on TP rank 0 only, all-reduced
     gate_up: LinearBase
     down: LinearBase  # row-parallel
-    input_norm: RMSNorm
-    post_norm: RMSNorm
-    q_norm: RMSNorm | None  # per-head norms of q and k (Qwen3), or None
-    k_norm: RMSNorm | None
+    input_norm: RMSNorm | None
+    post_norm: RMSNorm | None  # before the MLP
+    attn_out_norm: RMSNorm | None
+    mlp_out_norm: RMSNorm | None
+    q_norm: RMSNorm | ShardedRMSNorm | None  # RMSNorm: per head (Qwen3); sharded: over q (OLMo 2)
+    k_norm: RMSNorm | ShardedRMSNorm | None
     attention: Attention
-    rotary: RotaryEmbedding | None
-    # None when the layer computes exactly the above (Llama's maths), else how it differs (q/k
-    # norms, another activation, softcapping, ...): such layers are not fused.
-    not_llama_style: str | None
+    rotary: RotaryEmbedding | None  # None: no rotation (NoPE layers)
+    # None when the layer computes nothing beyond the above, else what (another activation, a
+    # residual multiplier, ...): such layers are not fused.
+    unfusable: str | None
 
 
 def max_rows(dtype: torch.dtype) -> int:
@@ -150,13 +155,13 @@ class FusedDecodeLayer:
 
     def _fixed_struct(self) -> TernDecodeLayer | None:
         spec = self.spec
-        if spec.not_llama_style is not None:
-            self._off_reason = f"the layer is not Llama-style ({spec.not_llama_style})"
+        if spec.unfusable is not None:
+            self._off_reason = f"the native layer does not compute {spec.unfusable}"
             return None
         linears = (spec.qkv, spec.o, spec.gate_up, spec.down)
-        norms = [n for n in (spec.input_norm, spec.post_norm, spec.q_norm, spec.k_norm) if n]
-        tensors = [lin.weight for lin in linears] + [n.weight for n in norms] + [
-            spec.attention.kv_cache, spec.rotary.cos_cache,
+        tensors = [lin.weight for lin in linears] + [_norm_weight(n) for n in _norms(spec)] + [
+            spec.attention.kv_cache,
+            *([spec.rotary.cos_cache] if spec.rotary is not None else []),
         ]  # fmt: skip
         # NOTE: whether each bf16 linear is packed decides whether the unfused path would take the
         # few-row kernel, so it is part of the key.
@@ -197,10 +202,44 @@ def _linear(lin: LinearBase, dtype: torch.dtype, row_parallel: bool = False) -> 
     return TernLinear(w.data_ptr(), None, bias_ptr, w.size(0), w.size(1), 0)
 
 
+def _norms(spec: DecodeLayerSpec) -> list[RMSNorm | ShardedRMSNorm]:
+    norms = (spec.input_norm, spec.post_norm, spec.attn_out_norm, spec.mlp_out_norm,
+             spec.q_norm, spec.k_norm)  # fmt: skip
+    return [n for n in norms if n is not None]
+
+
+def _norm_weight(norm: RMSNorm | ShardedRMSNorm) -> torch.Tensor:
+    """The weight the unfused path's kernel multiplies by."""
+    return norm.kernel_weight() if isinstance(norm, RMSNorm) else norm.weight
+
+
+def _ptr_or_none(norm: RMSNorm | ShardedRMSNorm | None) -> int | None:
+    return None if norm is None else _norm_weight(norm).data_ptr()
+
+
+def _norms_differ(spec: DecodeLayerSpec, dtype: torch.dtype) -> str | None:
+    """Why the unfused path would not run these norms on tern's kernel as the native layer does
+    (None: it would)."""
+    norms = _norms(spec)
+    if (spec.q_norm is None) != (spec.k_norm is None):
+        return "a q norm without a k norm"
+    if any(n.eps != norms[0].eps for n in norms):
+        return "norms with different eps"
+    for n in norms:
+        if isinstance(n, ShardedRMSNorm):  # over the whole projection: the kernel at tp 1 only
+            if n.ctx.tp_size != 1 or dtype != torch.float32 or n.weight.dtype != dtype:
+                return "q/k norms over the whole projection outside float32 at --tp 1"
+        elif not n.is_plain and dtype != torch.float32:
+            return f"norms that multiply in float32 (Gemma, OLMo 2) under {dtype} activations"
+        elif n.kernel_weight().dtype != dtype:
+            return f"norms not in {dtype}"
+    return None
+
+
 def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
     """The layer's struct, or None and why the layer does not qualify."""
     a = spec.attention
-    norms = [n for n in (spec.input_norm, spec.post_norm, spec.q_norm, spec.k_norm) if n]
+    norms = _norms(spec)
     ctx = spec.qkv.ctx
     dtype = a.kv_cache.dtype  # the activations'
     if native.load() is None:
@@ -211,13 +250,11 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
         return None, f"the {native.active_tier_name()} kernels have no AVX512-BF16 few-row linear"
     if ctx.tp_size > 1 and (
         ctx.tp_shm is None
-        or max_rows(dtype) * norms[0].weight.numel() * dtype.itemsize > ctx.tp_shm.slot_bytes
+        or max_rows(dtype) * spec.o.weight.size(0) * dtype.itemsize > ctx.tp_shm.slot_bytes
     ):  # the all-reduces run in the native call: on the shared segment, rows of the largest step
         return None, "no shared-memory segment for the tensor-parallel all-reduces"
-    if any(n.weight.dtype != dtype or n.eps != norms[0].eps or not n.is_plain for n in norms):
-        return None, f"the norms are not {dtype} with one eps"
-    if (spec.q_norm is None) != (spec.k_norm is None):
-        return None, "a q norm without a k norm"
+    if (reason := _norms_differ(spec, dtype)) is not None:
+        return None, reason
     linears = [
         _linear(spec.qkv, dtype), _linear(spec.o, dtype, row_parallel=True),
         _linear(spec.gate_up, dtype), _linear(spec.down, dtype, row_parallel=True),
@@ -228,12 +265,16 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
     k_cache = a.k_cache  # (num_blocks, block_size, Hkv, D)
     return TernDecodeLayer(
         *linears,
-        norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
-        spec.q_norm.weight.data_ptr() if spec.q_norm is not None else None,
-        spec.k_norm.weight.data_ptr() if spec.k_norm is not None else None,
-        norms[0].eps, a.scale,
+        _ptr_or_none(spec.input_norm), _ptr_or_none(spec.post_norm),
+        _ptr_or_none(spec.attn_out_norm), _ptr_or_none(spec.mlp_out_norm),
+        _ptr_or_none(spec.q_norm), _ptr_or_none(spec.k_norm),
+        int(isinstance(spec.q_norm, ShardedRMSNorm)),
+        norms[0].eps if norms else 1e-6, a.scale, a.softcap or 0.0,
+        rope.rotary_dim if rope is not None else 0, int(rope is not None and rope.interleaved),
         linears[1].n, a.num_heads, a.num_kv_heads, a.head_dim, linears[3].k,
-        rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr(), rope.cos_cache.size(0),
+        rope.cos_cache.data_ptr() if rope is not None else None,
+        rope.sin_cache.data_ptr() if rope is not None else None,
+        rope.cos_cache.size(0) if rope is not None else 0,
         k_cache.data_ptr(), a.v_cache.data_ptr(), k_cache.size(0) * k_cache.size(1),
         k_cache.size(1), a.sliding_window or 0,
         ctx.tp_shm.base if ctx.tp_size > 1 else None, ctx.tp_rank, ctx.tp_size,

@@ -403,9 +403,11 @@ def rotary_neox_(
     positions: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
+    interleaved: bool = False,
 ) -> None:
     """Rotate q (T, H, D) and k (T, Hkv, D), float32 or bfloat16, in place by positions (T,)
-    int64, neox style."""
+    int64: the first 2 * cos_cache.size(1) features of each head (all of them, or a partial
+    rotation), neox style (halves) or `interleaved` (pairs)."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
     _check_heads(q, _float_dtype(q), "q")
@@ -414,11 +416,12 @@ def rotary_neox_(
     _check(cos_cache, torch.float32, "cos_cache")
     _check(sin_cache, torch.float32, "sin_cache")
     t, h, d = q.shape
-    if k.size(0) != t or k.size(2) != d or positions.numel() != t or cos_cache.size(1) * 2 != d:
+    r = cos_cache.size(1) * 2
+    if k.size(0) != t or k.size(2) != d or positions.numel() != t or r > d:
         raise ValueError("rotary: q, k, positions and the cos/sin tables do not agree")
     rc = _elementwise(lib, "tern_rotary_neox", q.dtype)(
         _ptr(q), q.stride(0), _ptr(k), k.stride(0), _ptr(positions), cos_cache.size(0),
-        _ptr(cos_cache), _ptr(sin_cache), t, h, k.size(1), d,
+        _ptr(cos_cache), _ptr(sin_cache), t, h, k.size(1), d, r, int(interleaved),
     )  # fmt: skip
     if rc != 0:
         raise ValueError("rotary: a position is past the cos/sin table")

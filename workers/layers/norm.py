@@ -32,11 +32,24 @@ class RMSNorm(nn.Module):
         self.weight_in_float32 = weight_in_float32 or offset != 0.0
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
+        self._kernel_weight: torch.Tensor | None = None
 
     @property
     def is_plain(self) -> bool:
-        """Llama's form: what the fused decode layer computes."""
+        """Llama's form (the weight multiplies after the cast back)."""
         return not self.weight_in_float32
+
+    def kernel_weight(self) -> torch.Tensor:
+        """What tern's kernel multiplies by: the weight (Llama's form), else (weight + offset) in
+        float32, derived once per change of the weights (`repack_weights`)."""
+        if self.is_plain:
+            return self.weight
+        if self._kernel_weight is None:
+            self._kernel_weight = self.weight.float() + self.offset
+        return self._kernel_weight
+
+    def repack_weights(self) -> None:
+        self._kernel_weight = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -52,8 +65,7 @@ class RMSNorm(nn.Module):
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
         kernel_ok = self.is_plain or x.dtype == torch.float32
         if kernel_ok and native.usable(x, residual) and x.dim() == 2 and _contiguous(x, residual):
-            weight = self.weight if self.is_plain else self.weight.float() + self.offset
-            out, summed = native.rms_norm(x, weight, self.eps, residual)
+            out, summed = native.rms_norm(x, self.kernel_weight(), self.eps, residual)
             return out if residual is None else (out, summed)
         if residual is None:
             return self._norm(x)
@@ -80,6 +92,13 @@ class ShardedRMSNorm(nn.Module):
         copy_checked(param.data, loaded.narrow(0, *self.shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, size) -> (T, size)
+        if (
+            self.ctx.tp_size == 1
+            and x.dtype == torch.float32
+            and native.usable(x, None)
+            and x.dim() == 2
+        ):  # the whole vector here, in float32: RMSNorm's arithmetic, in tern's kernel
+            return native.rms_norm(x.contiguous(), self.weight.float(), self.eps)[0]
         dtype = x.dtype
         x = x.to(torch.float32)
         square_sum = x.pow(2).sum(-1, keepdim=True)

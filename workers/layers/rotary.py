@@ -180,23 +180,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos() * scale, persistent=False)
         self.register_buffer("sin_cache", freqs.sin() * scale, persistent=False)
 
-    @property
-    def is_plain_neox(self) -> bool:
-        """Whether tern's kernels (whole-head neox rotation) compute this rotation."""
-        return self.rotary_dim == self.head_dim and not self.interleaved
-
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q (T, H, D) and k (T, Hkv, D) by their tokens' positions (T,)."""
-        if (
-            self.is_plain_neox
-            and native.usable(q, k)
-            and _heads_contiguous(q)
-            and _heads_contiguous(k)
-        ):
+        if native.usable(q, k) and _heads_contiguous(q) and _heads_contiguous(k):
             # NOTE: in place: q and k are this layer's fresh projections (views of its qkv output).
-            native.rotary_neox_(q, k, positions, self.cos_cache, self.sin_cache)
+            native.rotary_neox_(q, k, positions, self.cos_cache, self.sin_cache, self.interleaved)
             return q, k
         cos = self.cos_cache[positions].unsqueeze(1)  # (T, 1, R/2)
         sin = self.sin_cache[positions].unsqueeze(1)

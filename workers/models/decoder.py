@@ -82,17 +82,12 @@ class DecoderSpec:
     # Gated DeltaNet's sizes (linear_attention layers): heads, head dims, conv kernel.
     linear_attention: dict[str, int] = field(default_factory=dict)
 
-    def layer_is_llama_style(self, kind: LayerKind) -> str | None:
-        """None when a layer of `kind` computes exactly Llama's maths, else how it differs."""
+    def unfusable(self) -> str | None:
+        """What a layer computes that the fused decode layer does not (None: nothing)."""
         differences = [
-            ("q/k norms over the whole projection", self.qk_norm == "full"),
-            ("another activation", self.activation not in ("silu", "swish")),
-            ("other norms", self.norms != LLAMA_NORMS or self.norm_offset or self.norm_weight_in_float32),
-            ("softcapping", self.attn_softcap is not None),
-            ("partial, interleaved or no rotation",
-             kind.rope is None or kind.rope.partial_rotary_factor != 1.0 or self.rope_interleaved),
-            ("residual multiplier", self.residual_scale != 1.0),
-            ("output gate", self.attn_output_gate),
+            (f"the {self.activation} activation", self.activation not in ("silu", "swish")),
+            ("a residual multiplier", self.residual_scale != 1.0),
+            ("an output gate", self.attn_output_gate),
         ]  # fmt: skip
         found = [name for name, differs in differences if differs]
         return ", ".join(found) if found else None
@@ -289,10 +284,9 @@ class DecoderLayer(nn.Module):
         fused = DecodeLayerSpec(
             qkv=attn.qkv_proj, o=attn.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj,
             input_norm=self._norm("input"), post_norm=self._norm("pre_mlp"),
-            q_norm=getattr(attn, "q_norm", None) if attn.qk_norm == "head" else None,
-            k_norm=getattr(attn, "k_norm", None) if attn.qk_norm == "head" else None,
-            attention=attn.attn, rotary=attn.rotary_emb,
-            not_llama_style=spec.layer_is_llama_style(kind),
+            attn_out_norm=self._norm("attn_out"), mlp_out_norm=self._norm("mlp_out"),
+            q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
+            attention=attn.attn, rotary=attn.rotary_emb, unfusable=spec.unfusable(),
         )  # fmt: skip
         self.fused_decode = FusedDecodeLayer(fused)
 

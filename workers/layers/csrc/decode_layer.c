@@ -1,4 +1,4 @@
-/* One Llama-style decoder layer for a decode step of a few sequences, in one call: at this size
+/* One decoder layer for a decode step of a few sequences, in one call: at this size
  * the layer's ten kernels take ~270 us and the Python around them (module calls, wrappers, output
  * tensors) another ~110 us per layer. Two entry points, one body:
  * - bfloat16 activations and KV cache, bfloat16 or int8 weights (CPUs with AVX512-BF16);
@@ -40,6 +40,21 @@ static int all_reduce(const TernDecodeLayer *L, void *x, int T, int64_t seq, int
     return rc == 0 ? 0 : rc == -1 ? -3 : -1;
 }
 
+/* out = a + b (b NULL: a copy), n values, rounded as a torch add of bfloat16 tensors. */
+static void add_rows(const void *a, const void *b, void *out, int64_t n, int bf16) {
+    if (b == NULL) {
+        memmove(out, a, (size_t)n * (bf16 ? 2 : 4));
+    } else if (bf16) {
+        const uint16_t *x = a, *y = b;
+        uint16_t *o = out;
+        for (int64_t i = 0; i < n; i++) o[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
+    } else {
+        const float *x = a, *y = b;
+        float *o = out;
+        for (int64_t i = 0; i < n; i++) o[i] = x[i] + y[i];
+    }
+}
+
 /* x (T, hidden) and residual (T, hidden), or NULL at the first layer (the residual is then x) ->
  * out (T, hidden), the MLP's output, and res_out (T, hidden), the residual after attention.
  * With tp_size > 1 the layer's two all-reduces take sequence numbers seq and seq + 1.
@@ -51,43 +66,65 @@ static int decode_layer(const TernDecodeLayer *L, const TernDecodeStep *S, const
     int T = S->num_tokens, H = L->num_heads, Hkv = L->num_kv_heads, D = L->head_dim;
     size_t elem = bf16 ? 2 : 4;
     int64_t row = (int64_t)(H + 2 * Hkv) * D; /* one token's q, k and v in S->qkv */
-    if (residual == NULL) {
+    int64_t n = (int64_t)T * L->hidden;
+    const void *attn_in = S->normed;
+    if (L->input_norm == NULL) { /* attention reads the residual stream itself (OLMo 2) */
+        add_rows(x, residual, res_out, n, bf16);
+        attn_in = res_out;
+    } else if (residual == NULL) {
         rms_norm(x, NULL, NULL, L->input_norm, S->normed, T, L->hidden, L->eps, bf16);
-        memcpy(res_out, x, elem * (size_t)T * L->hidden);
+        memcpy(res_out, x, elem * (size_t)n);
     } else {
         rms_norm(x, residual, res_out, L->input_norm, S->normed, T, L->hidden, L->eps, bf16);
     }
-    if (linear(&L->qkv, S->normed, S->qkv, T, bf16) != 0) return -1;
+    if (linear(&L->qkv, attn_in, S->qkv, T, bf16) != 0) return -1;
     char *qkv = (char *)S->qkv, *k = qkv + elem * H * D, *v = k + elem * Hkv * D;
-    if (L->q_norm != NULL) /* per head, in place: each token's H query and Hkv key rows of D */
+    if (L->q_norm != NULL) /* in place: per head (H and Hkv rows of D) or per projection */
         for (int t = 0; t < T; t++) {
             char *qt = qkv + elem * t * row, *kt = k + elem * t * row;
-            rms_norm(qt, NULL, NULL, L->q_norm, qt, H, D, L->eps, bf16);
-            rms_norm(kt, NULL, NULL, L->k_norm, kt, Hkv, D, L->eps, bf16);
+            int rows_q = L->qk_norm_full ? 1 : H, rows_k = L->qk_norm_full ? 1 : Hkv;
+            rms_norm(qt, NULL, NULL, L->q_norm, qt, rows_q, H * D / rows_q, L->eps, bf16);
+            rms_norm(kt, NULL, NULL, L->k_norm, kt, rows_k, Hkv * D / rows_k, L->eps, bf16);
         }
-    int rc = bf16 ? tern_rotary_neox_bf16((uint16_t *)qkv, row, (uint16_t *)k, row, S->positions,
+    int rc = 0;
+    if (L->rotary_dim > 0)
+        rc = bf16 ? tern_rotary_neox_bf16((uint16_t *)qkv, row, (uint16_t *)k, row, S->positions,
                                           L->num_positions, L->cos_cache, L->sin_cache, T, H,
-                                          Hkv, D)
+                                          Hkv, D, L->rotary_dim, L->rotary_interleaved)
                   : tern_rotary_neox((float *)qkv, row, (float *)k, row, S->positions,
-                                     L->num_positions, L->cos_cache, L->sin_cache, T, H, Hkv, D);
+                                     L->num_positions, L->cos_cache, L->sin_cache, T, H, Hkv, D,
+                                     L->rotary_dim, L->rotary_interleaved);
     if (rc != 0) return -2;
     for (int t = 0; t < T; t++) /* the attention kernel takes the queries contiguous */
         memcpy((char *)S->q + elem * t * H * D, qkv + elem * t * row, elem * (size_t)H * D);
     rc = tern_paged_decode_attention(S->q, L->k_cache, L->v_cache, S->block_tables,
                                      S->table_stride, S->context_lens, S->attn, T, H, Hkv, D,
                                      L->block_size, L->attn_scale, bf16, bf16, k, row, v, row,
-                                     S->slots, L->num_slots, L->window, 0.f);
+                                     S->slots, L->num_slots, L->window, L->attn_softcap);
     if (rc != 0) return rc == -2 ? -2 : -1;
     if (linear(&L->o, S->attn, S->attn_out, T, bf16) != 0) return -1;
     if ((rc = all_reduce(L, S->attn_out, T, seq, bf16)) != 0) return rc;
-    rms_norm(S->attn_out, res_out, res_out, L->post_norm, S->normed, T, L->hidden, L->eps, bf16);
-    if (linear(&L->gate_up, S->normed, S->gate_up, T, bf16) != 0) return -1;
+    if (L->attn_out_norm != NULL)
+        rms_norm(S->attn_out, NULL, NULL, L->attn_out_norm, S->attn_out, T, L->hidden, L->eps,
+                 bf16);
+    const void *mlp_in = S->normed;
+    if (L->post_norm != NULL) {
+        rms_norm(S->attn_out, res_out, res_out, L->post_norm, S->normed, T, L->hidden, L->eps,
+                 bf16);
+    } else { /* the MLP reads the residual stream itself */
+        add_rows(S->attn_out, res_out, res_out, n, bf16);
+        mlp_in = res_out;
+    }
+    if (linear(&L->gate_up, mlp_in, S->gate_up, T, bf16) != 0) return -1;
     if (bf16)
         tern_silu_and_mul_bf16(S->gate_up, S->act, T, L->intermediate);
     else
         tern_silu_and_mul(S->gate_up, S->act, T, L->intermediate);
     if (linear(&L->down, S->act, out, T, bf16) != 0) return -1;
-    return all_reduce(L, out, T, seq + 1, bf16);
+    if ((rc = all_reduce(L, out, T, seq + 1, bf16)) != 0) return rc;
+    if (L->mlp_out_norm != NULL)
+        rms_norm(out, NULL, NULL, L->mlp_out_norm, out, T, L->hidden, L->eps, bf16);
+    return 0;
 }
 
 int tern_decode_layer_bf16(const TernDecodeLayer *L, const TernDecodeStep *S, const uint16_t *x,

@@ -43,26 +43,29 @@ void tern_rms_norm(const float *x, const float *res, float *res_out, const float
     }
 }
 
-/* In place, neox style: for each head, (a, b) halves -> (a cos - b sin, b cos + a sin), with the
- * cos/sin rows (D/2,) of each token's position. q (T, H, D) and k (T, Hkv, D) have token strides
- * q_stride and k_stride (floats) and contiguous heads. Returns -1 (and changes nothing) when a
- * position is outside the table's num_positions rows. */
+/* In place, over the first R features of each head (the rest is not rotated: partial rotation):
+ * neox style, (a, b) halves of those R -> (a cos - b sin, b cos + a sin); interleaved (GLM), the
+ * pairs (x[2i], x[2i + 1]) alike; with the cos/sin rows (R/2,) of each token's position. q (T, H, D)
+ * and k (T, Hkv, D) have token strides q_stride and k_stride (floats) and contiguous heads.
+ * Returns -1 (and changes nothing) when a position is outside the table's num_positions rows. */
 int tern_rotary_neox(float *q, int64_t q_stride, float *k, int64_t k_stride,
                      const int64_t *positions, int64_t num_positions, const float *cos_cache,
-                     const float *sin_cache, int T, int H, int Hkv, int D) {
+                     const float *sin_cache, int T, int H, int Hkv, int D, int R,
+                     int interleaved) {
     for (int t = 0; t < T; t++)
         if (positions[t] < 0 || positions[t] >= num_positions) return -1;
-    int half = D / 2;
+    int half = R / 2, step = interleaved ? 2 : 1, other = interleaved ? 1 : half;
 #pragma omp parallel for schedule(static) if (T >= 16)
     for (int t = 0; t < T; t++) {
         const float *c = cos_cache + positions[t] * half, *s = sin_cache + positions[t] * half;
         for (int h = 0; h < H + Hkv; h++) {
             float *x = h < H ? q + t * q_stride + (int64_t)h * D : k + t * k_stride + (int64_t)(h - H) * D;
             for (int i = 0; i < half; i++) {
-                float a = x[i], b = x[i + half];
+                float *xa = x + i * step, *xb = xa + other;
+                float a = *xa, b = *xb;
                 float ac = a * c[i], bs = b * s[i], bc = b * c[i], as = a * s[i];
-                x[i] = ac - bs;
-                x[i + half] = bc + as;
+                *xa = ac - bs;
+                *xb = bc + as;
             }
         }
     }
@@ -171,10 +174,11 @@ void tern_rms_norm_bf16(const uint16_t *x, const uint16_t *res, uint16_t *res_ou
  * then (a, b) -> (a cos - b sin, b cos + a sin) with each product and sum rounded. */
 int tern_rotary_neox_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_stride,
                           const int64_t *positions, int64_t num_positions, const float *cos_cache,
-                          const float *sin_cache, int T, int H, int Hkv, int D) {
+                          const float *sin_cache, int T, int H, int Hkv, int D, int R,
+                          int interleaved) {
     for (int t = 0; t < T; t++)
         if (positions[t] < 0 || positions[t] >= num_positions) return -1;
-    int half = D / 2;
+    int half = R / 2, step = interleaved ? 2 : 1, other = interleaved ? 1 : half;
 #pragma omp parallel for schedule(static) if (T >= 16)
     for (int t = 0; t < T; t++) {
         const float *c = cos_cache + positions[t] * half, *s = sin_cache + positions[t] * half;
@@ -188,7 +192,7 @@ int tern_rotary_neox_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_
                                 : k + t * k_stride + (int64_t)(h - H) * D;
             int i = 0;
 #ifdef __AVX512BF16__
-            for (; i + 16 <= half; i += 16) {
+            for (; !interleaved && i + 16 <= half; i += 16) {
                 __m512 a = load16_bf16(x + i), b = load16_bf16(x + i + half);
                 __m512 c16 = _mm512_loadu_ps(cr + i), s16 = _mm512_loadu_ps(sr + i);
                 __m512 neg_b = _mm512_xor_ps(b, _mm512_set1_ps(-0.0f));
@@ -201,9 +205,10 @@ int tern_rotary_neox_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_
             }
 #endif
             for (; i < half; i++) {
-                float a = bf16_to_f32(x[i]), b = bf16_to_f32(x[i + half]);
-                x[i] = f32_to_bf16(round_bf16(a * cr[i]) + round_bf16(-b * sr[i]));
-                x[i + half] = f32_to_bf16(round_bf16(b * cr[i]) + round_bf16(a * sr[i]));
+                uint16_t *xa = x + i * step, *xb = xa + other;
+                float a = bf16_to_f32(*xa), b = bf16_to_f32(*xb);
+                *xa = f32_to_bf16(round_bf16(a * cr[i]) + round_bf16(-b * sr[i]));
+                *xb = f32_to_bf16(round_bf16(b * cr[i]) + round_bf16(a * sr[i]));
             }
         }
     }

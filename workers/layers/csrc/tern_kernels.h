@@ -34,9 +34,15 @@ typedef struct {
  * cache in the activations' dtype). */
 typedef struct {
     TernLinear qkv, o, gate_up, down;
-    const void *input_norm, *post_norm;
-    const void *q_norm, *k_norm; /* per-head RMSNorm weights (D,) of q and k (Qwen3), or NULL */
+    /* The norms before attention and before the MLP (Llama's two), and of the attention's and
+     * the MLP's outputs (sandwich and post norms: Gemma, GLM-4, OLMo 2); each may be NULL. */
+    const void *input_norm, *post_norm, *attn_out_norm, *mlp_out_norm;
+    const void *q_norm, *k_norm; /* RMSNorm weights of q and k, or NULL: per head (D,), or ... */
+    int qk_norm_full;            /* ... over the whole projection (H D,) and (Hkv D,) (OLMo 2) */
     float eps, attn_scale;
+    float attn_softcap; /* Gemma 2's cap on the attention scores, or 0 */
+    int rotary_dim;     /* the features of each head rotated (partial rotation), 0: none (NoPE) */
+    int rotary_interleaved; /* pairs (GLM) rather than halves */
     int hidden, num_heads, num_kv_heads, head_dim, intermediate;
     const float *cos_cache, *sin_cache;
     int64_t num_positions;
@@ -113,8 +119,8 @@ int tern_int8_amx_linear_bf16(const uint16_t *x, const int8_t *w, const float *s
 /* elementwise.c */
 void tern_rms_norm(const float *x, const float *res, float *res_out, const float *w, float *out, int T, int D, float eps);
 void tern_rms_norm_bf16(const uint16_t *x, const uint16_t *res, uint16_t *res_out, const uint16_t *w, uint16_t *out, int T, int D, float eps);
-int tern_rotary_neox(float *q, int64_t q_stride, float *k, int64_t k_stride, const int64_t *positions, int64_t num_positions, const float *cos_cache, const float *sin_cache, int T, int H, int Hkv, int D);
-int tern_rotary_neox_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_stride, const int64_t *positions, int64_t num_positions, const float *cos_cache, const float *sin_cache, int T, int H, int Hkv, int D);
+int tern_rotary_neox(float *q, int64_t q_stride, float *k, int64_t k_stride, const int64_t *positions, int64_t num_positions, const float *cos_cache, const float *sin_cache, int T, int H, int Hkv, int D, int R, int interleaved);
+int tern_rotary_neox_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_stride, const int64_t *positions, int64_t num_positions, const float *cos_cache, const float *sin_cache, int T, int H, int Hkv, int D, int R, int interleaved);
 void tern_silu_and_mul(const float *x, float *out, int T, int I);
 void tern_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I);
 void tern_apply_token_bitmask(float *logits, int64_t row_stride, const int32_t *bitmask, int64_t words_per_row, const int64_t *rows, int n_rows, int vocab);
