@@ -1,5 +1,5 @@
-"""tern's decode-step kernels for RMSNorm (+ residual add), rotary embedding and SiLU-and-mul
-against the torch code paths they replace (the modules with the kernels switched off)."""
+"""tern's decode-step kernels for RMSNorm (+ residual add), rotary embedding (whole, partial and
+interleaved) and the SiLU / GELU gates against the torch code paths they replace (the modules with the kernels switched off)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from workers.layers import native
-from workers.layers.activation import SiluAndMul
+from workers.layers.activation import GeluTanhAndMul, SiluAndMul
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RopeParams, RotaryEmbedding
 
@@ -53,11 +53,17 @@ def test_rms_norm_with_and_without_residual(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 3, 20])
 @pytest.mark.parametrize("head_dim", [16, 64])  # 64: the bfloat16 kernel's 16-wide loop
+@pytest.mark.parametrize(
+    "factor,interleaved", [(1.0, False), (0.5, False), (0.5, True)],
+    ids=["whole", "partial", "partial_pairs"],
+)  # fmt: skip
 def test_rotary_in_place_on_views_of_the_qkv_projection(
-    tokens: int, head_dim: int, dtype: torch.dtype, torch_only
+    tokens: int, head_dim: int, factor: float, interleaved: bool, dtype: torch.dtype, torch_only
 ) -> None:
+    """Whole heads, half of each (Phi-4-mini, Qwen3.5), half in pairs (GLM-4)."""
     heads, kv_heads = 4, 2
-    rope = RotaryEmbedding(head_dim, 64, RopeParams(theta=10000.0))
+    params = RopeParams(theta=10000.0, partial_rotary_factor=factor)
+    rope = RotaryEmbedding(head_dim, 64, params, interleaved=interleaved)
     g = torch.Generator().manual_seed(tokens)
     positions = torch.randint(0, 64, (tokens,), generator=g)
 
@@ -78,8 +84,8 @@ def test_rotary_in_place_on_views_of_the_qkv_projection(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 48), (4, 48), (5, 51), (64, 48), (100, 1536)])
-def test_silu_and_mul(rows: int, width: int, dtype: torch.dtype, torch_only) -> None:
+@pytest.mark.parametrize("act", [SiluAndMul(), GeluTanhAndMul()], ids=["silu", "gelu_tanh"])
+def test_gated_activations(rows: int, width: int, dtype: torch.dtype, act, torch_only) -> None:
     x = torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(rows)) * 4
     x = torch.cat((x, torch.tensor([[-200.0, 200.0] * width]))).to(dtype)  # exp's far ends
-    act = SiluAndMul()
     torch.testing.assert_close(act(x), torch_only(lambda: act(x)))

@@ -3,8 +3,9 @@ path: the same logprobs bit for bit, on every kernel tier this CPU runs, for `--
 (bfloat16 activations on AVX512-BF16 tiers; float32 activations with bfloat16-stored weights on the
 others) and `--dtype float32`, unquantized and int8, Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k
 norms), Mistral (a sliding window shorter than the prompts), GLM-4 (sandwich norms, interleaved
-partial rotation), Phi-3 (partial rotation), SmolLM3 (NoPE layers) and OLMo 2 (post norms only, q/k
-norms over the projection, norms multiplying in float32: float32 activations), decode steps of
+partial rotation), Phi-3 (partial rotation), SmolLM3 (NoPE layers), OLMo 2 (post norms only, q/k norms over the projection)
+and Gemma 2 / 3 (GELU, softcapping, 1 + weight norms; these norms multiply in float32: fused under
+float32 activations), decode steps of
 one to five sequences (the few-row kernels, and AMX where the CPU has it), after prompts and
 chunked prefills."""
 
@@ -45,15 +46,15 @@ def _runner(model_dir: Path, quantization: str | None, dtype: str) -> ModelRunne
 @pytest.mark.parametrize(
     "arch",
     ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_mistral", "tiny_glm4", "tiny_phi3",
-     "tiny_smollm3", "tiny_olmo2"],
+     "tiny_smollm3", "tiny_olmo2", "tiny_gemma2", "tiny_gemma3"],
 )  # fmt: skip
 def test_fused_layer_is_bit_identical_to_the_modules(
     arch: str, quantization: str | None, dtype: str, request: pytest.FixtureRequest, monkeypatch
 ) -> None:
     model_dir = request.getfixturevalue(arch)
     report = _runner(model_dir, quantization, dtype).kernel_report()
-    if arch == "tiny_olmo2" and "float32 under torch.bfloat16 activations" in report:
-        pytest.skip("OLMo 2's norms multiply in float32: fused under float32 activations only")
+    if "float32 under torch.bfloat16 activations" in report:  # OLMo 2, Gemma
+        pytest.skip("norms that multiply in float32 are fused under float32 activations only")
     prompts = make_prompts(1000)[:5]
     params = SamplingParams(temperature=0.0, seed=1, max_tokens=16)
     # Staggered arrivals, later prompts prefilled in chunks beside the running decodes: decode-only
@@ -88,17 +89,17 @@ def test_fused_layer_is_bit_identical_to_the_modules(
             assert torch.equal(a, b)
 
 
-def test_layers_outside_the_fused_path_say_so(tiny_gemma3) -> None:
-    """Gemma's layer (1 + weight sandwich norms, GELU) keeps the module path, and the start-up
-    report says why."""
+def test_layers_outside_the_fused_path_say_so(tiny_granite) -> None:
+    """Granite's layer (a residual multiplier) keeps the module path, and the start-up report
+    says why."""
     for dtype in ("bfloat16", "float32"):
         config = Config(
-            model=ModelConfig(path=str(tiny_gemma3), dtype=dtype),
+            model=ModelConfig(path=str(tiny_granite), dtype=dtype),
             cache=CacheConfig(block_size=4, num_gpu_blocks_override=64),
         )
         runner = ModelRunner(config)
         runner.load_model()
         runner.init_kv_cache(64)
         reason = runner.model.model.layers[0].fused_decode.off_reason()
-        assert reason == "the native layer does not compute the gelu_pytorch_tanh activation"
+        assert reason == "the native layer does not compute a residual multiplier"
         assert f"fused decode layer: off, reason: {reason}" in runner.kernel_report()

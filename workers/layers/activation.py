@@ -21,9 +21,12 @@ class SiluAndMul(nn.Module):
 
 
 class GeluTanhAndMul(nn.Module):
-    """gelu(gate, tanh approximation) * up: Gemma's `gelu_pytorch_tanh`."""
+    """gelu(gate, tanh approximation) * up: Gemma's `gelu_pytorch_tanh`; tern's kernel (the fused
+    decode layer's arithmetic) where it runs."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
+        if x.dim() == 2 and x.is_contiguous() and native.usable(x):
+            return native.gelu_tanh_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 

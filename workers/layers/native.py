@@ -429,12 +429,21 @@ def rotary_neox_(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x (T, 2I) float32 or bfloat16 = [gate | up] -> silu(gate) * up, (T, I)."""
+    return _gated(x, "tern_silu_and_mul")
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (T, 2I) float32 or bfloat16 = [gate | up] -> gelu(gate, tanh approximation) * up."""
+    return _gated(x, "tern_gelu_tanh_and_mul")
+
+
+def _gated(x: torch.Tensor, name: str) -> torch.Tensor:
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
     _check(x, _float_dtype(x), "x")
     t, two_i = x.shape
     if two_i % 2:
-        raise ValueError(f"silu_and_mul needs an even width, got {two_i}")
+        raise ValueError(f"{name} needs an even width, got {two_i}")
     out = torch.empty(t, two_i // 2, dtype=x.dtype)
-    _elementwise(lib, "tern_silu_and_mul", x.dtype)(_ptr(x), _ptr(out), t, two_i // 2)
+    _elementwise(lib, name, x.dtype)(_ptr(x), _ptr(out), t, two_i // 2)
     return out

@@ -43,6 +43,9 @@ from workers.layers.norm import RMSNorm, ShardedRMSNorm
 from workers.layers.rotary import RopeParams, RotaryEmbedding
 from workers.models.registry import ModelArgs
 
+# config.json's activations the fused decode layer computes, and its flag for each (TernDecodeLayer.gelu).
+FUSED_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
+
 # The norm slots of a layer, in the order the residual stream meets them.
 NORM_SLOTS = ("input", "attn_out", "pre_mlp", "mlp_out")
 LLAMA_NORMS = {"input": "input_layernorm", "pre_mlp": "post_attention_layernorm"}
@@ -85,7 +88,7 @@ class DecoderSpec:
     def unfusable(self) -> str | None:
         """What a layer computes that the fused decode layer does not (None: nothing)."""
         differences = [
-            (f"the {self.activation} activation", self.activation not in ("silu", "swish")),
+            (f"the {self.activation} activation", self.activation not in FUSED_ACTIVATIONS),
             ("a residual multiplier", self.residual_scale != 1.0),
             ("an output gate", self.attn_output_gate),
         ]  # fmt: skip
@@ -287,6 +290,7 @@ class DecoderLayer(nn.Module):
             attn_out_norm=self._norm("attn_out"), mlp_out_norm=self._norm("mlp_out"),
             q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
             attention=attn.attn, rotary=attn.rotary_emb, unfusable=spec.unfusable(),
+            gelu=FUSED_ACTIVATIONS.get(spec.activation, 0) == 1,
         )  # fmt: skip
         self.fused_decode = FusedDecodeLayer(fused)
 

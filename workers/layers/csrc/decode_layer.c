@@ -116,10 +116,12 @@ static int decode_layer(const TernDecodeLayer *L, const TernDecodeStep *S, const
         mlp_in = res_out;
     }
     if (linear(&L->gate_up, mlp_in, S->gate_up, T, bf16) != 0) return -1;
-    if (bf16)
-        tern_silu_and_mul_bf16(S->gate_up, S->act, T, L->intermediate);
+    if (L->gelu)
+        bf16 ? tern_gelu_tanh_and_mul_bf16(S->gate_up, S->act, T, L->intermediate)
+             : tern_gelu_tanh_and_mul(S->gate_up, S->act, T, L->intermediate);
     else
-        tern_silu_and_mul(S->gate_up, S->act, T, L->intermediate);
+        bf16 ? tern_silu_and_mul_bf16(S->gate_up, S->act, T, L->intermediate)
+             : tern_silu_and_mul(S->gate_up, S->act, T, L->intermediate);
     if (linear(&L->down, S->act, out, T, bf16) != 0) return -1;
     if ((rc = all_reduce(L, out, T, seq + 1, bf16)) != 0) return rc;
     if (L->mlp_out_norm != NULL)

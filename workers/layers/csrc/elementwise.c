@@ -115,6 +115,34 @@ void tern_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I) {
         }
     }
 }
+/* x (T, 2I) = [gate | up] -> out (T, I) = gelu(gate) * up with gelu's tanh approximation (Gemma's
+ * gelu_pytorch_tanh): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as torch's formula; in
+ * bfloat16 the gelu is rounded before the product, as torch's two ops round. */
+static inline float gelu_tanh(float g) {
+    const float beta = (float)0.7978845608028654, kappa = 0.044715f; /* sqrt(2 / pi) */
+    float cube = g * g * g;
+    return 0.5f * g * (1.f + tanhf(beta * (g + kappa * cube)));
+}
+
+void tern_gelu_tanh_and_mul(const float *x, float *out, int T, int I) {
+#pragma omp parallel for schedule(static) if ((int64_t)T * I >= 16384)
+    for (int t = 0; t < T; t++) {
+        const float *g = x + (int64_t)t * 2 * I, *u = g + I;
+        float *o = out + (int64_t)t * I;
+        for (int i = 0; i < I; i++) o[i] = gelu_tanh(g[i]) * u[i];
+    }
+}
+
+void tern_gelu_tanh_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I) {
+#pragma omp parallel for schedule(static) if ((int64_t)T * I >= 16384)
+    for (int t = 0; t < T; t++) {
+        const uint16_t *g = x + (int64_t)t * 2 * I, *u = g + I;
+        uint16_t *o = out + (int64_t)t * I;
+        for (int i = 0; i < I; i++)
+            o[i] = f32_to_bf16(round_bf16(gelu_tanh(bf16_to_f32(g[i]))) * bf16_to_f32(u[i]));
+    }
+}
+
 #ifdef __AVX512BF16__
 /* One row of tern_rms_norm_bf16 with D % 16 == 0 (the sum of squares in 16 lanes). */
 static void rms_norm_row16(const uint16_t *xt, const uint16_t *rt, uint16_t *rs,

@@ -43,6 +43,7 @@ typedef struct {
     float attn_softcap; /* Gemma 2's cap on the attention scores, or 0 */
     int rotary_dim;     /* the features of each head rotated (partial rotation), 0: none (NoPE) */
     int rotary_interleaved; /* pairs (GLM) rather than halves */
+    int gelu;               /* the MLP's gate: 0 SiLU, 1 GELU with the tanh approximation (Gemma) */
     int hidden, num_heads, num_kv_heads, head_dim, intermediate;
     const float *cos_cache, *sin_cache;
     int64_t num_positions;
@@ -123,6 +124,8 @@ int tern_rotary_neox(float *q, int64_t q_stride, float *k, int64_t k_stride, con
 int tern_rotary_neox_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_stride, const int64_t *positions, int64_t num_positions, const float *cos_cache, const float *sin_cache, int T, int H, int Hkv, int D, int R, int interleaved);
 void tern_silu_and_mul(const float *x, float *out, int T, int I);
 void tern_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I);
+void tern_gelu_tanh_and_mul(const float *x, float *out, int T, int I);
+void tern_gelu_tanh_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I);
 void tern_apply_token_bitmask(float *logits, int64_t row_stride, const int32_t *bitmask, int64_t words_per_row, const int64_t *rows, int n_rows, int vocab);
 
 /* collectives.c: all-reduce and all-gather among the TP ranks of one host. */
