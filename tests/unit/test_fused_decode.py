@@ -4,8 +4,8 @@ path: the same logprobs bit for bit, on every kernel tier this CPU runs, for `--
 others) and `--dtype float32`, unquantized and int8, Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k
 norms), Mistral (a sliding window shorter than the prompts), GLM-4 (sandwich norms, interleaved
 partial rotation), Phi-3 (partial rotation), SmolLM3 (NoPE layers), OLMo 2 (post norms only, q/k norms over the projection)
-and Gemma 2 / 3 (GELU, softcapping, 1 + weight norms; these norms multiply in float32: fused under
-float32 activations), decode steps of
+Gemma 2 / 3 (GELU, softcapping, 1 + weight norms; these norms multiply in float32: fused under
+float32 activations) and Granite (residual multipliers), decode steps of
 one to five sequences (the few-row kernels, and AMX where the CPU has it), after prompts and
 chunked prefills."""
 
@@ -46,7 +46,7 @@ def _runner(model_dir: Path, quantization: str | None, dtype: str) -> ModelRunne
 @pytest.mark.parametrize(
     "arch",
     ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_mistral", "tiny_glm4", "tiny_phi3",
-     "tiny_smollm3", "tiny_olmo2", "tiny_gemma2", "tiny_gemma3"],
+     "tiny_smollm3", "tiny_olmo2", "tiny_gemma2", "tiny_gemma3", "tiny_granite"],
 )  # fmt: skip
 def test_fused_layer_is_bit_identical_to_the_modules(
     arch: str, quantization: str | None, dtype: str, request: pytest.FixtureRequest, monkeypatch
@@ -89,17 +89,18 @@ def test_fused_layer_is_bit_identical_to_the_modules(
             assert torch.equal(a, b)
 
 
-def test_layers_outside_the_fused_path_say_so(tiny_granite) -> None:
-    """Granite's layer (a residual multiplier) keeps the module path, and the start-up report
+def test_layers_outside_the_fused_path_say_so(tiny_qwen3_5) -> None:
+    """Qwen3.5's attention layers (an output gate) keep the module path, and the start-up report
     says why."""
     for dtype in ("bfloat16", "float32"):
         config = Config(
-            model=ModelConfig(path=str(tiny_granite), dtype=dtype),
+            model=ModelConfig(path=str(tiny_qwen3_5), dtype=dtype),
             cache=CacheConfig(block_size=4, num_gpu_blocks_override=64),
         )
         runner = ModelRunner(config)
         runner.load_model()
         runner.init_kv_cache(64)
-        reason = runner.model.model.layers[0].fused_decode.off_reason()
-        assert reason == "the native layer does not compute a residual multiplier"
+        layer = next(m for m in runner.model.model.layers if m.fused_decode is not None)
+        reason = layer.fused_decode.off_reason()
+        assert reason == "the native layer does not compute an output gate"
         assert f"fused decode layer: off, reason: {reason}" in runner.kernel_report()

@@ -89,7 +89,6 @@ class DecoderSpec:
         """What a layer computes that the fused decode layer does not (None: nothing)."""
         differences = [
             (f"the {self.activation} activation", self.activation not in FUSED_ACTIVATIONS),
-            ("a residual multiplier", self.residual_scale != 1.0),
             ("an output gate", self.attn_output_gate),
         ]  # fmt: skip
         found = [name for name, differs in differences if differs]
@@ -290,7 +289,7 @@ class DecoderLayer(nn.Module):
             attn_out_norm=self._norm("attn_out"), mlp_out_norm=self._norm("mlp_out"),
             q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
             attention=attn.attn, rotary=attn.rotary_emb, unfusable=spec.unfusable(),
-            gelu=FUSED_ACTIVATIONS.get(spec.activation, 0) == 1,
+            gelu=FUSED_ACTIVATIONS.get(spec.activation, 0) == 1, residual_scale=spec.residual_scale,
         )  # fmt: skip
         self.fused_decode = FusedDecodeLayer(fused)
 

@@ -40,6 +40,17 @@ static int all_reduce(const TernDecodeLayer *L, void *x, int T, int64_t seq, int
     return rc == 0 ? 0 : rc == -1 ? -3 : -1;
 }
 
+/* x *= s in place, n values, rounded as a torch product of a bfloat16 tensor and a scalar. */
+static void scale_rows(void *x, float s, int64_t n, int bf16) {
+    if (bf16) {
+        uint16_t *v = x;
+        for (int64_t i = 0; i < n; i++) v[i] = f32_to_bf16(bf16_to_f32(v[i]) * s);
+    } else {
+        float *v = x;
+        for (int64_t i = 0; i < n; i++) v[i] *= s;
+    }
+}
+
 /* out = a + b (b NULL: a copy), n values, rounded as a torch add of bfloat16 tensors. */
 static void add_rows(const void *a, const void *b, void *out, int64_t n, int bf16) {
     if (b == NULL) {
@@ -107,6 +118,7 @@ static int decode_layer(const TernDecodeLayer *L, const TernDecodeStep *S, const
     if (L->attn_out_norm != NULL)
         rms_norm(S->attn_out, NULL, NULL, L->attn_out_norm, S->attn_out, T, L->hidden, L->eps,
                  bf16);
+    if (L->residual_scale != 1.f) scale_rows(S->attn_out, L->residual_scale, n, bf16);
     const void *mlp_in = S->normed;
     if (L->post_norm != NULL) {
         rms_norm(S->attn_out, res_out, res_out, L->post_norm, S->normed, T, L->hidden, L->eps,
@@ -126,6 +138,7 @@ static int decode_layer(const TernDecodeLayer *L, const TernDecodeStep *S, const
     if ((rc = all_reduce(L, out, T, seq + 1, bf16)) != 0) return rc;
     if (L->mlp_out_norm != NULL)
         rms_norm(out, NULL, NULL, L->mlp_out_norm, out, T, L->hidden, L->eps, bf16);
+    if (L->residual_scale != 1.f) scale_rows(out, L->residual_scale, n, bf16);
     return 0;
 }
 

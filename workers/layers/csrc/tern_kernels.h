@@ -44,6 +44,7 @@ typedef struct {
     int rotary_dim;     /* the features of each head rotated (partial rotation), 0: none (NoPE) */
     int rotary_interleaved; /* pairs (GLM) rather than halves */
     int gelu;               /* the MLP's gate: 0 SiLU, 1 GELU with the tanh approximation (Gemma) */
+    float residual_scale;   /* multiplies each branch before its residual add (Granite), else 1 */
     int hidden, num_heads, num_kv_heads, head_dim, intermediate;
     const float *cos_cache, *sin_cache;
     int64_t num_positions;
