@@ -9,7 +9,15 @@ than the context, so they bite), and served in process through the real schedule
 greedy, ignore_eos. Reported per family: c=1 TPOT (the median decode step with one sequence) and
 c=32 output tokens per second (32 prompts at once, wall clock), each as a ratio to Llama's.
 
+With --llama-server (llama.cpp's, as ../shared/tools/build-llama-server builds it), each checkpoint
+is also converted by llama.cpp's own convert_hf_to_gguf.py (float32 GGUF; the source tree the
+server was built from) and served by llama-server -t 2 -np 32 on the same token ids: its c=1
+TPOT (the server's predicted_per_token_ms) and c=32 tok/s beside tern's; a family its converter
+does not take is reported with the converter's reason. The checkpoints then carry the default
+model's tokenizer (the converter reads one), and the vocabulary is the tokenizer's.
+
     python scripts/bench_models.py [--families llama gemma3 ...] [--dtype auto] [--out FILE.json]
+        [--llama-server PATH]
 
 The CPU's name and flags are printed first: every table must say which CPU it ran on.
 """
@@ -18,12 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +82,9 @@ def family_config(arch: str) -> dict:
     return kwargs
 
 
-def make_checkpoint(arch: str, out_dir: Path) -> Path:
+def make_checkpoint(arch: str, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:
+    """The family's random checkpoint; with `tokenizer_dir`, beside that tokenizer (and its
+    vocabulary size)."""
     import transformers
 
     family = tiny._FAMILIES[arch]
@@ -77,10 +92,89 @@ def make_checkpoint(arch: str, out_dir: Path) -> Path:
                     "qwen3_5": transformers.Qwen3_5TextConfig}.get(arch) or getattr(
         transformers, f"{family}Config")  # fmt: skip
     model_class = getattr(transformers, f"{family}ForCausalLM")
+    kwargs = family_config(arch)
+    if tokenizer_dir is not None:
+        kwargs["vocab_size"] = len(transformers.AutoTokenizer.from_pretrained(tokenizer_dir))
     torch.manual_seed(0)
-    model = model_class(config_class(**family_config(arch))).to(torch.float32)
+    model = model_class(config_class(**kwargs)).to(torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer_dir is not None:
+        for f in tokenizer_dir.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+                shutil.copy(f, out_dir / f.name)
     return out_dir
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def bench_llamacpp(
+    model_dir: Path, server: Path, prompts: list[list[int]], output_len: int
+) -> dict:
+    """llama.cpp on the same checkpoint: convert, serve, c=1 TPOT and c=32 tok/s (or the
+    converter's or server's reason it could not)."""
+    src = server.resolve().parents[2]  # src/build/bin/llama-server
+    gguf = model_dir / "model-f32.gguf"
+    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
+    conv = subprocess.run(
+        [sys.executable, str(src / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", "f32",
+         "--outfile", str(gguf)],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    if conv.returncode != 0:
+        lines = [ln for ln in conv.stderr.strip().splitlines() if ln.strip()]
+        return {"llamacpp_error": "converter: " + (lines[-1] if lines else "failed")[:200]}
+    port = _free_port()
+    proc = subprocess.Popen(
+        [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
+         "-tb", "2", "-np", "32", "-c", str(32 * 512)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            if proc.poll() is not None:
+                last = proc.stderr.read().strip().splitlines()[-1:] or ["exited"]
+                return {"llamacpp_error": "llama-server: " + last[0][:200]}
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            return {"llamacpp_error": "llama-server did not become healthy"}
+
+        def complete(prompt: list[int]) -> dict:
+            body = {"prompt": prompt, "n_predict": output_len, "temperature": 0.0,
+                    "ignore_eos": True, "cache_prompt": False}  # fmt: skip
+            return _post(base + "/completion", body)
+
+        complete(prompts[0][:16])  # warm-up
+        tpot = complete(prompts[0])["timings"]["predicted_per_token_ms"]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outs = list(pool.map(complete, prompts))
+        wall = time.perf_counter() - start
+        produced = sum(o["timings"]["predicted_n"] for o in outs)
+        return {"llamacpp_tpot_ms": tpot, "llamacpp_c32_tok_s": produced / wall}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def run(
@@ -106,7 +200,12 @@ def run(
 
 
 def bench(arch: str, work: Path, args: argparse.Namespace) -> dict:
-    model_dir = make_checkpoint(arch, work / arch)
+    tokenizer_dir = None
+    if args.llama_server is not None:
+        from frontend.model_prep import default_model_dir
+
+        tokenizer_dir = Path(default_model_dir())
+    model_dir = make_checkpoint(arch, work / arch, tokenizer_dir)
     config = Config(
         model=ModelConfig(path=str(model_dir), dtype=args.dtype),
         cache=CacheConfig(block_size=16, kv_cache_memory_gib=1.0),
@@ -114,13 +213,18 @@ def bench(arch: str, work: Path, args: argparse.Namespace) -> dict:
     )
     core = EngineCore(config, InProcExecutor(config))
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, SIZE["vocab_size"]) for _ in range(args.input_len)]
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)]
                for _ in range(32)]  # fmt: skip
     run(core, prompts[:1], 8, "warm")
     tpot, _ = run(core, prompts[:1], args.output_len, "c1-")
     _, throughput = run(core, prompts, args.output_len, "c32-")
     report = core.executor.runner.kernel_report()
-    return {"family": arch, "tpot_ms": tpot * 1e3, "c32_tok_s": throughput, "kernels": report}
+    result = {"family": arch, "tpot_ms": tpot * 1e3, "c32_tok_s": throughput, "kernels": report}
+    del core  # its memory, before llama-server loads the same model
+    if args.llama_server is not None:
+        result.update(bench_llamacpp(model_dir, args.llama_server, prompts, args.output_len))
+    return result
 
 
 def cpu_description() -> str:
@@ -135,6 +239,12 @@ def cpu_description() -> str:
     return f"{name}, {torch.get_num_threads()} threads, flags: {' '.join(simd)}"
 
 
+def _llamacpp_cells(r: dict) -> str:
+    if "llamacpp_tpot_ms" in r:
+        return f"{r['llamacpp_tpot_ms']:.2f} | {r['llamacpp_c32_tok_s']:.0f}"
+    return f"{r.get('llamacpp_error', '')} | " if "llamacpp_error" in r else ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+", default=list(tiny._FAMILIES))
@@ -142,6 +252,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--llama-server", type=Path, default=None)
     args = parser.parse_args()
     families = ["llama", *[f for f in args.families if f != "llama"]]
     print(f"CPU: {cpu_description()}", flush=True)
@@ -151,14 +262,19 @@ def main() -> None:
             results.append(bench(arch, Path(tmp), args))
             r = results[-1]
             print(f"{arch:10s} TPOT {r['tpot_ms']:7.2f} ms   c=32 {r['c32_tok_s']:7.1f} tok/s   "
-                  f"{r['kernels'].split(', fused decode layer: ')[-1]}", flush=True)  # fmt: skip
+                  f"{r['kernels'].split(', fused decode layer: ')[-1]}   "
+                  f"{_llamacpp_cells(r)}", flush=True)  # fmt: skip
     base = results[0]
-    print("\n| family | c=1 TPOT ms | vs Llama | c=32 tok/s | vs Llama | fused decode layer |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\n| family | c=1 TPOT ms | vs Llama | c=32 tok/s | vs Llama | fused decode layer |"
+        + (" llama.cpp c=1 TPOT ms | llama.cpp c=32 tok/s |" if args.llama_server else "")
+    )
+    print("|---|---|---|---|---|---|" + ("---|---|" if args.llama_server else ""))
     for r in results:
         fused = r["kernels"].split(", fused decode layer: ")[-1]
         print(f"| {r['family']} | {r['tpot_ms']:.2f} | {r['tpot_ms'] / base['tpot_ms']:.2f}x | "
-              f"{r['c32_tok_s']:.0f} | {r['c32_tok_s'] / base['c32_tok_s']:.2f}x | {fused} |")  # fmt: skip
+              f"{r['c32_tok_s']:.0f} | {r['c32_tok_s'] / base['c32_tok_s']:.2f}x | {fused} |"
+              + (f" {_llamacpp_cells(r)} |" if args.llama_server else ""))  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps({"cpu": cpu_description(), "results": results}, indent=2))
 
