@@ -89,3 +89,19 @@ def test_gated_activations(rows: int, width: int, dtype: torch.dtype, act, torch
     x = torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(rows)) * 4
     x = torch.cat((x, torch.tensor([[-200.0, 200.0] * width]))).to(dtype)  # exp's far ends
     torch.testing.assert_close(act(x), torch_only(lambda: act(x)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_gate_on_strided_rows(dtype: torch.dtype) -> None:
+    """Qwen3.5's output gate, o *= sigmoid(gate), against torch's two ops; the gate read from
+    rows of a wider projection, as the fused layer reads it."""
+    g = torch.Generator().manual_seed(3)
+    o = (torch.randn(5, 48, generator=g) * 3).to(dtype)
+    wide = (torch.randn(5, 80, generator=g) * 6).to(dtype)
+    gate = wide[:, 16:64]
+    expected = o * torch.sigmoid(gate)
+    native.sigmoid_gate_(o, gate)
+    if dtype == torch.bfloat16:  # both round the sigmoid, then the product
+        torch.testing.assert_close(o, expected, atol=1e-2, rtol=1e-2)
+    else:
+        torch.testing.assert_close(o, expected)

@@ -9,7 +9,7 @@ exactly these kernels, so its output is bit for bit the same: the kernels on, ac
 cache on the CPU in bfloat16 (kernels with AVX512-BF16; bfloat16 or int8 weights) or float32 (any
 tier; float32, bfloat16-stored or int8 weights), a layer unsharded or tensor-parallel within one
 host (the two all-reduces then run in the native call, on the shared-memory segment of
-shm_collectives.py), with a SiLU or GELU-tanh gate and no output gate (residual multipliers, norms where the
+shm_collectives.py), with a SiLU or GELU-tanh gate (output gates, residual multipliers, norms where the
 family puts them, q/k norms, rotation whole, partial or none, softcapping: DecodeLayerSpec), norms
 that multiply in float32 (Gemma, OLMo 2) under float32 activations only, and a step whose tokens are all
 single-token decodes, at most `max_rows(dtype)` of them (the rows tern's few-row kernels take:
@@ -60,6 +60,7 @@ class DecodeLayerSpec:
     rotary: RotaryEmbedding | None  # None: no rotation (NoPE layers)
     gelu: bool  # the MLP's gate is GELU (tanh approximation), not SiLU
     residual_scale: float  # multiplies each branch before its residual add (Granite), else 1
+    output_gate: bool  # q_proj gives each head a gate: its output times sigmoid(gate) (Qwen3.5)
     # None when the layer computes nothing beyond the above, else what (another activation, a
     # residual multiplier, ...): such layers are not fused.
     unfusable: str | None
@@ -274,7 +275,7 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
         int(isinstance(spec.q_norm, ShardedRMSNorm)),
         norms[0].eps if norms else 1e-6, a.scale, a.softcap or 0.0,
         rope.rotary_dim if rope is not None else 0, int(rope is not None and rope.interleaved),
-        int(spec.gelu), spec.residual_scale,
+        int(spec.gelu), spec.residual_scale, int(spec.output_gate),
         linears[1].n, a.num_heads, a.num_kv_heads, a.head_dim, linears[3].k,
         rope.cos_cache.data_ptr() if rope is not None else None,
         rope.sin_cache.data_ptr() if rope is not None else None,

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 HEADER = SOURCE_DIR / "tern_kernels.h"
-ABI_VERSION = 8
+ABI_VERSION = 9
 ENV_VAR = "TERN_KERNELS"
 _COMMON_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 
@@ -140,7 +140,7 @@ class TernDecodeLayer(ctypes.Structure):
         ("input_norm", _vp), ("post_norm", _vp), ("attn_out_norm", _vp), ("mlp_out_norm", _vp),
         ("q_norm", _vp), ("k_norm", _vp), ("qk_norm_full", _i32), ("eps", _f32),
         ("attn_scale", _f32), ("attn_softcap", _f32), ("rotary_dim", _i32),
-        ("rotary_interleaved", _i32), ("gelu", _i32), ("residual_scale", _f32),
+        ("rotary_interleaved", _i32), ("gelu", _i32), ("residual_scale", _f32), ("output_gate", _i32),
         ("hidden", _i32), ("num_heads", _i32), ("num_kv_heads", _i32), ("head_dim", _i32),
         ("intermediate", _i32), ("cos_cache", _vp), ("sin_cache", _vp), ("num_positions", _i64),
         ("k_cache", _vp), ("v_cache", _vp), ("num_slots", _i64), ("block_size", _i32),

@@ -437,6 +437,22 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _gated(x, "tern_gelu_tanh_and_mul")
 
 
+def sigmoid_gate_(o: torch.Tensor, gate: torch.Tensor) -> None:
+    """o (T, n) *= sigmoid(gate (T, n)), in place; float32 or bfloat16, rows with contiguous
+    features (any row strides)."""
+    lib = load()
+    assert lib is not None, "the CPU kernels are not available"
+    dtype = _float_dtype(o)
+    for t, name in ((o, "o"), (gate, "gate")):
+        if t.dtype != dtype or not t.is_cpu or t.dim() != 2 or t.stride(1) != 1:
+            raise ValueError(f"{name} must be (T, n) CPU {dtype} rows with contiguous features")
+    if gate.shape != o.shape:
+        raise ValueError(f"sigmoid gate: gate {tuple(gate.shape)} for o {tuple(o.shape)}")
+    _elementwise(lib, "tern_sigmoid_gate", dtype)(
+        _ptr(o), o.stride(0), _ptr(gate), gate.stride(0), o.size(0), o.size(1)
+    )
+
+
 def _gated(x: torch.Tensor, name: str) -> torch.Tensor:
     lib = load()
     assert lib is not None, "the CPU kernels are not available"

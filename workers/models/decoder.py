@@ -13,9 +13,10 @@ q/k/v and gate/up (and splits checkpoints that store them fused: Phi-3, GLM-4). 
 another head on the same DecoderModel: workers/models/pooling.py. Checkpoints released with a vision
 tower (`*ForConditionalGeneration`) load their language model (`language_model_name`).
 
-A layer with Llama's maths (pre-norms of Llama's form, SiLU gate, whole-head neox rotation, a
-sliding window or none, no softcap or multipliers) takes the fused decode path (workers/layers/fused_decode.py); any
-other says why not, and the start-up log shows it.
+Every softmax-attention layer of these families can take the fused decode path
+(workers/layers/fused_decode.py: norms where the spec puts them, q/k norms, rotation whole, partial,
+in pairs or none, softcapping, SiLU or GELU-tanh gates, multipliers, output gates); where its
+dtypes or parallel layout rule it out, it says why, and the start-up log shows it.
 
 Pipeline parallelism: a stage builds only its own decoder layers (the others are parameterless
 `MissingLayer` placeholders, so layer N keeps the name `model.layers.N`), the embedding only on the
@@ -33,6 +34,7 @@ from torch import nn
 
 from workers.distributed import ParallelContext, mlp_shard, shard_heads, stage_layers
 from workers.kv_cache_groups import cache_slots, plan_kv_cache_groups
+from workers.layers import native
 from workers.layers.activation import GATED_ACTIVATIONS
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -89,7 +91,6 @@ class DecoderSpec:
         """What a layer computes that the fused decode layer does not (None: nothing)."""
         differences = [
             (f"the {self.activation} activation", self.activation not in FUSED_ACTIVATIONS),
-            ("an output gate", self.attn_output_gate),
         ]  # fmt: skip
         found = [name for name, differs in differences if differs]
         return ", ".join(found) if found else None
@@ -209,7 +210,10 @@ class DecoderAttention(nn.Module):
             q, k = self.rotary_emb(meta.positions, q, k)
         o = self.attn(q, k, v, meta).flatten(1)  # (T, H D)
         if gate is not None:
-            o = o * torch.sigmoid(gate)
+            if native.usable(o, gate) and o.is_contiguous():  # the fused layer's arithmetic
+                native.sigmoid_gate_(o, gate)
+            else:
+                o = o * torch.sigmoid(gate)
         return self.o_proj(o)
 
 
@@ -290,6 +294,7 @@ class DecoderLayer(nn.Module):
             q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
             attention=attn.attn, rotary=attn.rotary_emb, unfusable=spec.unfusable(),
             gelu=FUSED_ACTIVATIONS.get(spec.activation, 0) == 1, residual_scale=spec.residual_scale,
+            output_gate=spec.attn_output_gate,
         )  # fmt: skip
         self.fused_decode = FusedDecodeLayer(fused)
 

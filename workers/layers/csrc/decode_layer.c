@@ -76,7 +76,8 @@ static int decode_layer(const TernDecodeLayer *L, const TernDecodeStep *S, const
                         const void *residual, void *out, void *res_out, int64_t seq, int bf16) {
     int T = S->num_tokens, H = L->num_heads, Hkv = L->num_kv_heads, D = L->head_dim;
     size_t elem = bf16 ? 2 : 4;
-    int64_t row = (int64_t)(H + 2 * Hkv) * D; /* one token's q, k and v in S->qkv */
+    int qh = L->output_gate ? 2 : 1; /* each query head's rows: its query (then its gate) */
+    int64_t row = (int64_t)(qh * H + 2 * Hkv) * D; /* one token's q (gates), k and v in S->qkv */
     int64_t n = (int64_t)T * L->hidden;
     const void *attn_in = S->normed;
     if (L->input_norm == NULL) { /* attention reads the residual stream itself (OLMo 2) */
@@ -89,30 +90,41 @@ static int decode_layer(const TernDecodeLayer *L, const TernDecodeStep *S, const
         rms_norm(x, residual, res_out, L->input_norm, S->normed, T, L->hidden, L->eps, bf16);
     }
     if (linear(&L->qkv, attn_in, S->qkv, T, bf16) != 0) return -1;
-    char *qkv = (char *)S->qkv, *k = qkv + elem * H * D, *v = k + elem * Hkv * D;
-    if (L->q_norm != NULL) /* in place: per head (H and Hkv rows of D) or per projection */
+    char *qkv = (char *)S->qkv, *k = qkv + elem * qh * H * D, *v = k + elem * Hkv * D;
+    char *q = (char *)S->q; /* the queries gathered contiguous (T, H, D), as attention takes them */
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < H; h++)
+            memcpy(q + elem * ((int64_t)t * H + h) * D, qkv + elem * (t * row + (int64_t)h * qh * D),
+                   elem * (size_t)D);
+    if (L->q_norm != NULL) /* in place: per head (rows of D) or per projection */
         for (int t = 0; t < T; t++) {
-            char *qt = qkv + elem * t * row, *kt = k + elem * t * row;
+            char *qt = q + elem * t * H * D, *kt = k + elem * t * row;
             int rows_q = L->qk_norm_full ? 1 : H, rows_k = L->qk_norm_full ? 1 : Hkv;
             rms_norm(qt, NULL, NULL, L->q_norm, qt, rows_q, H * D / rows_q, L->eps, bf16);
             rms_norm(kt, NULL, NULL, L->k_norm, kt, rows_k, Hkv * D / rows_k, L->eps, bf16);
         }
     int rc = 0;
     if (L->rotary_dim > 0)
-        rc = bf16 ? tern_rotary_neox_bf16((uint16_t *)qkv, row, (uint16_t *)k, row, S->positions,
-                                          L->num_positions, L->cos_cache, L->sin_cache, T, H,
-                                          Hkv, D, L->rotary_dim, L->rotary_interleaved)
-                  : tern_rotary_neox((float *)qkv, row, (float *)k, row, S->positions,
+        rc = bf16 ? tern_rotary_neox_bf16((uint16_t *)q, (int64_t)H * D, (uint16_t *)k, row,
+                                          S->positions, L->num_positions, L->cos_cache,
+                                          L->sin_cache, T, H, Hkv, D, L->rotary_dim,
+                                          L->rotary_interleaved)
+                  : tern_rotary_neox((float *)q, (int64_t)H * D, (float *)k, row, S->positions,
                                      L->num_positions, L->cos_cache, L->sin_cache, T, H, Hkv, D,
                                      L->rotary_dim, L->rotary_interleaved);
     if (rc != 0) return -2;
-    for (int t = 0; t < T; t++) /* the attention kernel takes the queries contiguous */
-        memcpy((char *)S->q + elem * t * H * D, qkv + elem * t * row, elem * (size_t)H * D);
     rc = tern_paged_decode_attention(S->q, L->k_cache, L->v_cache, S->block_tables,
                                      S->table_stride, S->context_lens, S->attn, T, H, Hkv, D,
                                      L->block_size, L->attn_scale, bf16, bf16, k, row, v, row,
                                      S->slots, L->num_slots, L->window, L->attn_softcap);
     if (rc != 0) return rc == -2 ? -2 : -1;
+    if (L->output_gate) /* each head's output times the sigmoid of its gate */
+        for (int h = 0; h < H; h++)
+            bf16 ? tern_sigmoid_gate_bf16((uint16_t *)S->attn + h * D, (int64_t)H * D,
+                                          (const uint16_t *)qkv + (int64_t)h * 2 * D + D, row, T,
+                                          D)
+                 : tern_sigmoid_gate((float *)S->attn + h * D, (int64_t)H * D,
+                                     (const float *)qkv + (int64_t)h * 2 * D + D, row, T, D);
     if (linear(&L->o, S->attn, S->attn_out, T, bf16) != 0) return -1;
     if ((rc = all_reduce(L, S->attn_out, T, seq, bf16)) != 0) return rc;
     if (L->attn_out_norm != NULL)

@@ -115,6 +115,26 @@ void tern_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I) {
         }
     }
 }
+/* o (T, n) *= sigmoid(gate), the rows of o and gate o_stride and gate_stride apart (Qwen3.5's
+ * attention output gate); in bfloat16 the sigmoid is rounded before the product, as torch's two
+ * ops round. */
+void tern_sigmoid_gate(float *o, int64_t o_stride, const float *gate, int64_t gate_stride, int T,
+                       int n) {
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < n; i++)
+            o[t * o_stride + i] *= 1.f / (1.f + expf(-gate[t * gate_stride + i]));
+}
+
+void tern_sigmoid_gate_bf16(uint16_t *o, int64_t o_stride, const uint16_t *gate,
+                            int64_t gate_stride, int T, int n) {
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < n; i++) {
+            float s = round_bf16(1.f / (1.f + expf(-bf16_to_f32(gate[t * gate_stride + i]))));
+            uint16_t *v = o + t * o_stride + i;
+            *v = f32_to_bf16(bf16_to_f32(*v) * s);
+        }
+}
+
 /* x (T, 2I) = [gate | up] -> out (T, I) = gelu(gate) * up with gelu's tanh approximation (Gemma's
  * gelu_pytorch_tanh): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as torch's formula; in
  * bfloat16 the gelu is rounded before the product, as torch's two ops round. */

@@ -45,6 +45,7 @@ typedef struct {
     int rotary_interleaved; /* pairs (GLM) rather than halves */
     int gelu;               /* the MLP's gate: 0 SiLU, 1 GELU with the tanh approximation (Gemma) */
     float residual_scale;   /* multiplies each branch before its residual add (Granite), else 1 */
+    int output_gate; /* q_proj gives each head its query then a gate: o *= sigmoid(gate) (Qwen3.5) */
     int hidden, num_heads, num_kv_heads, head_dim, intermediate;
     const float *cos_cache, *sin_cache;
     int64_t num_positions;
@@ -126,6 +127,8 @@ int tern_rotary_neox_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_
 void tern_silu_and_mul(const float *x, float *out, int T, int I);
 void tern_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I);
 void tern_gelu_tanh_and_mul(const float *x, float *out, int T, int I);
+void tern_sigmoid_gate(float *o, int64_t o_stride, const float *gate, int64_t gate_stride, int T, int n);
+void tern_sigmoid_gate_bf16(uint16_t *o, int64_t o_stride, const uint16_t *gate, int64_t gate_stride, int T, int n);
 void tern_gelu_tanh_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I);
 void tern_apply_token_bitmask(float *logits, int64_t row_stride, const int32_t *bitmask, int64_t words_per_row, const int64_t *rows, int n_rows, int vocab);
 
