@@ -63,7 +63,7 @@ def test_a_slot_outside_the_pool_is_refused() -> None:
     mixed = torch.randn(1, sum(layer.local_sizes))
     with pytest.raises(ValueError, match="outside the pools"):
         native.gated_delta_decode(
-            mixed, torch.randn(1, 96), torch.rand(1, 4), torch.randn(1, 4), layer.conv1d.weight,
-            layer.conv_states, layer.recurrent_states, torch.tensor([SLOTS]), [False],
-            layer.norm.weight, 1e-6, (2, 4, 16, 24),
+            mixed, torch.randn(1, 96), torch.randn(1, 4), torch.randn(1, 4), layer.A_log,
+            layer.dt_bias, layer.conv1d.weight, layer.conv_states, layer.recurrent_states,
+            torch.tensor([SLOTS]), [False], layer.norm.weight, 1e-6, (2, 4, 16, 24),
         )  # fmt: skip

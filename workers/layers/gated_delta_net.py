@@ -118,18 +118,19 @@ class GatedDeltaNet(nn.Module):
             raise RuntimeError("the recurrent states are not allocated: call init_kv_cache first")
         mixed = self.in_proj_qkv(x)  # (T, conv_dim)
         z = self.in_proj_z(x)
-        beta = self.in_proj_b(x).sigmoid()  # (T, Hv)
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        b, a = self.in_proj_b(x), self.in_proj_a(x)  # (T, Hv)
         slots, starts, lens = meta.state_slots, meta.start_pos_list, meta.query_len_list
         decodes = [i for i, n in enumerate(lens) if n == 1]
         fresh = [starts[i] == 0 for i in decodes]
         if len(decodes) == x.size(0) and self._uses_kernel(mixed):  # a decode-only step
             heads = (self.k_heads, self.v_heads, self.head_k_dim, self.head_v_dim)
             o = native.gated_delta_decode(
-                mixed, z, beta, g, self.conv1d.weight, self.conv_states, self.recurrent_states,
-                slots, fresh, self.norm.weight, self.eps, heads,
+                mixed, z, b, a, self.A_log, self.dt_bias, self.conv1d.weight, self.conv_states,
+                self.recurrent_states, slots, fresh, self.norm.weight, self.eps, heads,
             )  # fmt: skip
             return self.out_proj(o)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = torch.empty(x.size(0), self.v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
         if len(decodes) == x.size(0):  # every row, in order
             self._decode(mixed, beta, g, slots, fresh, out, slice(None))
@@ -154,7 +155,7 @@ class GatedDeltaNet(nn.Module):
             mixed.is_cpu
             and native.load() is not None
             and self.conv1d.weight.dtype == self.conv_states.dtype == mixed.dtype
-            and self.norm.weight.dtype == mixed.dtype
+            and self.norm.weight.dtype == self.A_log.dtype == self.dt_bias.dtype == mixed.dtype
         )
 
     def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -323,8 +323,10 @@ def rms_norm(
 def gated_delta_decode(
     mixed: torch.Tensor,
     z: torch.Tensor,
-    beta: torch.Tensor,
-    g: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
     conv_weight: torch.Tensor,
     conv_states: torch.Tensor,
     recurrent: torch.Tensor,
@@ -337,30 +339,31 @@ def gated_delta_decode(
     """A Gated DeltaNet decode step of G sequences (see csrc/gated_delta_net.c), updating their
     conv and recurrent states in place -> the gated norm's output (G, Hv * dv) for out_proj.
 
-    mixed (G, C), z (G, Hv * dv), beta (G, Hv): rows of the input projections (any row stride),
-    float32 or bfloat16, as conv_weight (C, 1, K), conv_states (slots, C, K - 1) and norm_weight
-    (dv,); g (G, Hv), recurrent (slots, Hv, dk, dv) float32; slots (G,) int64. heads: (Hk, Hv,
-    dk, dv) on this rank."""
+    mixed (G, C), z (G, Hv * dv), b and a (G, Hv): rows of the input projections (any row
+    stride), float32 or bfloat16, as a_log and dt_bias (Hv,), conv_weight (C, 1, K), conv_states
+    (slots, C, K - 1) and norm_weight (dv,); recurrent (slots, Hv, dk, dv) float32; slots (G,)
+    int64. heads: (Hk, Hv, dk, dv) on this rank."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
     dtype = _float_dtype(mixed)
     hk, hv, dk, dv = heads
     num, c = mixed.shape
-    for t, name in ((mixed, "mixed"), (z, "z"), (beta, "beta")):
+    for t, name in ((mixed, "mixed"), (z, "z"), (b, "b"), (a, "a")):
         if t.dtype != dtype or not t.is_cpu or t.dim() != 2 or t.stride(1) != 1 or t.size(0) != num:
             raise ValueError(f"{name} must be (G, n) CPU {dtype} rows with contiguous features")
-    _check(conv_weight, dtype, "conv_weight")
-    _check(conv_states, dtype, "conv_states")
-    _check(norm_weight, dtype, "norm_weight")
-    _check(g, torch.float32, "g")
+    for t, name in ((conv_weight, "conv_weight"), (conv_states, "conv_states"),
+                    (norm_weight, "norm_weight"), (a_log, "A_log"), (dt_bias, "dt_bias")):  # fmt: skip
+        _check(t, dtype, name)
     _check(recurrent, torch.float32, "recurrent")
     _check(slots, torch.int64, "slots")
     kernel = conv_weight.size(-1)
     if (
         c != 2 * hk * dk + hv * dv
         or z.size(1) != hv * dv
-        or beta.size(1) != hv
-        or g.shape != (num, hv)
+        or b.size(1) != hv
+        or a.size(1) != hv
+        or a_log.numel() != hv
+        or dt_bias.numel() != hv
         or conv_weight.shape != (c, 1, kernel)
         or conv_states.shape[1:] != (c, kernel - 1)
         or recurrent.shape[1:] != (hv, dk, dv)
@@ -374,10 +377,10 @@ def gated_delta_decode(
     scratch = torch.empty(num, c, dtype=torch.float32)
     out = torch.empty(num, hv * dv, dtype=dtype)
     rc = lib.tern_gated_delta_decode(
-        _ptr(mixed), mixed.stride(0), _ptr(z), z.stride(0), _ptr(beta), beta.stride(0), _ptr(g),
-        _ptr(conv_weight), _ptr(conv_states), _ptr(recurrent), _ptr(slots), _ptr(starts),
-        recurrent.size(0), _ptr(norm_weight), eps, _ptr(scratch), _ptr(out), num, hk, hv, dk, dv,
-        kernel, int(dtype == torch.bfloat16),
+        _ptr(mixed), mixed.stride(0), _ptr(z), z.stride(0), _ptr(b), b.stride(0), _ptr(a),
+        a.stride(0), _ptr(a_log), _ptr(dt_bias), _ptr(conv_weight), _ptr(conv_states),
+        _ptr(recurrent), _ptr(slots), _ptr(starts), recurrent.size(0), _ptr(norm_weight), eps,
+        _ptr(scratch), _ptr(out), num, hk, hv, dk, dv, kernel, int(dtype == torch.bfloat16),
     )  # fmt: skip
     if rc == -2:
         raise ValueError("gated delta decode: a state slot is outside the pools")

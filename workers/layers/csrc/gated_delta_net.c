@@ -26,14 +26,16 @@ static inline float rnd(float x, int bf16) { return bf16 ? round_bf16(x) : x; }
 static inline float silu(float x) { return x / (1.f + expf(-x)); }
 
 /* mixed (G, C) rows mixed_stride apart, C = 2 Hk dk + Hv dv channels [q | k | v]; z (G, Hv dv)
- * rows z_stride apart; beta (G, Hv) rows beta_stride apart; g (G, Hv) float32 contiguous; all
- * other non-float32 tensors in the activations' dtype (is_bf16). conv_weight (C, K); conv_states
+ * rows z_stride apart; b and a (G, Hv), in_proj_b's and in_proj_a's outputs, rows b_stride and
+ * a_stride apart, give beta = sigmoid(b) and the decay g = -exp(A_log) softplus(a + dt_bias)
+ * (A_log, dt_bias (Hv,)); all non-float32 tensors in the activations' dtype (is_bf16). conv_weight (C, K); conv_states
  * (num_slots, C, K - 1) and recurrent (num_slots, Hv, dk, dv) float32 are read and updated at
  * slots[b]; fresh[b] != 0 starts sequence b's states from zeros. conv_scratch: G * C floats.
  * out (G, Hv dv). Returns 0, or -2 (having changed nothing) when a slot is outside the pools. */
 int tern_gated_delta_decode(const void *mixed, int64_t mixed_stride, const void *z,
-                            int64_t z_stride, const void *beta, int64_t beta_stride,
-                            const float *g, const void *conv_weight, void *conv_states,
+                            int64_t z_stride, const void *b_proj, int64_t b_stride,
+                            const void *a_proj, int64_t a_stride, const void *A_log,
+                            const void *dt_bias, const void *conv_weight, void *conv_states,
                             float *recurrent, const int64_t *slots, const uint8_t *fresh,
                             int64_t num_slots, const void *norm_weight, float eps,
                             float *conv_scratch, void *out, int G, int Hk, int Hv, int dk, int dv,
@@ -84,8 +86,11 @@ int tern_gated_delta_decode(const void *mixed, int64_t mixed_stride, const void 
         const float *v = x + 2 * Hk * dk + h * dv;
         float *state = recurrent + ((slots[b] * Hv) + h) * (int64_t)dk * dv;
         if (fresh[b]) memset(state, 0, sizeof(float) * dk * dv);
-        float decay = expf(g[b * Hv + h]);
-        float beta_h = load_act(beta, b * beta_stride + h, is_bf16);
+        /* as the torch path: sigmoid in the activations' dtype, the decay in float32 */
+        float beta_h = rnd(1.f / (1.f + expf(-load_act(b_proj, b * b_stride + h, is_bf16))), is_bf16);
+        float a = load_act(a_proj, b * a_stride + h, is_bf16) + load_act(dt_bias, h, is_bf16);
+        float softplus = a > 20.f ? a : log1pf(expf(a));
+        float decay = expf(-expf(load_act(A_log, h, is_bf16)) * softplus);
         for (int j = 0; j < dv; j++) delta[j] = 0.f;
         for (int i = 0; i < dk; i++) {
             float *row = state + (int64_t)i * dv;

@@ -139,7 +139,7 @@ int tern_shm_all_gather(char *seg, int rank, int world, int64_t seq, int64_t slo
 
 /* gated_delta_net.c: a Gated DeltaNet layer's decode step from its input projection to its gated
  * norm; see the definition. */
-int tern_gated_delta_decode(const void *mixed, int64_t mixed_stride, const void *z, int64_t z_stride, const void *beta, int64_t beta_stride, const float *g, const void *conv_weight, void *conv_states, float *recurrent, const int64_t *slots, const uint8_t *fresh, int64_t num_slots, const void *norm_weight, float eps, float *conv_scratch, void *out, int G, int Hk, int Hv, int dk, int dv, int K, int is_bf16);
+int tern_gated_delta_decode(const void *mixed, int64_t mixed_stride, const void *z, int64_t z_stride, const void *b_proj, int64_t b_stride, const void *a_proj, int64_t a_stride, const void *A_log, const void *dt_bias, const void *conv_weight, void *conv_states, float *recurrent, const int64_t *slots, const uint8_t *fresh, int64_t num_slots, const void *norm_weight, float eps, float *conv_scratch, void *out, int G, int Hk, int Hv, int dk, int dv, int K, int is_bf16);
 
 /* decode_layer.c: one Llama-style decoder layer of a decode step, bfloat16 or float32. */
 int tern_decode_layer_bf16(const TernDecodeLayer *L, const TernDecodeStep *S, const uint16_t *x, const uint16_t *residual, uint16_t *out, uint16_t *res_out, int64_t seq);
