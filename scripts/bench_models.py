@@ -14,7 +14,8 @@ is also converted by llama.cpp's own convert_hf_to_gguf.py (float32 GGUF; the so
 server was built from) and served by llama-server -t 2 -np 32 on the same token ids: its c=1
 TPOT (the server's predicted_per_token_ms) and c=32 tok/s beside tern's; a family its converter
 does not take is reported with the converter's reason. The checkpoints then carry the default
-model's tokenizer (the converter reads one), and the vocabulary is the tokenizer's.
+model's tokenizer (the converter reads one), and the vocabulary is the tokenizer's. The converter
+needs `sentencepiece` in this Python (pip install sentencepiece; not one of tern's dependencies).
 
     python scripts/bench_models.py [--families llama gemma3 ...] [--dtype auto] [--out FILE.json]
         [--llama-server PATH]
