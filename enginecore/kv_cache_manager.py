@@ -136,11 +136,6 @@ class KVCacheManager:
         for table in tables:
             self.pool.release([b for b in reversed(table) if b is not None])
 
-    def blocks_in_use(self, request_id: str) -> int:
-        """Blocks the request holds, over all groups."""
-        tables = self._req_blocks.get(request_id, [])
-        return sum(b is not None for table in tables for b in table)
-
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 

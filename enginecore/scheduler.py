@@ -199,9 +199,8 @@ class Scheduler:
             other_group_block_ids=new_block_ids[1:],
             sample_index=request.num_output_tokens if end == request.num_tokens else -1,
             sampling_params=request.sampling_params if is_new else None,
+            state_slot=request.state_slot if is_new else -1,
         )
-        if is_new:
-            scheduled.state_slot = request.state_slot
         if is_new and request.sampling_params.needs_history:
             scheduled.history_token_ids = list(request.all_token_ids)
             scheduled.num_prompt_tokens = request.num_prompt_tokens

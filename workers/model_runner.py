@@ -351,10 +351,10 @@ class ModelRunner:
 
     def _update_states(self, step: SchedulerOutput) -> None:
         for req_id in step.finished_req_ids:
-            self._forget(req_id)
+            self.requests.pop(req_id, None)
         for r in step.requests:
             if r.sampling_params is not None:  # first schedule, or resumed after preemption
-                self._forget(r.req_id)
+                self.requests.pop(r.req_id, None)
                 self.requests[r.req_id] = _RequestState(
                     [list(r.new_block_ids), *map(list, r.other_group_block_ids)],
                     r.sampling_params,
@@ -374,9 +374,6 @@ class ModelRunner:
             history = self.requests[r.req_id].history
             if history is not None:
                 history.extend(r.start_pos, r.token_ids)
-
-    def _forget(self, req_id: str) -> None:
-        self.requests.pop(req_id, None)
 
     def _state_slot(self, r: ScheduledRequest) -> int:
         if not self.linear_layers:

@@ -65,5 +65,5 @@ def test_a_slot_outside_the_pool_is_refused() -> None:
         native.gated_delta_decode(
             mixed, torch.randn(1, 96), torch.randn(1, 4), torch.randn(1, 4), layer.A_log,
             layer.dt_bias, layer.conv1d.weight, layer.conv_states, layer.recurrent_states,
-            torch.tensor([SLOTS]), [False], layer.norm.weight, 1e-6, (2, 4, 16, 24),
+            torch.tensor([SLOTS]), torch.zeros(1, dtype=torch.uint8), layer.norm.weight, 1e-6, (2, 4, 16, 24),
         )  # fmt: skip

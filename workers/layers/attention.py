@@ -133,6 +133,12 @@ class AttentionMetadata:
         """Each sequence's first token in the flat batch; derived once, on first use (hybrids)."""
         return self.query_start_loc[:-1].tolist()
 
+    @cached_property
+    def fresh_seqs(self) -> torch.Tensor:
+        """(B,) uint8, 1 for the sequences computed from their first token (whose linear-attention
+        states start from zeros); derived once, on first use (hybrids)."""
+        return torch.tensor([s == 0 for s in self.start_pos_list], dtype=torch.uint8)
+
 
 def build_attention_metadata(
     start_pos: list[int],

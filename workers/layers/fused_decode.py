@@ -61,9 +61,6 @@ class DecodeLayerSpec:
     gelu: bool  # the MLP's gate is GELU (tanh approximation), not SiLU
     residual_scale: float  # multiplies each branch before its residual add (Granite), else 1
     output_gate: bool  # q_proj gives each head a gate: its output times sigmoid(gate) (Qwen3.5)
-    # None when the layer computes nothing beyond the above, else what (another activation, a
-    # residual multiplier, ...): such layers are not fused.
-    unfusable: str | None
 
 
 def max_rows(dtype: torch.dtype) -> int:
@@ -159,9 +156,6 @@ class FusedDecodeLayer:
 
     def _fixed_struct(self) -> TernDecodeLayer | None:
         spec = self.spec
-        if spec.unfusable is not None:
-            self._off_reason = f"the native layer does not compute {spec.unfusable}"
-            return None
         linears = (spec.qkv, spec.o, spec.gate_up, spec.down)
         tensors = [lin.weight for lin in linears] + [_norm_weight(n) for n in _norms(spec)] + [
             spec.attention.kv_cache,

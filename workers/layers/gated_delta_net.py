@@ -120,19 +120,20 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x)
         b, a = self.in_proj_b(x), self.in_proj_a(x)  # (T, Hv)
         slots, starts, lens = meta.state_slots, meta.start_pos_list, meta.query_len_list
-        decodes = [i for i, n in enumerate(lens) if n == 1]
-        fresh = [starts[i] == 0 for i in decodes]
-        if len(decodes) == x.size(0) and self._uses_kernel(mixed):  # a decode-only step
+        decode_only = meta.decode is not None and meta.decode.is_whole_batch
+        if decode_only and self._uses_kernel(mixed):
             heads = (self.k_heads, self.v_heads, self.head_k_dim, self.head_v_dim)
             o = native.gated_delta_decode(
                 mixed, z, b, a, self.A_log, self.dt_bias, self.conv1d.weight, self.conv_states,
-                self.recurrent_states, slots, fresh, self.norm.weight, self.eps, heads,
+                self.recurrent_states, slots, meta.fresh_seqs, self.norm.weight, self.eps, heads,
             )  # fmt: skip
             return self.out_proj(o)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = torch.empty(x.size(0), self.v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
-        if len(decodes) == x.size(0):  # every row, in order
+        decodes = [i for i, n in enumerate(lens) if n == 1]
+        fresh = [starts[i] == 0 for i in decodes]
+        if decode_only:  # every row, in order
             self._decode(mixed, beta, g, slots, fresh, out, slice(None))
         elif decodes:
             first = meta.query_start_list

@@ -331,7 +331,7 @@ def gated_delta_decode(
     conv_states: torch.Tensor,
     recurrent: torch.Tensor,
     slots: torch.Tensor,
-    fresh: list[bool],
+    fresh: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float,
     heads: tuple[int, int, int, int],
@@ -342,7 +342,8 @@ def gated_delta_decode(
     mixed (G, C), z (G, Hv * dv), b and a (G, Hv): rows of the input projections (any row
     stride), float32 or bfloat16, as a_log and dt_bias (Hv,), conv_weight (C, 1, K), conv_states
     (slots, C, K - 1) and norm_weight (dv,); recurrent (slots, Hv, dk, dv) float32; slots (G,)
-    int64. heads: (Hk, Hv, dk, dv) on this rank."""
+    int64; fresh (G,) uint8, 1 where a sequence's states start from zeros. heads: (Hk, Hv, dk,
+    dv) on this rank."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
     dtype = _float_dtype(mixed)
@@ -356,6 +357,7 @@ def gated_delta_decode(
         _check(t, dtype, name)
     _check(recurrent, torch.float32, "recurrent")
     _check(slots, torch.int64, "slots")
+    _check(fresh, torch.uint8, "fresh")
     kernel = conv_weight.size(-1)
     if (
         c != 2 * hk * dk + hv * dv
@@ -369,17 +371,16 @@ def gated_delta_decode(
         or recurrent.shape[1:] != (hv, dk, dv)
         or recurrent.size(0) != conv_states.size(0)
         or slots.numel() != num
-        or len(fresh) != num
+        or fresh.numel() != num
         or norm_weight.numel() != dv
     ):
         raise ValueError("gated delta decode: the shapes do not agree")
-    starts = torch.tensor(fresh, dtype=torch.uint8)
     scratch = torch.empty(num, c, dtype=torch.float32)
     out = torch.empty(num, hv * dv, dtype=dtype)
     rc = lib.tern_gated_delta_decode(
         _ptr(mixed), mixed.stride(0), _ptr(z), z.stride(0), _ptr(b), b.stride(0), _ptr(a),
         a.stride(0), _ptr(a_log), _ptr(dt_bias), _ptr(conv_weight), _ptr(conv_states),
-        _ptr(recurrent), _ptr(slots), _ptr(starts), recurrent.size(0), _ptr(norm_weight), eps,
+        _ptr(recurrent), _ptr(slots), _ptr(fresh), recurrent.size(0), _ptr(norm_weight), eps,
         _ptr(scratch), _ptr(out), num, hk, hv, dk, dv, kernel, int(dtype == torch.bfloat16),
     )  # fmt: skip
     if rc == -2:

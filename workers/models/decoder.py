@@ -35,7 +35,7 @@ from torch import nn
 from workers.distributed import ParallelContext, mlp_shard, shard_heads, stage_layers
 from workers.kv_cache_groups import cache_slots, plan_kv_cache_groups
 from workers.layers import native
-from workers.layers.activation import GATED_ACTIVATIONS
+from workers.layers.activation import GATED_ACTIVATIONS, GeluTanhAndMul
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.fused_decode import DecodeLayerSpec, FusedDecodeLayer
@@ -44,9 +44,6 @@ from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear,
 from workers.layers.norm import RMSNorm, ShardedRMSNorm
 from workers.layers.rotary import RopeParams, RotaryEmbedding
 from workers.models.registry import ModelArgs
-
-# config.json's activations the fused decode layer computes, and its flag for each (TernDecodeLayer.gelu).
-FUSED_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
 
 # The norm slots of a layer, in the order the residual stream meets them.
 NORM_SLOTS = ("input", "attn_out", "pre_mlp", "mlp_out")
@@ -86,14 +83,6 @@ class DecoderSpec:
     attn_output_gate: bool = False  # q_proj also gives a per-head gate: o * sigmoid(gate) (Qwen3.5)
     # Gated DeltaNet's sizes (linear_attention layers): heads, head dims, conv kernel.
     linear_attention: dict[str, int] = field(default_factory=dict)
-
-    def unfusable(self) -> str | None:
-        """What a layer computes that the fused decode layer does not (None: nothing)."""
-        differences = [
-            (f"the {self.activation} activation", self.activation not in FUSED_ACTIVATIONS),
-        ]  # fmt: skip
-        found = [name for name, differs in differences if differs]
-        return ", ".join(found) if found else None
 
 
 def layer_kinds(args: ModelArgs, default_types: list[str] | None = None) -> tuple[LayerKind, ...]:
@@ -292,8 +281,8 @@ class DecoderLayer(nn.Module):
             input_norm=self._norm("input"), post_norm=self._norm("pre_mlp"),
             attn_out_norm=self._norm("attn_out"), mlp_out_norm=self._norm("mlp_out"),
             q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
-            attention=attn.attn, rotary=attn.rotary_emb, unfusable=spec.unfusable(),
-            gelu=FUSED_ACTIVATIONS.get(spec.activation, 0) == 1, residual_scale=spec.residual_scale,
+            attention=attn.attn, rotary=attn.rotary_emb,
+            gelu=isinstance(mlp.act_fn, GeluTanhAndMul), residual_scale=spec.residual_scale,
             output_gate=spec.attn_output_gate,
         )  # fmt: skip
         self.fused_decode = FusedDecodeLayer(fused)
