@@ -74,10 +74,18 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Overrides the count derived from kv_cache_memory_gib (tests use it to force preemption).
     num_gpu_blocks_override: int | None = None
+    # Hybrid models: tokens between linear-attention state checkpoints (None: the workers choose).
+    state_checkpoint_interval: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("--block-size must be a power of two")
+        interval = self.state_checkpoint_interval
+        if interval is not None and (interval < 1 or interval % self.block_size):
+            raise ValueError(
+                f"--state-checkpoint-interval must be a positive multiple of --block-size "
+                f"({self.block_size}), not {interval}"
+            )
         if self.kv_cache_memory_gib <= 0:
             raise ValueError("--kv-cache-memory must be positive")
 

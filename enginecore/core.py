@@ -40,25 +40,33 @@ class EngineCore:
         self.config = config
         self.executor = executor
         self.model_task: ModelTask = read_model_task(config.model.path, config.model.task)
-        if self.model_task.has_linear_attention and config.cache.enable_prefix_caching:
-            # A hit would skip prompt tokens whose linear-attention state is not kept anywhere.
-            logger.warning(
-                "prefix caching is off: %s has linear-attention layers, whose per-sequence state "
-                "a cached prefix does not restore", self.model_task.architecture,
-            )  # fmt: skip
-            config = dataclasses.replace(
-                config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False)
-            )
-            self.config = config
+        hybrid = self.model_task.has_linear_attention
+        if hybrid and config.cache.enable_prefix_caching:
+            if executor.num_state_checkpoints:
+                logger.info(
+                    "prefix caching on %s: %d linear-attention state checkpoints, taken every "
+                    "%d tokens and at each prompt's last block", self.model_task.architecture,
+                    executor.num_state_checkpoints, executor.state_checkpoint_interval,
+                )  # fmt: skip
+            else:
+                # A hit would skip tokens whose linear-attention state is kept nowhere.
+                logger.warning(
+                    "prefix caching is off: --kv-cache-memory leaves no room for a checkpoint "
+                    "of %s's linear-attention states", self.model_task.architecture,
+                )  # fmt: skip
+                config = dataclasses.replace(
+                    config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False)
+                )
+                self.config = config
         self.max_model_len = executor.max_model_len
         self.scheduler = Scheduler(
             config,
             executor.num_kv_blocks,
             self.max_model_len,
             executor.kv_cache_windows,
-            num_state_slots=config.scheduler.max_num_seqs
-            if self.model_task.has_linear_attention
-            else 0,
+            num_state_slots=config.scheduler.max_num_seqs if hybrid else 0,
+            num_state_checkpoints=executor.num_state_checkpoints,
+            state_checkpoint_interval=executor.state_checkpoint_interval,
         )
         self._rng = random.Random()
         self.grammars = GrammarCompiler(

@@ -86,6 +86,10 @@ class Executor(Protocol):
     num_kv_blocks: int
     max_model_len: int
     kv_cache_windows: list[int | None]  # per KV-cache group (workers/kv_cache_groups.py)
+    # Hybrid models with prefix caching: linear-attention state checkpoints, and every how many
+    # tokens they are taken (enginecore/state_checkpoints.py); 0 when there are none.
+    num_state_checkpoints: int
+    state_checkpoint_interval: int
     vocab_size: int
     model_summary: str
 
@@ -110,7 +114,10 @@ class InProcExecutor:
         self.runner.load_model()
         self.control = WorkerControl(self.runner, rank=0)
         self.num_kv_blocks = self.runner.num_kv_blocks_for_memory()
-        self.runner.init_kv_cache(self.num_kv_blocks)
+        self.num_state_checkpoints, self.state_checkpoint_interval = (
+            self.runner.plan_state_checkpoints()
+        )
+        self.runner.init_kv_cache(self.num_kv_blocks, self.num_state_checkpoints)
         self.kv_cache_windows = [g.window for g in self.runner.kv_cache_groups]
         self.max_model_len = servable_len(
             self.runner.max_model_len, self.num_kv_blocks, config.cache.block_size,
@@ -204,7 +211,13 @@ class MultiprocExecutor:
             self.num_kv_blocks = min(r.num_kv_blocks for r in readies)
             if self.num_kv_blocks < 1:
                 raise RuntimeError("--kv-cache-memory is too small for one KV-cache block")
-            self._broadcast(InitKVCache(self.num_kv_blocks))
+            # Pipeline stages without linear-attention layers keep no checkpoints.
+            planned = [r for r in readies if r.state_checkpoint_interval]
+            self.num_state_checkpoints = min((r.num_state_checkpoints for r in planned), default=0)
+            self.state_checkpoint_interval = max(
+                (r.state_checkpoint_interval for r in planned), default=0
+            )
+            self._broadcast(InitKVCache(self.num_kv_blocks, self.num_state_checkpoints))
             self._gather(WorkerResult, config.startup_timeout_s)
         except BaseException:
             self._failed = True

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from enginecore.block_pool import BlockPool, KVBlock
 from enginecore.request import Request
+from enginecore.state_checkpoints import StateCheckpoints
 
 
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
@@ -29,7 +30,10 @@ class KVCacheManager:
     (workers/kv_cache_groups.py): a group of sliding-window layers gives its blocks back to the
     pool once no query can see them any more, so its share of a long request stays bounded by
     the window. Positions whose block went back read as None here and block 0 on the workers:
-    window masks keep every query off them."""
+    window masks keep every query off them.
+
+    On a hybrid model (`checkpoints`), a cached prefix must also end where its linear-attention
+    states were checkpointed."""
 
     def __init__(
         self,
@@ -37,9 +41,11 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool,
         group_windows: Sequence[int | None] = (None,),
+        checkpoints: StateCheckpoints | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.checkpoints = checkpoints
         self.group_windows = list(group_windows)
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._req_blocks: dict[str, list[list[KVBlock | None]]] = {}
@@ -77,11 +83,15 @@ class KVCacheManager:
                     (i for i, h in enumerate(hashes[:n]) if self.pool.lookup(_key(g, h)) is None),
                     n,
                 )
-        while n > 0 and not all(
-            self.pool.lookup(_key(g, h)) is not None
-            for g, window in enumerate(self.group_windows)
-            if window is not None
-            for h in hashes[self._first_visible_block(n * self.block_size, window) : n]
+        checkpoints = self.checkpoints
+        while n > 0 and not (
+            all(
+                self.pool.lookup(_key(g, h)) is not None
+                for g, window in enumerate(self.group_windows)
+                if window is not None
+                for h in hashes[self._first_visible_block(n * self.block_size, window) : n]
+            )
+            and (checkpoints is None or checkpoints.is_ready(hashes[n - 1]))
         ):
             n -= 1
         hits = []
@@ -89,6 +99,36 @@ class KVCacheManager:
             first = 0 if window is None else self._first_visible_block(n * self.block_size, window)
             hits.append([None] * first + [self.pool.lookup(_key(g, h)) for h in hashes[first:n]])
         return hits, n * self.block_size
+
+    def restore_checkpoint(self, request: Request, num_cached_tokens: int) -> int:
+        """The state checkpoint a request whose first num_cached_tokens come from the prefix
+        cache starts from (-1: none needed)."""
+        if self.checkpoints is None or num_cached_tokens == 0:
+            return -1
+        slot = self.checkpoints.lookup(
+            request.block_hashes[num_cached_tokens // self.block_size - 1]
+        )
+        assert slot is not None, "find_cached_prefix ends hits at checkpoints"
+        return slot
+
+    def checkpoints_to_save(self, request: Request, start: int, end: int) -> list[list[int]]:
+        """[tokens after `start`, checkpoint] where the chunk [start, end) of a request crosses a
+        boundary whose states are to be kept and are not yet."""
+        if self.checkpoints is None:
+            return []
+        bs, interval = self.block_size, self.checkpoints.interval
+        last_prompt_block = (request.num_prompt_tokens - 1) // bs * bs
+        saves = []
+        for pos in range((start // bs + 1) * bs, end + 1, bs):
+            if pos % interval and pos != last_prompt_block:
+                continue
+            prefix_hash = request.block_hashes[pos // bs - 1]
+            if self.checkpoints.is_ready(prefix_hash) or self.checkpoints.is_pending(prefix_hash):
+                continue
+            slot = self.checkpoints.reserve(prefix_hash)
+            if slot is not None:
+                saves.append([pos - start, slot])
+        return saves
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Counts a lookup once its request is actually scheduled (a blocked request looks up again)."""
@@ -137,12 +177,18 @@ class KVCacheManager:
             self.pool.release([b for b in reversed(table) if b is not None])
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
+        return True
 
     def invalidate_prefix_cache(self) -> None:
         """After a weight update or sleep: no block computed so far may be reused. Requests keep their
         own blocks; their hashed-block counters stay, so those blocks are never registered again."""
         self.pool.invalidate_cached()
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
 
     def _first_visible_block(self, first_pos: int, window: int) -> int:
         """The first block a query at first_pos or later can see through `window`."""

@@ -255,6 +255,9 @@ class SchedulerStats(msgspec.Struct):
     # Hybrid models: per-sequence linear-attention states in the pool, and those free.
     num_state_slots: int = 0
     num_free_state_slots: int = 0
+    # Hybrid models with prefix caching: state checkpoints kept, and those holding one.
+    num_state_checkpoints: int = 0
+    num_used_state_checkpoints: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
@@ -319,6 +322,11 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     other_group_block_ids: list[list[int]] = []
     # With sampling_params, on hybrid models: the request's row in the linear-attention state pools.
     state_slot: int = -1
+    # Hybrid models with prefix caching (enginecore/state_checkpoints.py): the checkpoint whose
+    # states the request starts from (with state_slot, on a prefix-cache hit), and [tokens into
+    # this step's chunk, checkpoint] where its states after that many tokens are to be kept.
+    restore_checkpoint: int = -1
+    save_checkpoints: list[list[int]] = []
 
 
 class SchedulerOutput(msgspec.Struct, omit_defaults=True):
@@ -353,6 +361,7 @@ BitmaskSource = Callable[[], dict[str, bytes]]
 
 class InitKVCache(msgspec.Struct, tag="init_kv_cache"):
     num_blocks: int
+    num_state_checkpoints: int = 0  # hybrid models' prefix-cache state checkpoints
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -450,6 +459,10 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     model_summary: str
     # The window of each KV-cache group (None: full attention); the same on every rank.
     kv_cache_windows: list[int | None] = msgspec.field(default_factory=lambda: [None])
+    # Hybrid models' state checkpoints that fit on this rank, and their interval in tokens
+    # (ModelRunner.plan_state_checkpoints).
+    num_state_checkpoints: int = 0
+    state_checkpoint_interval: int = 0
 
 
 class WorkerResult(msgspec.Struct, tag="result", omit_defaults=True):

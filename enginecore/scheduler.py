@@ -29,6 +29,7 @@ from enginecore.messages import (
     SchedulerStats,
 )
 from enginecore.request import Request, RequestStatus
+from enginecore.state_checkpoints import StateCheckpoints
 
 
 class Scheduler:
@@ -39,16 +40,29 @@ class Scheduler:
         max_model_len: int,
         kv_cache_windows: Sequence[int | None] = (None,),
         num_state_slots: int = 0,
+        num_state_checkpoints: int = 0,
+        state_checkpoint_interval: int = 0,
     ) -> None:
         """num_state_slots: hybrid models' per-sequence linear-attention states (one per
         sequence that can run): a request takes one when it starts running and gives it back
-        when it finishes, is aborted or is preempted."""
+        when it finishes, is aborted or is preempted. With prefix caching, their checkpoints
+        (enginecore/state_checkpoints.py) are what a cached prefix resumes from."""
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
+        caching, checkpoints = config.cache.enable_prefix_caching, None
+        if num_state_slots and caching:
+            if num_state_checkpoints:
+                checkpoints = StateCheckpoints(num_state_checkpoints, state_checkpoint_interval)
+            else:
+                caching = False  # a hit could not restore the linear-attention states
         self.kv = KVCacheManager(
-            num_kv_blocks, self.block_size, config.cache.enable_prefix_caching, kv_cache_windows
+            num_kv_blocks,
+            self.block_size,
+            caching,
+            kv_cache_windows,
+            checkpoints,
         )
         self.requests: dict[str, Request] = {}
         self.num_state_slots = num_state_slots
@@ -173,7 +187,11 @@ class Scheduler:
                 request.state_slot = self.free_state_slots.pop()
             request.num_computed_tokens = num_cached
             self.running.append(request)
-            scheduled.append(self._schedule_chunk(request, num_new, new_block_ids))
+            # NOTE: before the chunk reserves checkpoints of its own, which may evict this one.
+            restore = self.kv.restore_checkpoint(request, num_cached)
+            chunk = self._schedule_chunk(request, num_new, new_block_ids)
+            chunk.restore_checkpoint = restore
+            scheduled.append(chunk)
             budget -= num_new
 
         self.waiting.extendleft(reversed(not_ready))
@@ -200,6 +218,7 @@ class Scheduler:
             sample_index=request.num_output_tokens if end == request.num_tokens else -1,
             sampling_params=request.sampling_params if is_new else None,
             state_slot=request.state_slot if is_new else -1,
+            save_checkpoints=self.kv.checkpoints_to_save(request, start, end),
         )
         if is_new and request.sampling_params.needs_history:
             scheduled.history_token_ids = list(request.all_token_ids)
@@ -231,6 +250,8 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Appends sampled tokens, finishes requests that stop, and returns what the frontend must see."""
         assert output.step_id == step.step_id, (output.step_id, step.step_id)
+        if self.kv.checkpoints is not None:
+            self.kv.checkpoints.publish()  # the step wrote them
         outputs = self._finish_pooled(output.pooled)
         for request_id, chunk in output.prompt_logprobs.items():
             request = self.requests.get(request_id)
@@ -332,4 +353,6 @@ class Scheduler:
             num_generated_tokens_total=self.num_generated_tokens_total,
             num_state_slots=self.num_state_slots,
             num_free_state_slots=len(self.free_state_slots),
+            num_state_checkpoints=self.kv.checkpoints.num_slots if self.kv.checkpoints else 0,
+            num_used_state_checkpoints=self.kv.checkpoints.num_used if self.kv.checkpoints else 0,
         )

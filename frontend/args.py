@@ -188,6 +188,15 @@ def make_parser() -> argparse.ArgumentParser:
         help="vLLM's spelling of the prefix-caching switch (on by default)",
     )
     launch.add_argument(
+        "--state-checkpoint-interval",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="hybrid models (Qwen3.5): keep linear-attention states for the prefix cache every "
+        "this many tokens, a multiple of --block-size (default: where one checkpoint costs the "
+        "KV cache of the tokens since the last); prompts also keep one at their last block",
+    )
+    launch.add_argument(
         "--generation-config",
         default="auto",
         help="default sampling parameters: 'auto' (the model's generation_config.json), 'vllm' "
@@ -397,6 +406,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             kv_cache_memory_gib=kv_cache_gib_from_args(args, parallel),
             enable_prefix_caching=args.enable_prefix_caching,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
+            state_checkpoint_interval=args.state_checkpoint_interval,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

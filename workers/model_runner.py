@@ -67,6 +67,9 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_MAX_MODEL_LEN = 32768
+# The share of --kv-cache-memory (after the running sequences' states) that a hybrid model's
+# linear-attention state checkpoints take when prefix caching is on.
+CHECKPOINT_SHARE = 0.25
 
 
 def check_parallel_split(args: ModelArgs, parallel: ParallelConfig) -> None:
@@ -171,6 +174,7 @@ class ModelRunner:
         self.linear_layers: list[GatedDeltaNet] = []
         self.kv_cache: torch.Tensor | None = None
         self.num_kv_blocks = 0
+        self.num_state_checkpoints = 0  # rows after the sequences' in the state pools
         # False after the weights were discarded (sleep level 2) until an update commits new ones.
         self.weights_valid = True
         self.requests: dict[str, _RequestState] = {}
@@ -221,23 +225,43 @@ class ModelRunner:
         per_layer = 2 * self.block_size * self._kv_heads_per_rank() * self.args.head_dim * elem
         return per_layer * self._kv_cache_slots()
 
-    def state_pool_bytes(self) -> int:
-        """The linear-attention layers' per-sequence states, for --max-num-seqs sequences."""
+    def state_bytes_per_seq(self) -> int:
+        """One sequence's linear-attention states over this stage's layers (0 without any)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         total = 0
         for layer in self.linear_layers:
             conv, recurrent = layer.state_shapes()
             total += math.prod(conv) * elem + math.prod(recurrent) * 4
-        return total * self.config.scheduler.max_num_seqs
+        return total
+
+    def plan_state_checkpoints(self) -> tuple[int, int]:
+        """How many linear-attention state checkpoints (enginecore/state_checkpoints.py) this rank
+        keeps for the prefix cache of a hybrid model, and every how many tokens they are taken.
+
+        They get CHECKPOINT_SHARE of the memory the KV blocks would have, and are taken where
+        one checkpoint costs about what the KV cache of the tokens since the last one does."""
+        per_seq = self.state_bytes_per_seq()
+        if not per_seq or not self.config.cache.enable_prefix_caching:
+            return 0, 0
+        interval = self.config.cache.state_checkpoint_interval or self.block_size * max(
+            1, -(-per_seq // self.kv_cache_bytes_per_block())
+        )
+        budget = self._kv_memory_bytes() - per_seq * self.config.scheduler.max_num_seqs
+        return max(int(budget * CHECKPOINT_SHARE), 0) // per_seq, interval
+
+    def _kv_memory_bytes(self) -> int:
+        return int(self.config.cache.kv_cache_memory_gib * (1 << 30))
 
     def num_kv_blocks_for_memory(self) -> int:
         if self.config.cache.num_gpu_blocks_override is not None:
             return self.config.cache.num_gpu_blocks_override
-        budget = int(self.config.cache.kv_cache_memory_gib * (1 << 30)) - self.state_pool_bytes()
+        num_states = self.config.scheduler.max_num_seqs + self.plan_state_checkpoints()[0]
+        budget = self._kv_memory_bytes() - self.state_bytes_per_seq() * num_states
         return max(budget, 0) // self.kv_cache_bytes_per_block()
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate (slots, 2, num_blocks, block_size, Hkv, D) and hand each layer its slot."""
+    def init_kv_cache(self, num_blocks: int, num_state_checkpoints: int = 0) -> None:
+        """Allocate (slots, 2, num_blocks, block_size, Hkv, D) and hand each layer its slot; and
+        the linear-attention state pools: a row per running sequence, then the checkpoints'."""
         if self.model is None:
             raise RuntimeError("load_model must run before init_kv_cache")
         if num_blocks < 1:
@@ -254,14 +278,15 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for layer in self.attn_layers:
             layer.kv_cache = self.kv_cache[layer.kv_slot]
-        slots = self.config.scheduler.max_num_seqs
+        rows = self.config.scheduler.max_num_seqs + num_state_checkpoints
         for layer in self.linear_layers:
             conv, recurrent = layer.state_shapes()
-            layer.conv_states = torch.zeros((slots, *conv), dtype=self.dtype, device=self.device)
+            layer.conv_states = torch.zeros((rows, *conv), dtype=self.dtype, device=self.device)
             layer.recurrent_states = torch.zeros(
-                (slots, *recurrent), dtype=torch.float32, device=self.device
+                (rows, *recurrent), dtype=torch.float32, device=self.device
             )
         self.num_kv_blocks = num_blocks
+        self.num_state_checkpoints = num_state_checkpoints
         self.requests.clear()
 
     def kernel_report(self) -> str:
@@ -288,7 +313,8 @@ class ModelRunner:
         return f"{describe()}, fused decode layer: {state}"
 
     def release_kv_cache(self) -> None:
-        """Frees the KV cache (sleep); init_kv_cache(self.num_kv_blocks) brings it back."""
+        """Frees the KV cache (sleep); init_kv_cache(self.num_kv_blocks,
+        self.num_state_checkpoints) brings it back."""
         for layer in self.attn_layers:
             layer.kv_cache = torch.empty(0)
         for layer in self.linear_layers:
@@ -362,6 +388,8 @@ class ModelRunner:
                     PoolingState() if self.pooler is not None else None,
                     self._state_slot(r),
                 )
+                if r.restore_checkpoint >= 0:
+                    self._restore_checkpoint(r)
             elif r.req_id in self.requests:
                 tables = self.requests[r.req_id].block_tables
                 for table, new in zip(tables, [r.new_block_ids, *r.other_group_block_ids]):
@@ -384,6 +412,20 @@ class ModelRunner:
                 f"outside the pool of {self.config.scheduler.max_num_seqs}"
             )
         return r.state_slot
+
+    def _checkpoint_row(self, r: ScheduledRequest, checkpoint: int) -> int:
+        if not 0 <= checkpoint < self.num_state_checkpoints:
+            raise ValueError(
+                f"request {r.req_id!r} names state checkpoint {checkpoint}, outside the "
+                f"{self.num_state_checkpoints} kept"
+            )
+        return self.config.scheduler.max_num_seqs + checkpoint
+
+    def _restore_checkpoint(self, r: ScheduledRequest) -> None:
+        """A prefix-cache hit on a hybrid model: the request starts from the states after it."""
+        row = self._checkpoint_row(r, r.restore_checkpoint)
+        for layer in self.linear_layers:
+            layer.copy_states([row], [r.state_slot])
 
     def _validate(self, step: SchedulerOutput) -> None:
         for r in step.requests:
@@ -443,6 +485,11 @@ class ModelRunner:
             meta.state_slots = torch.tensor(
                 [self.requests[r.req_id].state_slot for r in reqs], device=self.device
             )
+            meta.state_saves = [
+                (i, offset, self._checkpoint_row(r, checkpoint))
+                for i, r in enumerate(reqs)
+                for offset, checkpoint in r.save_checkpoints
+            ]
         p = self.parallel
         t1 = time.perf_counter()
         timings["prepare"] = t1 - t0

@@ -251,5 +251,5 @@ class WorkerControl:
                 self._offloaded = None
                 self.runner.repack_weights()
         if "kv_cache" in tags and self._kv_asleep:
-            self.runner.init_kv_cache(self.runner.num_kv_blocks)
+            self.runner.init_kv_cache(self.runner.num_kv_blocks, self.runner.num_state_checkpoints)
             self._kv_asleep = False

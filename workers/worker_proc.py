@@ -158,6 +158,7 @@ def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) ->
     exit_code = 0
     try:
         runner = _build_runner(config, rank, mq)
+        num_checkpoints, checkpoint_interval = runner.plan_state_checkpoints()
         ready = WorkerReady(
             rank=rank,
             num_kv_blocks=runner.num_kv_blocks_for_memory(),
@@ -165,6 +166,8 @@ def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) ->
             vocab_size=runner.vocab_size,
             model_summary=runner.model_summary,
             kv_cache_windows=[g.window for g in runner.kv_cache_groups],
+            num_state_checkpoints=num_checkpoints,
+            state_checkpoint_interval=checkpoint_interval,
         )
         replies.send(reply_codec.encode(ready))
         from workers.worker_control import WorkerControl
@@ -185,7 +188,7 @@ def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) ->
                 break
             if isinstance(call, InitKVCache):
                 first = runner.num_kv_blocks == 0
-                runner.init_kv_cache(call.num_blocks)
+                runner.init_kv_cache(call.num_blocks, call.num_state_checkpoints)
                 if first and rank == 0:
                     logger.info("%s", runner.kernel_report())
                 replies.send(reply_codec.encode(WorkerResult(rank=rank)))

@@ -210,6 +210,13 @@ class _EngineStatsCollector(Collector):
         yield family(G, "linear_attention_states_total",
                      "Per-sequence linear-attention states in the pool (--max-num-seqs).",
                      lambda s, up: s.num_state_slots)  # fmt: skip
+        yield family(G, "linear_attention_checkpoints_used",
+                     "Linear-attention state checkpoints holding a cached prefix's states "
+                     "(hybrid models with prefix caching).",
+                     lambda s, up: s.num_used_state_checkpoints if up else 0)  # fmt: skip
+        yield family(G, "linear_attention_checkpoints_total",
+                     "Linear-attention state checkpoints kept for the prefix cache.",
+                     lambda s, up: s.num_state_checkpoints)  # fmt: skip
         yield family(C, "num_preemptions",
                      "Preemptions (a request's KV blocks freed for recomputation).",
                      lambda s, up: s.num_preempted_total)  # fmt: skip

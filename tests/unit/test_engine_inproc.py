@@ -48,6 +48,7 @@ def make_core(model_dir: Path, **kw) -> EngineCore:
         block_size=kw.pop("block_size", 16),
         enable_prefix_caching=kw.pop("prefix_caching", True),
         num_gpu_blocks_override=kw.pop("num_blocks", None),
+        state_checkpoint_interval=kw.pop("state_checkpoint_interval", None),
     )
     config = Config(
         model=ModelConfig(path=str(model_dir), dtype=kw.pop("dtype", "float32")),

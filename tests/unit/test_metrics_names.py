@@ -68,7 +68,10 @@ def test_replicas_get_a_sample_each() -> None:
 
 
 def test_blocks_and_linear_attention_states() -> None:
-    stats = SchedulerStats(2, 0, 0, 30, 40, 16, 0, 0, num_state_slots=8, num_free_state_slots=6)
+    stats = SchedulerStats(
+        2, 0, 0, 30, 40, 16, 0, 0, num_state_slots=8, num_free_state_slots=6,
+        num_state_checkpoints=20, num_used_state_checkpoints=5,
+    )  # fmt: skip
     got = samples(Metrics("tiny", lambda: stats))
 
     def value(name: str) -> float:
@@ -77,3 +80,5 @@ def test_blocks_and_linear_attention_states() -> None:
     assert value("tern:kv_cache_blocks_used") == 10 and value("tern:kv_cache_blocks_total") == 40
     assert value("tern:linear_attention_states_used") == 2
     assert value("tern:linear_attention_states_total") == 8
+    assert value("tern:linear_attention_checkpoints_used") == 5
+    assert value("tern:linear_attention_checkpoints_total") == 20

@@ -6,7 +6,7 @@ through the model runner with logprobs within 1e-3. The sliding windows of the t
 tokens) are shorter than most prompts; the layer kinds of each family repeat.
 
 The families and what each tiny checkpoint exercises: Qwen3.5 (Gated DeltaNet layers around gated
-full attention; prefix caching off), Mistral (every layer slides), Ministral
+full attention; prefix hits resume from state checkpoints), Mistral (every layer slides), Ministral
 (sliding and full layers), Gemma 2 (attention and final softcapping, 1 + weight sandwich norms, GELU,
 scaled embeddings), Gemma 3 (5:1-style local/global layers with two rope bases, q/k norms), Phi-3
 (fused qkv / gate_up checkpoint, partial rotation, longrope), SmolLM3 (NoPE layers), OLMo 2 (post
@@ -69,9 +69,9 @@ def test_engine_matches_hf_and_the_prefix_cache_hits(model_dir: Path) -> None:
         for o in core.step():
             outs.setdefault(o.request_id, []).extend(o.new_token_ids)
             cached = max(cached, o.num_cached_tokens or 0)
-    # Hybrid models run with prefix caching off (a hit cannot restore linear-attention state).
-    assert cached > 0 or core.model_task.has_linear_attention
-    assert core.scheduler.kv.enable_prefix_caching != core.model_task.has_linear_attention
+    # Hybrid models resume from the linear-attention states checkpointed at the prompts' last
+    # block (enginecore/state_checkpoints.py).
+    assert cached > 0
     assert [outs[f"again{i}"] for i in range(len(prompts))] == ref
 
 
@@ -167,3 +167,43 @@ def test_qwen3_5_prompts_over_several_chunks(tiny_qwen3_5: Path) -> None:
     ref = hf_greedy(tiny_qwen3_5, prompts, MAX_TOKENS)
     assert run_greedy(tiny_qwen3_5, prompts)[0] == ref
     assert run_greedy(tiny_qwen3_5, prompts, max_num_batched_tokens=50)[0] == ref
+
+
+def test_qwen3_5_prefix_hits_resume_from_state_checkpoints(tiny_qwen3_5: Path) -> None:
+    """Prompts after a shared 42-token system prefix, then a second turn of each conversation:
+    with states checkpointed every 8 tokens (blocks of 4), each later prompt resumes from the
+    checkpoint at its longest cached prefix, whole and prefilled 7 tokens a step, and still
+    generates Hugging Face's tokens."""
+    rng = random.Random(7)
+    vocab = vocab_of(tiny_qwen3_5)
+    system = [rng.randrange(vocab) for _ in range(42)]
+    firsts = [system + [rng.randrange(vocab) for _ in range(n)] for n in (5, 11, 2)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ref_firsts = hf_greedy(tiny_qwen3_5, firsts, MAX_TOKENS)
+    seconds = [p + o + [rng.randrange(vocab) for _ in range(6)] for p, o in zip(firsts, ref_firsts)]
+    ref_seconds = hf_greedy(tiny_qwen3_5, seconds, MAX_TOKENS)
+    for chunk in (2048, 7):
+        core = make_core(
+            tiny_qwen3_5, block_size=4, state_checkpoint_interval=8, max_num_batched_tokens=chunk
+        )
+        assert core.scheduler.kv.checkpoints is not None
+        turns = [
+            ("first", firsts[:1], ref_firsts[:1], 0),
+            ("first", firsts[1:], ref_firsts[1:], 40),
+        ]
+        turns.append(("second", seconds, ref_seconds, None))
+        for name, prompts, ref, least_cached in turns:
+            for i, p in enumerate(prompts):
+                assert core.add_request(EngineCoreRequest(f"{name}{i}{len(p)}", p, params)) == []
+            outs: dict[str, list[int]] = {}
+            cached: dict[str, int] = {}
+            while core.scheduler.has_requests:
+                for o in core.step():
+                    outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                    cached[o.request_id] = o.num_cached_tokens or 0
+            assert [outs[f"{name}{i}{len(p)}"] for i, p in enumerate(prompts)] == ref
+            for i, (p, prev) in enumerate(zip(prompts, firsts)):
+                # The second turn finds the first turn's prompt, up to its last checkpoint.
+                floor = (len(prev) - 1) // 4 * 4 if least_cached is None else least_cached
+                assert cached[f"{name}{i}{len(p)}"] >= floor, (name, i, chunk)
+        assert core.stats().num_used_state_checkpoints > 0

@@ -255,3 +255,94 @@ def test_linear_attention_states_follow_running_requests() -> None:
     assert sched.num_preempted_total > 0
     assert sorted(sched.free_state_slots) == [0, 1, 2]
     assert sched.stats().num_free_state_slots == sched.stats().num_state_slots == 3
+
+
+class HybridToyModel(PagedToyModel):
+    """PagedToyModel with a linear-attention layer whose per-sequence state is every token it
+    has taken in, as a worker keeps it: a state row per running request, checkpoint rows the
+    scheduler names, restores before the step's tokens, saves at the offsets it is told. Each
+    sampled step checks that the state is exactly the request's context."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int, num_checkpoints: int):
+        super().__init__(num_blocks, block_size)
+        self.states: list[list[int] | None] = [None] * num_slots
+        self.checkpoints: list[list[int] | None] = [None] * num_checkpoints
+        self.slot_of: dict[str, int] = {}
+
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        for r in step.requests:
+            if r.sampling_params is not None:
+                self.slot_of[r.req_id] = r.state_slot
+                restored = self.checkpoints[r.restore_checkpoint] if r.start_pos else []
+                assert restored is not None and len(restored) == r.start_pos, r
+                self.states[r.state_slot] = list(restored)
+        for r in step.requests:
+            state = self.states[self.slot_of[r.req_id]]
+            assert state is not None and len(state) == r.start_pos
+            saves = dict(r.save_checkpoints)
+            for i, token in enumerate(r.token_ids):
+                state.append(token)
+                if i + 1 in saves:
+                    self.checkpoints[saves[i + 1]] = list(state)
+        out = super().execute(step)
+        for r in step.requests:
+            if r.sample_index >= 0:
+                table = self.tables[r.req_id]
+                context = [
+                    self.slots[table[p // self.block_size]][p % self.block_size]
+                    for p in range(len(self.states[self.slot_of[r.req_id]]))
+                ]
+                assert self.states[self.slot_of[r.req_id]] == context, r.req_id
+        return out
+
+
+@pytest.mark.parametrize("budget", [2048, 5])
+def test_hybrid_prefix_hits_resume_from_checkpoints(budget: int) -> None:
+    """Hybrid model, prefix caching on: hits end where the scheduler had states checkpointed,
+    never at a checkpoint the same step is still writing, and every request's state is its
+    context, through a checkpoint pool smaller than the prefixes (evictions), chunked prefill
+    and preemption; outputs equal the run without prefix caching."""
+    prompts = prompts_of(8, seed=3, shared_prefix=18) * 2
+    kw = {"num_blocks": 24, "max_num_seqs": 4, "max_num_batched_tokens": budget}
+    results = {}
+    for caching in (0, 1):
+        cfg, num_blocks = make_config(prefix_caching=caching, **kw)
+        sched = Scheduler(cfg, num_blocks, 160, num_state_slots=4,
+                          num_state_checkpoints=5, state_checkpoint_interval=8)  # fmt: skip
+        model = HybridToyModel(num_blocks, 4, 4, 5)
+        for i, p in enumerate(prompts):
+            params = SamplingParams(max_tokens=10, seed=i, ignore_eos=True)
+            sched.add_request(Request(f"r{i}", p, params))
+        outputs: dict[str, list[int]] = {}
+        for _ in range(2000):
+            if not sched.has_requests:
+                break
+            step = sched.schedule()
+            for r in step.requests:
+                for offset, _ in r.save_checkpoints:
+                    pos = r.start_pos + offset
+                    assert pos % 8 == 0 or pos == (len(prompts[int(r.req_id[1:])]) - 1) // 4 * 4
+            for out in sched.update_from_output(step, model.execute(step)):
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert not sched.has_requests
+        results[caching] = outputs
+        if caching:
+            assert sched.kv.prefix_cache_hits > 0 and sched.num_preempted_total > 0
+            assert sched.stats().num_used_state_checkpoints == 5
+    assert results[1] == results[0]
+
+
+def test_state_checkpoints_publish_after_their_step_and_evict_lru() -> None:
+    from enginecore.state_checkpoints import StateCheckpoints
+
+    cps = StateCheckpoints(2, 8)
+    a, b, c = cps.reserve(b"a"), cps.reserve(b"b"), cps.reserve(b"c")
+    assert {a, b} == {0, 1} and c is None  # both rows are being written this step
+    assert not cps.is_ready(b"a") and cps.is_pending(b"a") and cps.lookup(b"a") is None
+    cps.publish()
+    assert cps.lookup(b"a") == a  # a is now the most recently used
+    assert cps.reserve(b"c") == b and not cps.is_ready(b"b")
+    cps.publish()
+    assert cps.lookup(b"c") == b and cps.num_used == 2
+    cps.clear()
+    assert cps.num_used == 0 and not cps.is_ready(b"a")

@@ -121,6 +121,9 @@ class AttentionMetadata:
     query_len_list: list[int] = field(default_factory=list)
     # (B,) each sequence's row in the recurrent-state pools; set by the model runner (hybrid models).
     state_slots: torch.Tensor | None = None
+    # (sequence index, tokens into its chunk, state-pool row): where the linear-attention layers
+    # copy a sequence's states into a prefix-cache checkpoint (enginecore/state_checkpoints.py).
+    state_saves: list[tuple[int, int, int]] = field(default_factory=list)
     # The same step through each further KV-cache group's block tables (workers/kv_cache_groups.py).
     other_kv_groups: list[AttentionMetadata] = field(default_factory=list)
 

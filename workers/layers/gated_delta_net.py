@@ -5,7 +5,9 @@ the last `conv_kernel - 1` inputs of its causal depthwise convolution and its re
 (key_dim, value_dim) matrix per value head, in float32. The model runner owns them as pools of
 `num_slots` rows per layer (`conv_states`, `recurrent_states`) and tells the layer each scheduled
 sequence's slot (AttentionMetadata.state_slots); a sequence computed from its first token starts
-from zeros.
+from zeros. For the prefix cache, the layer also copies a sequence's states as they stand a given
+number of tokens into its chunk into checkpoint rows of the same pools (AttentionMetadata.
+state_saves, enginecore/state_checkpoints.py): a prompt chunk is computed in pieces split there.
 
 The maths is Hugging Face's (the oracle): in_proj_qkv -> causal conv1d -> SiLU -> q, k, v; q and k
 L2-normalised, q scaled by key_dim ** -0.5; beta = sigmoid(in_proj_b); the decay g = -exp(A_log) *
@@ -87,6 +89,13 @@ class GatedDeltaNet(nn.Module):
         conv = (sum(self.local_sizes), self.conv_kernel - 1)
         return conv, (self.v_heads, self.head_k_dim, self.head_v_dim)
 
+    def copy_states(self, src: list[int], dst: list[int]) -> None:
+        """States of pool rows `src` into rows `dst` (checkpoints taken and restored)."""
+        to = torch.tensor(dst, device=self.recurrent_states.device)
+        rows = torch.tensor(src, device=self.recurrent_states.device)
+        self.conv_states[to] = self.conv_states[rows]
+        self.recurrent_states[to] = self.recurrent_states[rows]
+
     # ------------------------------------------------------------------ loading
 
     def _load_conv(
@@ -127,6 +136,7 @@ class GatedDeltaNet(nn.Module):
                 mixed, z, b, a, self.A_log, self.dt_bias, self.conv1d.weight, self.conv_states,
                 self.recurrent_states, slots, meta.fresh_seqs, self.norm.weight, self.eps, heads,
             )  # fmt: skip
+            self._save_chunk_ends(meta, slots)
             return self.out_proj(o)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
@@ -141,13 +151,27 @@ class GatedDeltaNet(nn.Module):
             self._decode(mixed[rows], beta[rows], g[rows], slots[decodes], fresh, out, rows)
         for i, n in enumerate(lens):
             if n != 1:
-                first = meta.query_start_list
-                span = slice(first[i], first[i] + n)
-                self._prefill(
-                    mixed[span], beta[span], g[span], int(slots[i]), starts[i] == 0, out, span
-                )
+                # Checkpoints inside the chunk split it: the states are taken there.
+                cuts = sorted((at, row) for seq, at, row in meta.state_saves if seq == i and at < n)
+                first, slot = meta.query_start_list[i], int(slots[i])
+                begin = 0
+                for end, row in [*cuts, (n, -1)]:
+                    span = slice(first + begin, first + end)
+                    fresh = starts[i] == 0 and begin == 0
+                    self._prefill(mixed[span], beta[span], g[span], slot, fresh, out, span)
+                    if row >= 0:
+                        self.copy_states([slot], [row])
+                    begin = end
+        self._save_chunk_ends(meta, slots)
         o = self._gated_norm(out, z.view(-1, self.v_heads, self.head_v_dim))
         return self.out_proj(o.flatten(1))
+
+    def _save_chunk_ends(self, meta: AttentionMetadata, slots: torch.Tensor) -> None:
+        """Checkpoints of the states at the end of sequences' chunks."""
+        lens = meta.query_len_list
+        ends = [(int(slots[seq]), row) for seq, at, row in meta.state_saves if at == lens[seq]]
+        if ends:
+            self.copy_states([slot for slot, _ in ends], [row for _, row in ends])
 
     def _uses_kernel(self, mixed: torch.Tensor) -> bool:
         """Whether decode steps run tern's native kernel (a CPU with the kernels, the layer's
