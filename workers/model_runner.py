@@ -47,7 +47,7 @@ from workers.kv_cache_groups import KVCacheGroup
 from workers.layers import kernel_library
 from workers.layers.attention import Attention, build_attention_metadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from workers.layers.gated_delta_net import GatedDeltaNet
+from workers.layers.gated_delta_net import CHUNK, GatedDeltaNet
 from workers.layers.linear import LinearBase
 from workers.layers.logits_processors import TokenHistory
 from workers.layers.logprobs import (
@@ -239,13 +239,14 @@ class ModelRunner:
         keeps for the prefix cache of a hybrid model, and every how many tokens they are taken.
 
         They get CHECKPOINT_SHARE of the memory the KV blocks would have, and are taken where
-        one checkpoint costs about what the KV cache of the tokens since the last one does."""
+        one checkpoint costs about what the KV cache of the tokens since the last one does, at a
+        multiple of the delta rule's chunk too: a prompt split there computes no padding."""
         per_seq = self.state_bytes_per_seq()
         if not per_seq or not self.config.cache.enable_prefix_caching:
             return 0, 0
-        interval = self.config.cache.state_checkpoint_interval or self.block_size * max(
-            1, -(-per_seq // self.kv_cache_bytes_per_block())
-        )
+        unit = math.lcm(self.block_size, CHUNK)
+        unit_bytes = self.kv_cache_bytes_per_block() * (unit // self.block_size)
+        interval = self.config.cache.state_checkpoint_interval or unit * -(-per_seq // unit_bytes)
         budget = self._kv_memory_bytes() - per_seq * self.config.scheduler.max_num_seqs
         return max(int(budget * CHECKPOINT_SHARE), 0) // per_seq, interval
 
