@@ -248,7 +248,8 @@ def _llamacpp_cells(r: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", nargs="+", default=list(tiny._FAMILIES))
+    dense = [a for a in tiny._FAMILIES if a not in tiny.MOE_ARCHS]  # MoE: scripts/bench_moe.py
+    parser.add_argument("--families", nargs="+", default=dense)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)

@@ -56,13 +56,19 @@ _FAMILIES = {
     "granite": "Granite",
     "glm4": "Glm4",
     "qwen3_5": "Qwen3_5",  # Qwen3_5TextConfig, Qwen3_5ForCausalLM
+    "qwen3_moe": "Qwen3Moe",
+    "qwen2_moe": "Qwen2Moe",
+    "olmoe": "Olmoe",
+    "mixtral": "Mixtral",
 }
 # gemma3_vl / qwen3_5_vl: *ForConditionalGeneration, the tiny gemma3 / qwen3_5 beside a random
 # one-layer vision tower.
 ARCHS = (*_FAMILIES, "gemma3_vl", "qwen3_5_vl")
+# Mixture-of-experts families: 8 experts, top 2.
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 # The families added for the 2026 model zoo: each exercises what its DecoderSpec changes, with a
 # sliding window (8) shorter than the test prompts where the family has one.
-ZOO_ARCHS = tuple(_FAMILIES)[3:]
+ZOO_ARCHS = tuple(a for a in tuple(_FAMILIES)[3:] if a not in MOE_ARCHS)
 # Head -> the transformers class built (its family's name + this).
 HEADS = {
     "lm_head": "ForCausalLM",
@@ -170,6 +176,24 @@ def _zoo_config_kwargs(arch: str) -> dict[str, Any] | None:
         return {"num_hidden_layers": 2, "head_dim": 16, "attention_bias": True,
                 "partial_rotary_factor": 0.5, "tie_word_embeddings": False,
                 "pad_token_id": 0}  # fmt: skip
+    return _moe_config_kwargs(arch)
+
+
+def _moe_config_kwargs(arch: str) -> dict[str, Any] | None:
+    experts = {"num_experts_per_tok": 2, "tie_word_embeddings": False, "pad_token_id": 0,
+               "output_router_logits": False}  # fmt: skip
+    if arch == "qwen3_moe":  # the middle layer keeps a dense MLP; top-2 renormalised
+        return {**experts, "num_hidden_layers": 3, "head_dim": 32, "num_experts": 8,
+                "moe_intermediate_size": 32, "mlp_only_layers": [1], "norm_topk_prob": True}  # fmt: skip
+    if arch == "qwen2_moe":  # a shared expert beside the routed ones
+        return {**experts, "num_hidden_layers": 2, "num_experts": 8, "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 48, "norm_topk_prob": False}  # fmt: skip
+    if arch == "olmoe":
+        return {**experts, "num_hidden_layers": 2, "num_experts": 8, "intermediate_size": 32,
+                "norm_topk_prob": False}  # fmt: skip
+    if arch == "mixtral":  # with Mistral's sliding window
+        return {**experts, "num_hidden_layers": 2, "num_local_experts": 8,
+                "intermediate_size": 32, "sliding_window": 8}  # fmt: skip
     return None
 
 

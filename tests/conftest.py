@@ -77,9 +77,11 @@ def _zoo_fixture(arch: str) -> Callable[..., Path]:
     return fixture
 
 
-# tiny_mistral, tiny_gemma3, ...: one fixture per family of the model zoo.
+# tiny_mistral, tiny_gemma3, ...: one fixture per family of the model zoo; tiny_qwen3_moe, ...:
+# one per mixture-of-experts family.
 ZOO_FIXTURES = tuple(f"tiny_{arch}" for arch in _load_tiny_model_module().ZOO_ARCHS)
-for _name in ZOO_FIXTURES:
+MOE_FIXTURES = tuple(f"tiny_{arch}" for arch in _load_tiny_model_module().MOE_ARCHS)
+for _name in ZOO_FIXTURES + MOE_FIXTURES:
     globals()[_name] = _zoo_fixture(_name.removeprefix("tiny_"))
 
 

@@ -56,6 +56,7 @@ from workers.layers.logprobs import (
     prompt_logprobs_jobs,
     sampled_logprobs_by_request,
 )
+from workers.layers.moe import SparseMoE
 from workers.layers.norm import RMSNorm
 from workers.layers.pooler import Pooler, PoolingState
 from workers.layers.sampler import Sampler, SamplingTensors
@@ -305,10 +306,15 @@ class ModelRunner:
             if isinstance(f := getattr(m, "fused_decode", None), FusedDecodeLayer)
         ]
         reasons = {r for r in (f.off_reason() for f in fused)}
+        moe = any(isinstance(m, SparseMoE) for m in self.model.modules())
         if not fused:
-            state = "off, reason: this model has no softmax-attention decoder layers"
+            state = "off, reason: " + (
+                "its MLPs are mixtures of experts"
+                if moe
+                else "this model has no softmax-attention decoder layers"
+            )
         elif reasons == {None}:
-            state = "on"
+            state = "on" + (" (dense-MLP layers; experts' layers module by module)" if moe else "")
         else:
             state = "off, reason: " + "; ".join(sorted(r for r in reasons if r is not None))
         return f"{describe()}, fused decode layer: {state}"

@@ -3,7 +3,11 @@
 `load_weights(model, weights)` is the one loop, used at start-up and for weight updates: it maps
 Hugging Face names onto tern's fused parameters (q/k/v_proj -> qkv_proj shards "q"/"k"/"v",
 gate/up_proj -> gate_up_proj shards 0/1; checkpoints that store them fused are split first) and lets
-the parameter copy in its tensor-parallel shard.
+the parameter copy in its tensor-parallel shard. Mixture-of-experts layers (workers/layers/moe.py)
+hold their experts stacked under transformers 5's names (`mlp.experts.gate_up_proj`, `.down_proj`),
+which a live Hugging Face model's tensors carry; released checkpoints store each expert apart
+(`mlp.experts.N.gate_proj.weight`; Mixtral's `block_sparse_moe.experts.N.w1.weight`), loaded as
+shard ("gate" | "up" | "down", N) of the stacked parameter.
 `load_checkpoint` feeds it every tensor of the *.safetensors files as a `LazyWeight` (a safetensors
 slice: the parameter's loader narrows it to its shard and only that shard is read), and then checks
 that nothing is missing. Under pipeline parallelism the model's `local_weight_name` drops the tensors
@@ -35,6 +39,17 @@ _FUSED_IN_CHECKPOINT = ("qkv_proj", "gate_up_proj")
 _LM_HEADS = ("lm_head.", "language_model.lm_head.")
 # Checkpoint tensors that carry no parameter (RoPE tables some exporters save).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# One expert's projection in a checkpoint -> (the stacked parameter, its shard kind); Mixtral's
+# w1 / w3 / w2 are gate / up / down.
+_EXPERT_PROJ: dict[str, tuple[str, str]] = {
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+    "down_proj": ("down_proj", "down"),
+    "w1": ("gate_up_proj", "gate"),
+    "w3": ("gate_up_proj", "up"),
+    "w2": ("down_proj", "down"),
+}
+_STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -99,9 +114,27 @@ def _is_tied(model: nn.Module) -> bool:
     return bool(getattr(args, "tie_word_embeddings", False))
 
 
+def _canonical(name: str) -> str:
+    """Mixtral's names as the other families': its MLP `mlp`, its experts' projections
+    gate_proj / up_proj / down_proj."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    parts = name.split(".")
+    if len(parts) >= 4 and parts[-4] == "experts" and parts[-2] in ("w1", "w2", "w3"):
+        parts[-2] = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}[parts[-2]]
+        return ".".join(parts)
+    return name
+
+
+def _expert_of(parts: list[str]) -> bool:
+    return len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit()
+
+
 def _map_name(name: str) -> tuple[str, object]:
     """Hugging Face name -> (tern parameter name, shard id or None)."""
     parts = name.split(".")
+    if _expert_of(parts) and parts[-2] in _EXPERT_PROJ and parts[-1] == "weight":
+        stacked, kind = _EXPERT_PROJ[parts[-2]]
+        return ".".join([*parts[:-3], stacked]), (kind, int(parts[-3]))
     if len(parts) >= 2 and parts[-2] in _PACKED:
         fused, shard_id = _PACKED[parts[-2]]
         return ".".join(parts[:-2] + [fused, parts[-1]]), shard_id
@@ -147,6 +180,7 @@ def load_weights(
     local_name = getattr(model, "local_weight_name", None)
     loaded: set[str] = set()
     for name, tensor in _unfused(model, weights):
+        name = _canonical(name)
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name.startswith(_LM_HEADS)):
             continue
         if local_name is not None:
@@ -161,8 +195,21 @@ def load_weights(
             param.weight_loader(param, tensor, shard_id)
         except ValueError as e:
             raise ValueError(f"cannot load {name!r}: {e}") from None
-        loaded.add(name)
+        loaded.update(_per_expert_names(name, param) if shard_id is None else [name])
     return loaded
+
+
+def _per_expert_names(name: str, param: nn.Parameter) -> list[str]:
+    """A stacked experts tensor's name as the per-expert names it stands for (the names a
+    checkpoint's completeness is checked by); any other name as itself."""
+    parts = name.split(".")
+    if len(parts) < 2 or parts[-2] != "experts" or parts[-1] not in _STACKED_EXPERTS:
+        return [name]
+    return [
+        ".".join([*parts[:-1], str(e), proj, "weight"])
+        for e in range(param.size(0))
+        for proj in _STACKED_EXPERTS[parts[-1]]
+    ]
 
 
 def expected_weight_names(model: nn.Module) -> set[str]:
@@ -171,7 +218,10 @@ def expected_weight_names(model: nn.Module) -> set[str]:
     for hf_proj, (fused, _) in _PACKED.items():
         inverse.setdefault(fused, []).append(hf_proj)
     names = set()
-    for name, _ in model.named_parameters():  # tied weights appear once, as the embedding
+    for name, param in model.named_parameters():  # tied weights appear once, as the embedding
+        if len(experts := _per_expert_names(name, param)) > 1:
+            names.update(experts)
+            continue
         parts = name.split(".")
         for proj in inverse.get(parts[-2], [parts[-2]]) if len(parts) >= 2 else [None]:
             names.add(".".join(parts[:-2] + [proj, parts[-1]]) if proj else name)

@@ -91,9 +91,10 @@ def test_greedy_matches_hf_with_8_prompts(arch: str, layout: str, request) -> No
 # The zoo's families whose layers shard or split differently from Llama's (the rest only change
 # maths the single-rank tests cover): windows in the fused TP layer, per-head 1 + weight norms,
 # fused checkpoint tensors and partial rotation, whole-projection q/k norms, interleaved rotation,
-# Gated DeltaNet heads.
+# Gated DeltaNet heads, experts' intermediate features (with Qwen2-MoE's shared expert; Qwen3-MoE
+# with a dense layer between expert layers, which pp 2 puts on another stage).
 ZOO_PARALLEL = ("tiny_mistral", "tiny_gemma3", "tiny_phi3", "tiny_olmo2", "tiny_glm4",
-                "tiny_qwen3_5")  # fmt: skip
+                "tiny_qwen3_5", "tiny_qwen2_moe", "tiny_qwen3_moe")  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", ZOO_PARALLEL)

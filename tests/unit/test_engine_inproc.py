@@ -51,7 +51,11 @@ def make_core(model_dir: Path, **kw) -> EngineCore:
         state_checkpoint_interval=kw.pop("state_checkpoint_interval", None),
     )
     config = Config(
-        model=ModelConfig(path=str(model_dir), dtype=kw.pop("dtype", "float32")),
+        model=ModelConfig(
+            path=str(model_dir),
+            dtype=kw.pop("dtype", "float32"),
+            quantization=kw.pop("quantization", None),
+        ),
         cache=cache,
         scheduler=SchedulerConfig(**kw),
     )

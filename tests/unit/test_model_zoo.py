@@ -11,7 +11,9 @@ full attention; prefix hits resume from state checkpoints), Mistral (every layer
 scaled embeddings), Gemma 3 (5:1-style local/global layers with two rope bases, q/k norms), Phi-3
 (fused qkv / gate_up checkpoint, partial rotation, longrope), SmolLM3 (NoPE layers), OLMo 2 (post
 norms, whole-projection q/k norms, yarn), Granite (multipliers, dynamic rope), GLM-4 (sandwich norms,
-interleaved partial rotation, fused gate_up).
+interleaved partial rotation, fused gate_up). The mixture-of-experts families run the same tests:
+Qwen3-MoE (8 experts, top 2 renormalised, a dense middle layer), Qwen2-MoE (shared expert with its
+sigmoid gate), OLMoE (whole-projection q/k norms), Mixtral (sliding window; w1/w2/w3 names).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import transformers
 
 from enginecore.control import EngineControl
 from enginecore.messages import EngineCoreRequest, SamplingParams, UtilityMethod
-from tests.conftest import ZOO_FIXTURES, make_tiny_model
+from tests.conftest import MOE_FIXTURES, ZOO_FIXTURES, make_tiny_model
 from tests.unit.test_engine_inproc import (
     MAX_TOKENS,
     hf_greedy,
@@ -42,7 +44,7 @@ from tests.unit.test_weight_control import N, blob, call, greedy
 _reference: dict[Path, list[list[int]]] = {}
 
 
-@pytest.fixture(params=ZOO_FIXTURES)
+@pytest.fixture(params=ZOO_FIXTURES + MOE_FIXTURES)
 def model_dir(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(request.param)
 
@@ -157,6 +159,38 @@ def test_weight_updates_from_disk_and_tensors(
     assert greedy(control, prompts, "b")[0] == expected_trained
     call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs=[blob(original)])
     assert greedy(control, prompts, "c")[0] == expected_original
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_moe_weight_updates_take_stacked_and_per_expert_tensors(
+    arch: str, tmp_path: Path, tokenizer_dir: Path | None, request: pytest.FixtureRequest
+) -> None:
+    """Experts' weights arrive as the released checkpoints name them (one tensor per expert and
+    projection; Mixtral's w1/w3/w2) from disk, and stacked as a live Hugging Face model holds them
+    (`mlp.experts.gate_up_proj` (E, 2I, H), `down_proj`) as tensors: each time the engine then
+    answers as Hugging Face does on those weights."""
+    from safetensors.torch import save
+
+    original = request.getfixturevalue(f"tiny_{arch}")
+    trained = make_tiny_model(arch, tmp_path / "trained", tokenizer_dir, seed=1)
+    prompts = make_prompts(vocab_of(original), n=3)
+    expected_trained = hf_greedy(trained, prompts, N)
+    expected_original = hf_greedy(original, prompts, N)
+    assert expected_trained != expected_original
+    control = EngineControl(make_core(original))
+    assert greedy(control, prompts, "a")[0] == expected_original
+    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_DISK, model_path=str(trained))
+    assert greedy(control, prompts, "b")[0] == expected_trained
+    live = transformers.AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in live.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
+    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs=[save(state)])
+    assert greedy(control, prompts, "c")[0] == expected_original
+
+
+def test_moe_refuses_int8_experts(tiny_olmoe: Path) -> None:
+    with pytest.raises(ValueError, match="does not cover expert weights"):
+        make_core(tiny_olmoe, quantization="int8")
 
 
 def test_qwen3_5_prompts_over_several_chunks(tiny_qwen3_5: Path) -> None:

@@ -27,7 +27,8 @@ hidden states and residual stacked (2, T, hidden) for the next stage, which pass
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -41,6 +42,7 @@ from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.fused_decode import DecodeLayerSpec, FusedDecodeLayer
 from workers.layers.gated_delta_net import GatedDeltaNet
 from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from workers.layers.moe import MoESpec, SparseMoE
 from workers.layers.norm import RMSNorm, ShardedRMSNorm
 from workers.layers.rotary import RopeParams, RotaryEmbedding
 from workers.models.registry import ModelArgs
@@ -59,6 +61,7 @@ class LayerKind:
     # "attention" (softmax attention over the KV cache) or "linear_attention" (Gated DeltaNet over
     # per-sequence states: Qwen3.5's linear layers)
     mixer: str = "attention"
+    mlp: str = "dense"  # or "moe": the spec's mixture of experts (workers/layers/moe.py)
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,12 @@ class DecoderSpec:
     attn_output_gate: bool = False  # q_proj also gives a per-head gate: o * sigmoid(gate) (Qwen3.5)
     # Gated DeltaNet's sizes (linear_attention layers): heads, head dims, conv kernel.
     linear_attention: dict[str, int] = field(default_factory=dict)
+    moe: MoESpec | None = None  # the experts of the layers whose kind has mlp="moe"
+
+    def with_experts(self, moe: MoESpec, sparse: Sequence[bool]) -> DecoderSpec:
+        """This spec with a mixture of experts as the MLP of the layers `sparse` marks."""
+        layers = tuple(replace(k, mlp="moe") if s else k for k, s in zip(self.layers, sparse))
+        return replace(self, layers=layers, moe=moe)
 
 
 def layer_kinds(args: ModelArgs, default_types: list[str] | None = None) -> tuple[LayerKind, ...]:
@@ -263,7 +272,15 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = DecoderAttention(args, ctx, spec, kind, rotary)
             self.mixer = self.self_attn
-        self.mlp = DecoderMLP(args, ctx, spec.activation)
+        if kind.mlp == "moe":
+            assert spec.moe is not None
+            if args.quantization is not None:
+                raise ValueError(
+                    f"--quantization {args.quantization} does not cover expert weights yet"
+                )
+            self.mlp: nn.Module = SparseMoE(spec.moe, args.hidden_size, spec.activation, ctx)
+        else:
+            self.mlp = DecoderMLP(args, ctx, spec.activation)
         self.residual_scale = spec.residual_scale
         self.norm_names = {slot: spec.norms.get(slot) for slot in NORM_SLOTS}
         for name in spec.norms.values():
@@ -273,7 +290,7 @@ class DecoderLayer(nn.Module):
             setattr(self, name, norm)
         self.fused_decode = None
         self.kv_group = 0  # its KV-cache group (workers/kv_cache_groups.py), set by the model
-        if kind.mixer != "attention":
+        if kind.mixer != "attention" or kind.mlp != "dense":
             return
         attn, mlp = self.self_attn, self.mlp
         fused = DecodeLayerSpec(

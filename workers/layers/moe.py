@@ -1,0 +1,190 @@
+"""Mixture-of-experts MLPs: a router picks top-k experts per token, the experts' gated MLPs run on
+the tokens routed to them, and their outputs are summed by the routing weights.
+
+The router is the one Hugging Face's families define (Qwen2/3-MoE, OLMoE, Mixtral): a linear layer
+to one logit per expert, softmax in float32, the top k, renormalised to sum to 1 when the model
+says so (`norm_topk_prob`; Mixtral always). Qwen2-MoE adds a shared expert, a dense MLP every
+token takes, scaled by sigmoid(shared_expert_gate(x)).
+
+The experts' weights are two stacked tensors under Hugging Face's (transformers 5) names:
+`experts.gate_up_proj` (E, 2I, H), each expert's gate rows then its up rows, and
+`experts.down_proj` (E, H, I). Released checkpoints store each expert's projections apart
+(`experts.N.gate_proj.weight`, Mixtral's `experts.N.w1.weight` ...): the loaders take both.
+
+Tokens are grouped by expert (one stable sort of the step's token-expert pairs), and each expert
+that has tokens runs its two products on all of them at once: no per-token loop, and a decode step
+reads only the routed experts' weights (few-row products go to tern's kernels, linear.dense_linear).
+Tensor parallelism without expert parallelism shards every expert's intermediate features as a
+dense MLP's: each rank computes partial sums over its features, all-reduced once per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.distributed import ParallelContext, divide
+from workers.layers.activation import GATED_ACTIVATIONS
+from workers.layers.linear import (
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    copy_checked,
+    dense_linear,
+)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    norm_topk_prob: bool
+    shared_expert_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+
+
+def num_experts_of(hf: dict) -> int:
+    """config.json's expert count: `num_experts` as released (Qwen, OLMoE), `num_local_experts`
+    as Mixtral and transformers 5 write it."""
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+
+class FusedExperts(nn.Module):
+    """Every expert's gated MLP, this rank's share of each one's intermediate features."""
+
+    def __init__(
+        self, spec: MoESpec, hidden_size: int, activation: str, ctx: ParallelContext
+    ) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.num_experts = spec.num_experts
+        self.full_inter = spec.intermediate_size
+        self.inter = divide(spec.intermediate_size, ctx.tp_size)
+        e, i, h = spec.num_experts, self.inter, hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.gate_up_proj.weight_loader = self._load_gate_up
+        self.down_proj.weight_loader = self._load_down
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(
+                f"activation {activation!r} is not supported (supported: {sorted(GATED_ACTIVATIONS)})"
+            )
+        self.act_fn = GATED_ACTIVATIONS[activation]()
+
+    # ------------------------------------------------------------------ loading
+
+    def _features(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's intermediate features of a full tensor along `dim`."""
+        if loaded.size(dim) != self.full_inter:
+            raise ValueError(
+                f"expert weight of {tuple(loaded.shape)}: expected {self.full_inter} "
+                f"intermediate features along dim {dim}"
+            )
+        return loaded.narrow(dim, self.ctx.tp_rank * self.inter, self.inter)
+
+    def _load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None):
+        """shard_id None: the stacked (E, 2I, H) tensor; ("gate" | "up", expert): one (I, H)."""
+        if shard_id is None:
+            if loaded.dim() != 3 or loaded.size(0) != self.num_experts:
+                raise ValueError(f"stacked gate_up_proj of {tuple(loaded.shape)}")
+            gate, up = (
+                loaded.narrow(1, 0, self.full_inter),
+                loaded.narrow(1, self.full_inter, self.full_inter),
+            )
+            copy_checked(param.data[:, : self.inter], self._features(gate, 1))
+            copy_checked(param.data[:, self.inter :], self._features(up, 1))
+            return
+        which, expert = self._expert_shard(shard_id, ("gate", "up"))
+        offset = 0 if which == "gate" else self.inter
+        copy_checked(param.data[expert, offset : offset + self.inter], self._features(loaded, 0))
+
+    def _load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None):
+        """shard_id None: the stacked (E, H, I) tensor; ("down", expert): one (H, I)."""
+        if shard_id is None:
+            if loaded.dim() != 3 or loaded.size(0) != self.num_experts:
+                raise ValueError(f"stacked down_proj of {tuple(loaded.shape)}")
+            copy_checked(param.data, self._features(loaded, 2))
+            return
+        _, expert = self._expert_shard(shard_id, ("down",))
+        copy_checked(param.data[expert], self._features(loaded, 1))
+
+    def _expert_shard(self, shard_id: object, kinds: tuple[str, ...]) -> tuple[str, int]:
+        if not (isinstance(shard_id, tuple) and shard_id[0] in kinds):
+            raise ValueError(f"unexpected shard {shard_id!r}")
+        which, expert = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} outside the model's {self.num_experts}")
+        return which, expert
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x (T, H), experts and weights (T, k) -> this rank's partial sums (T, H)."""
+        k = experts.size(1)
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # the token-expert pairs grouped by expert
+        token_of = order // k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x[token_of]
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            span = slice(start, start + n)
+            h = self.act_fn(dense_linear(rows[span], self.gate_up_proj[expert], None))
+            out[span] = dense_linear(h, self.down_proj[expert], None)
+            start += n
+        out.mul_(weights.flatten()[order].unsqueeze(1))
+        return torch.zeros_like(x).index_add_(0, token_of, out)
+
+
+class SparseMoE(nn.Module):
+    """The MLP of a mixture-of-experts layer: router, experts and (Qwen2-MoE) shared expert."""
+
+    def __init__(
+        self,
+        spec: MoESpec,
+        hidden_size: int,
+        activation: str,
+        ctx: ParallelContext,
+    ) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.top_k = spec.top_k
+        self.norm_topk_prob = spec.norm_topk_prob
+        self.gate = ReplicatedLinear(hidden_size, spec.num_experts, ctx=ctx)
+        self.experts = FusedExperts(spec, hidden_size, activation, ctx)
+        self.shared_expert = None
+        if spec.shared_expert_size:
+            size = spec.shared_expert_size
+            self.shared_expert = nn.Module()
+            self.shared_expert.gate_up_proj = MergedColumnParallelLinear(
+                hidden_size, [size, size], ctx=ctx
+            )
+            self.shared_expert.down_proj = RowParallelLinear(size, hidden_size, ctx=ctx)
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, ctx=ctx)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, H) -> (experts (T, k) int64, weights (T, k) in x's dtype)."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        out = self.experts(x, experts, weights)
+        if self.shared_expert is not None:
+            shared = self.shared_expert
+            # NOTE: its down projection all-reduces; so its partial sums join after it.
+            h = shared.down_proj(self.experts.act_fn(shared.gate_up_proj(x)))
+            out = self.ctx.all_reduce(out)
+            return out + torch.sigmoid(self.shared_expert_gate(x)) * h
+        return self.ctx.all_reduce(out)

@@ -1,0 +1,36 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's decoder with a mixture of experts as the MLP
+of every `decoder_sparse_step`-th layer not in `mlp_only_layers` (those keep a dense MLP of
+`intermediate_size`); experts of `moe_intermediate_size`, top `num_experts_per_tok` of
+`num_experts`, renormalised when `norm_topk_prob`."""
+
+from __future__ import annotations
+
+from workers.layers.moe import MoESpec, num_experts_of
+from workers.models import qwen3
+from workers.models.decoder import DecoderSpec
+from workers.models.registry import ModelArgs
+
+
+def sparse_layers(args: ModelArgs) -> list[bool]:
+    """Qwen's rule for which layers have experts (Qwen2-MoE, Qwen3-MoE)."""
+    hf = args.hf_config
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    return [
+        i not in dense and num_experts_of(hf) > 0 and (i + 1) % step == 0
+        for i in range(args.num_hidden_layers)
+    ]
+
+
+def moe_spec(args: ModelArgs, shared_expert_size: int = 0) -> MoESpec:
+    hf = args.hf_config
+    return MoESpec(
+        num_experts=num_experts_of(hf),
+        top_k=hf["num_experts_per_tok"],
+        intermediate_size=hf["moe_intermediate_size"],
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        shared_expert_size=shared_expert_size,
+    )
+
+
+def decoder_spec(args: ModelArgs) -> DecoderSpec:
+    return qwen3.decoder_spec(args).with_experts(moe_spec(args), sparse_layers(args))
