@@ -5,8 +5,9 @@ Core -> frontend: one `EngineStartup` message, then `EngineCoreOutputs` on a PUS
 
 The loop blocks on its input socket while there is nothing to run (no busy-spinning: this process
 shares two cores with the workers), and runs one step after another while there is.
-SchedulerStats ride along with the outputs at most every STATS_INTERVAL_S, and always on the message
-that leaves the engine idle (so the frontend's gauges come back to zero). While busy, one log line
+SchedulerStats ride along with the outputs at most every STATS_INTERVAL_S, and always on the messages
+that leave the engine idle and that follow idleness (so the frontend's gauges come back to zero, and
+leave it as soon as work starts). While busy, one log line
 every LOG_INTERVAL_S gives throughput, queue lengths, KV-cache usage and prefix-cache hit rate.
 A worker that dies, or a step that fails, ends every request with an error, tells the frontend
 (`engine_dead`) and exits non-zero after stopping the remaining workers. A heartbeat thread sends an
@@ -74,6 +75,7 @@ class EngineCoreProc:
         self.core: EngineCore | None = None
         self.parent_pid = os.getppid()
         self._last_stats_time = 0.0
+        self._sent_idle = True  # the last stats sent showed no request
         self._stats_logger = StatsLogger()
 
     def start(self) -> None:
@@ -134,9 +136,9 @@ class EngineCoreProc:
         assert self.core is not None
         now = time.monotonic()
         is_idle = not self.core.scheduler.has_requests
-        if not is_idle and now - self._last_stats_time < STATS_INTERVAL_S:
+        if not is_idle and not self._sent_idle and now - self._last_stats_time < STATS_INTERVAL_S:
             return None
-        self._last_stats_time = now
+        self._last_stats_time, self._sent_idle = now, is_idle
         return self.core.stats()
 
     def _drain_inputs(self, outputs: list[EngineCoreOutput], results: list[UtilityResult]) -> None:
