@@ -43,6 +43,9 @@ class ModelConfig:
     # A pooling task's pooling of each prompt: its last token (LAST, as Hugging Face's sequence
     # classifiers), the mean over its tokens (MEAN) or its first token (CLS).
     pooling_type: str = "LAST"
+    # Mixture-of-experts models: the engine keeps the experts each token was routed to in each
+    # layer (routing replay for RL), returned to the requests that ask (enginecore/routing.py).
+    enable_return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:

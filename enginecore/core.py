@@ -67,6 +67,9 @@ class EngineCore:
             num_state_slots=config.scheduler.max_num_seqs if hybrid else 0,
             num_state_checkpoints=executor.num_state_checkpoints,
             state_checkpoint_interval=executor.state_checkpoint_interval,
+            routing_shape=executor.routing_shape
+            if config.model.enable_return_routed_experts
+            else None,
         )
         self._rng = random.Random()
         self.grammars = GrammarCompiler(

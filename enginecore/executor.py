@@ -47,6 +47,7 @@ from enginecore.messages import (
     NodeStop,
     NodeToCore,
     NodeWorkerExited,
+    RoutingShape,
     SchedulerOutput,
     Shutdown,
     WorkerCall,
@@ -90,6 +91,7 @@ class Executor(Protocol):
     # tokens they are taken (enginecore/state_checkpoints.py); 0 when there are none.
     num_state_checkpoints: int
     state_checkpoint_interval: int
+    routing_shape: RoutingShape | None  # mixture-of-experts models (enginecore/routing.py)
     vocab_size: int
     model_summary: str
 
@@ -118,6 +120,7 @@ class InProcExecutor:
             self.runner.plan_state_checkpoints()
         )
         self.runner.init_kv_cache(self.num_kv_blocks, self.num_state_checkpoints)
+        self.routing_shape = self.runner.routing_shape()
         self.kv_cache_windows = [g.window for g in self.runner.kv_cache_groups]
         self.max_model_len = servable_len(
             self.runner.max_model_len, self.num_kv_blocks, config.cache.block_size,
@@ -225,6 +228,7 @@ class MultiprocExecutor:
             raise
         driver = readies[self.driver_rank]
         self.kv_cache_windows = driver.kv_cache_windows
+        self.routing_shape = driver.routing_shape
         self.max_model_len = servable_len(
             driver.max_model_len, self.num_kv_blocks, config.cache.block_size,
             self.kv_cache_windows, config.scheduler.max_num_batched_tokens,

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from enginecore.block_pool import BlockPool, KVBlock
 from enginecore.request import Request
+from enginecore.routing import RoutingCache
 from enginecore.state_checkpoints import StateCheckpoints
 
 
@@ -33,7 +34,8 @@ class KVCacheManager:
     window masks keep every query off them.
 
     On a hybrid model (`checkpoints`), a cached prefix must also end where its linear-attention
-    states were checkpointed."""
+    states were checkpointed; when routing is recorded (`routing`), it must cover blocks whose
+    routing rows are kept."""
 
     def __init__(
         self,
@@ -42,10 +44,12 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         group_windows: Sequence[int | None] = (None,),
         checkpoints: StateCheckpoints | None = None,
+        routing: RoutingCache | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.checkpoints = checkpoints
+        self.routing = routing
         self.group_windows = list(group_windows)
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._req_blocks: dict[str, list[list[KVBlock | None]]] = {}
@@ -77,6 +81,8 @@ class KVCacheManager:
         self._update_block_hashes(request)
         hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
         n = len(hashes)
+        if self.routing is not None:
+            n = next((i for i, h in enumerate(hashes) if not self.routing.has(h)), n)
         for g, window in enumerate(self.group_windows):
             if window is None:
                 n = next(
@@ -181,6 +187,8 @@ class KVCacheManager:
             return False
         if self.checkpoints is not None:
             self.checkpoints.clear()
+        if self.routing is not None:
+            self.routing.clear()
         return True
 
     def invalidate_prefix_cache(self) -> None:
@@ -189,6 +197,8 @@ class KVCacheManager:
         self.pool.invalidate_cached()
         if self.checkpoints is not None:
             self.checkpoints.clear()
+        if self.routing is not None:
+            self.routing.clear()
 
     def _first_visible_block(self, first_pos: int, window: int) -> int:
         """The first block a query at first_pos or later can see through `window`."""

@@ -219,6 +219,28 @@ class UtilityResult(msgspec.Struct, omit_defaults=True):
     error: str | None = None
 
 
+class RoutedExperts(msgspec.Struct, array_like=True):
+    """Routing rows of consecutive positions of a request: int16 (positions, num_layers, top_k)
+    in native byte order (enginecore/routing.py)."""
+
+    data: bytes
+    num_layers: int
+    top_k: int
+    num_experts: int
+
+
+class RoutingShape(msgspec.Struct, array_like=True):
+    """The model's MoE layers, experts per token and experts per layer (WorkerReady)."""
+
+    num_layers: int
+    top_k: int
+    num_experts: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.num_layers * self.top_k * 2
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
@@ -239,6 +261,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # frontend truncates to `dimensions` and normalizes) or the score head's logits ("classify",
     # "reward"; no softmax).
     pooled: list[float] | None = None
+    # --enable-return-routed-experts: the routing of the positions computed since the last output.
+    routed_experts: RoutedExperts | None = None
 
 
 class SchedulerStats(msgspec.Struct):
@@ -449,6 +473,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     # Pooling models: by request id, the output of each request whose prompt ended this step
     # (EngineCoreOutput.pooled); such a request is finished. Nothing is sampled on these models.
     pooled: dict[str, list[float]] = {}
+    # --enable-return-routed-experts: by request id, the experts each token of its chunk was
+    # routed to, int16 (tokens, MoE layers, top_k) in native byte order.
+    routed_experts: dict[str, bytes] = {}
 
 
 class WorkerReady(msgspec.Struct, tag="ready"):
@@ -463,6 +490,8 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     # (ModelRunner.plan_state_checkpoints).
     num_state_checkpoints: int = 0
     state_checkpoint_interval: int = 0
+    # Mixture-of-experts models, from the driver: what a token's routing row holds.
+    routing_shape: RoutingShape | None = None
 
 
 class WorkerResult(msgspec.Struct, tag="result", omit_defaults=True):

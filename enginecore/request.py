@@ -21,6 +21,7 @@ from enginecore.messages import (
 )
 
 if TYPE_CHECKING:
+    from enginecore.routing import RequestRouting
     from enginecore.structured_output import RequestGrammar
 
 
@@ -70,6 +71,8 @@ class Request:
         self.structured_output = structured_output
         self.grammar: RequestGrammar | None = None
         self.pooling_type = pooling_type
+        # --enable-return-routed-experts: the experts of each computed position (set by the scheduler).
+        self.routing: RequestRouting | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -24,11 +24,13 @@ from enginecore.messages import (
     EngineCoreOutput,
     FinishReason,
     ModelRunnerOutput,
+    RoutingShape,
     ScheduledRequest,
     SchedulerOutput,
     SchedulerStats,
 )
 from enginecore.request import Request, RequestStatus
+from enginecore.routing import RequestRouting, RoutingCache
 from enginecore.state_checkpoints import StateCheckpoints
 
 
@@ -42,11 +44,15 @@ class Scheduler:
         num_state_slots: int = 0,
         num_state_checkpoints: int = 0,
         state_checkpoint_interval: int = 0,
+        routing_shape: RoutingShape | None = None,
     ) -> None:
         """num_state_slots: hybrid models' per-sequence linear-attention states (one per
         sequence that can run): a request takes one when it starts running and gives it back
         when it finishes, is aborted or is preempted. With prefix caching, their checkpoints
-        (enginecore/state_checkpoints.py) are what a cached prefix resumes from."""
+        (enginecore/state_checkpoints.py) are what a cached prefix resumes from.
+
+        routing_shape: record every request's routing (--enable-return-routed-experts,
+        enginecore/routing.py)."""
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -57,12 +63,17 @@ class Scheduler:
                 checkpoints = StateCheckpoints(num_state_checkpoints, state_checkpoint_interval)
             else:
                 caching = False  # a hit could not restore the linear-attention states
+        self.routing_shape = routing_shape
+        routing = None
+        if routing_shape is not None and caching:
+            routing = RoutingCache(num_kv_blocks, self.block_size, routing_shape.row_bytes)
         self.kv = KVCacheManager(
             num_kv_blocks,
             self.block_size,
             caching,
             kv_cache_windows,
             checkpoints,
+            routing,
         )
         self.requests: dict[str, Request] = {}
         self.num_state_slots = num_state_slots
@@ -186,6 +197,8 @@ class Scheduler:
                 # NOTE: never empty: at most max_num_seqs run, and there are as many slots.
                 request.state_slot = self.free_state_slots.pop()
             request.num_computed_tokens = num_cached
+            if self.routing_shape is not None:
+                self._start_routing(request, num_cached)
             self.running.append(request)
             # NOTE: before the chunk reserves checkpoints of its own, which may evict this one.
             restore = self.kv.restore_checkpoint(request, num_cached)
@@ -197,6 +210,16 @@ class Scheduler:
         self.waiting.extendleft(reversed(not_ready))
         finished, self._finished_req_ids = self._finished_req_ids, []
         return SchedulerOutput(self._step_id, scheduled, finished)
+
+    def _start_routing(self, request: Request, num_cached: int) -> None:
+        """A request starting (or resuming) takes the routing rows of its cached blocks."""
+        if request.routing is None:
+            request.routing = RequestRouting(self.routing_shape)
+        cache, routing = self.kv.routing, request.routing
+        for i in range(num_cached // self.block_size):
+            if (i + 1) * self.block_size > routing.num_rows:
+                routing.add(i * self.block_size, cache.get(request.block_hashes[i]))
+        routing.num_cached_blocks = max(routing.num_cached_blocks, num_cached // self.block_size)
 
     def _schedule_chunk(
         self, request: Request, num_new: int, new_block_ids: list[list[int]]
@@ -253,6 +276,8 @@ class Scheduler:
         if self.kv.checkpoints is not None:
             self.kv.checkpoints.publish()  # the step wrote them
         outputs = self._finish_pooled(output.pooled)
+        if output.routed_experts:
+            self._add_routing(step, output.routed_experts)
         for request_id, chunk in output.prompt_logprobs.items():
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
@@ -275,6 +300,8 @@ class Scheduler:
                 error=error,
             )
             out.new_logprobs = output.logprobs.get(request_id)
+            if request.routing is not None:
+                out.routed_experts = request.routing.take_new()
             if request.num_output_tokens == 1:
                 out.queued_time = request.queued_time
                 out.first_scheduled_time = request.first_scheduled_time
@@ -285,6 +312,16 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, finish_reason)
         return outputs
+
+    def _add_routing(self, step: SchedulerOutput, routed: dict[str, bytes]) -> None:
+        starts = {r.req_id: r.start_pos for r in step.requests}
+        for request_id, data in routed.items():
+            request = self.requests.get(request_id)
+            if request is None or request.routing is None:
+                continue  # finished or aborted while the step ran
+            request.routing.add(starts[request_id], data)
+            if self.kv.routing is not None:
+                request.routing.cache_blocks(self.kv.routing, request.block_hashes, self.block_size)
 
     def _finish_pooled(self, pooled: dict[str, list[float]]) -> list[EngineCoreOutput]:
         """Pooling requests whose prompt the step completed: their one output, and they finish."""

@@ -126,8 +126,9 @@ class Launcher:
         engine = self.engine
         metrics = Metrics(names[0], lambda: engine.latest_stats)
         serving = OpenAIServing(
-            engine, tokenizer, names, ready.max_model_len, ready.vocab_size, metrics
-        )
+            engine, tokenizer, names, ready.max_model_len, ready.vocab_size, metrics,
+            records_routing=config.model.enable_return_routed_experts,
+        )  # fmt: skip
         app = build_app(config, self.frontend_config, engine, serving)
         uv_config = uvicorn.Config(
             app,

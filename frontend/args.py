@@ -188,6 +188,13 @@ def make_parser() -> argparse.ArgumentParser:
         help="vLLM's spelling of the prefix-caching switch (on by default)",
     )
     launch.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="mixture-of-experts models: record the experts each token was routed to in each "
+        "layer (routing replay for RL): vLLM's choices[i].routed_experts, SGLang's "
+        "return_routed_experts",
+    )
+    launch.add_argument(
         "--state-checkpoint-interval",
         type=int,
         default=None,
@@ -398,6 +405,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             served_model_name=served_name,
             seed=args.seed,
             logprobs_mode=args.logprobs_mode,
+            enable_return_routed_experts=args.enable_return_routed_experts,
             task=args.task,
             pooling_type=args.pooling_type,
         ),

@@ -38,6 +38,7 @@ from enginecore.config import Config, ParallelConfig
 from enginecore.messages import (
     BitmaskSource,
     ModelRunnerOutput,
+    RoutingShape,
     SamplingParams,
     ScheduledRequest,
     SchedulerOutput,
@@ -173,6 +174,11 @@ class ModelRunner:
         # Linear-attention layers (hybrid models), whose per-sequence state pools have one row per
         # sequence that can run at once (--max-num-seqs); the scheduler hands the rows out.
         self.linear_layers: list[GatedDeltaNet] = []
+        # Mixture-of-experts layers of this stage; with --enable-return-routed-experts, those of
+        # earlier stages (whose routing arrives with their hidden states) and the experts per token.
+        self.moe_layers: list[SparseMoE] = []
+        self.moe_layers_before = 0
+        self.moe_top_k = 0
         self.kv_cache: torch.Tensor | None = None
         self.num_kv_blocks = 0
         self.num_state_checkpoints = 0  # rows after the sequences' in the state pools
@@ -196,6 +202,17 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_cache_groups = model.model.kv_cache_groups
         self.linear_layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+        self.moe_layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        if self.config.model.enable_return_routed_experts:
+            kinds = model.model.spec.layers
+            if not any(k.mlp == "moe" for k in kinds):
+                raise ValueError(
+                    "--enable-return-routed-experts needs a mixture-of-experts model; "
+                    f"{self.args.architecture} has no expert layers"
+                )
+            first = model.model.stage_layers[0]
+            self.moe_layers_before = sum(k.mlp == "moe" for k in kinds[:first])
+            self.moe_top_k = model.model.spec.moe.top_k
         self.repack_weights()
         logger.info("loaded %s", self.model_summary)
 
@@ -225,6 +242,15 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         per_layer = 2 * self.block_size * self._kv_heads_per_rank() * self.args.head_dim * elem
         return per_layer * self._kv_cache_slots()
+
+    def routing_shape(self) -> RoutingShape | None:
+        """What one token's routing row holds (mixture-of-experts models), over the whole model."""
+        assert self.model is not None
+        spec = self.model.model.spec
+        if spec.moe is None:
+            return None
+        num_layers = sum(k.mlp == "moe" for k in spec.layers)
+        return RoutingShape(num_layers, spec.moe.top_k, spec.moe.num_experts)
 
     def state_bytes_per_seq(self) -> int:
         """One sequence's linear-attention states over this stage's layers (0 without any)."""
@@ -500,17 +526,34 @@ class ModelRunner:
         p = self.parallel
         t1 = time.perf_counter()
         timings["prepare"] = t1 - t0
-        intermediate = None
+        intermediate, earlier_routes = None, None
+        num_tokens = input_ids.numel()
         if not p.is_first_stage:
-            shape = (2, input_ids.numel(), self.args.hidden_size)
+            shape = (2, num_tokens, self.args.hidden_size)
             intermediate = p.recv_from_prev_stage(shape, self.dtype, self.device)
+            if self.config.model.enable_return_routed_experts and self.moe_layers_before:
+                shape = (num_tokens, self.moe_layers_before, self.moe_top_k)
+                earlier_routes = p.recv_from_prev_stage(shape, torch.int16, self.device)
+        recording = self.config.model.enable_return_routed_experts
+        for layer in self.moe_layers:
+            layer.captured = [] if recording else None
         # (T, hidden) on the last stage; (2, T, hidden), hidden states and residual, on the others
         hidden = self.model(input_ids, meta, intermediate)
         t2 = time.perf_counter()
         timings["forward"] = t2 - t1
+        routes = self._routes(earlier_routes, num_tokens) if recording else None
         if not p.is_last_stage:
             p.send_to_next_stage(hidden)
+            if routes is not None and routes.size(1):
+                p.send_to_next_stage(routes)
             return ModelRunnerOutput(step.step_id, [], []), None
+        routed = {}
+        if routes is not None and p.is_driver:
+            starts = meta.query_start_loc.tolist()
+            routed = {
+                r.req_id: routes[starts[i] : starts[i + 1]].cpu().numpy().tobytes()
+                for i, r in enumerate(reqs)
+            }
         if self.pooler is not None:
             output = self._pool(step, hidden, meta.query_start_loc.tolist())
             timings["pool"] = time.perf_counter() - t2
@@ -529,7 +572,9 @@ class ModelRunner:
         if not p.is_driver:
             prompt_lps = {}
         if not sampling:
-            return ModelRunnerOutput(step.step_id, [], [], prompt_logprobs=prompt_lps), None
+            return ModelRunnerOutput(
+                step.step_id, [], [], prompt_logprobs=prompt_lps, routed_experts=routed
+            ), None
         last_rows = meta.query_start_loc[1:][sampling] - 1
         logits = self.model.compute_logits(hidden[last_rows]).float()  # (N, vocab)
         t3 = time.perf_counter()
@@ -561,10 +606,23 @@ class ModelRunner:
             sampled.tolist(),
             sampled_logprobs_by_request(logits, sampled, req_ids, num_tops, processed),
             prompt_lps,
+            routed_experts=routed,
         )
         logprobs = logits.log_softmax(dim=-1).cpu() if want_logprobs else None
         timings["sample"] = time.perf_counter() - t3
         return output, logprobs
+
+    def _routes(self, earlier: torch.Tensor | None, num_tokens: int) -> torch.Tensor:
+        """(T, MoE layers so far, top_k) int16: the step's routing in layer order, the earlier
+        stages' first."""
+        parts = [] if earlier is None else [earlier]
+        for layer in self.moe_layers:
+            assert layer.captured is not None
+            parts += [e.to(torch.int16).unsqueeze(1) for e in layer.captured]
+            layer.captured = None
+        if not parts:
+            return torch.empty(num_tokens, 0, self.moe_top_k, dtype=torch.int16)
+        return torch.cat(parts, dim=1)
 
     def _pool(
         self, step: SchedulerOutput, hidden: torch.Tensor, starts: list[int]

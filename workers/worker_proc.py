@@ -168,6 +168,7 @@ def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) ->
             kv_cache_windows=[g.window for g in runner.kv_cache_groups],
             num_state_checkpoints=num_checkpoints,
             state_checkpoint_interval=checkpoint_interval,
+            routing_shape=runner.routing_shape(),
         )
         replies.send(reply_codec.encode(ready))
         from workers.worker_control import WorkerControl

@@ -100,6 +100,11 @@ def _merge(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
     new_logprobs = a.new_logprobs
     if b.new_logprobs is not None:
         new_logprobs = Logprobs.concat([a.new_logprobs or Logprobs(), b.new_logprobs])
+    routed = a.routed_experts
+    if routed is None or b.routed_experts is None:
+        routed = routed or b.routed_experts
+    else:  # consecutive positions' rows
+        routed = msgspec.structs.replace(routed, data=routed.data + b.routed_experts.data)
     return EngineCoreOutput(
         a.request_id,
         a.new_token_ids + b.new_token_ids,
@@ -112,6 +117,7 @@ def _merge(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
         new_logprobs,
         a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
         b.pooled if b.pooled is not None else a.pooled,
+        routed,
     )
 
 

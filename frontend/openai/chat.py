@@ -85,6 +85,7 @@ class ChatServing:
                     _finish_reason(gen.finish_reason, bool(message.tool_calls)),
                     gen.stop_reason,
                     gen.output_token_ids if req.return_token_ids else None,
+                    s.routed_experts_of(gen),
                 )
             )
         first = group.gens[0]

@@ -71,6 +71,7 @@ class CompletionServing:
         ]
         for choice, gen in zip(choices, group.gens):
             choice.token_ids = gen.output_token_ids if req.return_token_ids else None
+            choice.routed_experts = s.routed_experts_of(gen)
         response = CompletionResponse(
             request_id, "text_completion", created, s.model_name, choices, group.usage(),
             group.weight_version,
@@ -97,6 +98,7 @@ class CompletionServing:
             new_logprobs = [gen.new_logprobs] if gen.new_logprobs is not None else []
             choice = view.choice(i, gen, text, new_logprobs, num_chars[i], first)
             choice.token_ids = gen.new_token_ids if req.return_token_ids else None
+            choice.routed_experts = s.routed_experts_of(gen)
             num_chars[i] += len(text)
             yield sse(
                 CompletionStreamResponse(

@@ -562,6 +562,8 @@ class ChatCompletionResponseChoice(msgspec.Struct):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # with return_token_ids
+    # --enable-return-routed-experts: base64 .npy (tokens - 1, MoE layers, top_k), vLLM's field
+    routed_experts: str | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -613,6 +615,9 @@ class CompletionResponseChoice(msgspec.Struct):
     prompt_logprobs: PromptLogprobsList | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids (a stream's first chunk)
     token_ids: list[int] | None = None  # with return_token_ids
+    # --enable-return-routed-experts: base64 .npy (tokens - 1, MoE layers, top_k), vLLM's field;
+    # on a stream's last chunk of the choice
+    routed_experts: str | None = None
 
 
 class CompletionResponse(msgspec.Struct):

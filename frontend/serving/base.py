@@ -32,6 +32,7 @@ from frontend.serving.generation import (
     stream_and_close,
     unique_ids,
 )
+from frontend.serving.routed_experts import vllm_routed_experts
 from frontend.serving.sampling import RequestSampling, for_sample, set_logits_processing
 from frontend.text.detokenizer import IncrementalDetokenizer
 
@@ -68,7 +69,11 @@ class OpenAIServing:
         max_model_len: int,
         vocab_size: int,
         metrics: Metrics | None = None,
+        records_routing: bool = False,
     ) -> None:
+        """records_routing: the engine records routed experts (--enable-return-routed-experts):
+        completions and chat choices carry vLLM's `routed_experts`, SGLang's /generate answers
+        `return_routed_experts`."""
         assert model_names, "at least one served model name"
         self.engine = engine
         self.tokenizer = tokenizer
@@ -76,7 +81,13 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.metrics = metrics
+        self.records_routing = records_routing
         self.inflight = InflightRequests()
+
+    def routed_experts_of(self, gen: Generation) -> str | None:
+        """vLLM's choices[i].routed_experts of a finished generation (routed_experts.py)."""
+        rows = gen.routed_experts() if self.records_routing else None
+        return None if rows is None else vllm_routed_experts(rows, gen.routing.num_experts)
 
     @property
     def model_name(self) -> str:

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from starlette.requests import Request
 
 from enginecore.messages import (
@@ -27,6 +28,7 @@ from enginecore.messages import (
 from frontend.engine.client import EngineClient, EngineDeadError
 from frontend.openai.protocol import PromptTokensDetails, UsageInfo
 from frontend.server.errors import APIError, engine_dead_error
+from frontend.serving.routed_experts import RoutingRows
 from frontend.text.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -73,6 +75,8 @@ class Generation:
         # What the last next_text() consumed: its tokens and their logprobs.
         self.new_token_ids: list[int] = []
         self.new_logprobs: Logprobs | None = None
+        # --enable-return-routed-experts: the routing rows the outputs carried.
+        self.routing = RoutingRows()
         # Set by POST /abort_request: LMDeploy's meta_info.finish_reason for this request.
         self.abort_info: dict[str, Any] | None = None
         self._arrival = time.monotonic()
@@ -96,6 +100,13 @@ class Generation:
     def num_output_tokens(self) -> int:
         return self.detokenizer.num_tokens
 
+    def routed_experts(self) -> np.ndarray | None:
+        """The routing of the tokens answered (routed_experts.py), once finished; None when the
+        engine records none."""
+        if not self.is_finished:
+            return None
+        return self.routing.array(self.num_prompt_tokens + len(self.output_token_ids))
+
     def usage(self) -> UsageInfo:
         n_in, n_out = self.num_prompt_tokens, self.num_output_tokens
         return UsageInfo(n_in, n_in + n_out, n_out, PromptTokensDetails(self.num_cached_tokens))
@@ -114,6 +125,8 @@ class Generation:
             raise RequestFailedError(out.error or "the engine failed to serve this request")
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        if out.routed_experts is not None:
+            self.routing.add(out.routed_experts)
         tokens = [] if self.discard_output else out.new_token_ids
         by_stop_token = out.finish_reason == FinishReason.STOP and bool(tokens)
         num_before = self.detokenizer.num_tokens

@@ -59,7 +59,7 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     ),
     **dict.fromkeys(
         """use_audio_in_video return_flat_raw_top_logprobs return_flat_raw_top_logprobs_b64
-        return_hidden_states return_routed_experts return_indexer_topk background
+        return_hidden_states return_indexer_topk background
         require_reasoning return_bytes return_entropy return_prompt_token_ids""".split(),
         (False,),
     ),
@@ -68,7 +68,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     ),
     "return_sampling_mask": (None, False),
     "log_metrics": (True,),  # tern records every request's metrics
-    "routed_experts_start_len": (0,),
     "routed_dp_rank": (None, 0),  # one data-parallel rank: rank 0 is this server
     "data_parallel_rank": (None, 0),
     "priority": (None, 0),
@@ -183,6 +182,9 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     top_logprobs_num: int | None = None
     return_text_in_logprobs: bool | None = False
     stream: bool | None = False
+    # Routing replay (--enable-return-routed-experts): meta_info.routed_experts from this position.
+    return_routed_experts: bool | None = False
+    routed_experts_start_len: int | None = 0
     # Tracking and logging hints with no effect on the output (tern logs no request content).
     conversation_id: str | None = None
     no_logs: bool | None = False
@@ -201,8 +203,6 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     return_flat_raw_top_logprobs_b64: Any = UNSET
     log_metrics: Any = UNSET
     return_hidden_states: Any = UNSET
-    return_routed_experts: Any = UNSET
-    routed_experts_start_len: Any = UNSET
     return_indexer_topk: Any = UNSET
     modalities: Any = UNSET
     session_id: Any = UNSET
@@ -298,6 +298,12 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
                 raise bad_request(f"rid has {len(self.rid)} ids for {num_prompts} prompts", "rid")
             if len(set(self.rid)) != len(self.rid):
                 raise bad_request("the request ids in rid must be unique", "rid")
+        if (self.routed_experts_start_len or 0) < 0:
+            raise bad_request(
+                "routed_experts_start_len must be a token position (>= 0), got "
+                f"{self.routed_experts_start_len}",
+                "routed_experts_start_len",
+            )
         if self.return_logprob:
             k, start = self.top_logprobs_num, self.logprob_start_len
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
@@ -360,6 +366,7 @@ class SGLangMetaInfo(msgspec.Struct):
     input_top_logprobs: list[list[LogprobEntry] | None] | UnsetType = UNSET
     output_top_logprobs: list[list[LogprobEntry] | None] | UnsetType = UNSET
     e2e_latency: float | UnsetType = UNSET  # seconds, once finished
+    routed_experts: str | None | UnsetType = UNSET  # with return_routed_experts, once finished
 
 
 class SGLangGenerateOutput(msgspec.Struct):

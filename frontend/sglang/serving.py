@@ -46,6 +46,7 @@ from enginecore.messages import Logprobs, StructuredOutputSpec
 from frontend.server.errors import bad_request
 from frontend.serving.base import REQUEST_ID_HEADER, OpenAIServing, json_response, sse
 from frontend.serving.generation import Generation, RequestGroup
+from frontend.serving.routed_experts import sglang_routed_experts
 from frontend.sglang.protocol import (
     ANY_JSON,
     LogprobEntry,
@@ -86,6 +87,12 @@ class SGLangServing:
         s = self.serving
         arrival = time.monotonic()
         req = decode_sglang_generate(body)
+        if req.return_routed_experts and not s.records_routing:
+            raise bad_request(
+                "return_routed_experts needs the server started with "
+                "--enable-return-routed-experts",
+                "return_routed_experts",
+            )
         prompts = [
             self._prompt(req, p, params)
             for p, params in zip(req.prompts(), req.sampling_params_list())
@@ -239,6 +246,7 @@ class _OutputView:
     def __init__(self, req: SGLangGenerateRequest, strings: TokenStrings, arrival: float) -> None:
         self.num_logprobs = req.num_logprobs
         self.with_text = bool(req.return_text_in_logprobs)
+        self.routed_start = req.routed_experts_start_len or 0 if req.return_routed_experts else None
         self.strings = strings
         self.arrival = arrival
 
@@ -253,6 +261,9 @@ class _OutputView:
             self._add_logprobs(meta, gen, item)
         if gen.is_finished:
             meta.e2e_latency = time.monotonic() - self.arrival
+            rows = gen.routed_experts()
+            if self.routed_start is not None and rows is not None:
+                meta.routed_experts = sglang_routed_experts(rows, self.routed_start)
         return SGLangGenerateOutput(text, list(gen.output_token_ids), meta, index)
 
     def _add_logprobs(self, meta: SGLangMetaInfo, gen: Generation, item: _Item) -> None:

@@ -275,6 +275,9 @@ def test_structured_output(server: Any) -> None:
         ({"text": "x", "return_logprob": True, "logprob_start_len": 99}, "logprob_start_len"),
         ({"text": "x", "return_logprob": True, "top_logprobs_num": 99}, "top_logprobs_num"),
         ({"text": "x", "prompt": "y"}, "prompt"),
+        # This server records no routing (--enable-return-routed-experts: test_routed_experts.py).
+        ({"text": "x", "return_routed_experts": True}, "return_routed_experts"),
+        ({"text": "x", "routed_experts_start_len": -1}, "routed_experts_start_len"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(server: Any, body: dict[str, Any], param: str) -> None:

@@ -159,6 +159,8 @@ class SparseMoE(nn.Module):
         self.top_k = spec.top_k
         self.norm_topk_prob = spec.norm_topk_prob
         self.gate = ReplicatedLinear(hidden_size, spec.num_experts, ctx=ctx)
+        # Set by the model runner to record each step's routing (--enable-return-routed-experts).
+        self.captured: list[torch.Tensor] | None = None
         self.experts = FusedExperts(spec, hidden_size, activation, ctx)
         self.shared_expert = None
         if spec.shared_expert_size:
@@ -180,6 +182,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
+        if self.captured is not None:
+            self.captured.append(experts)
         out = self.experts(x, experts, weights)
         if self.shared_expert is not None:
             shared = self.shared_expert
