@@ -110,6 +110,51 @@ def test_model_zoo_at_tp2_pp2_matches_hf(arch: str, request) -> None:
     assert got == expected * rounds
 
 
+def test_routed_experts_at_tp2_pp2_match_hf(tiny_qwen3_moe: Path) -> None:
+    """Routing replay across ranks: the tiny Qwen3-MoE's expert layers 0 and 2 sit on different
+    pipeline stages (the first stage's routing travels with its hidden states), prompts are
+    prefilled 7 tokens a step and sent twice (the second time from the prefix cache): every
+    token's experts equal Hugging Face's router top-k."""
+    import numpy as np
+    import torch
+    import transformers
+
+    prompts = make_prompts(vocab_of(tiny_qwen3_moe), n=4)
+    expected_tokens = hf_greedy(tiny_qwen3_moe, prompts, NUM_TOKENS)
+    config = parallel_config(tiny_qwen3_moe, 2, 2, block_size=4)
+    config = config.replace(
+        model=dataclasses.replace(config.model, enable_return_routed_experts=True),
+        scheduler=dataclasses.replace(config.scheduler, max_num_batched_tokens=7),
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe, dtype=torch.float32)
+    client = CoreClient(config)
+    try:
+        assert isinstance(client.startup(), EngineReady)
+        for round_ in range(2):
+            ids = [f"{round_}.{i}" for i in range(len(prompts))]
+            for r, p in zip(ids, prompts):
+                client.send(RequestType.ADD, greedy(r, p, NUM_TOKENS))
+            rows = {r: b"" for r in ids}
+            done: set[str] = set()
+            for _ in range(10_000):
+                if len(done) == len(ids):
+                    break
+                for o in client.recv().outputs:
+                    rows[o.request_id] += o.routed_experts.data if o.routed_experts else b""
+                    if o.finish_reason is not None:
+                        done.add(o.request_id)
+            for r, p, out in zip(ids, prompts, expected_tokens):
+                tokens = p + out[:-1]
+                with torch.no_grad():
+                    logits = hf(torch.tensor([tokens]), output_router_logits=True).router_logits
+                want = torch.stack([x.softmax(-1).topk(2).indices for x in logits], 1).numpy()
+                got = np.frombuffer(rows[r], dtype=np.int16).reshape(-1, 2, 2)
+                np.testing.assert_array_equal(got, want)
+        assert client.stats()["prefix_cache_hits"] > 0
+    finally:
+        client.close()
+
+
 def test_default_model_at_tp2_splits_heads_unevenly_and_matches_tp1() -> None:
     from frontend.model_prep import default_model_dir, is_complete
 
