@@ -70,6 +70,7 @@ class EngineCore:
             routing_shape=executor.routing_shape
             if config.model.enable_return_routed_experts
             else None,
+            num_experts=executor.routing_shape.num_experts if executor.routing_shape else 0,
         )
         self._rng = random.Random()
         self.grammars = GrammarCompiler(

@@ -282,6 +282,10 @@ class SchedulerStats(msgspec.Struct):
     # Hybrid models with prefix caching: state checkpoints kept, and those holding one.
     num_state_checkpoints: int = 0
     num_used_state_checkpoints: int = 0
+    # Mixture-of-experts models: tokens routed to each expert of each MoE layer since start-up,
+    # flat (layers x experts, layer-major), and the experts per layer.
+    expert_tokens_total: list[int] = []
+    num_experts: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
@@ -476,6 +480,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     # --enable-return-routed-experts: by request id, the experts each token of its chunk was
     # routed to, int16 (tokens, MoE layers, top_k) in native byte order.
     routed_experts: dict[str, bytes] = {}
+    # Mixture-of-experts models: tokens each expert of each MoE layer took this step, flat
+    # (layers x experts, layer-major).
+    expert_tokens: list[int] = []
 
 
 class WorkerReady(msgspec.Struct, tag="ready"):

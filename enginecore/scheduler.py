@@ -14,6 +14,7 @@ The scheduler knows token ids and blocks only; it never sees text or tensors.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ class Scheduler:
         num_state_checkpoints: int = 0,
         state_checkpoint_interval: int = 0,
         routing_shape: RoutingShape | None = None,
+        num_experts: int = 0,
     ) -> None:
         """num_state_slots: hybrid models' per-sequence linear-attention states (one per
         sequence that can run): a request takes one when it starts running and gives it back
@@ -52,7 +54,7 @@ class Scheduler:
         (enginecore/state_checkpoints.py) are what a cached prefix resumes from.
 
         routing_shape: record every request's routing (--enable-return-routed-experts,
-        enginecore/routing.py)."""
+        enginecore/routing.py). num_experts: per MoE layer (the tokens each takes are counted)."""
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -64,6 +66,8 @@ class Scheduler:
             else:
                 caching = False  # a hit could not restore the linear-attention states
         self.routing_shape = routing_shape
+        self.num_experts = num_experts
+        self.expert_tokens_total: list[int] = []  # layers x experts, layer-major
         routing = None
         if routing_shape is not None and caching:
             routing = RoutingCache(num_kv_blocks, self.block_size, routing_shape.row_bytes)
@@ -278,6 +282,9 @@ class Scheduler:
         outputs = self._finish_pooled(output.pooled)
         if output.routed_experts:
             self._add_routing(step, output.routed_experts)
+        if output.expert_tokens:
+            total = self.expert_tokens_total or [0] * len(output.expert_tokens)
+            self.expert_tokens_total = list(map(operator.add, total, output.expert_tokens))
         for request_id, chunk in output.prompt_logprobs.items():
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
@@ -392,4 +399,6 @@ class Scheduler:
             num_free_state_slots=len(self.free_state_slots),
             num_state_checkpoints=self.kv.checkpoints.num_slots if self.kv.checkpoints else 0,
             num_used_state_checkpoints=self.kv.checkpoints.num_used if self.kv.checkpoints else 0,
+            expert_tokens_total=list(self.expert_tokens_total),
+            num_experts=self.num_experts,
         )

@@ -174,8 +174,8 @@ class ModelRunner:
         # Linear-attention layers (hybrid models), whose per-sequence state pools have one row per
         # sequence that can run at once (--max-num-seqs); the scheduler hands the rows out.
         self.linear_layers: list[GatedDeltaNet] = []
-        # Mixture-of-experts layers of this stage; with --enable-return-routed-experts, those of
-        # earlier stages (whose routing arrives with their hidden states) and the experts per token.
+        # Mixture-of-experts layers of this stage, those of earlier stages (whose routing arrives
+        # with their hidden states) and the experts per token.
         self.moe_layers: list[SparseMoE] = []
         self.moe_layers_before = 0
         self.moe_top_k = 0
@@ -203,16 +203,16 @@ class ModelRunner:
         self.kv_cache_groups = model.model.kv_cache_groups
         self.linear_layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
         self.moe_layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
-        if self.config.model.enable_return_routed_experts:
-            kinds = model.model.spec.layers
-            if not any(k.mlp == "moe" for k in kinds):
-                raise ValueError(
-                    "--enable-return-routed-experts needs a mixture-of-experts model; "
-                    f"{self.args.architecture} has no expert layers"
-                )
+        spec = model.model.spec
+        if spec.moe is not None:
             first = model.model.stage_layers[0]
-            self.moe_layers_before = sum(k.mlp == "moe" for k in kinds[:first])
-            self.moe_top_k = model.model.spec.moe.top_k
+            self.moe_layers_before = sum(k.mlp == "moe" for k in spec.layers[:first])
+            self.moe_top_k = spec.moe.top_k
+        elif self.config.model.enable_return_routed_experts:
+            raise ValueError(
+                "--enable-return-routed-experts needs a mixture-of-experts model; "
+                f"{self.args.architecture} has no expert layers"
+            )
         self.repack_weights()
         logger.info("loaded %s", self.model_summary)
 
@@ -531,10 +531,11 @@ class ModelRunner:
         if not p.is_first_stage:
             shape = (2, num_tokens, self.args.hidden_size)
             intermediate = p.recv_from_prev_stage(shape, self.dtype, self.device)
-            if self.config.model.enable_return_routed_experts and self.moe_layers_before:
+            if self.moe_layers_before:
                 shape = (num_tokens, self.moe_layers_before, self.moe_top_k)
                 earlier_routes = p.recv_from_prev_stage(shape, torch.int16, self.device)
-        recording = self.config.model.enable_return_routed_experts
+        # Every step's routing is counted (tern:moe_expert_tokens); requests get it on demand.
+        recording = bool(self.moe_top_k)
         for layer in self.moe_layers:
             layer.captured = [] if recording else None
         # (T, hidden) on the last stage; (2, T, hidden), hidden states and residual, on the others
@@ -547,13 +548,15 @@ class ModelRunner:
             if routes is not None and routes.size(1):
                 p.send_to_next_stage(routes)
             return ModelRunnerOutput(step.step_id, [], []), None
-        routed = {}
+        routed, expert_tokens = {}, []
         if routes is not None and p.is_driver:
-            starts = meta.query_start_loc.tolist()
-            routed = {
-                r.req_id: routes[starts[i] : starts[i + 1]].cpu().numpy().tobytes()
-                for i, r in enumerate(reqs)
-            }
+            if self.config.model.enable_return_routed_experts:
+                starts = meta.query_start_loc.tolist()
+                routed = {
+                    r.req_id: routes[starts[i] : starts[i + 1]].cpu().numpy().tobytes()
+                    for i, r in enumerate(reqs)
+                }
+            expert_tokens = self._expert_tokens(routes)
         if self.pooler is not None:
             output = self._pool(step, hidden, meta.query_start_loc.tolist())
             timings["pool"] = time.perf_counter() - t2
@@ -573,8 +576,9 @@ class ModelRunner:
             prompt_lps = {}
         if not sampling:
             return ModelRunnerOutput(
-                step.step_id, [], [], prompt_logprobs=prompt_lps, routed_experts=routed
-            ), None
+                step.step_id, [], [], prompt_logprobs=prompt_lps, routed_experts=routed,
+                expert_tokens=expert_tokens,
+            ), None  # fmt: skip
         last_rows = meta.query_start_loc[1:][sampling] - 1
         logits = self.model.compute_logits(hidden[last_rows]).float()  # (N, vocab)
         t3 = time.perf_counter()
@@ -607,10 +611,18 @@ class ModelRunner:
             sampled_logprobs_by_request(logits, sampled, req_ids, num_tops, processed),
             prompt_lps,
             routed_experts=routed,
+            expert_tokens=expert_tokens,
         )
         logprobs = logits.log_softmax(dim=-1).cpu() if want_logprobs else None
         timings["sample"] = time.perf_counter() - t3
         return output, logprobs
+
+    def _expert_tokens(self, routes: torch.Tensor) -> list[int]:
+        """Tokens each expert of each MoE layer took this step, layer-major (layers x experts)."""
+        experts = self.model.model.spec.moe.num_experts
+        offsets = torch.arange(routes.size(1), device=routes.device).unsqueeze(-1) * experts
+        flat = (routes.long() + offsets).flatten()
+        return torch.bincount(flat, minlength=routes.size(1) * experts).tolist()
 
     def _routes(self, earlier: torch.Tensor | None, num_tokens: int) -> torch.Tensor:
         """(T, MoE layers so far, top_k) int16: the step's routing in layer order, the earlier

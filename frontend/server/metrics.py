@@ -224,6 +224,16 @@ class _EngineStatsCollector(Collector):
                      lambda s, up: s.prefix_cache_queries)  # fmt: skip
         yield family(C, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                      lambda s, up: s.prefix_cache_hits)  # fmt: skip
+        experts = C("tern:moe_expert_tokens",
+                    "Tokens routed to each expert of each mixture-of-experts layer (layer: its "
+                    "index among the MoE layers); a token counts once per expert of its top-k.",
+                    labels=[*label_names, "layer", "expert"])  # fmt: skip
+        for labels, s, _ in rows:
+            if s is not None and s.num_experts:
+                for i, n in enumerate(s.expert_tokens_total):
+                    layer, expert = divmod(i, s.num_experts)
+                    experts.add_metric([*labels, str(layer), str(expert)], n)
+        yield experts
 
 
 def _kv_usage(s: SchedulerStats) -> float:

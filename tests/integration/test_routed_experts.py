@@ -139,3 +139,22 @@ def test_a_weight_update_changes_the_routing_returned(server: Any, models: dict)
             f"{server.base_url}/update_weights_from_disk",
             json={"model_path": str(models["original"])}, timeout=120,
         )  # fmt: skip
+
+
+def test_metrics_count_the_tokens_each_expert_took(server: Any) -> None:
+    """tern:moe_expert_tokens: every computed token counts once for each of its top-2 experts in
+    each of the 2 MoE layers (the stats reach /metrics within 0.5 s of a step)."""
+    import re
+    import time
+
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    client.completions.create(model="moe", prompt=list(range(2000, 2013)), max_tokens=3)
+    pattern = re.compile(r'^tern:moe_expert_tokens_total\{.*layer="(\d)".*\} (\S+)$', re.M)
+    for _ in range(50):
+        per_layer = [0.0, 0.0]
+        for layer, value in pattern.findall(httpx.get(f"{server.base_url}/metrics").text):
+            per_layer[int(layer)] += float(value)
+        if per_layer[0] >= 2 * 15:  # this request's 15 computed tokens at least
+            break
+        time.sleep(0.1)
+    assert per_layer[0] == per_layer[1] and per_layer[0] >= 30 and per_layer[0] % 2 == 0
