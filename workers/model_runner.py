@@ -334,13 +334,9 @@ class ModelRunner:
         reasons = {r for r in (f.off_reason() for f in fused)}
         moe = any(isinstance(m, SparseMoE) for m in self.model.modules())
         if not fused:
-            state = "off, reason: " + (
-                "its MLPs are mixtures of experts"
-                if moe
-                else "this model has no softmax-attention decoder layers"
-            )
+            state = "off, reason: this model has no softmax-attention decoder layers"
         elif reasons == {None}:
-            state = "on" + (" (dense-MLP layers; experts' layers module by module)" if moe else "")
+            state = "on" + (" (then each layer's experts, grouped by expert)" if moe else "")
         else:
             state = "off, reason: " + "; ".join(sorted(r for r in reasons if r is not None))
         return f"{describe()}, fused decode layer: {state}"

@@ -44,12 +44,14 @@ class DecodeLayerSpec:
     [q and k norms, per head or over the projection] -> [rotary, whole or partial, halves or
     pairs] -> attention [softcapped] -> o -> [attn_out_norm] (+ residual) -> [post_norm] ->
     gate_up -> SiLU or GELU gate -> down -> [mlp_out_norm]; bracketed parts may be absent, and
-    each branch may be multiplied by residual_scale before its residual add."""
+    each branch may be multiplied by residual_scale before its residual add. Without gate_up and
+    down (a mixture-of-experts layer) the native layer stops before the MLP and returns its input
+    in place of its output: the caller runs the experts."""
 
     qkv: LinearBase
     o: LinearBase  # row-parallel: bias on TP rank 0 only, all-reduced
-    gate_up: LinearBase
-    down: LinearBase  # row-parallel
+    gate_up: LinearBase | None
+    down: LinearBase | None  # row-parallel
     input_norm: RMSNorm | None
     post_norm: RMSNorm | None  # before the MLP
     attn_out_norm: RMSNorm | None
@@ -110,7 +112,8 @@ class FusedDecodeLayer:
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(MLP output, residual) as the layer's forward returns them, or None: not fused."""
+        """(MLP output, residual) as the layer's forward returns them (without an MLP: its input),
+        or None: not fused."""
         d = meta.decode
         if (
             d is None
@@ -156,7 +159,7 @@ class FusedDecodeLayer:
 
     def _fixed_struct(self) -> TernDecodeLayer | None:
         spec = self.spec
-        linears = (spec.qkv, spec.o, spec.gate_up, spec.down)
+        linears = [lin for lin in (spec.qkv, spec.o, spec.gate_up, spec.down) if lin is not None]
         tensors = [lin.weight for lin in linears] + [_norm_weight(n) for n in _norms(spec)] + [
             spec.attention.kv_cache,
             *([spec.rotary.cos_cache] if spec.rotary is not None else []),
@@ -173,10 +176,14 @@ class FusedDecodeLayer:
         return self._fixed
 
 
-def _linear(lin: LinearBase, dtype: torch.dtype, row_parallel: bool = False) -> TernLinear | None:
+def _linear(
+    lin: LinearBase | None, dtype: torch.dtype, row_parallel: bool = False
+) -> TernLinear | None:
     """The struct of a linear the unfused path would run on the few-row kernels in activations of
-    `dtype`, else None. Row-parallel layers add their bias on TP rank 0 only (before the
-    all-reduce)."""
+    `dtype`, else None (an absent MLP's: an empty struct). Row-parallel layers add their bias on
+    TP rank 0 only (before the all-reduce)."""
+    if lin is None:
+        return TernLinear(None, None, None, 0, 0, 0)
     bias = None if row_parallel and lin.ctx.tp_rank != 0 else lin.bias
     if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return None
@@ -253,6 +260,8 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
         return None, "no shared-memory segment for the tensor-parallel all-reduces"
     if (reason := _norms_differ(spec, dtype)) is not None:
         return None, reason
+    if spec.gate_up is None and spec.mlp_out_norm is not None:
+        return None, "a norm after a mixture of experts"
     linears = [
         _linear(spec.qkv, dtype), _linear(spec.o, dtype, row_parallel=True),
         _linear(spec.gate_up, dtype), _linear(spec.down, dtype, row_parallel=True),

@@ -290,16 +290,19 @@ class DecoderLayer(nn.Module):
             setattr(self, name, norm)
         self.fused_decode = None
         self.kv_group = 0  # its KV-cache group (workers/kv_cache_groups.py), set by the model
-        if kind.mixer != "attention" or kind.mlp != "dense":
+        if kind.mixer != "attention":
             return
         attn, mlp = self.self_attn, self.mlp
+        dense = kind.mlp == "dense"  # the experts of a MoE layer run after its fused attention
         fused = DecodeLayerSpec(
-            qkv=attn.qkv_proj, o=attn.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj,
+            qkv=attn.qkv_proj, o=attn.o_proj, gate_up=mlp.gate_up_proj if dense else None,
+            down=mlp.down_proj if dense else None,
             input_norm=self._norm("input"), post_norm=self._norm("pre_mlp"),
             attn_out_norm=self._norm("attn_out"), mlp_out_norm=self._norm("mlp_out"),
             q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
             attention=attn.attn, rotary=attn.rotary_emb,
-            gelu=isinstance(mlp.act_fn, GeluTanhAndMul), residual_scale=spec.residual_scale,
+            gelu=dense and isinstance(mlp.act_fn, GeluTanhAndMul),
+            residual_scale=spec.residual_scale,
             output_gate=spec.attn_output_gate,
         )  # fmt: skip
         self.fused_decode = FusedDecodeLayer(fused)
@@ -317,7 +320,10 @@ class DecoderLayer(nn.Module):
         if self.fused_decode is not None:
             fused = self.fused_decode(x, residual, meta)  # one native call for small decode steps
             if fused is not None:
-                return fused
+                if isinstance(self.mlp, DecoderMLP):
+                    return fused
+                h, stream = fused  # the experts' input, after the fused attention
+                return self._mlp_branch(h), stream
         input_norm, attn_out = self._norm("input"), self._norm("attn_out")
         pre_mlp, mlp_out = self._norm("pre_mlp"), self._norm("mlp_out")
         if input_norm is not None:
@@ -335,12 +341,16 @@ class DecoderLayer(nn.Module):
         else:
             stream = stream + h
             h = stream
+        return self._mlp_branch(h), stream
+
+    def _mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
         h = self.mlp(h)
+        mlp_out = self._norm("mlp_out")
         if mlp_out is not None:
             h = mlp_out(h)
         if self.residual_scale != 1.0:
             h = h * self.residual_scale
-        return h, stream
+        return h
 
 
 class MissingLayer(nn.Module):

@@ -68,6 +68,8 @@ static void add_rows(const void *a, const void *b, void *out, int64_t n, int bf1
 
 /* x (T, hidden) and residual (T, hidden), or NULL at the first layer (the residual is then x) ->
  * out (T, hidden), the MLP's output, and res_out (T, hidden), the residual after attention.
+ * A layer without an MLP here (intermediate 0: a mixture of experts, run by the caller) stops
+ * before it: out is then the MLP's input.
  * With tp_size > 1 the layer's two all-reduces take sequence numbers seq and seq + 1.
  * Returns 0; -1 when a kernel refuses the shapes, -2 for a position past the rotary tables or a
  * KV slot outside the cache (nothing is written to the cache in that case), -3 when a peer rank
@@ -138,6 +140,10 @@ static int decode_layer(const TernDecodeLayer *L, const TernDecodeStep *S, const
     } else { /* the MLP reads the residual stream itself */
         add_rows(S->attn_out, res_out, res_out, n, bf16);
         mlp_in = res_out;
+    }
+    if (L->intermediate == 0) {
+        memcpy(out, mlp_in, elem * (size_t)n);
+        return 0;
     }
     if (linear(&L->gate_up, mlp_in, S->gate_up, T, bf16) != 0) return -1;
     if (L->gelu)
