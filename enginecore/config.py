@@ -126,6 +126,8 @@ class ParallelConfig:
     shm_collectives: bool = os.environ.get("TERN_SHM_COLLECTIVES", "1") != "0"
     nnodes: int = 1
     node_rank: int = 0
+    # Mixture-of-experts models: each TP rank holds whole experts (workers/layers/moe.py).
+    enable_expert_parallel: bool = False
     # --dp: replicas, each an engine core with its own tp x pp workers (frontend/engine/client.py);
     # data_parallel_rank is the replica these settings are for (set per replica by the frontend).
     data_parallel_size: int = 1

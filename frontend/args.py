@@ -338,6 +338,13 @@ def make_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--tensor-parallel-size", "--tp", "-tp", type=int, default=1, dest="tp")
     parallel.add_argument("--pipeline-parallel-size", "--pp", "-pp", type=int, default=1, dest="pp")
     parallel.add_argument(
+        "--enable-expert-parallel",
+        "-ep",
+        action="store_true",
+        help="mixture-of-experts models: each tensor-parallel rank holds num_experts / tp whole "
+        "experts (vLLM's flag), instead of a share of every expert's features",
+    )
+    parallel.add_argument(
         "--data-parallel-size",
         "--dp",
         "-dp",
@@ -435,6 +442,7 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
     return ParallelConfig(
         tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp,
+        enable_expert_parallel=args.enable_expert_parallel,
         data_parallel_size=args.dp,
         distributed_backend=args.distributed_backend,
         nnodes=args.nnodes,

@@ -166,6 +166,7 @@ class ModelRunner:
         self.args = replace(
             load_model_args(config.model.path, config.model.task),
             quantization=config.model.quantization,
+            expert_parallel=config.parallel.enable_expert_parallel,
         )
         self.pooler = None if self.args.task == "generate" else Pooler(config.model.pooling_type)
         self.model: torch.nn.Module | None = None

@@ -207,7 +207,7 @@ def _per_expert_names(name: str, param: nn.Parameter) -> list[str]:
         return [name]
     return [
         ".".join([*parts[:-1], str(e), proj, "weight"])
-        for e in range(param.size(0))
+        for e in range(getattr(param, "num_experts", param.size(0)))
         for proj in _STACKED_EXPERTS[parts[-1]]
     ]
 

@@ -132,7 +132,10 @@ class FusedDecodeLayer:
             step = meta.native_step = StepBuffers(meta, self._widths, x.dtype)
         out, res_out = torch.empty_like(x), torch.empty_like(x)
         shm = self.spec.qkv.ctx.tp_shm
-        seq = shm.take_sequence_numbers(2) if fixed.tp_size > 1 else 0
+        # NOTE: exactly the all-reduces the layer runs: the shared segment's two buffers alternate
+        # by sequence number, so a number left unused would let a rank overwrite one being read.
+        num_reduces = 2 if self.spec.gate_up is not None else 1
+        seq = shm.take_sequence_numbers(num_reduces) if fixed.tp_size > 1 else 0
         lib = native.load()
         entry = (
             lib.tern_decode_layer_bf16 if x.dtype == torch.bfloat16 else lib.tern_decode_layer_f32

@@ -15,7 +15,10 @@ Tokens are grouped by expert (one stable sort of the step's token-expert pairs),
 that has tokens runs its two products on all of them at once: no per-token loop, and a decode step
 reads only the routed experts' weights (few-row products go to tern's kernels, linear.dense_linear).
 Tensor parallelism without expert parallelism shards every expert's intermediate features as a
-dense MLP's: each rank computes partial sums over its features, all-reduced once per layer.
+dense MLP's: each rank computes partial sums over its features, all-reduced once per layer. With
+expert parallelism (--enable-expert-parallel) each rank holds num_experts / tp whole experts and
+computes the token-expert pairs routed to them (every rank routes every token: the router is
+replicated and its input is too); the one all-reduce then combines the ranks' experts.
 """
 
 from __future__ import annotations
@@ -56,18 +59,37 @@ class FusedExperts(nn.Module):
     """Every expert's gated MLP, this rank's share of each one's intermediate features."""
 
     def __init__(
-        self, spec: MoESpec, hidden_size: int, activation: str, ctx: ParallelContext
+        self,
+        spec: MoESpec,
+        hidden_size: int,
+        activation: str,
+        ctx: ParallelContext,
+        expert_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.ctx = ctx
         self.num_experts = spec.num_experts
         self.full_inter = spec.intermediate_size
-        self.inter = divide(spec.intermediate_size, ctx.tp_size)
-        e, i, h = spec.num_experts, self.inter, hidden_size
+        if expert_parallel:
+            if spec.num_experts % ctx.tp_size:
+                raise ValueError(
+                    f"--enable-expert-parallel: {spec.num_experts} experts do not split over "
+                    f"--tp {ctx.tp_size}"
+                )
+            self.local_experts = spec.num_experts // ctx.tp_size
+            self.first_expert = ctx.tp_rank * self.local_experts
+            self.inter, self.feature_start = spec.intermediate_size, 0
+        else:
+            self.local_experts, self.first_expert = spec.num_experts, 0
+            self.inter = divide(spec.intermediate_size, ctx.tp_size)
+            self.feature_start = ctx.tp_rank * self.inter
+        e, i, h = self.local_experts, self.inter, hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         self.gate_up_proj.weight_loader = self._load_gate_up
         self.down_proj.weight_loader = self._load_down
+        for p in (self.gate_up_proj, self.down_proj):  # the checkpoint's, for the weight loader
+            p.num_experts = spec.num_experts
         if activation not in GATED_ACTIVATIONS:
             raise ValueError(
                 f"activation {activation!r} is not supported (supported: {sorted(GATED_ACTIVATIONS)})"
@@ -83,41 +105,45 @@ class FusedExperts(nn.Module):
                 f"expert weight of {tuple(loaded.shape)}: expected {self.full_inter} "
                 f"intermediate features along dim {dim}"
             )
-        return loaded.narrow(dim, self.ctx.tp_rank * self.inter, self.inter)
+        return loaded.narrow(dim, self.feature_start, self.inter)
+
+    def _stacked(self, loaded: torch.Tensor, name: str) -> torch.Tensor:
+        """This rank's experts of a stacked (E, ...) tensor."""
+        if loaded.dim() != 3 or loaded.size(0) != self.num_experts:
+            raise ValueError(f"stacked {name} of {tuple(loaded.shape)}")
+        return loaded.narrow(0, self.first_expert, self.local_experts)
 
     def _load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None):
         """shard_id None: the stacked (E, 2I, H) tensor; ("gate" | "up", expert): one (I, H)."""
         if shard_id is None:
-            if loaded.dim() != 3 or loaded.size(0) != self.num_experts:
-                raise ValueError(f"stacked gate_up_proj of {tuple(loaded.shape)}")
-            gate, up = (
-                loaded.narrow(1, 0, self.full_inter),
-                loaded.narrow(1, self.full_inter, self.full_inter),
-            )
-            copy_checked(param.data[:, : self.inter], self._features(gate, 1))
-            copy_checked(param.data[:, self.inter :], self._features(up, 1))
+            mine, full = self._stacked(loaded, "gate_up_proj"), self.full_inter
+            copy_checked(param.data[:, : self.inter], self._features(mine.narrow(1, 0, full), 1))
+            copy_checked(param.data[:, self.inter :], self._features(mine.narrow(1, full, full), 1))
             return
         which, expert = self._expert_shard(shard_id, ("gate", "up"))
-        offset = 0 if which == "gate" else self.inter
-        copy_checked(param.data[expert, offset : offset + self.inter], self._features(loaded, 0))
+        if expert is not None:
+            offset = 0 if which == "gate" else self.inter
+            dst = param.data[expert, offset : offset + self.inter]
+            copy_checked(dst, self._features(loaded, 0))
 
     def _load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None):
         """shard_id None: the stacked (E, H, I) tensor; ("down", expert): one (H, I)."""
         if shard_id is None:
-            if loaded.dim() != 3 or loaded.size(0) != self.num_experts:
-                raise ValueError(f"stacked down_proj of {tuple(loaded.shape)}")
-            copy_checked(param.data, self._features(loaded, 2))
+            copy_checked(param.data, self._features(self._stacked(loaded, "down_proj"), 2))
             return
         _, expert = self._expert_shard(shard_id, ("down",))
-        copy_checked(param.data[expert], self._features(loaded, 1))
+        if expert is not None:
+            copy_checked(param.data[expert], self._features(loaded, 1))
 
-    def _expert_shard(self, shard_id: object, kinds: tuple[str, ...]) -> tuple[str, int]:
+    def _expert_shard(self, shard_id: object, kinds: tuple[str, ...]) -> tuple[str, int | None]:
+        """(projection, this rank's index of the expert, or None when another rank holds it)."""
         if not (isinstance(shard_id, tuple) and shard_id[0] in kinds):
             raise ValueError(f"unexpected shard {shard_id!r}")
         which, expert = shard_id
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} outside the model's {self.num_experts}")
-        return which, expert
+        local = expert - self.first_expert
+        return which, local if 0 <= local < self.local_experts else None
 
     # ------------------------------------------------------------------ forward
 
@@ -126,10 +152,15 @@ class FusedExperts(nn.Module):
     ) -> torch.Tensor:
         """x (T, H), experts and weights (T, k) -> this rank's partial sums (T, H)."""
         k = experts.size(1)
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)  # the token-expert pairs grouped by expert
-        token_of = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        flat, pair_weights = experts.flatten(), weights.flatten()
+        pairs = None  # all token-expert pairs are this rank's
+        if self.local_experts != self.num_experts:  # expert parallel: those of its experts
+            lo = self.first_expert
+            pairs = ((flat >= lo) & (flat < lo + self.local_experts)).nonzero().squeeze(1)
+            flat, pair_weights = flat[pairs] - lo, pair_weights[pairs]
+        order = flat.argsort(stable=True)  # the pairs grouped by expert
+        token_of = (order if pairs is None else pairs[order]) // k
+        counts = torch.bincount(flat, minlength=self.local_experts).tolist()
         rows = x[token_of]
         out = torch.empty_like(rows)
         start = 0
@@ -140,7 +171,7 @@ class FusedExperts(nn.Module):
             h = self.act_fn(dense_linear(rows[span], self.gate_up_proj[expert], None))
             out[span] = dense_linear(h, self.down_proj[expert], None)
             start += n
-        out.mul_(weights.flatten()[order].unsqueeze(1))
+        out.mul_(pair_weights[order].unsqueeze(1))
         return torch.zeros_like(x).index_add_(0, token_of, out)
 
 
@@ -153,6 +184,7 @@ class SparseMoE(nn.Module):
         hidden_size: int,
         activation: str,
         ctx: ParallelContext,
+        expert_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.ctx = ctx
@@ -161,7 +193,7 @@ class SparseMoE(nn.Module):
         self.gate = ReplicatedLinear(hidden_size, spec.num_experts, ctx=ctx)
         # Set by the model runner to record each step's routing (--enable-return-routed-experts).
         self.captured: list[torch.Tensor] | None = None
-        self.experts = FusedExperts(spec, hidden_size, activation, ctx)
+        self.experts = FusedExperts(spec, hidden_size, activation, ctx, expert_parallel)
         self.shared_expert = None
         if spec.shared_expert_size:
             size = spec.shared_expert_size

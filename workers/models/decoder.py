@@ -278,7 +278,9 @@ class DecoderLayer(nn.Module):
                 raise ValueError(
                     f"--quantization {args.quantization} does not cover expert weights yet"
                 )
-            self.mlp: nn.Module = SparseMoE(spec.moe, args.hidden_size, spec.activation, ctx)
+            self.mlp: nn.Module = SparseMoE(
+                spec.moe, args.hidden_size, spec.activation, ctx, args.expert_parallel
+            )
         else:
             self.mlp = DecoderMLP(args, ctx, spec.activation)
         self.residual_scale = spec.residual_scale

@@ -46,10 +46,11 @@ class ModelArgs:
     mlp_bias: bool = False
     checkpoint_dtype: str | None = None  # "dtype" / "torch_dtype" of config.json
     num_labels: int = 0  # outputs of the score head of classifiers and reward models
-    # Not from config.json: the serving options --quantization (set by the model runner) and --task
-    # (resolved: generate, embed, classify or reward).
+    # Not from config.json: the serving options --quantization (set by the model runner), --task
+    # (resolved: generate, embed, classify or reward) and --enable-expert-parallel.
     quantization: str | None = None
     task: str = "generate"
+    expert_parallel: bool = False  # --enable-expert-parallel (set by the model runner)
     # Released with a vision tower (*ForConditionalGeneration): the language model's weights are
     # under its prefix, the vision tower's are skipped.
     multimodal: bool = False

@@ -69,7 +69,7 @@ static void add_rows(const void *a, const void *b, void *out, int64_t n, int bf1
 /* x (T, hidden) and residual (T, hidden), or NULL at the first layer (the residual is then x) ->
  * out (T, hidden), the MLP's output, and res_out (T, hidden), the residual after attention.
  * A layer without an MLP here (intermediate 0: a mixture of experts, run by the caller) stops
- * before it: out is then the MLP's input.
+ * before it: out is then the MLP's input, and only sequence number seq is used.
  * With tp_size > 1 the layer's two all-reduces take sequence numbers seq and seq + 1.
  * Returns 0; -1 when a kernel refuses the shapes, -2 for a position past the rotary tables or a
  * KV slot outside the cache (nothing is written to the cache in that case), -3 when a peer rank
