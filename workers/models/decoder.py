@@ -327,7 +327,7 @@ class DecoderLayer(nn.Module):
                 h, stream = fused  # the experts' input, after the fused attention
                 return self._mlp_branch(h), stream
         input_norm, attn_out = self._norm("input"), self._norm("attn_out")
-        pre_mlp, mlp_out = self._norm("pre_mlp"), self._norm("mlp_out")
+        pre_mlp = self._norm("pre_mlp")
         if input_norm is not None:
             h, stream = (input_norm(x), x) if residual is None else input_norm(x, residual)
         else:
