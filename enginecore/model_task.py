@@ -69,15 +69,22 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "OlmoeModel": ("olmoe", "none"),
     "MixtralForCausalLM": ("mixtral", "lm_head"),
     "MixtralModel": ("mixtral", "none"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", "lm_head"),
+    "Qwen3_5MoeTextModel": ("qwen3_5_moe", "none"),
     "Qwen3_5TextModel": ("qwen3_5", "none"),
     # Released with a vision tower: tern serves their language model (text_config).
     "Gemma3ForConditionalGeneration": ("gemma3", "lm_head"),
     "Qwen3_5ForConditionalGeneration": ("qwen3_5", "lm_head"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "lm_head"),
 }
 # Families with linear-attention layers.
-HYBRID_FAMILIES = ("qwen3_5",)
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 # Checkpoints whose config.json nests the language model's config in `text_config`.
-MULTIMODAL_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Qwen3_5ForConditionalGeneration")
+MULTIMODAL_ARCHITECTURES = (
+    "Gemma3ForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
 
 # Head -> the tasks it serves, the one `--task auto` picks first.
 _TASKS_OF_HEAD = {

@@ -60,12 +60,13 @@ _FAMILIES = {
     "qwen2_moe": "Qwen2Moe",
     "olmoe": "Olmoe",
     "mixtral": "Mixtral",
+    "qwen3_5_moe": "Qwen3_5Moe",  # Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM
 }
 # gemma3_vl / qwen3_5_vl: *ForConditionalGeneration, the tiny gemma3 / qwen3_5 beside a random
 # one-layer vision tower.
 ARCHS = (*_FAMILIES, "gemma3_vl", "qwen3_5_vl")
 # Mixture-of-experts families: 8 experts, top 2.
-MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3_5_moe")
 # The families added for the 2026 model zoo: each exercises what its DecoderSpec changes, with a
 # sliding window (8) shorter than the test prompts where the family has one.
 ZOO_ARCHS = tuple(a for a in tuple(_FAMILIES)[3:] if a not in MOE_ARCHS)
@@ -194,6 +195,13 @@ def _moe_config_kwargs(arch: str) -> dict[str, Any] | None:
     if arch == "mixtral":  # with Mistral's sliding window
         return {**experts, "num_hidden_layers": 2, "num_local_experts": 8,
                 "intermediate_size": 32, "sliding_window": 8}  # fmt: skip
+    if arch == "qwen3_5_moe":  # Qwen3.5's hybrid layers, experts and a shared expert
+        lin = "linear_attention"
+        return {**experts, "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16, "layer_types": [lin, lin, lin, "full_attention"],
+                "num_experts": 8, "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 48}  # fmt: skip
     return None
 
 
@@ -311,6 +319,11 @@ def make_tiny_model(
     family = _FAMILIES[arch]
     config_class = getattr(transformers, f"{family}Config")
     model_class = getattr(transformers, family + HEADS[head])
+    if arch == "qwen3_5_moe":
+        config_class = transformers.Qwen3_5MoeTextConfig
+        model_class = getattr(
+            transformers, {"Model": "Qwen3_5MoeTextModel"}.get(HEADS[head], family + HEADS[head])
+        )
     if arch == "qwen3_5":
         config_class = transformers.Qwen3_5TextConfig
         model_class = getattr(

@@ -13,7 +13,8 @@ scaled embeddings), Gemma 3 (5:1-style local/global layers with two rope bases, 
 norms, whole-projection q/k norms, yarn), Granite (multipliers, dynamic rope), GLM-4 (sandwich norms,
 interleaved partial rotation, fused gate_up). The mixture-of-experts families run the same tests:
 Qwen3-MoE (8 experts, top 2 renormalised, a dense middle layer), Qwen2-MoE (shared expert with its
-sigmoid gate), OLMoE (whole-projection q/k norms), Mixtral (sliding window; w1/w2/w3 names).
+sigmoid gate), OLMoE (whole-projection q/k norms), Mixtral (sliding window; w1/w2/w3 names),
+Qwen3.5-MoE (the hybrid layers, experts and a shared expert).
 """
 
 from __future__ import annotations

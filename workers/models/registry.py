@@ -67,7 +67,7 @@ class ModelArgs:
             architecture=architecture,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
+            intermediate_size=hf.get("intermediate_size", 0),  # 0: every MLP is experts
             num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
