@@ -70,6 +70,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "lm_head"),
     "MixtralModel": ("mixtral", "none"),
     "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", "lm_head"),
+    "GptOssForCausalLM": ("gpt_oss", "lm_head"),
+    "GptOssModel": ("gpt_oss", "none"),
     "Qwen3_5MoeTextModel": ("qwen3_5_moe", "none"),
     "Qwen3_5TextModel": ("qwen3_5", "none"),
     # Released with a vision tower: tern serves their language model (text_config).

@@ -61,12 +61,13 @@ _FAMILIES = {
     "olmoe": "Olmoe",
     "mixtral": "Mixtral",
     "qwen3_5_moe": "Qwen3_5Moe",  # Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM
+    "gpt_oss": "GptOss",
 }
 # gemma3_vl / qwen3_5_vl: *ForConditionalGeneration, the tiny gemma3 / qwen3_5 beside a random
 # one-layer vision tower.
 ARCHS = (*_FAMILIES, "gemma3_vl", "qwen3_5_vl")
 # Mixture-of-experts families: 8 experts, top 2.
-MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3_5_moe")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3_5_moe", "gpt_oss")
 # The families added for the 2026 model zoo: each exercises what its DecoderSpec changes, with a
 # sliding window (8) shorter than the test prompts where the family has one.
 ZOO_ARCHS = tuple(a for a in tuple(_FAMILIES)[3:] if a not in MOE_ARCHS)
@@ -202,6 +203,12 @@ def _moe_config_kwargs(arch: str) -> dict[str, Any] | None:
                 "linear_value_head_dim": 16, "layer_types": [lin, lin, lin, "full_attention"],
                 "num_experts": 8, "moe_intermediate_size": 32,
                 "shared_expert_intermediate_size": 48}  # fmt: skip
+    if (
+        arch == "gpt_oss"
+    ):  # sinks, alternating window, router bias, clamped SwiGLU (limit 1.5 bites)
+        return {**experts, "num_hidden_layers": 2, "head_dim": 16, "num_local_experts": 8,
+                "intermediate_size": 32, "sliding_window": 8, "swiglu_limit": 1.5,
+                "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
     return None
 
 
@@ -352,6 +359,60 @@ def make_tiny_model(
 
     _copy_tokenizer(out_dir, tokenizer_dir)
     return out_dir
+
+
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _to_mxfp4(w: Any) -> tuple[Any, Any]:
+    """float (..., K) with K % 32 == 0 -> (blocks (..., K / 32, 16) uint8, scales (..., K / 32)
+    uint8): each block of 32 values scaled by a power of two that puts its largest at most 6,
+    each value rounded to the nearest e2m1 (sign, two exponent bits, one mantissa bit)."""
+    import torch
+
+    groups = w.float().unflatten(-1, (-1, 32))
+    peak = groups.abs().amax(-1).clamp(min=2.0**-126)
+    exponent = torch.ceil(torch.log2(peak / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    grid = torch.tensor(_FP4)
+    code = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(-1)  # nearest magnitude
+    code = code + 8 * (scaled < 0)
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    return packed, (exponent + 127).to(torch.uint8)
+
+
+def write_mxfp4_gpt_oss(model_dir: Path, mxfp4_dir: Path) -> None:
+    """gpt-oss as released: the tiny checkpoint's experts quantized to MXFP4 in mxfp4_dir (their
+    `_blocks` and `_scales`, laid out (E, rows, columns / 32, 16) as the released files), and
+    model_dir rewritten with the dequantized experts: the weights Hugging Face then runs."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import workers.weight_loader as loader
+
+    (file,) = Path(model_dir).glob("*.safetensors")
+    tensors = load_file(file)
+    quantized = {}
+    for name in list(tensors):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = _to_mxfp4(tensors[name].transpose(1, 2))  # (E, rows, columns)
+            quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+            deq = loader.dequantize_mxfp4(blocks, scales).transpose(1, 2)
+            tensors[name] = deq.to(tensors[name].dtype).contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    mxfp4_dir = Path(mxfp4_dir)
+    mxfp4_dir.mkdir(parents=True, exist_ok=True)
+    for f in Path(model_dir).iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, mxfp4_dir / f.name)
+    kept = {k: v for k, v in tensors.items() if k + "_blocks" not in quantized}
+    save_file({**kept, **quantized}, mxfp4_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((mxfp4_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}  # fmt: skip
+    (mxfp4_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def main() -> None:

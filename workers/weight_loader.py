@@ -7,7 +7,8 @@ the parameter copy in its tensor-parallel shard. Mixture-of-experts layers (work
 hold their experts stacked under transformers 5's names (`mlp.experts.gate_up_proj`, `.down_proj`),
 which a live Hugging Face model's tensors carry; released checkpoints store each expert apart
 (`mlp.experts.N.gate_proj.weight`; Mixtral's `block_sparse_moe.experts.N.w1.weight`), loaded as
-shard ("gate" | "up" | "down", N) of the stacked parameter.
+shard ("gate" | "up" | "down", N) of the stacked parameter. gpt-oss's released experts are MXFP4
+(`_blocks` and `_scales` tensors): dequantized as they arrive.
 `load_checkpoint` feeds it every tensor of the *.safetensors files as a `LazyWeight` (a safetensors
 slice: the parameter's loader narrows it to its shard and only that shard is read), and then checks
 that nothing is missing. Under pipeline parallelism the model's `local_weight_name` drops the tensors
@@ -17,6 +18,7 @@ ValueError.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 # Hugging Face projection name -> (tern's fused parameter, shard id).
 _PACKED: dict[str, tuple[str, object]] = {
@@ -116,8 +120,11 @@ def _is_tied(model: nn.Module) -> bool:
 
 def _canonical(name: str) -> str:
     """Mixtral's names as the other families': its MLP `mlp`, its experts' projections
-    gate_proj / up_proj / down_proj."""
-    name = name.replace(".block_sparse_moe.", ".mlp.")
+    gate_proj / up_proj / down_proj; gpt-oss's router as the others' `gate`, its attention sinks
+    where tern's attention holds them."""
+    name = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
+    if name.endswith(".self_attn.sinks"):
+        return name.removesuffix("sinks") + "attn.sinks"
     parts = name.split(".")
     if len(parts) >= 4 and parts[-4] == "experts" and parts[-2] in ("w1", "w2", "w3"):
         parts[-2] = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}[parts[-2]]
@@ -169,6 +176,66 @@ def _unfused(
             start += rows
 
 
+# MXFP4 (gpt-oss's released experts): 4-bit e2m1 values, two per byte (low nibble first), in
+# blocks of 32 sharing one power-of-two scale (a uint8 exponent biased by 127).
+_FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks (..., G, 16) uint8 and scales (..., G) uint8 -> float32 (..., G * 32)."""
+    if blocks.shape[:-1] != scales.shape or blocks.size(-1) != 16:
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)}"
+        )
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)
+    values = values.flatten(-2)  # (..., G, 32): low nibble, high nibble, ...
+    exponents = scales.to(torch.int32) - 127
+    return torch.ldexp(values, exponents.unsqueeze(-1)).flatten(-2)
+
+
+def _dequantized(
+    weights: Iterable[tuple[str, torch.Tensor | LazyWeight]],
+) -> Iterator[tuple[str, torch.Tensor | LazyWeight]]:
+    """gpt-oss's MXFP4 experts (`X_blocks` beside `X_scales`) as the float tensors `X` a
+    transformers model holds: (E, rows, columns / 32, 16) dequantized to (E, rows, columns), then
+    transposed as its parameters are; everything else as it is."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    logged = False
+    for name, tensor in weights:
+        base, _, kind = name.rpartition("_")
+        if kind not in ("blocks", "scales") or ".experts." not in name:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(base, {})
+        parts[kind] = tensor.materialize() if isinstance(tensor, LazyWeight) else tensor
+        if len(parts) == 2:
+            del pending[base]
+            if not logged:
+                logger.info("experts stored in MXFP4: dequantized as they load")
+                logged = True
+            yield base, dequantize_mxfp4(parts["blocks"], parts["scales"]).transpose(1, 2)
+    if pending:
+        raise ValueError(f"MXFP4 blocks without their scales (or scales alone): {sorted(pending)}")
+
+
 @torch.no_grad()
 def load_weights(
     model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | LazyWeight]]
@@ -179,7 +246,7 @@ def load_weights(
     tied = _is_tied(model)
     local_name = getattr(model, "local_weight_name", None)
     loaded: set[str] = set()
-    for name, tensor in _unfused(model, weights):
+    for name, tensor in _unfused(model, _dequantized(weights)):
         name = _canonical(name)
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name.startswith(_LM_HEADS)):
             continue

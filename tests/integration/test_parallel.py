@@ -92,9 +92,10 @@ def test_greedy_matches_hf_with_8_prompts(arch: str, layout: str, request) -> No
 # maths the single-rank tests cover): windows in the fused TP layer, per-head 1 + weight norms,
 # fused checkpoint tensors and partial rotation, whole-projection q/k norms, interleaved rotation,
 # Gated DeltaNet heads, experts' intermediate features (with Qwen2-MoE's shared expert; Qwen3-MoE
-# with a dense layer between expert layers, which pp 2 puts on another stage).
+# with a dense layer between expert layers, which pp 2 puts on another stage; gpt-oss's sinks per
+# head and expert biases added once).
 ZOO_PARALLEL = ("tiny_mistral", "tiny_gemma3", "tiny_phi3", "tiny_olmo2", "tiny_glm4",
-                "tiny_qwen3_5", "tiny_qwen2_moe", "tiny_qwen3_moe")  # fmt: skip
+                "tiny_qwen3_5", "tiny_qwen2_moe", "tiny_qwen3_moe", "tiny_gpt_oss")  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", ZOO_PARALLEL)
@@ -110,10 +111,11 @@ def test_model_zoo_at_tp2_pp2_matches_hf(arch: str, request) -> None:
     assert got == expected * rounds
 
 
-@pytest.mark.parametrize("arch", ["tiny_qwen2_moe", "tiny_mixtral"])
+@pytest.mark.parametrize("arch", ["tiny_qwen2_moe", "tiny_mixtral", "tiny_gpt_oss"])
 def test_expert_parallel_at_tp2_matches_hf(arch: str, request) -> None:
     """--enable-expert-parallel: each of 2 ranks holds 4 of the 8 experts whole (Qwen2-MoE's
-    shared expert stays sharded by features; Mixtral's experts load from w1/w2/w3)."""
+    shared expert stays sharded by features; Mixtral's experts load from w1/w2/w3; gpt-oss's
+    interleaved, transposed experts with their biases on every rank)."""
     model_dir = request.getfixturevalue(arch)
     prompts = make_prompts(vocab_of(model_dir))
     config = parallel_config(model_dir, 2, 1)

@@ -7,7 +7,7 @@ partial rotation), Phi-3 (partial rotation), SmolLM3 (NoPE layers), OLMo 2 (post
 Gemma 2 / 3 (GELU, softcapping, 1 + weight norms; these norms multiply in float32: fused under
 float32 activations), Granite (residual multipliers) and Qwen3.5's attention (output gates, beside
 its Gated DeltaNet layers), Qwen3-MoE (attention fused before the experts, beside a dense
-layer), decode steps of
+layer), gpt-oss (attention sinks), decode steps of
 one to five sequences (the few-row kernels, and AMX where the CPU has it), after prompts and
 chunked prefills."""
 
@@ -45,7 +45,7 @@ def _runner(model_dir: Path, quantization: str | None, dtype: str) -> ModelRunne
 
 FAMILIES = ("tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_mistral", "tiny_glm4", "tiny_phi3",
             "tiny_smollm3", "tiny_olmo2", "tiny_gemma2", "tiny_gemma3", "tiny_granite",
-            "tiny_qwen3_5", "tiny_qwen3_moe")  # fmt: skip
+            "tiny_qwen3_5", "tiny_qwen3_moe", "tiny_gpt_oss")  # fmt: skip
 # int8 linears and bfloat16 storage are the same kernels in every family: the first families
 # cover them, the others (their norms, rotations, gates) run in float32.
 CASES = [

@@ -14,7 +14,8 @@ norms, whole-projection q/k norms, yarn), Granite (multipliers, dynamic rope), G
 interleaved partial rotation, fused gate_up). The mixture-of-experts families run the same tests:
 Qwen3-MoE (8 experts, top 2 renormalised, a dense middle layer), Qwen2-MoE (shared expert with its
 sigmoid gate), OLMoE (whole-projection q/k norms), Mixtral (sliding window; w1/w2/w3 names),
-Qwen3.5-MoE (the hybrid layers, experts and a shared expert).
+Qwen3.5-MoE (the hybrid layers, experts and a shared expert), gpt-oss (attention sinks, router
+bias, expert biases, clamped SwiGLU; MXFP4 experts in a second checkpoint).
 """
 
 from __future__ import annotations
@@ -242,3 +243,30 @@ def test_qwen3_5_prefix_hits_resume_from_state_checkpoints(tiny_qwen3_5: Path) -
                 floor = (len(prev) - 1) // 4 * 4 if least_cached is None else least_cached
                 assert cached[f"{name}{i}{len(p)}"] >= floor, (name, i, chunk)
         assert core.stats().num_used_state_checkpoints > 0
+
+
+def test_gpt_oss_mxfp4_experts_load_as_hf_runs_them_dequantized(
+    tmp_path: Path, tokenizer_dir: Path | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """gpt-oss as released stores its experts in MXFP4 (`_blocks` / `_scales`): tern dequantizes
+    them as they load (and says so; the values and layout transformers' own MXFP4 conversion
+    gives) and answers as Hugging Face does on the dequantized weights."""
+    import logging
+
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from scripts.make_tiny_model import write_mxfp4_gpt_oss
+    from workers.weight_loader import dequantize_mxfp4
+
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), dtype=torch.uint8)
+    scales = torch.randint(118, 136, (3, 10, 4), dtype=torch.uint8)
+    expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    assert torch.equal(dequantize_mxfp4(blocks, scales).transpose(1, 2), expected)
+
+    reference = make_tiny_model("gpt_oss", tmp_path / "reference", tokenizer_dir, seed=2)
+    write_mxfp4_gpt_oss(reference, tmp_path / "mxfp4")
+    prompts = make_prompts(vocab_of(reference))
+    with caplog.at_level(logging.INFO, logger="workers.weight_loader"):
+        out, _ = run_greedy(tmp_path / "mxfp4", prompts)
+    assert "experts stored in MXFP4" in caplog.text
+    assert out == hf_greedy(reference, prompts, MAX_TOKENS)

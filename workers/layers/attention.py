@@ -19,7 +19,10 @@ A sliding-window layer (Mistral, Gemma's local layers) lets query position q see
 q - window < k <= q, as Hugging Face's sliding mask; its masks are derived from the step's once per
 window size and shared too; the decode kernel starts each sequence at its window. Layers with
 logit softcapping (Gemma 2: tanh(s / cap) * cap on the scores, which SDPA cannot apply) compute
-their prefill scores explicitly; the decode kernel caps its scores itself.
+their prefill scores explicitly; the decode kernel caps its scores itself. So do layers with
+attention sinks (gpt-oss: one learned logit per head that joins each query's softmax with no value,
+so a query may attend to "nothing"): an extra score column in prefill, the kernel's starting point
+in decode.
 """
 
 from __future__ import annotations
@@ -344,6 +347,7 @@ class Attention(nn.Module):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -352,6 +356,10 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.softcap = softcap
+        # This rank's heads' sinks, float32 (the decode kernel's), loaded by the model's attention.
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), False)
         # Built (or loaded) now, while the model is built, rather than in the first request.
         self.has_decode_kernel = (
             torch.get_default_device().type == "cpu" and native.load() is not None
@@ -406,6 +414,7 @@ class Attention(nn.Module):
             return native.paged_decode_attention(
                 q.contiguous(), k_cache, v_cache, d.block_tables, d.context_lens, self.scale,
                 new_kv=(k, v, meta.slot_mapping), window=self.sliding_window, softcap=self.softcap,
+                sinks=self.sinks,
             )  # fmt: skip
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
@@ -422,6 +431,7 @@ class Attention(nn.Module):
                 self.scale,
                 window=self.sliding_window,
                 softcap=self.softcap,
+                sinks=self.sinks,
             )
             if d.is_whole_batch:
                 return o_dec
@@ -492,17 +502,22 @@ class Attention(nn.Module):
         """q (G, H, Q, D), k and v (G, Hkv, K, D) -> (G, H, Q, D); causal when `is_causal` and no
         mask is given."""
         causal = is_causal and mask is None
-        if self.softcap is None:
+        if self.softcap is None and self.sinks is None:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True
             )
         group = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if causal:
             mask = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril()
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
+        if self.sinks is not None:  # one more column per head: its sink, dropped after
+            sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
+            return torch.matmul(probs[..., :-1].to(q.dtype), v)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, v)

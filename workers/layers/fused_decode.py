@@ -166,6 +166,7 @@ class FusedDecodeLayer:
         tensors = [lin.weight for lin in linears] + [_norm_weight(n) for n in _norms(spec)] + [
             spec.attention.kv_cache,
             *([spec.rotary.cos_cache] if spec.rotary is not None else []),
+            *([spec.attention.sinks] if spec.attention.sinks is not None else []),
         ]  # fmt: skip
         # NOTE: whether each bf16 linear is packed decides whether the unfused path would take the
         # few-row kernel, so it is part of the key.
@@ -288,6 +289,7 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
         rope.cos_cache.size(0) if rope is not None else 0,
         k_cache.data_ptr(), a.v_cache.data_ptr(), k_cache.size(0) * k_cache.size(1),
         k_cache.size(1), a.sliding_window or 0,
+        a.sinks.data_ptr() if a.sinks is not None else None,
         ctx.tp_shm.base if ctx.tp_size > 1 else None, ctx.tp_rank, ctx.tp_size,
         ctx.tp_shm.slot_bytes if ctx.tp_size > 1 else 0,
         ctx.tp_shm.timeout_s if ctx.tp_size > 1 else 0.0,

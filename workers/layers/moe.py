@@ -4,7 +4,10 @@ the tokens routed to them, and their outputs are summed by the routing weights.
 The router is the one Hugging Face's families define (Qwen2/3-MoE, OLMoE, Mixtral): a linear layer
 to one logit per expert, softmax in float32, the top k, renormalised to sum to 1 when the model
 says so (`norm_topk_prob`; Mixtral always). Qwen2-MoE adds a shared expert, a dense MLP every
-token takes, scaled by sigmoid(shared_expert_gate(x)).
+token takes, scaled by sigmoid(shared_expert_gate(x)). gpt-oss's router has a bias and takes the
+top k logits first, then their softmax; its experts have biases and a clamped SwiGLU
+(`OaiSwiGLU`), and its checkpoints store each expert's gate and up features interleaved and its
+matrices transposed (`layout="gpt_oss"`, converted as they load).
 
 The experts' weights are two stacked tensors under Hugging Face's (transformers 5) names:
 `experts.gate_up_proj` (E, 2I, H), each expert's gate rows then its up rows, and
@@ -47,6 +50,34 @@ class MoESpec:
     intermediate_size: int  # of each expert
     norm_topk_prob: bool
     shared_expert_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    # gpt-oss: the router's bias, top k logits then softmax, expert biases, the clamped SwiGLU's
+    # limit and alpha, and its checkpoints' layout.
+    router_bias: bool = False
+    topk_then_softmax: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    layout: str = "hf"  # or "gpt_oss"
+
+
+class OaiSwiGLU(nn.Module):
+    """gpt-oss's gate: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate,
+    limit), over [gate | up] halves."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def _read(loaded: torch.Tensor) -> torch.Tensor:
+    """A lazy checkpoint slice read whole (layouts that transpose or interleave need it all)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded.materialize()
 
 
 def num_experts_of(hf: dict) -> int:
@@ -84,17 +115,30 @@ class FusedExperts(nn.Module):
             self.inter = divide(spec.intermediate_size, ctx.tp_size)
             self.feature_start = ctx.tp_rank * self.inter
         e, i, h = self.local_experts, self.inter, hidden_size
+        self.layout = spec.layout
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         self.gate_up_proj.weight_loader = self._load_gate_up
         self.down_proj.weight_loader = self._load_down
         for p in (self.gate_up_proj, self.down_proj):  # the checkpoint's, for the weight loader
             p.num_experts = spec.num_experts
-        if activation not in GATED_ACTIVATIONS:
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if spec.expert_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
+            self.down_proj_bias = nn.Parameter(torch.empty(e, h), requires_grad=False)
+            self.gate_up_proj_bias.weight_loader = self._load_gate_up_bias
+            self.down_proj_bias.weight_loader = self._load_down_bias
+        # The down projection's bias joins the partial sums once: on every rank when each holds
+        # whole experts, on rank 0 when the features are sharded.
+        self.adds_down_bias = expert_parallel or ctx.tp_rank == 0
+        if spec.swiglu_limit is not None:
+            self.act_fn: nn.Module = OaiSwiGLU(spec.swiglu_alpha, spec.swiglu_limit)
+        elif activation in GATED_ACTIVATIONS:
+            self.act_fn = GATED_ACTIVATIONS[activation]()
+        else:
             raise ValueError(
                 f"activation {activation!r} is not supported (supported: {sorted(GATED_ACTIVATIONS)})"
             )
-        self.act_fn = GATED_ACTIVATIONS[activation]()
 
     # ------------------------------------------------------------------ loading
 
@@ -113,8 +157,25 @@ class FusedExperts(nn.Module):
             raise ValueError(f"stacked {name} of {tuple(loaded.shape)}")
         return loaded.narrow(0, self.first_expert, self.local_experts)
 
+    def _gate_and_up(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(E, 2I, ...) this rank's experts' gate and up rows, each (E, I, ...) of this rank's
+        features: halves (Hugging Face's layout), or interleaved (gpt-oss's)."""
+        full = self.full_inter
+        if self.layout == "gpt_oss":
+            gate, up = rows[:, 0::2], rows[:, 1::2]
+        else:
+            gate, up = rows.narrow(1, 0, full), rows.narrow(1, full, full)
+        return self._features(gate, 1), self._features(up, 1)
+
     def _load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None):
-        """shard_id None: the stacked (E, 2I, H) tensor; ("gate" | "up", expert): one (I, H)."""
+        """shard_id None: the stacked (E, 2I, H) tensor (gpt-oss: (E, H, 2I)); ("gate" | "up",
+        expert): one (I, H)."""
+        if shard_id is None and self.layout == "gpt_oss":
+            mine = self._stacked(_read(loaded), "gate_up_proj").transpose(1, 2)
+            gate, up = self._gate_and_up(mine)
+            copy_checked(param.data[:, : self.inter], gate)
+            copy_checked(param.data[:, self.inter :], up)
+            return
         if shard_id is None:
             mine, full = self._stacked(loaded, "gate_up_proj"), self.full_inter
             copy_checked(param.data[:, : self.inter], self._features(mine.narrow(1, 0, full), 1))
@@ -127,13 +188,34 @@ class FusedExperts(nn.Module):
             copy_checked(dst, self._features(loaded, 0))
 
     def _load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None):
-        """shard_id None: the stacked (E, H, I) tensor; ("down", expert): one (H, I)."""
+        """shard_id None: the stacked (E, H, I) tensor (gpt-oss: (E, I, H)); ("down", expert):
+        one (H, I)."""
+        if shard_id is None and self.layout == "gpt_oss":
+            mine = self._stacked(_read(loaded), "down_proj").transpose(1, 2)
+            copy_checked(param.data, self._features(mine, 2))
+            return
         if shard_id is None:
             copy_checked(param.data, self._features(self._stacked(loaded, "down_proj"), 2))
             return
         _, expert = self._expert_shard(shard_id, ("down",))
         if expert is not None:
             copy_checked(param.data[expert], self._features(loaded, 1))
+
+    def _load_gate_up_bias(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ):
+        """The stacked (E, 2I) biases of the gate and up features."""
+        if shard_id is not None or loaded.dim() != 2 or loaded.size(0) != self.num_experts:
+            raise ValueError(f"gate_up_proj_bias of {tuple(loaded.shape)}, shard {shard_id!r}")
+        mine = _read(loaded).narrow(0, self.first_expert, self.local_experts).unsqueeze(-1)
+        gate, up = self._gate_and_up(mine)
+        copy_checked(param.data[:, : self.inter], gate.squeeze(-1))
+        copy_checked(param.data[:, self.inter :], up.squeeze(-1))
+
+    def _load_down_bias(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None):
+        if shard_id is not None or loaded.dim() != 2 or loaded.size(0) != self.num_experts:
+            raise ValueError(f"down_proj_bias of {tuple(loaded.shape)}, shard {shard_id!r}")
+        copy_checked(param.data, loaded.narrow(0, self.first_expert, self.local_experts))
 
     def _expert_shard(self, shard_id: object, kinds: tuple[str, ...]) -> tuple[str, int | None]:
         """(projection, this rank's index of the expert, or None when another rank holds it)."""
@@ -168,8 +250,12 @@ class FusedExperts(nn.Module):
             if n == 0:
                 continue
             span = slice(start, start + n)
-            h = self.act_fn(dense_linear(rows[span], self.gate_up_proj[expert], None))
-            out[span] = dense_linear(h, self.down_proj[expert], None)
+            b13 = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[expert]
+            b2 = None
+            if self.down_proj_bias is not None and self.adds_down_bias:
+                b2 = self.down_proj_bias[expert]
+            h = self.act_fn(dense_linear(rows[span], self.gate_up_proj[expert], b13))
+            out[span] = dense_linear(h, self.down_proj[expert], b2)
             start += n
         out.mul_(pair_weights[order].unsqueeze(1))
         return torch.zeros_like(x).index_add_(0, token_of, out)
@@ -190,7 +276,8 @@ class SparseMoE(nn.Module):
         self.ctx = ctx
         self.top_k = spec.top_k
         self.norm_topk_prob = spec.norm_topk_prob
-        self.gate = ReplicatedLinear(hidden_size, spec.num_experts, ctx=ctx)
+        self.topk_then_softmax = spec.topk_then_softmax
+        self.gate = ReplicatedLinear(hidden_size, spec.num_experts, bias=spec.router_bias, ctx=ctx)
         # Set by the model runner to record each step's routing (--enable-return-routed-experts).
         self.captured: list[torch.Tensor] | None = None
         self.experts = FusedExperts(spec, hidden_size, activation, ctx, expert_parallel)
@@ -206,6 +293,9 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, H) -> (experts (T, k) int64, weights (T, k) in x's dtype)."""
+        if self.topk_then_softmax:  # gpt-oss
+            logits, experts = torch.topk(self.gate(x), self.top_k, dim=-1)
+            return experts, F.softmax(logits, dim=-1)
         probs = F.softmax(self.gate(x).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -91,10 +91,12 @@ def paged_decode_attention(
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (B, H, D) float32 or bfloat16 -> (B, H, D) alike: each sequence's one query over its
     cached context (its last `window` tokens only, for a sliding-window layer; scores capped to
-    softcap * tanh(score / softcap) with `softcap`).
+    softcap * tanh(score / softcap) with `softcap`; `sinks` (H,) float32: each head's attention
+    sink, a logit in the softmax with no value, as gpt-oss's).
 
     k_cache, v_cache (num_blocks, block_size, Hkv, D) float32 or bfloat16; block_tables
     (B, max_blocks) int32; context_lens (B,) int32, each at least 1. `new_kv` = (k, v, slots):
@@ -123,6 +125,10 @@ def paged_decode_attention(
         shape = (num_seqs, num_kv_heads, head_dim)
         if k_new.shape != shape or v_new.shape != shape or slots.numel() != num_seqs:
             raise ValueError("the new k, v and slots do not fit q and the KV cache")
+    if sinks is not None:
+        _check(sinks, torch.float32, "sinks")
+        if sinks.numel() != num_heads:
+            raise ValueError(f"{sinks.numel()} attention sinks for {num_heads} heads")
     out = torch.empty_like(q)
     rc = lib.tern_paged_decode_attention(
         _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), block_tables.stride(0),
@@ -131,7 +137,7 @@ def paged_decode_attention(
         _ptr(k_new) if k_new is not None else None, k_new.stride(0) if k_new is not None else 0,
         _ptr(v_new) if v_new is not None else None, v_new.stride(0) if v_new is not None else 0,
         _ptr(slots) if slots is not None else None, num_blocks * block_size, window or 0,
-        softcap or 0.0,
+        softcap or 0.0, _ptr(sinks) if sinks is not None else None,
     )  # fmt: skip
     if rc == -2:
         raise ValueError("a new K/V slot is outside the KV cache")

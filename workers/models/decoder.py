@@ -41,7 +41,12 @@ from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.fused_decode import DecodeLayerSpec, FusedDecodeLayer
 from workers.layers.gated_delta_net import GatedDeltaNet
-from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from workers.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    copy_checked,
+)
 from workers.layers.moe import MoESpec, SparseMoE
 from workers.layers.norm import RMSNorm, ShardedRMSNorm
 from workers.layers.rotary import RopeParams, RotaryEmbedding
@@ -84,6 +89,7 @@ class DecoderSpec:
     logits_divisor: float = 1.0  # divides the logits (Granite's logits_scaling)
     rope_interleaved: bool = False  # rotate pairs (GLM) rather than halves
     attn_output_gate: bool = False  # q_proj also gives a per-head gate: o * sigmoid(gate) (Qwen3.5)
+    attn_sinks: bool = False  # each head has a learned sink logit in its softmax (gpt-oss)
     # Gated DeltaNet's sizes (linear_attention layers): heads, head dims, conv kernel.
     linear_attention: dict[str, int] = field(default_factory=dict)
     moe: MoESpec | None = None  # the experts of the layers whose kind has mlp="moe"
@@ -166,8 +172,10 @@ class DecoderAttention(nn.Module):
         scale = spec.attn_scale if spec.attn_scale is not None else head_dim**-0.5
         self.attn = Attention(
             self.num_heads, head_dim, self.num_kv_heads, scale, kind.sliding_window,
-            spec.attn_softcap,
+            spec.attn_softcap, spec.attn_sinks,
         )  # fmt: skip
+        if self.attn.sinks is not None:
+            self.attn.sinks.weight_loader = self._load_sinks
         self.qk_norm = spec.qk_norm
         eps = args.rms_norm_eps
         if spec.qk_norm == "head":
@@ -188,6 +196,14 @@ class DecoderAttention(nn.Module):
                 eps,
                 ctx,
             )
+
+    def _load_sinks(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """This rank's heads' sinks."""
+        if shard_id is not None:
+            raise ValueError(f"unexpected shard {shard_id!r}")
+        copy_checked(param.data, loaded.narrow(0, self.qkv_proj.head_start, self.num_heads))
 
     def forward(self, hidden_states: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # (T, (H + 2 Hkv) D)

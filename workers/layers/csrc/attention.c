@@ -171,13 +171,14 @@ static inline void prefetch_rows(const char *p, int n, int64_t row_stride, int r
     static void decode_heads_##SUFFIX(const float *qs, const uint16_t *qb, float scale,          \
                                       const KV_T *k, const KV_T *v, const int32_t *table,        \
                                       int start, int ctx, int nh, int G, int D, int block_size,  \
-                                      int64_t slot_stride, float softcap, float *out) {          \
+                                      int64_t slot_stride, float softcap, const float *sinks,    \
+                                      float *out) {                                              \
         int R = nh * G;                                                                          \
         float scores[MAX_GROUP * MAX_BLOCK]; /* [g][t]: one KV head of the current block */      \
         float acc[R * D], row_max[R], row_sum[R];                                                \
-        for (int r = 0; r < R; r++) {                                                            \
-            row_max[r] = -INFINITY;                                                              \
-            row_sum[r] = 0.f;                                                                    \
+        for (int r = 0; r < R; r++) { /* a sink is one more score, with a zero value row */      \
+            row_max[r] = sinks != NULL ? sinks[r] : -INFINITY;                                   \
+            row_sum[r] = sinks != NULL ? 1.f : 0.f;                                              \
         }                                                                                        \
         memset(acc, 0, sizeof(float) * R * D);                                                   \
         int64_t row_stride = slot_stride * (int64_t)sizeof(KV_T);                                \
@@ -363,15 +364,18 @@ static void decode_heads_bf16_x16(const uint16_t *qb, float scale, const uint16_
  * cache slots
  * (each work item writes the heads it then reads). `window` > 0: each query sees only its last
  * `window` tokens (a sliding-window layer: keys q - window < k <= q). `softcap` > 0: scores become
- * softcap * tanh(score / softcap) before the softmax (Gemma 2). Returns 0, -1 when the shapes exceed the
- * kernel's fixed buffers, -2 (having written nothing) when a slot is outside [0, num_slots). */
+ * softcap * tanh(score / softcap) before the softmax (Gemma 2). `sinks` (H,) or NULL: each head's
+ * attention sink (gpt-oss), a logit in the softmax's denominator with no value. Returns 0, -1 when
+ * the shapes exceed the kernel's fixed buffers, -2 (having written nothing) when a slot is outside
+ * [0, num_slots). */
 int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
                                 const int32_t *block_tables, int64_t table_stride,
                                 const int32_t *context_lens, void *out, int B, int H, int Hkv,
                                 int D, int block_size, float scale, int kv_is_bf16,
                                 int io_is_bf16, const void *k_new, int64_t k_new_stride,
                                 const void *v_new, int64_t v_new_stride, const int64_t *slots,
-                                int64_t num_slots, int window, float softcap) {
+                                int64_t num_slots, int window, float softcap,
+                                const float *sinks) {
     int G = H / Hkv;
     if (G > MAX_GROUP || D > MAX_HEAD_DIM || block_size > MAX_BLOCK || G * Hkv != H ||
         H * D > MAX_QUERY_FLOATS)
@@ -407,8 +411,9 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
         /* bf16 queries against a bf16 cache: the pair dot products (when the build has them) */
         const uint16_t *qb =
             kv_is_bf16 && io_is_bf16 && D % 32 == 0 ? (const uint16_t *)q + first : NULL;
+        const float *item_sinks = sinks != NULL ? sinks + (int64_t)h0 * G : NULL;
 #ifdef __AVX512BF16__
-        if (qb != NULL && D % 64 == 0 && softcap <= 0.f)
+        if (qb != NULL && D % 64 == 0 && softcap <= 0.f && sinks == NULL)
             decode_heads_bf16_x16(qb, scale, (const uint16_t *)k_cache + h0 * D,
                                   (const uint16_t *)v_cache + h0 * D, table, start,
                                   context_lens[b], nh, G, D, block_size, slot_stride, o);
@@ -417,11 +422,11 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
         if (kv_is_bf16)
             decode_heads_bf16(qs, qb, scale, (const uint16_t *)k_cache + h0 * D,
                               (const uint16_t *)v_cache + h0 * D, table, start, context_lens[b],
-                              nh, G, D, block_size, slot_stride, softcap, o);
+                              nh, G, D, block_size, slot_stride, softcap, item_sinks, o);
         else
             decode_heads_f32(qs, NULL, scale, (const float *)k_cache + h0 * D,
                              (const float *)v_cache + h0 * D, table, start, context_lens[b], nh,
-                             G, D, block_size, slot_stride, softcap, o);
+                             G, D, block_size, slot_stride, softcap, item_sinks, o);
         if (io_is_bf16)
             for (int i = 0; i < n; i++) ((uint16_t *)out)[first + i] = f32_to_bf16(os[i]);
     }
