@@ -385,7 +385,6 @@ def write_mxfp4_gpt_oss(model_dir: Path, mxfp4_dir: Path) -> None:
     """gpt-oss as released: the tiny checkpoint's experts quantized to MXFP4 in mxfp4_dir (their
     `_blocks` and `_scales`, laid out (E, rows, columns / 32, 16) as the released files), and
     model_dir rewritten with the dequantized experts: the weights Hugging Face then runs."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     import workers.weight_loader as loader
