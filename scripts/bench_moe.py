@@ -7,7 +7,8 @@ dense model: the same with one MLP of 4 x 704 = 2816 features (what a token's ex
 Both are served in process through the real scheduler and model runner (an EngineCore on an
 InProcExecutor): --input-len random prompt tokens, --output-len tokens each, greedy, ignore_eos.
 Reported: c=1 TPOT (the median decode step with one sequence) and c=32 output tokens per second
-(32 prompts at once, wall clock), and the MoE's ratios to the dense model's.
+(32 prompts at once, wall clock), the median of 3 rounds that alternate the two models, and the
+MoE's ratios to the dense model's.
 
 With --llama-server (llama.cpp's, as ../shared/tools/build-llama-server builds it), the MoE
 checkpoint is also converted by llama.cpp's own convert_hf_to_gguf.py (float32 GGUF, with the
@@ -25,6 +26,7 @@ import argparse
 import json
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -46,6 +48,7 @@ COMMON = {
     "max_position_embeddings": 4096, "tie_word_embeddings": False, "initializer_range": 0.02,
 }  # fmt: skip
 EXPERTS, TOP_K, EXPERT_SIZE = 32, 4, 704
+ROUNDS = 3
 
 
 def make_checkpoint(kind: str, out_dir: Path, tokenizer_dir: Path | None) -> Path:
@@ -76,29 +79,45 @@ def make_checkpoint(kind: str, out_dir: Path, tokenizer_dir: Path | None) -> Pat
     return out_dir
 
 
-def bench(kind: str, work: Path, args: argparse.Namespace, tokenizer_dir: Path | None) -> dict:
-    model_dir = make_checkpoint(kind, work / kind, tokenizer_dir)
+def make_core(model_dir: Path, dtype: str) -> EngineCore:
     config = Config(
-        model=ModelConfig(path=str(model_dir), dtype=args.dtype),
+        model=ModelConfig(path=str(model_dir), dtype=dtype),
         cache=CacheConfig(block_size=16, kv_cache_memory_gib=1.0),
         scheduler=SchedulerConfig(max_num_seqs=32),
     )
-    core = EngineCore(config, InProcExecutor(config))
+    return EngineCore(config, InProcExecutor(config))
+
+
+def bench(work: Path, args: argparse.Namespace, tokenizer_dir: Path | None) -> list[dict]:
+    """Both models in one process, measured in alternation (ROUNDS times each, the median kept):
+    this machine's step times drift by tens of percent over minutes."""
+    dirs = {kind: make_checkpoint(kind, work / kind, tokenizer_dir) for kind in ("moe", "dense")}
+    cores = {kind: make_core(d, args.dtype) for kind, d in dirs.items()}
     rng = random.Random(0)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((dirs["moe"] / "config.json").read_text())["vocab_size"]
     prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(32)]
-    bench_models.run(core, prompts[:1], 8, "warm")
-    tpot, _ = bench_models.run(core, prompts[:1], args.output_len, "c1-")
-    _, throughput = bench_models.run(core, prompts, args.output_len, "c32-")
-    result = {"model": kind, "tpot_ms": tpot * 1e3, "c32_tok_s": throughput}
-    del core
-    if kind == "moe" and args.llama_server is not None:
-        result.update(
-            bench_models.bench_llamacpp(model_dir, args.llama_server, prompts, args.output_len)
+    tpots: dict[str, list[float]] = {kind: [] for kind in cores}
+    rates: dict[str, list[float]] = {kind: [] for kind in cores}
+    for core in cores.values():
+        bench_models.run(core, prompts[:1], 8, "warm")
+    for r in range(ROUNDS):
+        for kind, core in cores.items():
+            tpots[kind].append(bench_models.run(core, prompts[:1], args.output_len, f"c1-{r}-")[0])
+            rates[kind].append(bench_models.run(core, prompts, args.output_len, f"c32-{r}-")[1])
+    results = [
+        {"model": kind, "tpot_ms": statistics.median(tpots[kind]) * 1e3,
+         "c32_tok_s": statistics.median(rates[kind]),
+         "tpot_ms_rounds": [t * 1e3 for t in tpots[kind]], "c32_tok_s_rounds": rates[kind]}
+        for kind in cores
+    ]  # fmt: skip
+    del cores
+    if args.llama_server is not None:
+        results[0].update(
+            bench_models.bench_llamacpp(dirs["moe"], args.llama_server, prompts, args.output_len)
         )
-    shutil.rmtree(model_dir, ignore_errors=True)
-    print(json.dumps(result), flush=True)
-    return result
+    for r in results:
+        print(json.dumps(r), flush=True)
+    return results
 
 
 def main() -> None:
@@ -117,8 +136,7 @@ def main() -> None:
 
         tokenizer_dir = Path(default_model_dir())
     with tempfile.TemporaryDirectory() as work:
-        moe = bench("moe", Path(work), args, tokenizer_dir)
-        dense = bench("dense", Path(work), args, tokenizer_dir)
+        moe, dense = bench(Path(work), args, tokenizer_dir)
     print(
         f"\n| model | c=1 TPOT ms | c=32 tok/s |{' llama.cpp c=1 ms | llama.cpp c=32 tok/s |' if args.llama_server else ''}"
     )
