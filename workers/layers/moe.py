@@ -75,6 +75,11 @@ class OaiSwiGLU(nn.Module):
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
+# Token-expert pairs up to which a step runs them one by one rather than grouped by expert (a
+# decode step of one or two sequences): the grouping's sort and gathers cost more than it saves.
+FEW_PAIRS = 8
+
+
 def _read(loaded: torch.Tensor) -> torch.Tensor:
     """A lazy checkpoint slice read whole (layouts that transpose or interleave need it all)."""
     return loaded if isinstance(loaded, torch.Tensor) else loaded.materialize()
@@ -233,6 +238,8 @@ class FusedExperts(nn.Module):
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """x (T, H), experts and weights (T, k) -> this rank's partial sums (T, H)."""
+        if experts.numel() <= FEW_PAIRS:
+            return self._forward_few(x, experts, weights)
         k = experts.size(1)
         flat, pair_weights = experts.flatten(), weights.flatten()
         pairs = None  # all token-expert pairs are this rank's
@@ -250,15 +257,34 @@ class FusedExperts(nn.Module):
             if n == 0:
                 continue
             span = slice(start, start + n)
-            b13 = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[expert]
-            b2 = None
-            if self.down_proj_bias is not None and self.adds_down_bias:
-                b2 = self.down_proj_bias[expert]
-            h = self.act_fn(dense_linear(rows[span], self.gate_up_proj[expert], b13))
-            out[span] = dense_linear(h, self.down_proj[expert], b2)
+            out[span] = self._expert(expert, rows[span])
             start += n
         out.mul_(pair_weights[order].unsqueeze(1))
         return torch.zeros_like(x).index_add_(0, token_of, out)
+
+    def _forward_few(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """A decode step of a few tokens: each token through its experts in turn, in ascending
+        expert order (the order the grouped path adds them in), skipping the grouping's ops."""
+        out = torch.zeros_like(x)
+        for t, row in enumerate(experts.tolist()):
+            xt, acc = x[t : t + 1], out[t : t + 1]
+            for j in sorted(range(len(row)), key=row.__getitem__):
+                local = row[j] - self.first_expert
+                if 0 <= local < self.local_experts:
+                    acc.add_(self._expert(local, xt).mul_(weights[t, j]))
+        return out
+
+    def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert `expert` (this rank's index) on rows (N, H) -> (N, H), its bias added where
+        this rank adds it."""
+        b13 = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[expert]
+        b2 = None
+        if self.down_proj_bias is not None and self.adds_down_bias:
+            b2 = self.down_proj_bias[expert]
+        h = self.act_fn(dense_linear(rows, self.gate_up_proj[expert], b13))
+        return dense_linear(h, self.down_proj[expert], b2)
 
 
 class SparseMoE(nn.Module):
