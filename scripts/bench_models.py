@@ -99,11 +99,16 @@ def make_checkpoint(arch: str, out_dir: Path, tokenizer_dir: Path | None = None)
     torch.manual_seed(0)
     model = model_class(config_class(**kwargs)).to(torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
+    copy_tokenizer(tokenizer_dir, out_dir)
+    return out_dir
+
+
+def copy_tokenizer(tokenizer_dir: Path | None, out_dir: Path) -> None:
+    """The tokenizer files llama.cpp's converter reads, beside a benchmark checkpoint."""
     if tokenizer_dir is not None:
         for f in tokenizer_dir.iterdir():
             if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
                 shutil.copy(f, out_dir / f.name)
-    return out_dir
 
 
 def _free_port() -> int:
@@ -207,12 +212,7 @@ def bench(arch: str, work: Path, args: argparse.Namespace) -> dict:
 
         tokenizer_dir = Path(default_model_dir())
     model_dir = make_checkpoint(arch, work / arch, tokenizer_dir)
-    config = Config(
-        model=ModelConfig(path=str(model_dir), dtype=args.dtype),
-        cache=CacheConfig(block_size=16, kv_cache_memory_gib=1.0),
-        scheduler=SchedulerConfig(max_num_seqs=32),
-    )
-    core = EngineCore(config, InProcExecutor(config))
+    core = make_core(model_dir, args.dtype)
     rng = random.Random(0)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)]
@@ -226,6 +226,16 @@ def bench(arch: str, work: Path, args: argparse.Namespace) -> dict:
     if args.llama_server is not None:
         result.update(bench_llamacpp(model_dir, args.llama_server, prompts, args.output_len))
     return result
+
+
+def make_core(model_dir: Path, dtype: str) -> EngineCore:
+    """The engine of a benchmark: 32 sequences at once in 1 GiB of KV cache."""
+    config = Config(
+        model=ModelConfig(path=str(model_dir), dtype=dtype),
+        cache=CacheConfig(block_size=16, kv_cache_memory_gib=1.0),
+        scheduler=SchedulerConfig(max_num_seqs=32),
+    )
+    return EngineCore(config, InProcExecutor(config))
 
 
 def cpu_description() -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -37,10 +36,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_models  # noqa: E402
 import torch  # noqa: E402
-
-from enginecore.config import CacheConfig, Config, ModelConfig, SchedulerConfig  # noqa: E402
-from enginecore.core import EngineCore  # noqa: E402
-from enginecore.executor import InProcExecutor  # noqa: E402
 
 COMMON = {
     "vocab_size": 32000, "hidden_size": 1024, "num_attention_heads": 16,
@@ -69,30 +64,18 @@ def make_checkpoint(kind: str, out_dir: Path, tokenizer_dir: Path | None) -> Pat
     torch.manual_seed(0)
     model = model_class(config).to(torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
-    if tokenizer_dir is not None:
-        for f in tokenizer_dir.iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-                shutil.copy(f, out_dir / f.name)
+    bench_models.copy_tokenizer(tokenizer_dir, out_dir)
     params = sum(p.numel() for p in model.parameters())
     del model
     print(f"{kind}: {params / 1e9:.2f}B parameters", flush=True)
     return out_dir
 
 
-def make_core(model_dir: Path, dtype: str) -> EngineCore:
-    config = Config(
-        model=ModelConfig(path=str(model_dir), dtype=dtype),
-        cache=CacheConfig(block_size=16, kv_cache_memory_gib=1.0),
-        scheduler=SchedulerConfig(max_num_seqs=32),
-    )
-    return EngineCore(config, InProcExecutor(config))
-
-
 def bench(work: Path, args: argparse.Namespace, tokenizer_dir: Path | None) -> list[dict]:
     """Both models in one process, measured in alternation (ROUNDS times each, the median kept):
     this machine's step times drift by tens of percent over minutes."""
     dirs = {kind: make_checkpoint(kind, work / kind, tokenizer_dir) for kind in ("moe", "dense")}
-    cores = {kind: make_core(d, args.dtype) for kind, d in dirs.items()}
+    cores = {kind: bench_models.make_core(d, args.dtype) for kind, d in dirs.items()}
     rng = random.Random(0)
     vocab = json.loads((dirs["moe"] / "config.json").read_text())["vocab_size"]
     prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(32)]
