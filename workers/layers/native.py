@@ -229,6 +229,47 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return y
 
 
+def f32_moe_experts(
+    x: torch.Tensor,
+    tokens: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    b13: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+) -> torch.Tensor:
+    """x (T, H) float32 through SiLU-gated experts: pair p sends token tokens[p] through expert
+    experts[p] (int64, each token's pairs in the order they are to be added) weighted by
+    weights[p]; w13 (E, 2I, H), w2 (E, H, I), biases (E, 2I) / (E, H) or None -> (T, H)."""
+    lib = load()
+    assert lib is not None, "the CPU kernels are not available"
+    for t, dtype, name in ((x, torch.float32, "x"), (tokens, torch.int64, "tokens"),
+                           (experts, torch.int64, "experts"), (weights, torch.float32, "weights"),
+                           (w13, torch.float32, "w13"), (w2, torch.float32, "w2")):  # fmt: skip
+        _check(t, dtype, name)
+    for b in (b13, b2):
+        if b is not None:
+            _check(b, torch.float32, "bias")
+    num_pairs, (num_experts, inter2, hidden) = tokens.numel(), w13.shape
+    if x.size(1) != hidden or w2.shape != (num_experts, hidden, inter2 // 2):
+        raise ValueError("f32 MoE experts: x, w13 and w2 do not agree")
+    if experts.numel() != num_pairs or weights.numel() != num_pairs:
+        raise ValueError("f32 MoE experts: one expert and one weight per pair")
+    if num_pairs and (int(experts.min()) < 0 or int(experts.max()) >= num_experts):
+        raise ValueError("f32 MoE experts: an expert outside the weights")
+    gate_up = torch.empty(num_pairs, inter2)
+    act = torch.empty(num_pairs, inter2 // 2)
+    y = torch.empty(num_pairs, hidden)
+    out = torch.zeros_like(x)
+    lib.tern_f32_moe_experts(
+        _ptr(x), hidden, _ptr(tokens), _ptr(experts), _ptr(weights), num_pairs, _ptr(w13),
+        _ptr(b13) if b13 is not None else None, _ptr(w2), _ptr(b2) if b2 is not None else None,
+        inter2 // 2, _ptr(gate_up), _ptr(act), _ptr(y), _ptr(out),
+    )  # fmt: skip
+    return out
+
+
 def bf16_amx_max_rows() -> int:
     """Rows of x tern's AMX bfloat16 linear takes, 0 where the CPU, build or OS has no AMX."""
     return _bf16_rows(active_tier_name())[1]

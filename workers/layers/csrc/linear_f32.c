@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "linear_tiles.h"
+#include "tern_kernels.h"
 
 /* y (M, N) = x (M, K) @ w (N, K).T + bias for the few activation rows of a decode step, where
  * BLAS GEMMs run far below the machine's bandwidth and FMA rate. */
@@ -131,4 +132,41 @@ int tern_bf16w_linear(const float *x, const uint16_t *w, const float *bias, floa
         return 0;
     }
     return matmul_widened_tiles(x, w, NULL, widen_tile, bias, y, M, N, K);
+}
+
+/* ---------------------------------------------------------------- mixture-of-experts decode */
+
+/* The routed experts of a decode step's few tokens in one call (two parallel regions instead of
+ * two per token and expert): pair p takes token pair_token[p] through expert pair_expert[p],
+ *   h = SiLU(gate) * up of x[token] @ w13[e].T (+ b13[e]),  y = h @ w2[e].T (+ b2[e]),
+ * and out[token] += y * pair_weight[p], pairs added in their order (the caller sorts each token's
+ * by expert, as the grouped path adds them). x (T, H); w13 (E, 2I, H), b13 (E, 2I) or NULL;
+ * w2 (E, H, I), b2 (E, H) or NULL; gate_up (P, 2I), act (P, I), y (P, H) scratch; out (T, H),
+ * zeroed by the caller. Each product is tern_f32_linear's arithmetic for one row. */
+void tern_f32_moe_experts(const float *x, int H, const int64_t *pair_token,
+                          const int64_t *pair_expert, const float *pair_weight, int P,
+                          const float *w13, const float *b13, const float *w2, const float *b2,
+                          int I, float *gate_up, float *act, float *y, float *out) {
+    int up_tiles = (2 * I + GEMV_ROWS - 1) / GEMV_ROWS, down_tiles = (H + GEMV_ROWS - 1) / GEMV_ROWS;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < P * up_tiles; t++) {
+        int p = t / up_tiles, n0 = t % up_tiles * GEMV_ROWS;
+        int64_t e = pair_expert[p];
+        f32_gemv_rows(x + pair_token[p] * H, w13 + e * 2 * I * H, b13 ? b13 + e * 2 * I : NULL,
+                      gate_up + (int64_t)p * 2 * I, 1, 2 * I, H, n0,
+                      2 * I - n0 < GEMV_ROWS ? 2 * I - n0 : GEMV_ROWS);
+    }
+    tern_silu_and_mul(gate_up, act, P, I);
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < P * down_tiles; t++) {
+        int p = t / down_tiles, n0 = t % down_tiles * GEMV_ROWS;
+        int64_t e = pair_expert[p];
+        f32_gemv_rows(act + (int64_t)p * I, w2 + e * H * I, b2 ? b2 + e * H : NULL,
+                      y + (int64_t)p * H, 1, H, I, n0, H - n0 < GEMV_ROWS ? H - n0 : GEMV_ROWS);
+    }
+    for (int p = 0; p < P; p++) {
+        float *o = out + pair_token[p] * H;
+        const float *yp = y + (int64_t)p * H;
+        for (int i = 0; i < H; i++) o[i] += yp[i] * pair_weight[p];
+    }
 }

@@ -1,0 +1,48 @@
+"""The mixture-of-experts layer's three ways through the experts (workers/layers/moe.py): grouped
+by expert (prefill, large batches), token by token (a decode of a few tokens), and that in one
+native call (float32, SiLU): the native call is bit for bit the token-by-token path, with and without
+expert biases and with a rank holding only some of the experts; both equal the grouped path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.distributed import ParallelContext
+from workers.layers import native
+from workers.layers.moe import FEW_PAIRS, FusedExperts, MoESpec
+
+
+def _experts(bias: bool) -> FusedExperts:
+    spec = MoESpec(8, 2, 48, norm_topk_prob=True, expert_bias=bias)
+    experts = FusedExperts(spec, 64, "silu", ParallelContext.single())
+    torch.manual_seed(0)
+    for p in experts.parameters():
+        p.data.normal_(0, 0.2)
+    return experts
+
+
+@pytest.mark.skipif(native.load() is None, reason="no C compiler")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rank_experts", [(0, 8), (4, 4)])
+def test_native_few_pairs_path_is_the_token_by_token_path(bias, rank_experts, monkeypatch):
+    experts = _experts(bias)
+    experts.first_expert, experts.local_experts = rank_experts
+    experts.gate_up_proj.data = experts.gate_up_proj.data[: rank_experts[1]].contiguous()
+    experts.down_proj.data = experts.down_proj.data[: rank_experts[1]].contiguous()
+    if bias:
+        experts.gate_up_proj_bias.data = experts.gate_up_proj_bias.data[: rank_experts[1]].clone()
+        experts.down_proj_bias.data = experts.down_proj_bias.data[: rank_experts[1]].clone()
+    for tokens in (1, 2, 4):
+        x = torch.randn(tokens, 64)
+        routes = torch.stack([torch.randperm(8)[:2] for _ in range(tokens)])
+        weights = torch.rand(tokens, 2)
+        assert routes.numel() <= FEW_PAIRS
+        fast = experts(x, routes, weights)
+        with monkeypatch.context() as m:
+            m.setattr(FusedExperts, "_native_few", lambda self, x, w: False)
+            slow = experts(x, routes, weights)
+            m.setattr("workers.layers.moe.FEW_PAIRS", 0)
+            grouped = experts(x, routes, weights)
+        assert torch.equal(fast, slow)
+        torch.testing.assert_close(grouped, slow, atol=1e-6, rtol=0)
