@@ -1,7 +1,8 @@
 """The mixture-of-experts layer's three ways through the experts (workers/layers/moe.py): grouped
 by expert (prefill, large batches), token by token (a decode of a few tokens), and that in one
-native call (float32, SiLU): the native call is bit for bit the token-by-token path, with and without
-expert biases and with a rank holding only some of the experts; both equal the grouped path."""
+native call (float32, SiLU): the native call is bit for bit the token-by-token path on every kernel tier this CPU runs, with and
+without expert biases and with a rank holding only some of the experts; both equal the grouped
+path."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def _experts(bias: bool) -> FusedExperts:
 
 
 @pytest.mark.skipif(native.load() is None, reason="no C compiler")
+@pytest.mark.usefixtures("kernel_tier")
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rank_experts", [(0, 8), (4, 4)])
 def test_native_few_pairs_path_is_the_token_by_token_path(bias, rank_experts, monkeypatch):
