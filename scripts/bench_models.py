@@ -128,8 +128,8 @@ def _post(url: str, body: dict) -> dict:
 def bench_llamacpp(
     model_dir: Path, server: Path, prompts: list[list[int]], output_len: int
 ) -> dict:
-    """llama.cpp on the same checkpoint: convert, serve, c=1 TPOT and c=32 tok/s (or the
-    converter's or server's reason it could not)."""
+    """llama.cpp on the same checkpoint: convert, serve, c=1 TPOT (the median of 3 requests) and
+    c=32 tok/s (or the converter's or server's reason it could not)."""
     src = server.resolve().parents[2]  # src/build/bin/llama-server
     gguf = model_dir / "model-f32.gguf"
     env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
@@ -168,7 +168,10 @@ def bench_llamacpp(
             return _post(base + "/completion", body)
 
         complete(prompts[0][:16])  # warm-up
-        tpot = complete(prompts[0])["timings"]["predicted_per_token_ms"]
+        # The median of 3, as this machine's step times drift.
+        tpot = statistics.median(
+            complete(prompts[i])["timings"]["predicted_per_token_ms"] for i in range(3)
+        )
         start = time.perf_counter()
         with ThreadPoolExecutor(len(prompts)) as pool:
             outs = list(pool.map(complete, prompts))
