@@ -79,6 +79,8 @@ OK, ABORTED, ERROR_BODY, SSE_ERROR, REJECTED, DISCONNECTED = (
 ENGINE_FAILED, SERVER_GONE = "engine_failed", "server_gone"
 FAULTS = ("kill-worker", "stop-worker", "kill-engine-core", "stop-engine-core")
 FAULT_HEARTBEAT_TIMEOUT_S = 5.0  # TERN_ENGINE_HEARTBEAT_TIMEOUT for a launched server under --fault
+# Control calls stop this long before a fault is due (a sleep-wake cycle takes at most ~0.6 s).
+FAULT_QUIET_S = 0.7
 
 
 @dataclass
@@ -99,6 +101,9 @@ class Soak:
     control_failures: list[str] = field(default_factory=list)
     version: str = "default"  # the weights loaded last
     fault_at: float | None = None  # time.monotonic() of the injected fault
+    # When the fault is due: control calls stop FAULT_QUIET_S before it, so that the server is
+    # awake and serving (requests in flight) when it comes.
+    fault_due: float | None = None
     control_after_fault: Counter = field(default_factory=Counter)
 
 
@@ -409,27 +414,31 @@ async def control_loop(
             await asyncio.wait_for(done.wait(), rng.uniform(0.3, 1.0) * interval)
         return done.is_set()
 
+    def quiet() -> bool:
+        due = soak.fault_due
+        return due is not None and time.monotonic() > due - FAULT_QUIET_S
+
     try:
         while max_cycles is None or cycle < max_cycles:
-            if soak.fault_at is not None:
+            if soak.fault_at is not None or quiet():
                 break
             mode = modes[cycle % 3]
             await control_call(soak, client, f"pause_{mode}", "/pause_generation", {"mode": mode})
             await asyncio.sleep(rng.uniform(0.1, 0.5))
             await control_call(soak, client, "resume", "/resume_generation", {})
-            if await gap():
+            if await gap() or quiet():
                 break
             mode = modes[cycle % 2]  # updates pause with abort or wait, never keep
             await control_call(soak, client, f"pause_{mode}", "/pause_generation", {"mode": mode})
             other = versions[(versions.index(soak.version) + 1) % len(versions)]
             await update_weights(soak, client, other)
             await control_call(soak, client, "resume", "/resume_generation", {})
-            if await gap():
+            if await gap() or quiet():
                 break
             await control_call(soak, client, "sleep", "/sleep", {"level": 1})
             await asyncio.sleep(rng.uniform(0.1, 0.5))
             await control_call(soak, client, "wake_up", "/wake_up", {})
-            if await gap():
+            if await gap() or quiet():
                 break
             await control_call(soak, client, "reset_prefix_cache", "/reset_prefix_cache", {})
             cycle += 1
@@ -572,6 +581,7 @@ async def soak_async(
         fault = None
         if args.fault:
             core_pid = (await client.get("/server_info")).json()["engine"]["engine_core_pid"]
+            soak.fault_due = time.monotonic() + args.fault_after
             fault = asyncio.create_task(inject_fault(soak, args.fault, args.fault_after, core_pid))
         try:
             results = await run_traffic(
