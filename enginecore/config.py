@@ -20,6 +20,10 @@ def tern_home() -> Path:
     return Path(os.environ.get("TERN_HOME") or Path.home() / ".cache" / "tern")
 
 
+# In a model directory prepared from a GGUF file (frontend/gguf_model.py): the file it serves.
+GGUF_SOURCE_FILE = "gguf_source.json"
+
+
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 # What the served model does (--task; auto: from config.json, see enginecore/model_task.py) and how
 # a pooling model pools a prompt's final hidden states (--pooling-type).

@@ -28,6 +28,7 @@ from enginecore.config import (
     StructuredOutputConfig,
 )
 from frontend.chat_options import ChatOptions
+from frontend.gguf_model import is_gguf, prepare_gguf
 from frontend.server.http_protocol import DEFAULT_KEEP_ALIVE_S
 from frontend.text.reasoning_parsers import REASONING_PARSERS
 from frontend.text.tool_parsers import TOOL_PARSERS
@@ -135,7 +136,8 @@ def make_parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--model",
         default=None,
-        help="Hugging Face model directory (default: SmolLM2-135M-Instruct, prepared on first use)",
+        help="Hugging Face model directory or a .gguf file (default: SmolLM2-135M-Instruct, "
+        "prepared on first use)",
     )
     launch.add_argument("--host", default="127.0.0.1")
     launch.add_argument("--port", type=int, default=8000, help="0 picks a free port")
@@ -397,8 +399,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
         served_name = args.served_model_name[0] if args.served_model_name else MODEL_NAME
     else:
         model_path = Path(args.model).expanduser()
-        if not (model_path / "config.json").is_file():
-            raise ValueError(f"--model {args.model}: not a model directory (no config.json)")
+        if is_gguf(model_path):
+            model_path = prepare_gguf(model_path)
+        elif not (model_path / "config.json").is_file():
+            raise ValueError(
+                f"--model {args.model}: not a model directory (no config.json) or a .gguf file"
+            )
         served_name = args.served_model_name[0] if args.served_model_name else args.model
     if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 1:
         raise ValueError("--num-gpu-blocks-override must be positive")

@@ -23,7 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from enginecore.config import tern_home
@@ -84,18 +84,25 @@ def is_complete(model_dir: Path) -> bool:
 def ensure_default_model() -> Path:
     """Return the default model directory, converting it from the GGUF first if needed."""
     target = default_model_dir()
-    if is_complete(target):
+    return prepare_once(target, lambda out: _convert(find_gguf(), out), is_complete)
+
+
+def prepare_once(
+    target: Path, build: Callable[[Path], None], complete: Callable[[Path], bool]
+) -> Path:
+    """`target`, built by `build(tmp_dir)` into a temporary directory renamed into place unless
+    `complete(target)`, under a lock: two processes preparing at once build once."""
+    if complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target.parent / f".{MODEL_NAME}.lock"):
+    with _locked(target.parent / f".{target.name}.lock"):
         # Another process may have finished while we waited for the lock.
-        if is_complete(target):
+        if complete(target):
             return target
         _remove_stale_temp_dirs(target)
-        gguf = find_gguf()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            _convert(gguf, tmp)
+            build(tmp)
             os.chmod(tmp, 0o755)
             if target.exists():  # an old format or a directory without a marker
                 shutil.rmtree(target)
@@ -118,12 +125,12 @@ def _locked(lock_path: Path) -> Iterator[None]:
 
 def _remove_stale_temp_dirs(target: Path) -> None:
     # Only the lock holder creates temp dirs, so any left now belong to a killed conversion.
-    for path in target.parent.glob(f".{MODEL_NAME}.tmp-*"):
+    for path in target.parent.glob(f".{target.name}.tmp-*"):
         shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def _offline_env() -> Iterator[None]:
+def offline_env() -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -141,7 +148,7 @@ def _convert(gguf: Path, out_dir: Path) -> None:
     """Dequantize gguf with transformers and save it to out_dir as float32 safetensors."""
     start = time.monotonic()
     print(f"tern: converting {gguf.name} to {MODEL_NAME} (float32, one-time)...", file=sys.stderr)
-    with _offline_env():
+    with offline_env():
         import torch
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -159,11 +166,11 @@ def _convert(gguf: Path, out_dir: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         if not tokenizer.chat_template:
             raise ValueError(f"{gguf} has no chat template")
-        _fix_eos(model.generation_config, tokenizer)
+        fix_eos(model.generation_config, tokenizer)
         model.save_pretrained(out_dir, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
         del model
-    _fix_tokenizer_config(out_dir / "tokenizer_config.json")
+    fix_tokenizer_config(out_dir / "tokenizer_config.json")
     for path in out_dir.iterdir():
         os.chmod(path, 0o644)  # mkstemp-style 0600 files would hide the cache from other users
     marker = {
@@ -177,7 +184,7 @@ def _convert(gguf: Path, out_dir: Path) -> None:
     print(f"tern: converted in {time.monotonic() - start:.0f} s", file=sys.stderr)
 
 
-def _fix_eos(generation_config, tokenizer) -> None:
+def fix_eos(generation_config, tokenizer) -> None:
     # The chat model must stop at its end-of-turn token (<|im_end|>, id 2 for SmolLM2).
     eos = tokenizer.eos_token_id
     if eos is None:
@@ -188,7 +195,7 @@ def _fix_eos(generation_config, tokenizer) -> None:
         generation_config.eos_token_id = [eos, *ids] if ids else eos
 
 
-def _fix_tokenizer_config(path: Path) -> None:
+def fix_tokenizer_config(path: Path) -> None:
     # transformers 5 records its own backend class and load-time flags; the generic fast class
     # name loads the same tokenizer.json on transformers 4 and 5.
     config = json.loads(path.read_text())

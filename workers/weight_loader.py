@@ -27,6 +27,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from workers.gguf_weights import gguf_file_of, iter_gguf
+
 logger = logging.getLogger(__name__)
 
 # Hugging Face projection name -> (tern's fused parameter, shard id).
@@ -296,8 +298,10 @@ def expected_weight_names(model: nn.Module) -> set[str]:
 
 
 def load_checkpoint(model: nn.Module, model_dir: str | Path) -> None:
-    """Load a whole safetensors checkpoint; every parameter must be covered."""
-    loaded = load_weights(model, iter_safetensors_lazy(model_dir))
+    """Load a whole checkpoint (safetensors, or the GGUF file a prepared directory names); every
+    parameter must be covered."""
+    weights = iter_gguf(model_dir) if gguf_file_of(model_dir) else iter_safetensors_lazy(model_dir)
+    loaded = load_weights(model, weights)
     missing = expected_weight_names(model) - loaded
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights: {sorted(missing)[:8]}")

@@ -16,8 +16,9 @@ from typing import Any
 
 import tokenizers
 from jinja2 import TemplateError
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, TokenizersBackend
 
+from enginecore.config import GGUF_SOURCE_FILE
 from frontend.server.errors import bad_request
 
 logger = logging.getLogger("tern.frontend")
@@ -33,8 +34,11 @@ class Tokenizer:
     def __init__(self, model_path: str | Path, chat_template: str | None = None) -> None:
         """`chat_template` (the template's text) replaces the model's own."""
         path = Path(model_path)
+        # A GGUF file's tokenizer is the tokenizer.json transformers converted from it: loaded as
+        # it is (AutoTokenizer would rebuild some families' pre-tokenizers from their class).
+        loader = TokenizersBackend if (path / GGUF_SOURCE_FILE).is_file() else AutoTokenizer
         try:
-            self.hf = AutoTokenizer.from_pretrained(str(path))
+            self.hf = loader.from_pretrained(str(path))
         except Exception as e:
             raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
         backend = getattr(self.hf, "backend_tokenizer", None)

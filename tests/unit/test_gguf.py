@@ -1,0 +1,133 @@
+"""GGUF files as models: tiny random checkpoints written as llama.cpp lays out a GGUF file
+(scripts/make_tiny_gguf.py: its tensor names, Llama's permuted q/k rows, the default model's
+tokenizer and chat template), one per block type the `gguf` package writes. The reference is
+Hugging Face's model loaded from the same file (`from_pretrained(..., gguf_file=...)`, which
+dequantizes it): greedy tokens equal for 8 prompts in one batch, with prefix-cache hits and
+chunked prefill; logprobs within 1e-3; and the tokenizer and chat template equal Hugging Face's
+for 20 conversations.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from enginecore.messages import EngineCoreRequest, SamplingParams
+from frontend.gguf_model import prepare_gguf
+from frontend.text.tokenizer import Tokenizer
+from tests.conftest import ROOT, make_tiny_model
+from tests.unit.test_engine_inproc import MAX_TOKENS, hf_greedy, make_prompts, run_greedy
+from tests.unit.test_model_runner import GREEDY, make_runner, run
+from tests.unit.test_model_runner import make_prompts as runner_prompts
+
+
+def _write_gguf():
+    spec = importlib.util.spec_from_file_location("make_tiny_gguf", ROOT / "scripts/make_tiny_gguf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.write_gguf
+
+
+CASES = [("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q4_0"), ("qwen3", "Q5_0"),
+         ("llama", "Q5_1"), ("qwen3", "BF16")]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tern_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tern_home")
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{t}" for a, t in CASES])
+def gguf_case(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    tokenizer_dir: Path | None,
+    tern_home: Path,
+) -> tuple[Path, Path, Path]:
+    """(GGUF file, tern's prepared directory, Hugging Face's dequantized copy of the file)."""
+    if tokenizer_dir is None:
+        pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
+    arch, block_type = request.param
+    work = tmp_path_factory.mktemp(f"gguf_{arch}_{block_type}")
+    hf_dir = make_tiny_model(arch, work / "hf", tokenizer_dir)
+    gguf = _write_gguf()(hf_dir, work / f"tiny-{arch}.{block_type}.gguf", block_type)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TERN_HOME", str(tern_home))
+        prepared = prepare_gguf(gguf)
+    # transformers 5 keeps GGUF weights quantized unless asked to dequantize them at load; the
+    # config is the prepared one (transformers reads no head_dim from a Qwen3 file).
+    dequantize = transformers.GgufConfig(gguf_file=str(gguf), dequantize=True)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=dequantize,
+        config=transformers.AutoConfig.from_pretrained(prepared),
+    )  # fmt: skip
+    reference.save_pretrained(work / "reference")
+    return gguf, prepared, work / "reference"
+
+
+def test_engine_matches_hf_on_the_files_weights(gguf_case: tuple[Path, Path, Path]) -> None:
+    _, prepared, reference = gguf_case
+    prompts = make_prompts(49152)
+    ref = hf_greedy(reference, prompts, MAX_TOKENS)
+    out, core = run_greedy(prepared, prompts, block_size=4)
+    assert out == ref
+    # The same prompts again on the same engine: their full blocks come from the prefix cache.
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        assert core.add_request(EngineCoreRequest(f"again{i}", p, params)) == []
+    cached, outs = 0, {}
+    while core.scheduler.has_requests:
+        for o in core.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            cached = max(cached, o.num_cached_tokens or 0)
+    assert cached > 0
+    assert [outs[f"again{i}"] for i in range(len(prompts))] == ref
+    chunked, _ = run_greedy(prepared, prompts, max_num_batched_tokens=7)
+    assert chunked == ref
+
+
+def test_logprobs_match_hf(gguf_case: tuple[Path, Path, Path]) -> None:
+    _, prepared, reference = gguf_case
+    hf = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    reqs = run(make_runner(prepared, block_size=16), runner_prompts(49152), GREEDY, chunk_size=7)
+    with torch.no_grad():
+        for r in reqs.values():
+            ids = torch.tensor([r.prompt])
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=len(r.output), min_new_tokens=len(r.output), pad_token_id=0,
+                eos_token_id=None, output_scores=True, return_dict_in_generate=True,
+            )  # fmt: skip
+            assert out.sequences[0, len(r.prompt) :].tolist() == r.output
+            hf_logprobs = torch.stack([s[0] for s in out.scores]).float().log_softmax(-1)
+            torch.testing.assert_close(torch.stack(r.logprobs), hf_logprobs, atol=1e-3, rtol=0)
+
+
+def _conversations(n: int) -> list[list[dict]]:
+    rng = random.Random(0)
+    words = ["tern", "GGUF", "blocks", "hello", "2+2?", "über", "日本語", "emoji 🐦", "\n", "  "]
+    out = []
+    for i in range(n):
+        turns = [{"role": "system", "content": "You are terse."}] if i % 3 == 0 else []
+        for t in range(1 + i % 4):
+            text = " ".join(rng.choice(words) for _ in range(rng.randrange(1, 12)))
+            turns.append({"role": "user" if t % 2 == 0 else "assistant", "content": text})
+        if turns[-1]["role"] != "user":
+            turns.append({"role": "user", "content": "and?"})
+        out.append(turns)
+    return out
+
+
+def test_tokenizer_and_chat_template_equal_hf(gguf_case: tuple[Path, Path, Path]) -> None:
+    gguf, prepared, _ = gguf_case
+    hf = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    ours = Tokenizer(prepared)
+    for messages in _conversations(20):
+        expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert ours.render_chat(messages, add_generation_prompt=True) == expected
+        assert ours.apply_chat_template(messages) == hf.encode(expected, add_special_tokens=False)
