@@ -13,6 +13,7 @@ norms and biases stay F32, as llama.cpp keeps them.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -28,28 +29,45 @@ ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's Llama q/k row order: each head's rotary halves interleaved."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
     )
 
 
-def _copy_tokenizer(writer, tokenizer_gguf: Path) -> None:
+@functools.cache
+def _tokenizer_fields(tokenizer_gguf: Path) -> list[tuple[str, list, object]]:
     import gguf
     from transformers.modeling_gguf_pytorch_utils import read_field
 
     reader = gguf.GGUFReader(tokenizer_gguf)
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        value = read_field(reader, key)
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
+    return [
+        (key, read_field(reader, key), field.types[0])
+        for key, field in reader.fields.items()
+        if key.startswith("tokenizer.")
+    ]
+
+
+def _copy_tokenizer(writer, tokenizer_gguf: Path) -> None:
+    import gguf
+
+    for key, value, kind in _tokenizer_fields(tokenizer_gguf):
+        if kind == gguf.GGUFValueType.ARRAY:
             writer.add_array(key, value)
         else:
-            writer.add_key_value(key, value[0], field.types[0])
+            writer.add_key_value(key, value[0], kind)
 
 
-def write_gguf(model_dir: Path, out: Path, block_type: str = "Q8_0") -> Path:
-    """The checkpoint in model_dir as a GGUF file at out, its weights in `block_type`."""
+def _block_type(types: dict[str, str], name: str) -> str:
+    """The block type of GGUF tensor `name`: the first key of `types` it contains, else "*"'s."""
+    return next((t for key, t in types.items() if key != "*" and key in name), types["*"])
+
+
+def write_gguf(model_dir: Path, out: Path, block_types: str | dict[str, str] = "Q8_0") -> Path:
+    """The checkpoint in model_dir as a GGUF file at out, its weights in one block type, or in
+    several as a Q4_K_M file mixes them: {GGUF name fragment ("attn_v", "ffn_down", ...): type,
+    "*": the rest's}."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -75,8 +93,7 @@ def write_gguf(model_dir: Path, out: Path, block_type: str = "Q8_0") -> Path:
     writer.add_vocab_size(config["vocab_size"])
     _copy_tokenizer(writer, find_gguf())
 
-    qtype = gguf.GGMLQuantizationType[block_type]
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    types = {"*": block_types} if isinstance(block_types, str) else block_types
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
     tensors: dict[str, np.ndarray] = {}
     for file in sorted(model_dir.glob("*.safetensors")):
@@ -91,6 +108,8 @@ def write_gguf(model_dir: Path, out: Path, block_type: str = "Q8_0") -> Path:
         w = w.astype(np.float32)
         if arch == "llama" and base.endswith(("q_proj", "k_proj")):
             w = _permute(w, n_head if base.endswith("q_proj") else n_kv)
+        qtype = gguf.GGMLQuantizationType[_block_type(types, name)]
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
         if w.ndim == 2 and w.shape[1] % block == 0 and qtype != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(f"{name}.{suffix}", gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
@@ -106,7 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--type", default="Q8_0")
+    parser.add_argument("--type", default="Q8_0", help="the block type of every 2-D weight")
     args = parser.parse_args()
     print(write_gguf(args.model_dir, args.out, args.type))
 

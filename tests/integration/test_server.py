@@ -651,3 +651,33 @@ def test_default_model_knows_the_capital_of_france(default_server: Any) -> None:
         model="SmolLM2-135M-Instruct", messages=messages, max_tokens=30, temperature=0, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == answer
+
+
+def test_the_default_models_gguf_file_serves_as_its_float32_conversion(
+    launch_server: Any, tokenizer_dir: Path | None
+) -> None:
+    """`--model FILE.gguf` on the Q4_1 file the default model ships in: through the openai client,
+    greedy chat output equals Hugging Face's on the float32 model converted from the same file."""
+    if tokenizer_dir is None:
+        pytest.skip("needs the default model (python -m frontend.model_prep)")
+    import torch
+    import transformers
+
+    from frontend.model_prep import find_gguf
+
+    gguf = find_gguf()
+    server = launch_server("--model", str(gguf), "--dtype", "float32", "--max-model-len", "512")
+    messages = [{"role": "user", "content": "Name three birds that live by the sea."}]
+    reply = client_for(server).chat.completions.create(
+        model=str(gguf), messages=messages, max_tokens=24, temperature=0.0
+    )
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tokenizer_dir, dtype=torch.float32)
+    ids = hf_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=24, do_sample=False)
+    expected = hf_tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens == ids.shape[1]

@@ -1,6 +1,7 @@
 """GGUF files as models: tiny random checkpoints written as llama.cpp lays out a GGUF file
 (scripts/make_tiny_gguf.py: its tensor names, Llama's permuted q/k rows, the default model's
-tokenizer and chat template), one per block type the `gguf` package writes. The reference is
+tokenizer and chat template), each mixing the block types the `gguf` package writes (Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, BF16) across its tensors, as a Q4_K_M file mixes its own. The reference is
 Hugging Face's model loaded from the same file (`from_pretrained(..., gguf_file=...)`, which
 dequantizes it): greedy tokens equal for 8 prompts in one batch, with prefix-cache hits and
 chunked prefill; logprobs within 1e-3; and the tokenizer and chat template equal Hugging Face's
@@ -27,14 +28,20 @@ from tests.unit.test_model_runner import make_prompts as runner_prompts
 
 
 def _write_gguf():
-    spec = importlib.util.spec_from_file_location("make_tiny_gguf", ROOT / "scripts/make_tiny_gguf.py")
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_gguf", ROOT / "scripts/make_tiny_gguf.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.write_gguf
 
 
-CASES = [("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q4_0"), ("qwen3", "Q5_0"),
-         ("llama", "Q5_1"), ("qwen3", "BF16")]  # fmt: skip
+# Each file mixes block types across its tensors, as a Q4_K_M file does.
+CASES = {
+    "llama": {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q5_0", "attn_output": "Q5_1",
+              "ffn_gate": "Q8_0", "ffn_up": "Q4_1", "ffn_down": "Q5_0", "*": "Q8_0"},
+    "qwen3": {"attn_q": "Q5_1", "attn": "Q4_0", "ffn_down": "BF16", "ffn": "Q4_1", "*": "Q5_0"},
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +49,7 @@ def tern_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tern_home")
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{t}" for a, t in CASES])
+@pytest.fixture(scope="module", params=list(CASES))
 def gguf_case(
     request: pytest.FixtureRequest,
     tmp_path_factory: pytest.TempPathFactory,
@@ -52,10 +59,10 @@ def gguf_case(
     """(GGUF file, tern's prepared directory, Hugging Face's dequantized copy of the file)."""
     if tokenizer_dir is None:
         pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
-    arch, block_type = request.param
-    work = tmp_path_factory.mktemp(f"gguf_{arch}_{block_type}")
+    arch = request.param
+    work = tmp_path_factory.mktemp(f"gguf_{arch}")
     hf_dir = make_tiny_model(arch, work / "hf", tokenizer_dir)
-    gguf = _write_gguf()(hf_dir, work / f"tiny-{arch}.{block_type}.gguf", block_type)
+    gguf = _write_gguf()(hf_dir, work / f"tiny-{arch}.gguf", CASES[arch])
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TERN_HOME", str(tern_home))
         prepared = prepare_gguf(gguf)
