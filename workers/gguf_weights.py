@@ -5,9 +5,10 @@ as Hugging Face files and `gguf_source.json`, which names the GGUF file itself; 
 in that file. llama.cpp's tensor names (`blk.N.attn_q.weight`, ...) map to Hugging Face's through
 transformers' own GGUF tables (the names of a meta-device Hugging Face model of the same config),
 and its per-architecture processors undo what llama.cpp's converter did (Llama's q/k rotary
-permutation, Gemma's norm offset, MoE experts stacked as `ffn_*_exps`). Quantized blocks are
-dequantized to float32 by the `gguf` package as each tensor is read, with one log line naming the
-block types: the model's parameters then take them in their own dtype.
+permutation, Gemma's norm offset, MoE experts stacked as `ffn_*_exps`). The block types tern's
+kernels multiply as stored (Q8_0, Q4_0, Q4_1: workers/layers/gguf_blocks.py) arrive as their rows
+of blocks for the linear layers that keep them; every other block type is dequantized to float32
+by the `gguf` package as its tensor is read, with one log line naming the types.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import numpy as np
 import torch
 
 from enginecore.config import GGUF_SOURCE_FILE
+from workers.layers.gguf_blocks import GGUFBlocks
+from workers.layers.native import GGUF_BLOCKS
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +50,10 @@ def _weights_map(config, processor) -> dict[str, str]:
     return get_gguf_hf_weights_map(model, processor)
 
 
-def iter_gguf(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the directory's GGUF file as (Hugging Face name, float tensor)."""
+def _reader_and_names(model_dir: str | Path):
+    """(GGUFReader, processor, GGUF name -> Hugging Face name) of a prepared directory."""
     import transformers
-    from gguf import GGUFReader, dequantize
+    from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
@@ -64,23 +67,51 @@ def iter_gguf(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     architecture = read_field(reader, "general.architecture")[0]
     config = transformers.AutoConfig.from_pretrained(model_dir)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
-    names = _weights_map(config, processor)
+    return reader, processor, _weights_map(config, processor), config
+
+
+def block_types(model_dir: str | Path) -> dict[str, str]:
+    """Hugging Face name -> block type of the file's 2-D tensors tern multiplies as stored."""
+    reader, _, names, _ = _reader_and_names(model_dir)
+    return {
+        names[t.name]: t.tensor_type.name
+        for t in reader.tensors
+        if t.tensor_type.name in GGUF_BLOCKS and len(t.shape) == 2 and t.name in names
+    }
+
+
+def iter_gguf(
+    model_dir: str | Path, keep_blocks: bool = False
+) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """Every tensor of the directory's GGUF file as (Hugging Face name, float tensor); with
+    `keep_blocks`, 2-D tensors of the block types the kernels take as GGUFBlocks (their rows
+    permuted by the processor as the float ones are)."""
+    from gguf import dequantize
+
+    reader, processor, names, config = _reader_and_names(model_dir)
     # Processors that stack tensors (MoE experts) assemble them here.
     parsed: dict = {"tensors": {}, "config": config.to_dict()}
     dequantized: Counter[str] = Counter()
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
-        if kind not in FLOAT_TYPES:
+        kept = keep_blocks and kind in GGUF_BLOCKS and len(tensor.shape) == 2
+        if kind not in FLOAT_TYPES and not kept:
             dequantized[kind] += 1
-        weights = dequantize(tensor.data, tensor.tensor_type)
+        # NOTE: a block tensor's rows are rows of bytes: the processors' row permutations apply.
+        weights = tensor.data if kept else dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(
             weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters=parsed
         )
-        if result.name is not None and result.name in names:
-            yield names[result.name], torch.tensor(np.asarray(result.weights))
+        if result.name is None or result.name not in names:
+            continue
+        value = torch.tensor(np.asarray(result.weights))
+        if kept:
+            yield names[result.name], GGUFBlocks(value, kind, int(tensor.shape[0]))
+        else:
+            yield names[result.name], value
     # NOTE: stacked experts are assembled from several GGUF tensors (gate and up apart).
     for name, value in parsed["tensors"].items():
         yield name, value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
     if dequantized:
         kinds = ", ".join(f"{k} ({n} tensors)" for k, n in sorted(dequantized.items()))
-        logger.info("%s: dequantized to float32 at load: %s", path.name, kinds)
+        logger.info("%s: dequantized to float32 at load: %s", model_dir, kinds)

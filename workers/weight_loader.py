@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from workers.gguf_weights import gguf_file_of, iter_gguf
+from workers.gguf_weights import block_types, gguf_file_of, iter_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -297,10 +297,46 @@ def expected_weight_names(model: nn.Module) -> set[str]:
     return names
 
 
+def keep_gguf_blocks(model: nn.Module, types: dict[str, str]) -> int:
+    """Switch the unquantized linear layers whose every checkpoint tensor is of one block type the
+    kernels take (`types`: Hugging Face name -> block type) to that type's storage; before the
+    checkpoint loads. Returns how many layers keep blocks."""
+    from workers.layers.linear import LinearBase
+
+    local_name = getattr(model, "local_weight_name", None)
+    shards: dict[str, dict[object, str]] = {}
+    for hf_name, block_type in types.items():
+        name = _canonical(hf_name)
+        if local_name is not None and (name := local_name(name)) is None:
+            continue
+        param_name, shard_id = _map_name(name)
+        shards.setdefault(param_name, {})[shard_id] = block_type
+    expected = {"qkv_proj": 3, "gate_up_proj": 2}
+    kept = 0
+    for param_name, by_shard in shards.items():
+        module_name, _, leaf = param_name.rpartition(".")
+        module = model.get_submodule(module_name) if leaf == "weight" else None
+        if not isinstance(module, LinearBase) or module.quant is not None:
+            continue
+        if len(by_shard) != expected.get(module_name.rpartition(".")[2], 1):
+            continue
+        if len(set(by_shard.values())) != 1 or module.input_size % 32:
+            continue
+        module.keep_gguf_blocks(next(iter(by_shard.values())))
+        kept += 1
+    return kept
+
+
 def load_checkpoint(model: nn.Module, model_dir: str | Path) -> None:
     """Load a whole checkpoint (safetensors, or the GGUF file a prepared directory names); every
-    parameter must be covered."""
-    weights = iter_gguf(model_dir) if gguf_file_of(model_dir) else iter_safetensors_lazy(model_dir)
+    parameter must be covered. A GGUF file's linear layers keep the block types the kernels
+    multiply as stored, unless the model quantizes its weights itself (--quantization)."""
+    if gguf_file_of(model_dir) is None:
+        weights: Iterable = iter_safetensors_lazy(model_dir)
+    else:
+        quantized = any(getattr(m, "quant", None) is not None for m in model.modules())
+        keep = not quantized and keep_gguf_blocks(model, block_types(model_dir)) > 0
+        weights = iter_gguf(model_dir, keep_blocks=keep)
     loaded = load_weights(model, weights)
     missing = expected_weight_names(model) - loaded
     if missing:

@@ -37,6 +37,9 @@ from workers.layers.linear import NATIVE_F32_MAX_ROWS, LinearBase
 from workers.layers.norm import RMSNorm, ShardedRMSNorm
 from workers.layers.rotary import RotaryEmbedding
 
+# TernLinear.weight_format (csrc/tern_kernels.h): bfloat16-stored, GGUF blocks (+ the block type).
+WEIGHT_BF16, WEIGHT_GGUF = 1, 16
+
 
 @dataclass(frozen=True)
 class DecodeLayerSpec:
@@ -198,11 +201,14 @@ def _linear(
             return None
         return TernLinear(w.data_ptr(), scale.data_ptr(), bias_ptr, w.size(0), w.size(1), 0)
     w = lin.weight
+    if lin.quant == "gguf" and dtype == torch.float32 and w.is_contiguous():
+        fmt = WEIGHT_GGUF + native.GGUF_BLOCKS[lin.block_type][0]
+        return TernLinear(w.data_ptr(), None, bias_ptr, w.size(0), lin.input_size, fmt)
     if lin.quant is not None or not w.is_contiguous():
         return None
     if dtype == torch.float32 and w.dtype in (torch.float32, torch.bfloat16):
-        bf16_weight = int(w.dtype == torch.bfloat16)  # bfloat16-stored: widened in registers
-        return TernLinear(w.data_ptr(), None, bias_ptr, w.size(0), w.size(1), bf16_weight)
+        fmt = WEIGHT_BF16 if w.dtype == torch.bfloat16 else 0  # bfloat16-stored: widened
+        return TernLinear(w.data_ptr(), None, bias_ptr, w.size(0), w.size(1), fmt)
     if dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or lin.packed_weight is None:
         return None
     rows = max_rows(dtype)

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 HEADER = SOURCE_DIR / "tern_kernels.h"
-ABI_VERSION = 11
+ABI_VERSION = 12
 ENV_VAR = "TERN_KERNELS"
 _COMMON_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 
@@ -130,7 +130,7 @@ def choose_tier(setting: str | None, features: frozenset[str] | None = None) -> 
 class TernLinear(ctypes.Structure):
     _fields_ = [
         ("weight", _vp), ("scale", _vp), ("bias", _vp), ("n", _i32), ("k", _i32),
-        ("bf16_weight", _i32),
+        ("weight_format", _i32),
     ]  # fmt: skip
 
 

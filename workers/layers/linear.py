@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.distributed import ParallelContext, divide, shard_heads
-from workers.layers import native, quantization
+from workers.layers import gguf_blocks, native, quantization
 
 # Measured on a 2-core AVX2 EPYC (scripts/bench_quant.py --kernels): below 64 rows tern's float32
 # kernel beats BLAS (about 2x at 8 rows, 1.5x at 32); from 64 rows BLAS is as fast or faster.
@@ -165,6 +165,19 @@ class LinearBase(nn.Module):
     ) -> None:
         raise NotImplementedError
 
+    def keep_gguf_blocks(self, block_type: str) -> None:
+        """Store the weight as GGUF blocks of `block_type` (native.GGUF_BLOCKS), (N, K / 32 *
+        block bytes) uint8, multiplied as stored; before the checkpoint loads."""
+        if self.input_size % 32:
+            raise ValueError(f"{self.input_size} input features do not split into 32-value blocks")
+        nbytes = native.GGUF_BLOCKS[block_type][1]
+        self.quant, self.block_type = "gguf", block_type
+        self.weight = nn.Parameter(
+            torch.zeros(self.output_size, self.input_size // 32 * nbytes, dtype=torch.uint8),
+            requires_grad=False,
+        )
+        self.weight.weight_loader = self.weight_loader
+
     def repack_weights(self) -> None:
         packs = self.quant is None and self.dtype == torch.bfloat16
         self.packed_weight = pack_weight(self.weight) if packs else None
@@ -177,6 +190,8 @@ class LinearBase(nn.Module):
         """x @ W.T + bias with this rank's weight."""
         if self.quant is None:
             return dense_linear(x, self.weight, bias, self.packed_weight)
+        if self.quant == "gguf":
+            return gguf_blocks.linear(x, self.weight, self.block_type, self.input_size, bias)
         weight, scale = self.int8_views()
         backend = quantization.int8_backend(x)
         return quantization.int8_matmul(x, weight, scale, bias, backend)
@@ -190,6 +205,10 @@ class LinearBase(nn.Module):
             copy_checked(param.data if size is None else param.data.narrow(0, offset, size), src)
             return
         size = self.output_size if size is None else size
+        if self.quant == "gguf":
+            rows = gguf_blocks.rows_of(src, self.block_type, self.input_size)
+            copy_checked(param.data.narrow(0, offset, size), rows)
+            return
         if not isinstance(src, torch.Tensor):  # a lazy checkpoint slice: read it now
             src = src.materialize()
         if tuple(src.shape) != (size, self.input_size):

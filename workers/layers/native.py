@@ -201,6 +201,49 @@ def int8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# GGUF block types the kernels multiply as stored: name -> (ggml type id, bytes per 32 values).
+GGUF_BLOCKS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+
+
+def gguf_linear(
+    x: torch.Tensor, blocks: torch.Tensor, block_type: str, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x (M, K) float32 @ W.T + bias, W (N, K) stored as `blocks` (N, K / 32 * block bytes)
+    uint8 of a GGUF block type, dequantized in registers."""
+    lib = load()
+    assert lib is not None, "the CPU kernels are not available"
+    _check(x, torch.float32, "x")
+    _check(blocks, torch.uint8, "blocks")
+    if bias is not None:
+        _check(bias, torch.float32, "bias")
+    type_id, nbytes = GGUF_BLOCKS[block_type]
+    (m, k), n = x.shape, blocks.size(0)
+    if k % 32 or blocks.size(1) != k // 32 * nbytes or (bias is not None and bias.numel() != n):
+        raise ValueError(
+            f"gguf linear: x {tuple(x.shape)} does not fit {block_type} blocks {tuple(blocks.shape)}"
+        )
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.tern_gguf_linear(
+        _ptr(x), _ptr(blocks), type_id, _ptr(bias) if bias is not None else None, _ptr(y), m, n, k
+    )
+    if rc != 0:
+        raise MemoryError("gguf linear: no memory for a scratch tile")
+    return y
+
+
+def gguf_dequantize(blocks: torch.Tensor, block_type: str, k: int) -> torch.Tensor:
+    """(N, K / 32 * block bytes) uint8 blocks -> the (N, K) float32 weight."""
+    lib = load()
+    assert lib is not None, "the CPU kernels are not available"
+    _check(blocks, torch.uint8, "blocks")
+    type_id, nbytes = GGUF_BLOCKS[block_type]
+    if k % 32 or blocks.size(1) != k // 32 * nbytes:
+        raise ValueError(f"gguf dequantize: {tuple(blocks.shape)} are not {block_type} rows of {k}")
+    out = torch.empty(blocks.size(0), k, dtype=torch.float32)
+    lib.tern_gguf_dequantize(_ptr(blocks), type_id, _ptr(out), blocks.size(0), k)
+    return out
+
+
 def _linear_shape(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, name: str
 ) -> tuple[int, int, int]:

@@ -2,8 +2,8 @@
  * the layer's ten kernels take ~270 us and the Python around them (module calls, wrappers, output
  * tensors) another ~110 us per layer. Two entry points, one body:
  * - bfloat16 activations and KV cache, bfloat16 or int8 weights (CPUs with AVX512-BF16);
- * - float32 activations and KV cache, float32, bfloat16-stored or int8 weights (every CPU: what
- *   AVX2-only machines run).
+ * - float32 activations and KV cache, float32, bfloat16-stored, int8 or GGUF-block weights (every
+ *   CPU: what AVX2-only machines run).
  * Each stage calls the same kernel the layer's modules call one by one (rms norm, few-row linear,
  * rotary, paged decode attention, SiLU-and-mul), in the same order, so the result is bit for bit
  * the unfused path's. fused_decode.py decides when a layer qualifies and fills the structs.
@@ -16,9 +16,13 @@ static int linear(const TernLinear *l, const void *x, void *y, int m, int bf16) 
     if (l->scale != NULL)
         return bf16 ? tern_int8_linear_bf16(x, l->weight, l->scale, l->bias, y, m, l->n, l->k)
                     : tern_int8_linear(x, l->weight, l->scale, l->bias, y, m, l->n, l->k);
+    if (!bf16 && l->weight_format >= TERN_WEIGHT_GGUF)
+        return tern_gguf_linear(x, l->weight, l->weight_format - TERN_WEIGHT_GGUF, l->bias, y, m,
+                                l->n, l->k);
     if (!bf16)
-        return l->bf16_weight ? tern_bf16w_linear(x, l->weight, l->bias, y, m, l->n, l->k)
-                              : tern_f32_linear(x, l->weight, l->bias, y, m, l->n, l->k);
+        return l->weight_format == TERN_WEIGHT_BF16
+                   ? tern_bf16w_linear(x, l->weight, l->bias, y, m, l->n, l->k)
+                   : tern_f32_linear(x, l->weight, l->bias, y, m, l->n, l->k);
     if (m <= tern_bf16_gemv_available())
         return tern_bf16_gemv(x, l->weight, l->bias, y, m, l->n, l->k);
     return tern_bf16_amx_linear(x, l->weight, l->bias, y, m, l->n, l->k);

@@ -19,16 +19,19 @@
 
 /* ---------------------------------------------------------------- shared structs */
 
-/* A linear layer's weight (n, k): int8 with float32 scales (scale != NULL); else in the
- * activations' dtype, or bfloat16-stored under float32 activations (bf16_weight). The bias (n,),
- * or NULL, is in the activations' dtype. */
+/* A linear layer's weight (n, k): int8 with float32 scales (scale != NULL); else by weight_format:
+ * 0 in the activations' dtype, TERN_WEIGHT_BF16 bfloat16-stored under float32 activations,
+ * TERN_WEIGHT_GGUF + a GGUF block type (TERN_GGUF_*) blocks under float32 activations. The bias
+ * (n,), or NULL, is in the activations' dtype. */
 typedef struct {
     const void *weight;
     const float *scale;
     const void *bias;
     int n, k;
-    int bf16_weight;
+    int weight_format;
 } TernLinear;
+#define TERN_WEIGHT_BF16 1
+#define TERN_WEIGHT_GGUF 16
 
 /* What stays fixed between steps: weights, norms, rotary tables, this layer's KV cache (norms and
  * cache in the activations' dtype). */
@@ -91,6 +94,11 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stay
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* ---------------------------------------------------------------- exported functions */
+/* GGUF block types tern multiplies as stored (ggml's type ids). */
+#define TERN_GGUF_Q4_0 2
+#define TERN_GGUF_Q4_1 3
+#define TERN_GGUF_Q8_0 8
+
 /* TERN_EXPORTS_BEGIN */
 
 /* info.c: the ABI version, the tier this library was compiled for ("avx2", ...), and the sizes
@@ -115,6 +123,10 @@ int tern_bf16w_linear(const float *x, const uint16_t *w, const float *bias, floa
 int tern_int8_linear(const float *x, const int8_t *w, const float *scale, const float *bias, float *y, int M, int N, int K);
 int tern_int8_linear_bf16(const uint16_t *x, const int8_t *w, const float *scale, const uint16_t *bias, uint16_t *y, int M, int N, int K);
 void tern_int8_dequantize(const int8_t *w, const float *scale, float *out, int N, int K);
+
+/* linear_gguf.c: GGUF blocks (Q8_0, Q4_0, Q4_1) dequantized in registers, float32 arithmetic. */
+int tern_gguf_linear(const float *x, const uint8_t *w, int type, const float *bias, float *y, int M, int N, int K);
+int tern_gguf_dequantize(const uint8_t *w, int type, float *out, int N, int K);
 
 /* linear_bf16.c: bfloat16 activations and weights, float32 accumulation. */
 int tern_bf16_gemv_available(void);

@@ -1,0 +1,109 @@
+"""GGUF block-quantized weights kept as they are stored: Q8_0, Q4_0 and Q4_1 (native.GGUF_BLOCKS).
+
+A linear layer that keeps them (`LinearBase.keep_gguf_blocks`) holds its rows' blocks as one uint8
+parameter (N, K / 32 * block bytes); tensor parallelism shards rows, or columns at block
+boundaries. Checkpoint tensors arrive as `GGUFBlocks` (a GGUF file's rows, not dequantized) or,
+from a weight update, as float tensors, quantized on arrival to the layer's block type by the
+`gguf` package (as llama.cpp's quantizer rounds them). The products: tern's kernel dequantizes
+each block in registers exactly as the gguf package does and multiplies in float32 (so a
+--dtype float32 server computes with the file's dequantized weights); from DEQUANT_MIN_ROWS rows
+(prefill) the weight is dequantized once per call and the GEMM is torch's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from workers.layers import native
+
+# Rows from which a product dequantizes the whole weight and calls the float GEMM.
+DEQUANT_MIN_ROWS = 64
+BLOCK = 32
+
+
+class GGUFBlocks:
+    """Rows of a GGUF tensor in their block format, shaped as the (N, K) weight they hold.
+
+    Offers the part of the torch.Tensor API weight loaders use (shape, size, dim, narrow) and
+    `materialize` (the dequantized float32 tensor), as weight_loader.LazyWeight does.
+    """
+
+    def __init__(self, blocks: torch.Tensor, block_type: str, cols: int) -> None:
+        self.blocks, self.block_type = blocks, block_type
+        self.shape = torch.Size([blocks.size(0), cols])
+
+    def size(self, dim: int | None = None) -> int | torch.Size:
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFBlocks | torch.Tensor:
+        dim %= 2
+        if not 0 <= start <= start + length <= self.shape[dim]:
+            raise ValueError(f"slice [{start}, {start + length}) outside dim {dim} of {self.shape}")
+        if dim == 0:
+            return GGUFBlocks(self.blocks.narrow(0, start, length), self.block_type, self.shape[1])
+        if start % BLOCK or length % BLOCK:  # not at block boundaries: the values themselves
+            return self.materialize().narrow(1, start, length)
+        nbytes = native.GGUF_BLOCKS[self.block_type][1]
+        cols = self.blocks.narrow(1, start // BLOCK * nbytes, length // BLOCK * nbytes)
+        return GGUFBlocks(cols, self.block_type, length)
+
+    def materialize(self) -> torch.Tensor:
+        return dequantize(self.blocks.contiguous(), self.block_type, self.shape[1])
+
+
+def _qtype(block_type: str):
+    import gguf
+
+    return gguf.GGMLQuantizationType[block_type]
+
+
+def dequantize(blocks: torch.Tensor, block_type: str, cols: int) -> torch.Tensor:
+    """(N, K / 32 * block bytes) uint8 -> the (N, K) float32 weight, as the gguf package computes it."""
+    if blocks.is_cpu and native.load() is not None:
+        return native.gguf_dequantize(blocks, block_type, cols)
+    import gguf
+
+    values = gguf.quants.dequantize(blocks.cpu().numpy(), _qtype(block_type))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(blocks.device)
+
+
+def quantize(weight: torch.Tensor, block_type: str) -> torch.Tensor:
+    """An (N, K) float weight as blocks of `block_type`, rounded as llama.cpp's quantizer does."""
+    import gguf
+
+    values = weight.detach().to(torch.float32).cpu().numpy()
+    return torch.from_numpy(gguf.quants.quantize(values, _qtype(block_type)))
+
+
+def rows_of(src: object, block_type: str, cols: int) -> torch.Tensor:
+    """Checkpoint rows (GGUFBlocks, a lazy slice or a float tensor) as blocks of `block_type`."""
+    if isinstance(src, GGUFBlocks) and src.block_type == block_type:
+        if src.shape[1] != cols:
+            raise ValueError(f"weight shape mismatch: {tuple(src.shape)} has not {cols} columns")
+        return src.blocks
+    if not isinstance(src, torch.Tensor):
+        src = src.materialize()
+    if src.dim() != 2 or src.size(1) != cols:
+        raise ValueError(f"weight shape mismatch: {tuple(src.shape)} has not {cols} columns")
+    return quantize(src, block_type)
+
+
+def linear(
+    x: torch.Tensor, blocks: torch.Tensor, block_type: str, cols: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x (..., K) @ W.T + bias, W stored as `blocks`; float32 arithmetic, the result in x's dtype."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, cols)
+    native_ok = x.is_cpu and native.load() is not None
+    if x2.size(0) >= DEQUANT_MIN_ROWS or not native_ok:
+        w = dequantize(blocks, block_type, cols)
+        y = F.linear(x2.float(), w, None if bias is None else bias.float())
+    else:
+        b = None if bias is None else bias.float().contiguous()
+        y = native.gguf_linear(x2.float().contiguous(), blocks, block_type, b)
+    return y.to(x.dtype).view(*lead, -1)
