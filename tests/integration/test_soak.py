@@ -61,9 +61,11 @@ def _new_children(before: set[int]) -> list[psutil.Process]:
     return alive
 
 
+# NOTE: a stopped (SIGSTOP) engine core under traffic is test_faults.py's
+# test_a_stopped_engine_core_fails_requests_and_the_server_exits; a stopped worker here is at tp 2,
+# where the other rank's collective, not the engine core, notices it.
 @pytest.mark.parametrize(
-    "fault,tp",
-    [("kill-worker", 2), ("stop-worker", 2), ("kill-engine-core", 1), ("stop-engine-core", 1)],
+    "fault,tp", [("kill-worker", 2), ("stop-worker", 2), ("kill-engine-core", 1)]
 )
 def test_soak_with_a_fault(fault: str, tp: int, tiny_llama: Path, tiny_llama_perturbed: Path,
                            tmp_path: Path):  # fmt: skip

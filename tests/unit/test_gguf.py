@@ -136,3 +136,39 @@ def test_tokenizer_and_chat_template_equal_hf(gguf_case: tuple[Path, Path, Path]
         expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert ours.render_chat(messages, add_generation_prompt=True) == expected
         assert ours.apply_chat_template(messages) == hf.encode(expected, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("block_type", ["Q8_0", "Q4_0", "Q4_1"])
+def test_kept_blocks_multiply_as_the_dequantized_weight(block_type: str) -> None:
+    """A linear layer keeping GGUF blocks: loaded from a file's rows, sharded by rows and by
+    columns at block boundaries (tp 2), and from a float tensor (a weight update), quantized on
+    arrival as llama.cpp's quantizer rounds it; every product equals the dequantized weight's."""
+    import gguf
+
+    from workers.distributed import ParallelContext
+    from workers.layers.gguf_blocks import GGUFBlocks
+    from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    qtype = gguf.GGMLQuantizationType[block_type]
+    torch.manual_seed(0)
+    w = torch.randn(96, 128)
+    blocks = torch.from_numpy(gguf.quants.quantize(w.numpy(), qtype))
+    dequantized = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype).copy())
+    x = torch.randn(5, 128)
+    for rank in range(2):
+        ctx = ParallelContext(tp_rank=rank, tp_size=2, tp_group=object())  # no collective used
+        column = ColumnParallelLinear(128, 96, ctx=ctx)
+        row = RowParallelLinear(128, 96, ctx=ctx)
+        for layer in (column, row):
+            layer.keep_gguf_blocks(block_type)
+            layer.weight_loader(layer.weight, GGUFBlocks(blocks, block_type, 128))
+        rows = dequantized[rank * 48 : (rank + 1) * 48]
+        cols = dequantized[:, rank * 64 : (rank + 1) * 64]
+        for m in (1, 5):  # decode (the native kernel) and prefill-sized rows alike
+            torch.testing.assert_close(column._linear(x[:m], None), x[:m] @ rows.T)
+            xs = x[:m, rank * 64 : (rank + 1) * 64]
+            torch.testing.assert_close(row._linear(xs.contiguous(), None), xs @ cols.T)
+    update = ColumnParallelLinear(128, 96, ctx=ParallelContext.single())
+    update.keep_gguf_blocks(block_type)
+    update.weight_loader(update.weight, w)  # full precision: quantized on arrival
+    assert torch.equal(update.weight.data, blocks)
