@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import ctypes
 import os
 import subprocess
@@ -28,7 +30,9 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     if kl.compiler() is None:
         pytest.skip("no C compiler")
     out = tmp_path_factory.mktemp("kernel_builds")
-    return {t.name: kl.build(t, out) for t in kl.all_tiers()}
+    tiers = kl.all_tiers()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # compilers: processes
+        return dict(zip([t.name for t in tiers], pool.map(lambda t: kl.build(t, out), tiers)))
 
 
 def test_every_tier_compiles_and_exports_the_header(builds: dict[str, Path]) -> None:
