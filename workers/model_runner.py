@@ -44,6 +44,7 @@ from enginecore.messages import (
     SchedulerOutput,
 )
 from workers.distributed import ParallelContext, shard_heads, stage_layers
+from workers.gguf_weights import gguf_file_of
 from workers.kv_cache_groups import KVCacheGroup
 from workers.layers import kernel_library
 from workers.layers.attention import Attention, build_attention_metadata
@@ -161,7 +162,13 @@ class ModelRunner:
         self.rank = rank
         self.parallel = parallel
         self.device = device or default_device(rank)
-        self.dtype, self.weight_dtype = resolve_dtypes(config.model.dtype, self.device)
+        # A GGUF file: --dtype float32 multiplies its blocks exactly; any other --dtype takes the
+        # fast path (activations quantized per block), and "auto" keeps float32 activations,
+        # which the block kernels and the fused decode layer take.
+        is_gguf = gguf_file_of(config.model.path) is not None
+        dtype_name = "float32" if is_gguf and config.model.dtype == "auto" else config.model.dtype
+        self.gguf_quantize_x = is_gguf and config.model.dtype != "float32"
+        self.dtype, self.weight_dtype = resolve_dtypes(dtype_name, self.device)
         self.block_size = config.cache.block_size
         self.args = replace(
             load_model_args(config.model.path, config.model.task),
@@ -198,7 +205,7 @@ class ModelRunner:
             model = build_model(self.args, self.parallel)
         if self.weight_dtype != self.dtype:
             store_weights_in_bfloat16(model)
-        load_checkpoint(model, self.config.model.path)
+        load_checkpoint(model, self.config.model.path, self.gguf_quantize_x)
         self.model = model.eval()
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_cache_groups = model.model.kv_cache_groups

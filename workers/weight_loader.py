@@ -297,7 +297,7 @@ def expected_weight_names(model: nn.Module) -> set[str]:
     return names
 
 
-def keep_gguf_blocks(model: nn.Module, types: dict[str, str]) -> int:
+def keep_gguf_blocks(model: nn.Module, types: dict[str, str], quantize_x: bool = False) -> int:
     """Switch the unquantized linear layers whose every checkpoint tensor is of one block type the
     kernels take (`types`: Hugging Face name -> block type) to that type's storage; before the
     checkpoint loads. Returns how many layers keep blocks."""
@@ -322,20 +322,22 @@ def keep_gguf_blocks(model: nn.Module, types: dict[str, str]) -> int:
             continue
         if len(set(by_shard.values())) != 1 or module.input_size % 32:
             continue
-        module.keep_gguf_blocks(next(iter(by_shard.values())))
+        module.keep_gguf_blocks(next(iter(by_shard.values())), quantize_x)
         kept += 1
     return kept
 
 
-def load_checkpoint(model: nn.Module, model_dir: str | Path) -> None:
+def load_checkpoint(model: nn.Module, model_dir: str | Path, gguf_quantize_x: bool = False) -> None:
     """Load a whole checkpoint (safetensors, or the GGUF file a prepared directory names); every
     parameter must be covered. A GGUF file's linear layers keep the block types the kernels
-    multiply as stored, unless the model quantizes its weights itself (--quantization)."""
+    multiply as stored (`gguf_quantize_x`: on the fast path), unless the model quantizes its
+    weights itself (--quantization)."""
     if gguf_file_of(model_dir) is None:
         weights: Iterable = iter_safetensors_lazy(model_dir)
     else:
         quantized = any(getattr(m, "quant", None) is not None for m in model.modules())
-        keep = not quantized and keep_gguf_blocks(model, block_types(model_dir)) > 0
+        kept = 0 if quantized else keep_gguf_blocks(model, block_types(model_dir), gguf_quantize_x)
+        keep = kept > 0
         weights = iter_gguf(model_dir, keep_blocks=keep)
     loaded = load_weights(model, weights)
     missing = expected_weight_names(model) - loaded

@@ -36,12 +36,15 @@ def _write_gguf():
     return module.write_gguf
 
 
-# Each file mixes block types across its tensors, as a Q4_K_M file does.
+# Each file mixes block types across its tensors, as a Q4_K_M file does: layers whose tensors
+# share a type the kernels take keep their blocks (llama: qkv Q8_0, gate_up Q4_1; qwen3: o_proj
+# Q4_0, gate_up Q4_1); the others are dequantized at load (Q5_0, Q5_1, BF16, mixed qkv).
 CASES = {
-    "llama": {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q5_0", "attn_output": "Q5_1",
-              "ffn_gate": "Q8_0", "ffn_up": "Q4_1", "ffn_down": "Q5_0", "*": "Q8_0"},
+    "llama": {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q5_1",
+              "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q5_0", "*": "Q4_0"},
     "qwen3": {"attn_q": "Q5_1", "attn": "Q4_0", "ffn_down": "BF16", "ffn": "Q4_1", "*": "Q5_0"},
 }  # fmt: skip
+KEPT = {"llama": {"Q8_0", "Q4_1"}, "qwen3": {"Q4_0", "Q4_1"}}
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +81,14 @@ def gguf_case(
 
 
 def test_engine_matches_hf_on_the_files_weights(gguf_case: tuple[Path, Path, Path]) -> None:
-    _, prepared, reference = gguf_case
+    gguf, prepared, reference = gguf_case
     prompts = make_prompts(49152)
     ref = hf_greedy(reference, prompts, MAX_TOKENS)
     out, core = run_greedy(prepared, prompts, block_size=4)
     assert out == ref
+    modules = core.executor.runner.model.modules()
+    kept = {m.block_type for m in modules if getattr(m, "quant", None) == "gguf"}
+    assert kept == KEPT[gguf.stem.removeprefix("tiny-")]
     # The same prompts again on the same engine: their full blocks come from the prefix cache.
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -172,3 +178,31 @@ def test_kept_blocks_multiply_as_the_dequantized_weight(block_type: str) -> None
     update.keep_gguf_blocks(block_type)
     update.weight_loader(update.weight, w)  # full precision: quantized on arrival
     assert torch.equal(update.weight.data, blocks)
+
+
+def test_the_fast_path_agrees_with_the_exact_one(gguf_case: tuple[Path, Path, Path]) -> None:
+    """Any --dtype but float32 quantizes the activations per block for the kept layers (the
+    llama.cpp way): its tokens against Hugging Face's on the dequantized file, teacher-forced on
+    Hugging Face's greedy output, so one early difference does not count twice."""
+    _, prepared, reference = gguf_case
+    hf = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    runner = make_runner(prepared, block_size=16, dtype="auto")
+    assert any(getattr(m, "gguf_quantize_x", False) for m in runner.model.modules())
+    prompts = runner_prompts(49152)
+    reqs = run(runner, prompts, GREEDY)
+    agree = total = 0
+    diffs = []
+    with torch.no_grad():
+        for r in reqs.values():
+            ids = torch.tensor([r.prompt + r.output])
+            logprobs = hf(ids).logits[0, len(r.prompt) - 1 : -1].float().log_softmax(-1)
+            agree += sum(int(a == b) for a, b in zip(logprobs.argmax(-1).tolist(), r.output))
+            total += len(r.output)
+            chosen = torch.tensor(r.output)
+            ours = torch.stack(r.logprobs).gather(1, chosen[:, None])
+            diffs.append((ours - logprobs.gather(1, chosen[:, None])).abs().flatten())
+    mean_diff = torch.cat(diffs).mean().item()
+    print(
+        f"fast path: top-1 agreement {agree}/{total}, chosen-token logprob mean |diff| {mean_diff:.4f}"
+    )
+    assert agree / total >= 0.9 and mean_diff < 0.05

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-
 import ctypes
 import os
 import subprocess

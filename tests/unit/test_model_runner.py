@@ -41,9 +41,11 @@ class _Req:
     logprobs: list[torch.Tensor] = field(default_factory=list)
 
 
-def make_runner(model_dir: Path, block_size: int, num_blocks: int = 256) -> ModelRunner:
+def make_runner(
+    model_dir: Path, block_size: int, num_blocks: int = 256, dtype: str = "float32"
+) -> ModelRunner:
     config = Config(
-        model=ModelConfig(path=str(model_dir), dtype="float32"),
+        model=ModelConfig(path=str(model_dir), dtype=dtype),
         cache=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks),
     )
     runner = ModelRunner(config)

@@ -37,8 +37,9 @@ from workers.layers.linear import NATIVE_F32_MAX_ROWS, LinearBase
 from workers.layers.norm import RMSNorm, ShardedRMSNorm
 from workers.layers.rotary import RotaryEmbedding
 
-# TernLinear.weight_format (csrc/tern_kernels.h): bfloat16-stored, GGUF blocks (+ the block type).
-WEIGHT_BF16, WEIGHT_GGUF = 1, 16
+# TernLinear.weight_format (csrc/tern_kernels.h): bfloat16-stored, GGUF blocks multiplied exactly
+# or with quantized activations (+ the block type).
+WEIGHT_BF16, WEIGHT_GGUF, WEIGHT_GGUF_Q8ACT = 1, 16, 32
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,8 @@ def _linear(
         return TernLinear(w.data_ptr(), scale.data_ptr(), bias_ptr, w.size(0), w.size(1), 0)
     w = lin.weight
     if lin.quant == "gguf" and dtype == torch.float32 and w.is_contiguous():
-        fmt = WEIGHT_GGUF + native.GGUF_BLOCKS[lin.block_type][0]
+        base = WEIGHT_GGUF_Q8ACT if lin.gguf_quantize_x else WEIGHT_GGUF
+        fmt = base + native.GGUF_BLOCKS[lin.block_type][0]
         return TernLinear(w.data_ptr(), None, bias_ptr, w.size(0), lin.input_size, fmt)
     if lin.quant is not None or not w.is_contiguous():
         return None

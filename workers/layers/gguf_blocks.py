@@ -5,9 +5,12 @@ parameter (N, K / 32 * block bytes); tensor parallelism shards rows, or columns 
 boundaries. Checkpoint tensors arrive as `GGUFBlocks` (a GGUF file's rows, not dequantized) or,
 from a weight update, as float tensors, quantized on arrival to the layer's block type by the
 `gguf` package (as llama.cpp's quantizer rounds them). The products: tern's kernel dequantizes
-each block in registers exactly as the gguf package does and multiplies in float32 (so a
---dtype float32 server computes with the file's dequantized weights); from DEQUANT_MIN_ROWS rows
-(prefill) the weight is dequantized once per call and the GEMM is torch's.
+each block in registers exactly as the gguf package does and multiplies in float32 (what a
+--dtype float32 server does: it computes with the file's dequantized weights). The fast path (any
+other --dtype): decode steps of fewer than 16 rows quantize each 32-value block of the activations
+to int8 with its own scale and take the products in integers, as llama.cpp does
+(csrc/linear_gguf.c). From DEQUANT_MIN_ROWS rows (prefill) the weight is dequantized once per
+call and the GEMM is torch's.
 """
 
 from __future__ import annotations
@@ -94,9 +97,15 @@ def rows_of(src: object, block_type: str, cols: int) -> torch.Tensor:
 
 
 def linear(
-    x: torch.Tensor, blocks: torch.Tensor, block_type: str, cols: int, bias: torch.Tensor | None
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    block_type: str,
+    cols: int,
+    bias: torch.Tensor | None,
+    quantize_x: bool = False,
 ) -> torch.Tensor:
-    """x (..., K) @ W.T + bias, W stored as `blocks`; float32 arithmetic, the result in x's dtype."""
+    """x (..., K) @ W.T + bias, W stored as `blocks`, the result in x's dtype: float32 arithmetic,
+    or (`quantize_x`, below 16 rows) x quantized to int8 per block and integer products."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cols)
     native_ok = x.is_cpu and native.load() is not None
@@ -105,5 +114,5 @@ def linear(
         y = F.linear(x2.float(), w, None if bias is None else bias.float())
     else:
         b = None if bias is None else bias.float().contiguous()
-        y = native.gguf_linear(x2.float().contiguous(), blocks, block_type, b)
+        y = native.gguf_linear(x2.float().contiguous(), blocks, block_type, b, quantize_x)
     return y.to(x.dtype).view(*lead, -1)

@@ -165,13 +165,14 @@ class LinearBase(nn.Module):
     ) -> None:
         raise NotImplementedError
 
-    def keep_gguf_blocks(self, block_type: str) -> None:
+    def keep_gguf_blocks(self, block_type: str, quantize_x: bool = False) -> None:
         """Store the weight as GGUF blocks of `block_type` (native.GGUF_BLOCKS), (N, K / 32 *
-        block bytes) uint8, multiplied as stored; before the checkpoint loads."""
+        block bytes) uint8, multiplied as stored (with `quantize_x`, the activations quantized
+        per block: gguf_blocks.py); before the checkpoint loads."""
         if self.input_size % 32:
             raise ValueError(f"{self.input_size} input features do not split into 32-value blocks")
         nbytes = native.GGUF_BLOCKS[block_type][1]
-        self.quant, self.block_type = "gguf", block_type
+        self.quant, self.block_type, self.gguf_quantize_x = "gguf", block_type, quantize_x
         self.weight = nn.Parameter(
             torch.zeros(self.output_size, self.input_size // 32 * nbytes, dtype=torch.uint8),
             requires_grad=False,
@@ -191,7 +192,9 @@ class LinearBase(nn.Module):
         if self.quant is None:
             return dense_linear(x, self.weight, bias, self.packed_weight)
         if self.quant == "gguf":
-            return gguf_blocks.linear(x, self.weight, self.block_type, self.input_size, bias)
+            return gguf_blocks.linear(
+                x, self.weight, self.block_type, self.input_size, bias, self.gguf_quantize_x
+            )
         weight, scale = self.int8_views()
         backend = quantization.int8_backend(x)
         return quantization.int8_matmul(x, weight, scale, bias, backend)

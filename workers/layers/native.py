@@ -206,10 +206,15 @@ GGUF_BLOCKS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 
 
 def gguf_linear(
-    x: torch.Tensor, blocks: torch.Tensor, block_type: str, bias: torch.Tensor | None
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    block_type: str,
+    bias: torch.Tensor | None,
+    quantize_x: bool = False,
 ) -> torch.Tensor:
     """x (M, K) float32 @ W.T + bias, W (N, K) stored as `blocks` (N, K / 32 * block bytes)
-    uint8 of a GGUF block type, dequantized in registers."""
+    uint8 of a GGUF block type, dequantized in registers; with `quantize_x`, x quantized to int8
+    per 32-value block and the products taken in integers (the fast path)."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
     _check(x, torch.float32, "x")
@@ -223,7 +228,8 @@ def gguf_linear(
             f"gguf linear: x {tuple(x.shape)} does not fit {block_type} blocks {tuple(blocks.shape)}"
         )
     y = torch.empty(m, n, dtype=torch.float32)
-    rc = lib.tern_gguf_linear(
+    fn = lib.tern_gguf_linear_q8act if quantize_x else lib.tern_gguf_linear
+    rc = fn(
         _ptr(x), _ptr(blocks), type_id, _ptr(bias) if bias is not None else None, _ptr(y), m, n, k
     )
     if rc != 0:

@@ -6,6 +6,7 @@
  * another order. Few rows stream the blocks once per row of x; more rows dequantize TILE_N weight
  * rows into L1 and reuse them for every row (tile_matmul).
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include "linear_tiles.h"
@@ -23,6 +24,9 @@ static inline int block_bytes(int type) {
 }
 
 static inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#endif
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0x1f) {
         bits = sign | 0x7f800000u | (man << 13);  /* inf / nan */
@@ -180,4 +184,149 @@ int tern_gguf_dequantize(const uint8_t *w, int type, float *out, int N, int K) {
             dequant_block(wr + (int64_t)b * bytes, type, out + (int64_t)n * K + b * QK);
     }
     return 0;
+}
+
+/* ---------------------------------------------------------------- quantized activations */
+
+/* The fast path (llama.cpp's): each 32-value block of a row of x quantized to int8 with its own
+ * scale dx = max|x| / 127, and each product of a weight block and an activation block taken in
+ * integers (AVX2: vpmaddubsw, then vpmaddwd): per block
+ *   Q8_0: d dx sum(q xq);  Q4_0: d dx (sum(q xq) - 8 sum(xq));  Q4_1: d dx sum(q xq) + m dx sum(xq)
+ * with q the stored integers. The activations' rounding (below 0.4% of each block's largest value)
+ * is the only difference from the exact path. */
+#define Q8ACT_MAX_ROWS 16
+
+typedef struct {
+    int8_t *q;    /* (M, K) */
+    float *scale; /* (M, K / 32) */
+    int32_t *sum; /* (M, K / 32): sum of each block's q */
+} QuantizedRows;
+
+static void quantize_rows_q8(const float *x, int M, int K, QuantizedRows *out) {
+    int nb = K / QK;
+    for (int64_t i = 0; i < (int64_t)M * nb; i++) {
+        const float *xb = x + i * QK;
+        float amax = 0.f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        float dx = amax / 127.f, inv = dx > 0.f ? 1.f / dx : 0.f;
+        int32_t s = 0;
+        for (int j = 0; j < QK; j++) {
+            int q = (int)lrintf(xb[j] * inv);
+            out->q[i * QK + j] = (int8_t)q;
+            s += q;
+        }
+        out->scale[i] = dx;
+        out->sum[i] = s;
+    }
+}
+
+#ifdef __AVX2__
+/* The weight block's integers as 32 bytes in value order (unsigned nibbles for Q4_*, Q8_0's
+ * signed bytes). */
+static inline __m256i block_ints(const uint8_t *b, int type) {
+    if (type == TERN_GGUF_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    __m128i raw = _mm_loadu_si128((const __m128i *)(b + (type == TERN_GGUF_Q4_1 ? 4 : 2)));
+    __m128i mask = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+
+/* 8 int32 partial sums of q . xq over the block (vpmaddubsw takes unsigned x signed bytes: Q8_0's
+ * signs move onto xq). */
+static inline __m256i block_dot8(__m256i q, const int8_t *xq, int type) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)xq), p16;
+    if (type == TERN_GGUF_Q8_0)
+        p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
+    else
+        p16 = _mm256_maddubs_epi16(q, x);
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+#else
+/* sum(q xq) of one block, in scalar code. */
+static inline int32_t block_dot_i8(const uint8_t *b, int type, const int8_t *xq) {
+    int32_t s = 0;
+    if (type == TERN_GGUF_Q8_0) {
+        const int8_t *q = (const int8_t *)(b + 2);
+        for (int i = 0; i < QK; i++) s += q[i] * xq[i];
+        return s;
+    }
+    const uint8_t *qs = b + (type == TERN_GGUF_Q4_1 ? 4 : 2);
+    for (int i = 0; i < QK / 2; i++) s += (qs[i] & 0x0f) * xq[i] + (qs[i] >> 4) * xq[i + QK / 2];
+    return s;
+}
+#endif
+
+/* Rows m0 .. m0 + mb - 1 (mb <= 4) of x against weight row wr. */
+static inline void q8act_rows(const uint8_t *wr, int type, int nb, int bytes,
+                              const QuantizedRows *xq, int K, int m0, int mb, float *out) {
+    float corr[4] = {0};
+#ifdef __AVX2__
+    __m256 acc[4];
+    for (int m = 0; m < 4; m++) acc[m] = _mm256_setzero_ps();
+#else
+    float acc[4] = {0};
+#endif
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = wr + (int64_t)b * bytes;
+        uint16_t dh, mh = 0;
+        memcpy(&dh, blk, 2);
+        float d = half_to_float(dh), mw = 0.f;
+        if (type == TERN_GGUF_Q4_1) {
+            memcpy(&mh, blk + 2, 2);
+            mw = half_to_float(mh);
+        }
+#ifdef __AVX2__
+        __m256i q = block_ints(blk, type);
+#endif
+        for (int m = 0; m < mb; m++) {
+            int64_t i = (int64_t)(m0 + m) * nb + b;
+            float dx = xq->scale[i];
+#ifdef __AVX2__
+            __m256i p32 = block_dot8(q, xq->q + i * QK, type);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(d * dx), acc[m]);
+#else
+            acc[m] += d * dx * (float)block_dot_i8(blk, type, xq->q + i * QK);
+#endif
+            if (type == TERN_GGUF_Q4_0) corr[m] -= 8.f * d * dx * (float)xq->sum[i];
+            else if (type == TERN_GGUF_Q4_1) corr[m] += mw * dx * (float)xq->sum[i];
+        }
+    }
+    for (int m = 0; m < mb; m++)
+#ifdef __AVX2__
+        out[m] = hsum(acc[m]) + corr[m];
+#else
+        out[m] = acc[m] + corr[m];
+#endif
+    (void)K;
+}
+
+/* y (M, N) = x (M, K) @ W.T + bias with x quantized per block (above); float32 x, bias, y.
+ * Returns 0, -2 for a type or K it does not take, -1 without memory for the quantized rows. */
+int tern_gguf_linear_q8act(const float *x, const uint8_t *w, int type, const float *bias,
+                           float *y, int M, int N, int K) {
+    int nb = K / QK, bytes = block_bytes(type);
+    if (bytes == 0 || K % QK != 0) return -2;
+    /* From Q8ACT_MAX_ROWS rows the float tiles win (measured: 16 rows of Q4_1 at par). */
+    if (M >= Q8ACT_MAX_ROWS) return tern_gguf_linear(x, w, type, bias, y, M, N, K);
+    QuantizedRows xq = {malloc((size_t)M * K), malloc(sizeof(float) * (size_t)M * nb),
+                        malloc(sizeof(int32_t) * (size_t)M * nb)};
+    int rc = -1;
+    if (xq.q != NULL && xq.scale != NULL && xq.sum != NULL) {
+        quantize_rows_q8(x, M, K, &xq);
+#pragma omp parallel for schedule(static)
+        for (int n = 0; n < N; n++) {
+            const uint8_t *wr = w + (int64_t)n * nb * bytes;
+            for (int m0 = 0; m0 < M; m0 += 4) {
+                int mb = M - m0 < 4 ? M - m0 : 4;
+                float out[4];
+                q8act_rows(wr, type, nb, bytes, &xq, K, m0, mb, out);
+                for (int m = 0; m < mb; m++)
+                    y[(int64_t)(m0 + m) * N + n] = out[m] + (bias ? bias[n] : 0.f);
+            }
+        }
+        rc = 0;
+    }
+    free(xq.q);
+    free(xq.scale);
+    free(xq.sum);
+    return rc;
 }

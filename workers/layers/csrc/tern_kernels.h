@@ -21,7 +21,8 @@
 
 /* A linear layer's weight (n, k): int8 with float32 scales (scale != NULL); else by weight_format:
  * 0 in the activations' dtype, TERN_WEIGHT_BF16 bfloat16-stored under float32 activations,
- * TERN_WEIGHT_GGUF + a GGUF block type (TERN_GGUF_*) blocks under float32 activations. The bias
+ * TERN_WEIGHT_GGUF + a GGUF block type (TERN_GGUF_*) blocks under float32 activations, multiplied
+ * exactly, or TERN_WEIGHT_GGUF_Q8ACT + the type with the activations quantized. The bias
  * (n,), or NULL, is in the activations' dtype. */
 typedef struct {
     const void *weight;
@@ -32,6 +33,7 @@ typedef struct {
 } TernLinear;
 #define TERN_WEIGHT_BF16 1
 #define TERN_WEIGHT_GGUF 16
+#define TERN_WEIGHT_GGUF_Q8ACT 32
 
 /* What stays fixed between steps: weights, norms, rotary tables, this layer's KV cache (norms and
  * cache in the activations' dtype). */
@@ -127,6 +129,7 @@ void tern_int8_dequantize(const int8_t *w, const float *scale, float *out, int N
 /* linear_gguf.c: GGUF blocks (Q8_0, Q4_0, Q4_1) dequantized in registers, float32 arithmetic. */
 int tern_gguf_linear(const float *x, const uint8_t *w, int type, const float *bias, float *y, int M, int N, int K);
 int tern_gguf_dequantize(const uint8_t *w, int type, float *out, int N, int K);
+int tern_gguf_linear_q8act(const float *x, const uint8_t *w, int type, const float *bias, float *y, int M, int N, int K);
 
 /* linear_bf16.c: bfloat16 activations and weights, float32 accumulation. */
 int tern_bf16_gemv_available(void);
