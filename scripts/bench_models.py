@@ -141,6 +141,12 @@ def bench_llamacpp(
     if conv.returncode != 0:
         lines = [ln for ln in conv.stderr.strip().splitlines() if ln.strip()]
         return {"llamacpp_error": "converter: " + (lines[-1] if lines else "failed")[:200]}
+    return serve_llamacpp(gguf, server, prompts, output_len)
+
+
+def serve_llamacpp(gguf: Path, server: Path, prompts: list[list[int]], output_len: int) -> dict:
+    """llama-server on a GGUF file: c=1 TPOT (the median of 3 requests) and c=len(prompts) tok/s,
+    or the server's reason it could not."""
     port = _free_port()
     proc = subprocess.Popen(
         [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "2",

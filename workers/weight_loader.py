@@ -301,6 +301,7 @@ def keep_gguf_blocks(model: nn.Module, types: dict[str, str], quantize_x: bool =
     """Switch the unquantized linear layers whose every checkpoint tensor is of one block type the
     kernels take (`types`: Hugging Face name -> block type) to that type's storage; before the
     checkpoint loads. Returns how many layers keep blocks."""
+    from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from workers.layers.linear import LinearBase
 
     local_name = getattr(model, "local_weight_name", None)
@@ -316,14 +317,18 @@ def keep_gguf_blocks(model: nn.Module, types: dict[str, str], quantize_x: bool =
     for param_name, by_shard in shards.items():
         module_name, _, leaf = param_name.rpartition(".")
         module = model.get_submodule(module_name) if leaf == "weight" else None
-        if not isinstance(module, LinearBase) or module.quant is not None:
+        if not isinstance(module, (LinearBase, VocabParallelEmbedding)) or module.quant is not None:
             continue
         if len(by_shard) != expected.get(module_name.rpartition(".")[2], 1):
             continue
-        if len(set(by_shard.values())) != 1 or module.input_size % 32:
+        if len(set(by_shard.values())) != 1 or module.weight.size(1) % 32:
             continue
+        old = module.weight
         module.keep_gguf_blocks(next(iter(by_shard.values())), quantize_x)
         kept += 1
+        for head in model.modules():  # a tied LM head shares the embedding's new rows
+            if isinstance(head, ParallelLMHead) and head.weight is old:
+                head.tie_to(module)
     return kept
 
 

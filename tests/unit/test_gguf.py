@@ -37,14 +37,15 @@ def _write_gguf():
 
 
 # Each file mixes block types across its tensors, as a Q4_K_M file does: layers whose tensors
-# share a type the kernels take keep their blocks (llama: qkv Q8_0, gate_up Q4_1; qwen3: o_proj
-# Q4_0, gate_up Q4_1); the others are dequantized at load (Q5_0, Q5_1, BF16, mixed qkv).
+# share a type the kernels take keep their blocks (llama: qkv Q8_0, gate_up Q4_1, the embedding
+# and its tied LM head Q4_0; qwen3: o_proj Q4_0, gate_up Q4_1); the others are dequantized at load
+# (Q5_0, Q5_1, BF16, mixed qkv).
 CASES = {
     "llama": {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q5_1",
               "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q5_0", "*": "Q4_0"},
     "qwen3": {"attn_q": "Q5_1", "attn": "Q4_0", "ffn_down": "BF16", "ffn": "Q4_1", "*": "Q5_0"},
 }  # fmt: skip
-KEPT = {"llama": {"Q8_0", "Q4_1"}, "qwen3": {"Q4_0", "Q4_1"}}
+KEPT = {"llama": {"Q8_0", "Q4_1", "Q4_0"}, "qwen3": {"Q4_0", "Q4_1"}}
 
 
 @pytest.fixture(scope="module")

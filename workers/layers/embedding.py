@@ -3,7 +3,9 @@
 Each rank holds a contiguous slice of ceil(vocab / tp_size) rows (the last slice zero-padded). The
 embedding looks up the ids it owns and all-reduces; the LM head computes its slice of the logits
 and all-gathers them, trimming the padding. With `quant="int8"` the rows are stored int8 with one
-scale each (quantization.py), quantized as they are loaded; a tied LM head shares them.
+scale each (quantization.py), quantized as they are loaded; a tied LM head shares them. A GGUF
+file's Q8_0 / Q4_0 / Q4_1 rows are kept as stored (`keep_gguf_blocks`, gguf_blocks.py): looked up
+and dequantized, and multiplied as the linear layers multiply them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.distributed import ParallelContext
-from workers.layers import quantization
+from workers.layers import gguf_blocks, native, quantization
 from workers.layers.linear import copy_checked, dense_linear, pack_weight
 
 
@@ -44,12 +46,27 @@ class VocabParallelEmbedding(nn.Module):
         self._int8 = quantization.PackedInt8(self.num_per_partition)
         self.weight.weight_loader = self.weight_loader
 
+    def keep_gguf_blocks(self, block_type: str, quantize_x: bool = False) -> None:
+        """Store the rows as GGUF blocks of `block_type` (the padding rows zero: dequantized to
+        zeros); before the checkpoint loads."""
+        self.embedding_dim = self.weight.size(1)
+        nbytes = native.GGUF_BLOCKS[block_type][1]
+        self.quant, self.block_type, self.gguf_quantize_x = "gguf", block_type, quantize_x
+        self.weight = nn.Parameter(
+            torch.zeros(
+                self.num_per_partition, self.embedding_dim // 32 * nbytes, dtype=torch.uint8
+            ),
+            requires_grad=False,
+        )
+        self.weight.weight_loader = self.weight_loader
+
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
         if shard_id is not None:
             raise ValueError(f"unexpected shard {shard_id!r} for {type(self).__name__}")
-        expected = (self.num_embeddings, param.size(1))
+        dim = self.embedding_dim if self.quant == "gguf" else param.size(1)
+        expected = (self.num_embeddings, dim)
         if tuple(loaded_weight.shape) != expected:
             raise ValueError(
                 f"weight shape mismatch: expected {expected}, got {tuple(loaded_weight.shape)}"
@@ -60,6 +77,10 @@ class VocabParallelEmbedding(nn.Module):
             param.data[size:].zero_()
             copy_checked(param.data[:size], rows)
             return
+        if self.quant == "gguf":
+            param.data[size:].zero_()
+            copy_checked(param.data[:size], gguf_blocks.rows_of(rows, self.block_type, dim))
+            return
         if not isinstance(rows, torch.Tensor):  # a lazy checkpoint slice: read it now
             rows = rows.materialize()
         padding = torch.zeros(self.num_per_partition - size, rows.size(1))
@@ -68,6 +89,10 @@ class VocabParallelEmbedding(nn.Module):
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant is None:  # .to: a bfloat16-stored weight under float32 activations
             return F.embedding(ids, self.weight).to(self.dtype)
+        if self.quant == "gguf":
+            rows = self.weight[ids.flatten()]
+            values = gguf_blocks.dequantize(rows, self.block_type, self.embedding_dim)
+            return values.view(*ids.shape, -1).to(self.dtype)
         weight, scale = self._int8.views(self.weight)
         return (F.embedding(ids, weight).float() * scale[ids].unsqueeze(-1)).to(self.dtype)
 
@@ -100,12 +125,19 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tie_word_embeddings): the checkpoint has no lm_head."""
+        if embedding.quant == "gguf":
+            self.keep_gguf_blocks(embedding.block_type, embedding.gguf_quantize_x)
         assert embedding.weight.shape == self.weight.shape and embedding.quant == self.quant
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, vocab)
         if self.quant is None:
             logits = dense_linear(hidden_states, self.weight, None, self.packed_weight)
+        elif self.quant == "gguf":
+            logits = gguf_blocks.linear(
+                hidden_states, self.weight, self.block_type, self.embedding_dim, None,
+                self.gguf_quantize_x,
+            )  # fmt: skip
         else:
             weight, scale = self._int8.views(self.weight)
             backend = quantization.int8_backend(hidden_states)
