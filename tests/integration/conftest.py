@@ -53,18 +53,6 @@ def launch_server() -> Iterator[Callable[..., TernServer]]:
     _stop_all(servers)
 
 
-@pytest.fixture(scope="session")
-def tool_server() -> Iterator[TernServer]:
-    """The default model with hermes tool calls: one server for the modules that only send it
-    requests (the anthropic, client-library and responses tool tests)."""
-    server = TernServer(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        _stop_all([server])
-
-
 @pytest.fixture(scope="module")
 def module_server() -> Iterator[Callable[..., TernServer]]:
     """Like launch_server, for servers shared by the tests of one module."""

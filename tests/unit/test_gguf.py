@@ -25,6 +25,7 @@ from tests.conftest import ROOT, make_tiny_model
 from tests.unit.test_engine_inproc import MAX_TOKENS, hf_greedy, make_prompts, run_greedy
 from tests.unit.test_model_runner import GREEDY, make_runner, run
 from tests.unit.test_model_runner import make_prompts as runner_prompts
+from tests.unit.test_model_zoo import assert_logprobs_match_hf
 
 
 def _write_gguf():
@@ -107,17 +108,7 @@ def test_logprobs_match_hf(gguf_case: tuple[Path, Path, Path]) -> None:
     _, prepared, reference = gguf_case
     hf = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     reqs = run(make_runner(prepared, block_size=16), runner_prompts(49152), GREEDY, chunk_size=7)
-    with torch.no_grad():
-        for r in reqs.values():
-            ids = torch.tensor([r.prompt])
-            out = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                max_new_tokens=len(r.output), min_new_tokens=len(r.output), pad_token_id=0,
-                eos_token_id=None, output_scores=True, return_dict_in_generate=True,
-            )  # fmt: skip
-            assert out.sequences[0, len(r.prompt) :].tolist() == r.output
-            hf_logprobs = torch.stack([s[0] for s in out.scores]).float().log_softmax(-1)
-            torch.testing.assert_close(torch.stack(r.logprobs), hf_logprobs, atol=1e-3, rtol=0)
+    assert_logprobs_match_hf(hf, reqs.values())
 
 
 def _conversations(n: int) -> list[list[dict]]:

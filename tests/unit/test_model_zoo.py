@@ -113,8 +113,13 @@ def test_logprobs_match_hf(model_dir: Path) -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = runner_prompts(hf.config.vocab_size)
     reqs = run(make_runner(model_dir, block_size=16), prompts, GREEDY, chunk_size=7)
+    assert_logprobs_match_hf(hf, reqs.values())
+
+
+def assert_logprobs_match_hf(hf: transformers.PreTrainedModel, reqs) -> None:
+    """Each served request's greedy tokens and logprobs against Hugging Face's generate."""
     with torch.no_grad():
-        for r in reqs.values():
+        for r in reqs:
             ids = torch.tensor([r.prompt])
             out = hf.generate(
                 ids, attention_mask=torch.ones_like(ids), do_sample=False,
