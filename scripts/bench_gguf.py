@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -59,21 +58,8 @@ def main() -> None:
             setups[f"{f.name} (auto)"] = (prepared, "auto")
             setups[f"{f.name} (float32)"] = (prepared, "float32")
         cores = {name: bench_models.make_core(d, dtype) for name, (d, dtype) in setups.items()}
-        for core in cores.values():
-            bench_models.run(core, prompts[:1], 8, "warm")
-        tpots: dict[str, list[float]] = {name: [] for name in cores}
-        rates: dict[str, list[float]] = {name: [] for name in cores}
-        for r in range(ROUNDS):
-            for name, core in cores.items():
-                tag = f"{name}-{r}-"
-                tpots[name].append(bench_models.run(core, prompts[:1], args.output_len, tag)[0])
-                rates[name].append(bench_models.run(core, prompts, args.output_len, tag + "c32")[1])
-        results = [
-            {"setup": name, "tpot_ms": statistics.median(tpots[name]) * 1e3,
-             "c32_tok_s": statistics.median(rates[name]),
-             "tpot_ms_rounds": [t * 1e3 for t in tpots[name]], "c32_tok_s_rounds": rates[name]}
-            for name in cores
-        ]  # fmt: skip
+        measured = bench_models.alternate(cores, prompts, args.output_len, ROUNDS)
+        results = [{"setup": name, **m} for name, m in measured.items()]
         del cores
     if args.llama_server is not None:
         for f in files:

@@ -214,6 +214,28 @@ def run(
     return statistics.median(decode_steps), produced / wall
 
 
+def alternate(
+    cores: dict[str, EngineCore], prompts: list[list[int]], output_len: int, rounds: int
+) -> dict[str, dict]:
+    """Each core's c=1 TPOT and c=len(prompts) throughput, the cores measured in alternation over
+    `rounds` (this machine's step times drift by tens of percent over minutes): per core the
+    medians and every round."""
+    for core in cores.values():
+        run(core, prompts[:1], 8, "warm")
+    tpots: dict[str, list[float]] = {name: [] for name in cores}
+    rates: dict[str, list[float]] = {name: [] for name in cores}
+    for r in range(rounds):
+        for name, core in cores.items():
+            tpots[name].append(run(core, prompts[:1], output_len, f"{name}-c1-{r}-")[0])
+            rates[name].append(run(core, prompts, output_len, f"{name}-cN-{r}-")[1])
+    return {
+        name: {"tpot_ms": statistics.median(tpots[name]) * 1e3,
+               "c32_tok_s": statistics.median(rates[name]),
+               "tpot_ms_rounds": [t * 1e3 for t in tpots[name]], "c32_tok_s_rounds": rates[name]}
+        for name in cores
+    }  # fmt: skip
+
+
 def bench(arch: str, work: Path, args: argparse.Namespace) -> dict:
     tokenizer_dir = None
     if args.llama_server is not None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -79,20 +78,8 @@ def bench(work: Path, args: argparse.Namespace, tokenizer_dir: Path | None) -> l
     rng = random.Random(0)
     vocab = json.loads((dirs["moe"] / "config.json").read_text())["vocab_size"]
     prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(32)]
-    tpots: dict[str, list[float]] = {kind: [] for kind in cores}
-    rates: dict[str, list[float]] = {kind: [] for kind in cores}
-    for core in cores.values():
-        bench_models.run(core, prompts[:1], 8, "warm")
-    for r in range(ROUNDS):
-        for kind, core in cores.items():
-            tpots[kind].append(bench_models.run(core, prompts[:1], args.output_len, f"c1-{r}-")[0])
-            rates[kind].append(bench_models.run(core, prompts, args.output_len, f"c32-{r}-")[1])
-    results = [
-        {"model": kind, "tpot_ms": statistics.median(tpots[kind]) * 1e3,
-         "c32_tok_s": statistics.median(rates[kind]),
-         "tpot_ms_rounds": [t * 1e3 for t in tpots[kind]], "c32_tok_s_rounds": rates[kind]}
-        for kind in cores
-    ]  # fmt: skip
+    measured = bench_models.alternate(cores, prompts, args.output_len, ROUNDS)
+    results = [{"model": kind, **m} for kind, m in measured.items()]
     del cores
     if args.llama_server is not None:
         results[0].update(

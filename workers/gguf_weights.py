@@ -17,7 +17,9 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,7 +30,7 @@ from workers.layers.native import GGUF_BLOCKS
 
 logger = logging.getLogger(__name__)
 
-# Block types kept as they are (the float ones are read as stored).
+# Tensor types read as they are stored, not counted as dequantized.
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
@@ -50,47 +52,55 @@ def _weights_map(config, processor) -> dict[str, str]:
     return get_gguf_hf_weights_map(model, processor)
 
 
-def _reader_and_names(model_dir: str | Path):
-    """(GGUFReader, processor, GGUF name -> Hugging Face name) of a prepared directory."""
-    import transformers
-    from gguf import GGUFReader
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        read_field,
-    )
+@dataclass(frozen=True)
+class GGUFCheckpoint:
+    """A prepared directory's GGUF file, opened once: its reader, the architecture's tensor
+    processor, GGUF name -> Hugging Face name, and the config."""
 
-    path = gguf_file_of(model_dir)
-    if path is None:
-        raise ValueError(f"{model_dir} is not a GGUF model directory (no {GGUF_SOURCE_FILE})")
-    reader = GGUFReader(path)
-    architecture = read_field(reader, "general.architecture")[0]
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
-    return reader, processor, _weights_map(config, processor), config
+    reader: Any
+    processor: Any
+    names: dict[str, str]
+    config: Any
 
+    @classmethod
+    def open(cls, model_dir: str | Path) -> GGUFCheckpoint:
+        import transformers
+        from gguf import GGUFReader
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            read_field,
+        )
 
-def block_types(model_dir: str | Path) -> dict[str, str]:
-    """Hugging Face name -> block type of the file's 2-D tensors tern multiplies as stored."""
-    reader, _, names, _ = _reader_and_names(model_dir)
-    return {
-        names[t.name]: t.tensor_type.name
-        for t in reader.tensors
-        if t.tensor_type.name in GGUF_BLOCKS and len(t.shape) == 2 and t.name in names
-    }
+        path = gguf_file_of(model_dir)
+        if path is None:
+            raise ValueError(f"{model_dir} is not a GGUF model directory (no {GGUF_SOURCE_FILE})")
+        reader = GGUFReader(path)
+        architecture = read_field(reader, "general.architecture")[0]
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+        return cls(reader, processor, _weights_map(config, processor), config)
+
+    def block_types(self) -> dict[str, str]:
+        """Hugging Face name -> block type of the 2-D tensors tern multiplies as stored."""
+        return {
+            self.names[t.name]: t.tensor_type.name
+            for t in self.reader.tensors
+            if t.tensor_type.name in GGUF_BLOCKS and len(t.shape) == 2 and t.name in self.names
+        }
 
 
 def iter_gguf(
-    model_dir: str | Path, keep_blocks: bool = False
+    checkpoint: GGUFCheckpoint, keep_blocks: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
-    """Every tensor of the directory's GGUF file as (Hugging Face name, float tensor); with
-    `keep_blocks`, 2-D tensors of the block types the kernels take as GGUFBlocks (their rows
-    permuted by the processor as the float ones are)."""
+    """Every tensor of the GGUF file as (Hugging Face name, float tensor); with `keep_blocks`,
+    2-D tensors of the block types the kernels take as GGUFBlocks (their rows permuted by the
+    processor as the float ones are)."""
     from gguf import dequantize
 
-    reader, processor, names, config = _reader_and_names(model_dir)
+    reader, processor, names = checkpoint.reader, checkpoint.processor, checkpoint.names
     # Processors that stack tensors (MoE experts) assemble them here.
-    parsed: dict = {"tensors": {}, "config": config.to_dict()}
+    parsed: dict = {"tensors": {}, "config": checkpoint.config.to_dict()}
     dequantized: Counter[str] = Counter()
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
@@ -114,4 +124,4 @@ def iter_gguf(
         yield name, value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
     if dequantized:
         kinds = ", ".join(f"{k} ({n} tensors)" for k, n in sorted(dequantized.items()))
-        logger.info("%s: dequantized to float32 at load: %s", model_dir, kinds)
+        logger.info("%s: dequantized to float32 at load: %s", reader.data.filename, kinds)

@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from workers.gguf_weights import block_types, gguf_file_of, iter_gguf
+from workers.gguf_weights import GGUFCheckpoint, gguf_file_of, iter_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -323,12 +323,17 @@ def keep_gguf_blocks(model: nn.Module, types: dict[str, str], quantize_x: bool =
             continue
         if len(set(by_shard.values())) != 1 or module.weight.size(1) % 32:
             continue
-        old = module.weight
+        tied = []  # LM heads sharing an embedding's rows share its new ones
+        if not isinstance(module, ParallelLMHead):
+            tied = [
+                h
+                for h in model.modules()
+                if isinstance(h, ParallelLMHead) and h.weight is module.weight
+            ]
         module.keep_gguf_blocks(next(iter(by_shard.values())), quantize_x)
         kept += 1
-        for head in model.modules():  # a tied LM head shares the embedding's new rows
-            if isinstance(head, ParallelLMHead) and head.weight is old:
-                head.tie_to(module)
+        for head in tied:
+            head.tie_to(module)
     return kept
 
 
@@ -340,10 +345,12 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, gguf_quantize_x: bo
     if gguf_file_of(model_dir) is None:
         weights: Iterable = iter_safetensors_lazy(model_dir)
     else:
+        checkpoint = GGUFCheckpoint.open(model_dir)
         quantized = any(getattr(m, "quant", None) is not None for m in model.modules())
-        kept = 0 if quantized else keep_gguf_blocks(model, block_types(model_dir), gguf_quantize_x)
-        keep = kept > 0
-        weights = iter_gguf(model_dir, keep_blocks=keep)
+        kept = (
+            0 if quantized else keep_gguf_blocks(model, checkpoint.block_types(), gguf_quantize_x)
+        )
+        weights = iter_gguf(checkpoint, keep_blocks=kept > 0)
     loaded = load_weights(model, weights)
     missing = expected_weight_names(model) - loaded
     if missing:

@@ -18,14 +18,13 @@ import pytest
 import torch
 import transformers
 
-from enginecore.messages import EngineCoreRequest, SamplingParams
 from frontend.gguf_model import prepare_gguf
 from frontend.text.tokenizer import Tokenizer
 from tests.conftest import ROOT, make_tiny_model
 from tests.unit.test_engine_inproc import MAX_TOKENS, hf_greedy, make_prompts, run_greedy
 from tests.unit.test_model_runner import GREEDY, make_runner, run
 from tests.unit.test_model_runner import make_prompts as runner_prompts
-from tests.unit.test_model_zoo import assert_logprobs_match_hf
+from tests.unit.test_model_zoo import assert_logprobs_match_hf, rerun_from_the_prefix_cache
 
 
 def _write_gguf():
@@ -92,16 +91,9 @@ def test_engine_matches_hf_on_the_files_weights(gguf_case: tuple[Path, Path, Pat
     kept = {m.block_type for m in modules if getattr(m, "quant", None) == "gguf"}
     assert kept == KEPT[gguf.stem.removeprefix("tiny-")]
     # The same prompts again on the same engine: their full blocks come from the prefix cache.
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        assert core.add_request(EngineCoreRequest(f"again{i}", p, params)) == []
-    cached, outs = 0, {}
-    while core.scheduler.has_requests:
-        for o in core.step():
-            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
-            cached = max(cached, o.num_cached_tokens or 0)
+    again, cached = rerun_from_the_prefix_cache(core, prompts)
     assert cached > 0
-    assert [outs[f"again{i}"] for i in range(len(prompts))] == ref
+    assert again == ref
 
 
 def test_logprobs_match_hf(gguf_case: tuple[Path, Path, Path]) -> None:

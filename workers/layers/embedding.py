@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.distributed import ParallelContext
-from workers.layers import gguf_blocks, native, quantization
+from workers.layers import gguf_blocks, quantization
 from workers.layers.linear import copy_checked, dense_linear, pack_weight
 
 
@@ -33,7 +33,7 @@ class VocabParallelEmbedding(nn.Module):
         self.ctx = ctx
         self.quant = quant
         self.dtype = torch.get_default_dtype()  # of the model: int8 rows are dequantized to it
-        self.num_embeddings = num_embeddings
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.num_per_partition = -(-num_embeddings // ctx.tp_size)
         self.vocab_start = ctx.tp_rank * self.num_per_partition
         self.vocab_end = min(self.vocab_start + self.num_per_partition, num_embeddings)
@@ -49,24 +49,18 @@ class VocabParallelEmbedding(nn.Module):
     def keep_gguf_blocks(self, block_type: str, quantize_x: bool = False) -> None:
         """Store the rows as GGUF blocks of `block_type` (the padding rows zero: dequantized to
         zeros); before the checkpoint loads."""
-        self.embedding_dim = self.weight.size(1)
-        nbytes = native.GGUF_BLOCKS[block_type][1]
-        self.quant, self.block_type, self.gguf_quantize_x = "gguf", block_type, quantize_x
-        self.weight = nn.Parameter(
-            torch.zeros(
-                self.num_per_partition, self.embedding_dim // 32 * nbytes, dtype=torch.uint8
-            ),
-            requires_grad=False,
+        self.weight = gguf_blocks.new_parameter(
+            self.num_per_partition, self.embedding_dim, block_type
         )
         self.weight.weight_loader = self.weight_loader
+        self.quant, self.block_type, self.gguf_quantize_x = "gguf", block_type, quantize_x
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
         if shard_id is not None:
             raise ValueError(f"unexpected shard {shard_id!r} for {type(self).__name__}")
-        dim = self.embedding_dim if self.quant == "gguf" else param.size(1)
-        expected = (self.num_embeddings, dim)
+        expected = (self.num_embeddings, self.embedding_dim)
         if tuple(loaded_weight.shape) != expected:
             raise ValueError(
                 f"weight shape mismatch: expected {expected}, got {tuple(loaded_weight.shape)}"
@@ -79,7 +73,9 @@ class VocabParallelEmbedding(nn.Module):
             return
         if self.quant == "gguf":
             param.data[size:].zero_()
-            copy_checked(param.data[:size], gguf_blocks.rows_of(rows, self.block_type, dim))
+            copy_checked(
+                param.data[:size], gguf_blocks.rows_of(rows, self.block_type, self.embedding_dim)
+            )
             return
         if not isinstance(rows, torch.Tensor):  # a lazy checkpoint slice: read it now
             rows = rows.materialize()
@@ -125,9 +121,14 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tie_word_embeddings): the checkpoint has no lm_head."""
-        if embedding.quant == "gguf":
-            self.keep_gguf_blocks(embedding.block_type, embedding.gguf_quantize_x)
-        assert embedding.weight.shape == self.weight.shape and embedding.quant == self.quant
+        if embedding.quant == "gguf":  # its kept blocks, shared as they are
+            self.quant, self.block_type = "gguf", embedding.block_type
+            self.gguf_quantize_x = embedding.gguf_quantize_x
+        assert embedding.quant == self.quant
+        assert (embedding.num_embeddings, embedding.embedding_dim) == (
+            self.num_embeddings,
+            self.embedding_dim,
+        )
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, vocab)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from workers.layers import native
 
@@ -57,6 +58,17 @@ class GGUFBlocks:
 
     def materialize(self) -> torch.Tensor:
         return dequantize(self.blocks.contiguous(), self.block_type, self.shape[1])
+
+
+def new_parameter(rows: int, cols: int, block_type: str) -> nn.Parameter:
+    """A zeroed (rows, cols / 32 * block bytes) uint8 parameter: the blocks of a (rows, cols)
+    weight (zero blocks dequantize to zeros)."""
+    if cols % BLOCK:
+        raise ValueError(f"{cols} input features do not split into {BLOCK}-value blocks")
+    nbytes = native.GGUF_BLOCKS[block_type][1]
+    return nn.Parameter(
+        torch.zeros(rows, cols // BLOCK * nbytes, dtype=torch.uint8), requires_grad=False
+    )
 
 
 def _qtype(block_type: str):

@@ -169,15 +169,9 @@ class LinearBase(nn.Module):
         """Store the weight as GGUF blocks of `block_type` (native.GGUF_BLOCKS), (N, K / 32 *
         block bytes) uint8, multiplied as stored (with `quantize_x`, the activations quantized
         per block: gguf_blocks.py); before the checkpoint loads."""
-        if self.input_size % 32:
-            raise ValueError(f"{self.input_size} input features do not split into 32-value blocks")
-        nbytes = native.GGUF_BLOCKS[block_type][1]
-        self.quant, self.block_type, self.gguf_quantize_x = "gguf", block_type, quantize_x
-        self.weight = nn.Parameter(
-            torch.zeros(self.output_size, self.input_size // 32 * nbytes, dtype=torch.uint8),
-            requires_grad=False,
-        )
+        self.weight = gguf_blocks.new_parameter(self.output_size, self.input_size, block_type)
         self.weight.weight_loader = self.weight_loader
+        self.quant, self.block_type, self.gguf_quantize_x = "gguf", block_type, quantize_x
 
     def repack_weights(self) -> None:
         packs = self.quant is None and self.dtype == torch.bfloat16

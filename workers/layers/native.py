@@ -205,6 +205,15 @@ def int8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 GGUF_BLOCKS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 
 
+def _gguf_type(blocks: torch.Tensor, block_type: str, k: int, name: str) -> int:
+    """The ggml type id of `blocks`, checked to be (N, k / 32 * block bytes) contiguous uint8."""
+    _check(blocks, torch.uint8, "blocks")
+    type_id, nbytes = GGUF_BLOCKS[block_type]
+    if k % 32 or blocks.size(1) != k // 32 * nbytes:
+        raise ValueError(f"{name}: {tuple(blocks.shape)} are not {block_type} rows of {k} values")
+    return type_id
+
+
 def gguf_linear(
     x: torch.Tensor,
     blocks: torch.Tensor,
@@ -218,15 +227,12 @@ def gguf_linear(
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
     _check(x, torch.float32, "x")
-    _check(blocks, torch.uint8, "blocks")
+    (m, k), n = x.shape, blocks.size(0)
+    type_id = _gguf_type(blocks, block_type, k, "gguf linear")
     if bias is not None:
         _check(bias, torch.float32, "bias")
-    type_id, nbytes = GGUF_BLOCKS[block_type]
-    (m, k), n = x.shape, blocks.size(0)
-    if k % 32 or blocks.size(1) != k // 32 * nbytes or (bias is not None and bias.numel() != n):
-        raise ValueError(
-            f"gguf linear: x {tuple(x.shape)} does not fit {block_type} blocks {tuple(blocks.shape)}"
-        )
+        if bias.numel() != n:
+            raise ValueError(f"gguf linear: {bias.numel()} biases for {n} rows")
     y = torch.empty(m, n, dtype=torch.float32)
     fn = lib.tern_gguf_linear_q8act if quantize_x else lib.tern_gguf_linear
     rc = fn(
@@ -241,10 +247,7 @@ def gguf_dequantize(blocks: torch.Tensor, block_type: str, k: int) -> torch.Tens
     """(N, K / 32 * block bytes) uint8 blocks -> the (N, K) float32 weight."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
-    _check(blocks, torch.uint8, "blocks")
-    type_id, nbytes = GGUF_BLOCKS[block_type]
-    if k % 32 or blocks.size(1) != k // 32 * nbytes:
-        raise ValueError(f"gguf dequantize: {tuple(blocks.shape)} are not {block_type} rows of {k}")
+    type_id = _gguf_type(blocks, block_type, k, "gguf dequantize")
     out = torch.empty(blocks.size(0), k, dtype=torch.float32)
     lib.tern_gguf_dequantize(_ptr(blocks), type_id, _ptr(out), blocks.size(0), k)
     return out
