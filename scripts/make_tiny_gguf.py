@@ -4,7 +4,8 @@ For tests and benchmarks of GGUF serving: the checkpoint's tensors under llama.c
 q/k rows permuted as its converter does), its hyper-parameters under `{arch}.*` keys, and the
 tokenizer and chat template copied from the default model's GGUF file (the checkpoint's vocabulary
 must be that tokenizer's: 49152 tokens). 2-D weights whose rows split into blocks are stored in
-the block type asked for (the `gguf` package quantizes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and BF16);
+the block type asked for (the `gguf` package quantizes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and BF16,
+tern's kquants.py Q4_K, Q5_K and Q6_K);
 norms and biases stay F32, as llama.cpp keeps them.
 
     python scripts/make_tiny_gguf.py MODEL_DIR OUT.gguf [--type Q8_0]
@@ -72,6 +73,7 @@ def write_gguf(model_dir: Path, out: Path, block_types: str | dict[str, str] = "
     from safetensors.numpy import load_file
 
     from frontend.model_prep import find_gguf
+    from workers.layers.kquants import quantize_k
 
     config = json.loads((model_dir / "config.json").read_text())
     arch = ARCHS[config["model_type"]]
@@ -111,7 +113,11 @@ def write_gguf(model_dir: Path, out: Path, block_types: str | dict[str, str] = "
         qtype = gguf.GGMLQuantizationType[_block_type(types, name)]
         block = gguf.GGML_QUANT_SIZES[qtype][0]
         if w.ndim == 2 and w.shape[1] % block == 0 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(f"{name}.{suffix}", gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+            if qtype.name.endswith("_K"):
+                blocks = quantize_k(w, qtype.name)
+            else:
+                blocks = gguf.quants.quantize(w, qtype)
+            writer.add_tensor(f"{name}.{suffix}", blocks, raw_dtype=qtype)
         else:
             writer.add_tensor(f"{name}.{suffix}", w)
     writer.write_header_to_file()

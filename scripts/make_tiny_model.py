@@ -307,8 +307,10 @@ def make_tiny_model(
     seed: int = 0,
     head: str = "lm_head",
     num_labels: int = 1,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a random tiny `arch` checkpoint (with `head`) to out_dir (created); return out_dir."""
+    """Write a random tiny `arch` checkpoint (with `head`, its config's sizes changed by
+    `overrides`) to out_dir (created); return out_dir."""
     import torch
     import transformers
 
@@ -343,7 +345,7 @@ def make_tiny_model(
         )
         if head == "score":
             model_class = transformers.Gemma3TextForSequenceClassification
-    kwargs = _config_kwargs(arch, vocab_size)
+    kwargs = {**_config_kwargs(arch, vocab_size), **(overrides or {})}
     if head == "score":
         kwargs["num_labels"] = num_labels
     config = config_class(**kwargs)

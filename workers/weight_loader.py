@@ -28,6 +28,7 @@ from safetensors import safe_open
 from torch import nn
 
 from workers.gguf_weights import GGUFCheckpoint, gguf_file_of, iter_gguf
+from workers.layers.gguf_blocks import block_values
 
 logger = logging.getLogger(__name__)
 
@@ -321,7 +322,9 @@ def keep_gguf_blocks(model: nn.Module, types: dict[str, str], quantize_x: bool =
             continue
         if len(by_shard) != expected.get(module_name.rpartition(".")[2], 1):
             continue
-        if len(set(by_shard.values())) != 1 or module.weight.size(1) % 32:
+        # NOTE: a shard's columns must start at block boundaries (weight.size(1) is this rank's).
+        block_type = next(iter(by_shard.values()))
+        if len(set(by_shard.values())) != 1 or module.weight.size(1) % block_values(block_type):
             continue
         tied = []  # LM heads sharing an embedding's rows share its new ones
         if not isinstance(module, ParallelLMHead):
@@ -330,7 +333,7 @@ def keep_gguf_blocks(model: nn.Module, types: dict[str, str], quantize_x: bool =
                 for h in model.modules()
                 if isinstance(h, ParallelLMHead) and h.weight is module.weight
             ]
-        module.keep_gguf_blocks(next(iter(by_shard.values())), quantize_x)
+        module.keep_gguf_blocks(block_type, quantize_x)
         kept += 1
         for head in tied:
             head.tie_to(module)

@@ -1,10 +1,11 @@
-"""GGUF block-quantized weights kept as they are stored: Q8_0, Q4_0 and Q4_1 (native.GGUF_BLOCKS).
+"""GGUF block-quantized weights kept as they are stored: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32
+values) and Q4_K, Q5_K, Q6_K (super-blocks of 256): native.GGUF_BLOCKS.
 
 A linear layer that keeps them (`LinearBase.keep_gguf_blocks`) holds its rows' blocks as one uint8
-parameter (N, K / 32 * block bytes); tensor parallelism shards rows, or columns at block
-boundaries. Checkpoint tensors arrive as `GGUFBlocks` (a GGUF file's rows, not dequantized) or,
-from a weight update, as float tensors, quantized on arrival to the layer's block type by the
-`gguf` package (as llama.cpp's quantizer rounds them). The products: tern's kernel dequantizes
+parameter (N, K / block values * block bytes); tensor parallelism shards rows, or columns at
+block boundaries. Checkpoint tensors arrive as `GGUFBlocks` (a GGUF file's rows, not dequantized)
+or, from a weight update, as float tensors, quantized on arrival to the layer's block type (by the
+`gguf` package as llama.cpp's quantizer rounds them; K-quants by kquants.py). The products: tern's kernel dequantizes
 each block in registers exactly as the gguf package does and multiplies in float32 (what a
 --dtype float32 server does: it computes with the file's dequantized weights). The fast path (any
 other --dtype): decode steps of fewer than 16 rows quantize each 32-value block of the activations
@@ -20,11 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers import native
+from workers.layers import kquants, native
 
 # Rows from which a product dequantizes the whole weight and calls the float GEMM.
 DEQUANT_MIN_ROWS = 64
-BLOCK = 32
+
+
+def block_values(block_type: str) -> int:
+    """Values per block (or K-quant super-block) of `block_type`."""
+    return native.GGUF_BLOCKS[block_type][1]
 
 
 class GGUFBlocks:
@@ -50,10 +55,11 @@ class GGUFBlocks:
             raise ValueError(f"slice [{start}, {start + length}) outside dim {dim} of {self.shape}")
         if dim == 0:
             return GGUFBlocks(self.blocks.narrow(0, start, length), self.block_type, self.shape[1])
-        if start % BLOCK or length % BLOCK:  # not at block boundaries: the values themselves
+        values = block_values(self.block_type)
+        if start % values or length % values:  # not at block boundaries: the values themselves
             return self.materialize().narrow(1, start, length)
-        nbytes = native.GGUF_BLOCKS[self.block_type][1]
-        cols = self.blocks.narrow(1, start // BLOCK * nbytes, length // BLOCK * nbytes)
+        start_byte = native.gguf_row_bytes(self.block_type, start)
+        cols = self.blocks.narrow(1, start_byte, native.gguf_row_bytes(self.block_type, length))
         return GGUFBlocks(cols, self.block_type, length)
 
     def materialize(self) -> torch.Tensor:
@@ -61,14 +67,10 @@ class GGUFBlocks:
 
 
 def new_parameter(rows: int, cols: int, block_type: str) -> nn.Parameter:
-    """A zeroed (rows, cols / 32 * block bytes) uint8 parameter: the blocks of a (rows, cols)
-    weight (zero blocks dequantize to zeros)."""
-    if cols % BLOCK:
-        raise ValueError(f"{cols} input features do not split into {BLOCK}-value blocks")
-    nbytes = native.GGUF_BLOCKS[block_type][1]
-    return nn.Parameter(
-        torch.zeros(rows, cols // BLOCK * nbytes, dtype=torch.uint8), requires_grad=False
-    )
+    """A zeroed (rows, row bytes) uint8 parameter: the blocks of a (rows, cols) weight (zero
+    blocks dequantize to zeros)."""
+    nbytes = native.gguf_row_bytes(block_type, cols)
+    return nn.Parameter(torch.zeros(rows, nbytes, dtype=torch.uint8), requires_grad=False)
 
 
 def _qtype(block_type: str):
@@ -78,7 +80,7 @@ def _qtype(block_type: str):
 
 
 def dequantize(blocks: torch.Tensor, block_type: str, cols: int) -> torch.Tensor:
-    """(N, K / 32 * block bytes) uint8 -> the (N, K) float32 weight, as the gguf package computes it."""
+    """(N, row bytes) uint8 -> the (N, K) float32 weight, as the gguf package computes it."""
     if blocks.is_cpu and native.load() is not None:
         return native.gguf_dequantize(blocks, block_type, cols)
     import gguf
@@ -88,10 +90,13 @@ def dequantize(blocks: torch.Tensor, block_type: str, cols: int) -> torch.Tensor
 
 
 def quantize(weight: torch.Tensor, block_type: str) -> torch.Tensor:
-    """An (N, K) float weight as blocks of `block_type`, rounded as llama.cpp's quantizer does."""
+    """An (N, K) float weight as blocks of `block_type`, rounded as llama.cpp's quantizer does
+    (K-quants: kquants.py's plain rounding)."""
     import gguf
 
     values = weight.detach().to(torch.float32).cpu().numpy()
+    if block_type.endswith("_K"):
+        return torch.from_numpy(kquants.quantize_k(values, block_type))
     return torch.from_numpy(gguf.quants.quantize(values, _qtype(block_type)))
 
 

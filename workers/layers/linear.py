@@ -166,8 +166,8 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def keep_gguf_blocks(self, block_type: str, quantize_x: bool = False) -> None:
-        """Store the weight as GGUF blocks of `block_type` (native.GGUF_BLOCKS), (N, K / 32 *
-        block bytes) uint8, multiplied as stored (with `quantize_x`, the activations quantized
+        """Store the weight as GGUF blocks of `block_type` (native.GGUF_BLOCKS), (N, row bytes)
+        uint8, multiplied as stored (with `quantize_x`, the activations quantized
         per block: gguf_blocks.py); before the checkpoint loads."""
         self.weight = gguf_blocks.new_parameter(self.output_size, self.input_size, block_type)
         self.weight.weight_loader = self.weight_loader

@@ -201,17 +201,34 @@ def int8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# GGUF block types the kernels multiply as stored: name -> (ggml type id, bytes per 32 values).
-GGUF_BLOCKS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+# GGUF block types the kernels multiply as stored: name -> (ggml type id, values per block, bytes
+# per block).
+GGUF_BLOCKS = {
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q5_0": (6, 32, 22),
+    "Q5_1": (7, 32, 24),
+    "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+}
+
+
+def gguf_row_bytes(block_type: str, k: int) -> int:
+    """Bytes of a row of k values in `block_type`; k must split into its blocks."""
+    _, values, nbytes = GGUF_BLOCKS[block_type]
+    if k % values:
+        raise ValueError(f"{k} values do not split into {block_type} blocks of {values}")
+    return k // values * nbytes
 
 
 def _gguf_type(blocks: torch.Tensor, block_type: str, k: int, name: str) -> int:
-    """The ggml type id of `blocks`, checked to be (N, k / 32 * block bytes) contiguous uint8."""
+    """The ggml type id of `blocks`, checked to be (N, row bytes of k values) contiguous uint8."""
     _check(blocks, torch.uint8, "blocks")
-    type_id, nbytes = GGUF_BLOCKS[block_type]
-    if k % 32 or blocks.size(1) != k // 32 * nbytes:
+    if k % GGUF_BLOCKS[block_type][1] or blocks.size(1) != gguf_row_bytes(block_type, k):
         raise ValueError(f"{name}: {tuple(blocks.shape)} are not {block_type} rows of {k} values")
-    return type_id
+    return GGUF_BLOCKS[block_type][0]
 
 
 def gguf_linear(
@@ -221,8 +238,8 @@ def gguf_linear(
     bias: torch.Tensor | None,
     quantize_x: bool = False,
 ) -> torch.Tensor:
-    """x (M, K) float32 @ W.T + bias, W (N, K) stored as `blocks` (N, K / 32 * block bytes)
-    uint8 of a GGUF block type, dequantized in registers; with `quantize_x`, x quantized to int8
+    """x (M, K) float32 @ W.T + bias, W (N, K) stored as `blocks` (N, row bytes) uint8 of a GGUF
+    block type, dequantized in registers; with `quantize_x`, x quantized to int8
     per 32-value block and the products taken in integers (the fast path)."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
@@ -244,7 +261,7 @@ def gguf_linear(
 
 
 def gguf_dequantize(blocks: torch.Tensor, block_type: str, k: int) -> torch.Tensor:
-    """(N, K / 32 * block bytes) uint8 blocks -> the (N, K) float32 weight."""
+    """(N, row bytes) uint8 blocks -> the (N, K) float32 weight."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
     type_id = _gguf_type(blocks, block_type, k, "gguf dequantize")

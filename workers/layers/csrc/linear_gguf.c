@@ -1,10 +1,15 @@
-/* GGUF block-quantized weights multiplied as they are stored: Q8_0, Q4_0 and Q4_1 (ggml's types
- * 8, 2 and 3), blocks of 32 consecutive values of a row. Each block is dequantized in registers
- * exactly as ggml and the gguf package dequantize it (float16 scale d, and Q4_1's minimum m, widened
- * to float32; Q8_0: d * q; Q4_0: d * (q - 8); Q4_1: d * q + m, rounded twice), and multiplied with
- * float32 activations: the products are those of the dequantized float32 weight, only summed in
- * another order. Few rows stream the blocks once per row of x; more rows dequantize TILE_N weight
- * rows into L1 and reuse them for every row (tile_matmul).
+/* GGUF block-quantized weights multiplied as they are stored (ggml's types): Q8_0, Q4_0, Q4_1,
+ * Q5_0, Q5_1 (blocks of 32 values) and the K-quants Q4_K, Q5_K, Q6_K (super-blocks of 256 values:
+ * 8 sub-blocks of 32 with 6-bit scales and minimums, or Q6_K's 16 of 16 with int8 scales). Every
+ * type is read as 32-value chunks: the chunk's integers in value order, one scale per 16 values
+ * (equal for every type but Q6_K), an offset subtracted from the integers (Q4_0 8, Q5_0 16, Q6_K
+ * 32) and a term added to each value (Q4_1 / Q5_1's minimum m, the K-quants' -dmin * min).
+ *
+ * The exact path dequantizes each chunk in registers as ggml and the gguf package do, in the same
+ * float32 operations (d * (q - offset) + m; for the K-quants (d * scale) * q - dmin * min) and
+ * multiplies with float32 activations: the products are those of the dequantized float32 weight,
+ * only summed in another order. Few rows stream the blocks once per row of x; more rows
+ * dequantize TILE_N weight rows into L1 and reuse them for every row (tile_matmul).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -14,13 +19,29 @@
 
 #define QK 32
 
-static inline int block_bytes(int type) {
+/* Values per block and bytes per block of `type`, or 0 bytes for a type this file does not take. */
+static inline int block_shape(int type, int *values) {
+    *values = 32;
     switch (type) {
     case TERN_GGUF_Q8_0: return 34;
     case TERN_GGUF_Q4_0: return 18;
     case TERN_GGUF_Q4_1: return 20;
-    default: return 0;
+    case TERN_GGUF_Q5_0: return 22;
+    case TERN_GGUF_Q5_1: return 24;
     }
+    *values = 256;
+    switch (type) {
+    case TERN_GGUF_Q4_K: return 144;
+    case TERN_GGUF_Q5_K: return 176;
+    case TERN_GGUF_Q6_K: return 210;
+    }
+    return 0;
+}
+
+/* Bytes of one row of K values, or 0 when the type is unknown or K does not split into blocks. */
+static inline int64_t row_bytes(int type, int K) {
+    int values, bytes = block_shape(type, &values);
+    return bytes == 0 || K % values ? 0 : (int64_t)K / values * bytes;
 }
 
 static inline float half_to_float(uint16_t h) {
@@ -44,93 +65,222 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-/* One block's 32 values as float32, as the gguf package computes them. */
-static inline void dequant_block(const uint8_t *b, int type, float *out) {
-    uint16_t dh, mh;
-    memcpy(&dh, b, 2);
-    float d = half_to_float(dh);
-    if (type == TERN_GGUF_Q8_0) {
-        const int8_t *q = (const int8_t *)(b + 2);
-        for (int i = 0; i < QK; i++) out[i] = d * (float)q[i];
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return half_to_float(h);
+}
+
+/* How chunk values are formed from its integers q: d[i / 16] * (q - offset) + m. */
+typedef struct {
+    float d[2];
+    float m;
+    int offset;
+} ChunkScale;
+
+/* The block (or super-block) holding chunk c of a row, and the chunk's index inside it. */
+static inline const uint8_t *chunk_block(const uint8_t *row, int type, int c, int *sub) {
+    int values, bytes = block_shape(type, &values), per = values / QK;
+    *sub = c % per;
+    return row + (int64_t)(c / per) * bytes;
+}
+
+/* A K-quant super-block's 6-bit scale and minimum of sub-block j (12 packed bytes). */
+static inline void k_scale_min(const uint8_t *s, int j, int *scale, int *min) {
+    if (j < 4) {
+        *scale = s[j] & 63;
+        *min = s[j + 4] & 63;
+    } else {
+        *scale = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+static inline ChunkScale chunk_scale(const uint8_t *row, int type, int c) {
+    int sub;
+    const uint8_t *b = chunk_block(row, type, c, &sub);
+    ChunkScale s = {{0.f, 0.f}, 0.f, 0};
+    switch (type) {
+    case TERN_GGUF_Q4_K:
+    case TERN_GGUF_Q5_K: {
+        int scale, min;
+        k_scale_min(b + 4, sub, &scale, &min);
+        s.d[0] = s.d[1] = half_at(b) * (float)scale;
+        s.m = -(half_at(b + 2) * (float)min);
+        return s;
+    }
+    case TERN_GGUF_Q6_K: {
+        float d = half_at(b + 208);
+        s.d[0] = d * (float)(int8_t)b[192 + 2 * sub];
+        s.d[1] = d * (float)(int8_t)b[192 + 2 * sub + 1];
+        s.offset = 32;
+        return s;
+    }
+    }
+    s.d[0] = s.d[1] = half_at(b);
+    if (type == TERN_GGUF_Q4_1 || type == TERN_GGUF_Q5_1) s.m = half_at(b + 2);
+    if (type == TERN_GGUF_Q4_0) s.offset = 8;
+    if (type == TERN_GGUF_Q5_0) s.offset = 16;
+    return s;
+}
+
+/* Chunk c's 32 stored integers in value order (Q8_0's as int8, the others unsigned). */
+static inline void chunk_ints(const uint8_t *row, int type, int c, uint8_t *q) {
+    int sub;
+    const uint8_t *b = chunk_block(row, type, c, &sub);
+    uint32_t qh;
+    switch (type) {
+    case TERN_GGUF_Q8_0:
+        memcpy(q, b + 2, QK);
+        return;
+    case TERN_GGUF_Q4_0:
+    case TERN_GGUF_Q4_1: {
+        const uint8_t *qs = b + (type == TERN_GGUF_Q4_1 ? 4 : 2);
+        for (int i = 0; i < 16; i++) { q[i] = qs[i] & 0x0f; q[i + 16] = qs[i] >> 4; }
         return;
     }
-    const uint8_t *qs = b + (type == TERN_GGUF_Q4_1 ? 4 : 2);
-    if (type == TERN_GGUF_Q4_0) {
-        for (int i = 0; i < QK / 2; i++) {
-            out[i] = d * (float)((int)(qs[i] & 0x0f) - 8);
-            out[i + QK / 2] = d * (float)((int)(qs[i] >> 4) - 8);
+    case TERN_GGUF_Q5_0:
+    case TERN_GGUF_Q5_1: {
+        int at = type == TERN_GGUF_Q5_1 ? 4 : 2;
+        const uint8_t *qs = b + at + 4;
+        memcpy(&qh, b + at, 4);
+        for (int i = 0; i < 16; i++) {
+            q[i] = (qs[i] & 0x0f) | (((qh >> i) & 1) << 4);
+            q[i + 16] = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
         }
         return;
     }
-    memcpy(&mh, b + 2, 2);
-    float m = half_to_float(mh);
-    for (int i = 0; i < QK / 2; i++) {
-        float lo = d * (float)(qs[i] & 0x0f), hi = d * (float)(qs[i] >> 4);
-        out[i] = lo + m;
-        out[i + QK / 2] = hi + m;
+    case TERN_GGUF_Q4_K: {
+        const uint8_t *qs = b + 16 + (sub / 2) * 32;
+        for (int i = 0; i < QK; i++) q[i] = sub % 2 ? qs[i] >> 4 : qs[i] & 0x0f;
+        return;
+    }
+    case TERN_GGUF_Q5_K: {
+        const uint8_t *hs = b + 16, *qs = b + 48 + (sub / 2) * 32;
+        for (int i = 0; i < QK; i++)
+            q[i] = (sub % 2 ? qs[i] >> 4 : qs[i] & 0x0f) | (((hs[i] >> sub) & 1) << 4);
+        return;
+    }
+    case TERN_GGUF_Q6_K: {
+        int h = sub / 4, s = sub % 4;
+        const uint8_t *ql = b + h * 64 + (s % 2) * 32, *hs = b + 128 + h * 32;
+        for (int i = 0; i < QK; i++)
+            q[i] = (s < 2 ? ql[i] & 0x0f : ql[i] >> 4) | (((hs[i] >> (2 * s)) & 3) << 4);
+        return;
+    }
+    }
+}
+
+/* One chunk's 32 values as float32, as the gguf package computes them. */
+static inline void dequant_chunk(const uint8_t *row, int type, int c, float *out) {
+    ChunkScale s = chunk_scale(row, type, c);
+    uint8_t q[QK];
+    chunk_ints(row, type, c, q);
+    for (int i = 0; i < QK; i++) {
+        int v = type == TERN_GGUF_Q8_0 ? (int)(int8_t)q[i] : (int)q[i] - s.offset;
+        out[i] = s.d[i / 16] * (float)v + s.m;
     }
 }
 
 #ifdef __AVX2__
-/* The same 32 values in four vectors of 8. */
-static inline void dequant_block8(const uint8_t *b, int type, __m256 v[4]) {
-    uint16_t dh, mh;
-    memcpy(&dh, b, 2);
-    __m256 d = _mm256_set1_ps(half_to_float(dh));
-    if (type == TERN_GGUF_Q8_0) {
-        for (int j = 0; j < 4; j++) {
-            __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j));
-            v[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
-        }
-        return;
+/* Byte i of the result: 0x10 when bit i of bits is set, else 0. */
+static inline __m256i bit_to_0x10(uint32_t bits) {
+    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                              0x0303030303030303LL);
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread), select);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, select), _mm256_set1_epi8(0x10));
+}
+
+/* Low nibbles of 16 bytes as values 0-15, high nibbles as 16-31. */
+static inline __m256i nibbles16(const uint8_t *qs) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+
+/* chunk_ints in one vector. */
+static inline __m256i chunk_ints8(const uint8_t *row, int type, int c) {
+    int sub;
+    const uint8_t *b = chunk_block(row, type, c, &sub);
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    uint32_t qh;
+    switch (type) {
+    case TERN_GGUF_Q8_0: return _mm256_loadu_si256((const __m256i *)(b + 2));
+    case TERN_GGUF_Q4_0: return nibbles16(b + 2);
+    case TERN_GGUF_Q4_1: return nibbles16(b + 4);
+    case TERN_GGUF_Q5_0:
+        memcpy(&qh, b + 2, 4);
+        return _mm256_or_si256(nibbles16(b + 6), bit_to_0x10(qh));
+    case TERN_GGUF_Q5_1:
+        memcpy(&qh, b + 4, 4);
+        return _mm256_or_si256(nibbles16(b + 8), bit_to_0x10(qh));
+    case TERN_GGUF_Q4_K:
+    case TERN_GGUF_Q5_K: {
+        int at = type == TERN_GGUF_Q4_K ? 16 : 48;
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(b + at + (sub / 2) * 32));
+        __m256i q = _mm256_and_si256(sub % 2 ? _mm256_srli_epi16(raw, 4) : raw, low4);
+        if (type == TERN_GGUF_Q4_K) return q;
+        __m256i hs = _mm256_loadu_si256((const __m256i *)(b + 16));
+        hs = _mm256_and_si256(_mm256_srl_epi16(hs, _mm_cvtsi32_si128(sub)), _mm256_set1_epi8(1));
+        return _mm256_or_si256(q, _mm256_slli_epi16(hs, 4));
     }
-    __m128i raw = _mm_loadu_si128((const __m128i *)(b + (type == TERN_GGUF_Q4_1 ? 4 : 2)));
-    __m128i mask = _mm_set1_epi8(0x0f);
-    __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    if (type == TERN_GGUF_Q4_0) {
-        __m256 eight = _mm256_set1_ps(8.0f);
-        for (int j = 0; j < 4; j++)
-            v[j] = _mm256_mul_ps(
-                d, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])), eight));
-        return;
+    case TERN_GGUF_Q6_K: {
+        int h = sub / 4, s = sub % 4;
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(b + h * 64 + (s % 2) * 32));
+        __m256i q = _mm256_and_si256(s < 2 ? raw : _mm256_srli_epi16(raw, 4), low4);
+        __m256i hs = _mm256_loadu_si256((const __m256i *)(b + 128 + h * 32));
+        hs = _mm256_and_si256(_mm256_srl_epi16(hs, _mm_cvtsi32_si128(2 * s)), _mm256_set1_epi8(3));
+        return _mm256_or_si256(q, _mm256_slli_epi16(hs, 4));
     }
-    memcpy(&mh, b + 2, 2);
-    __m256 m = _mm256_set1_ps(half_to_float(mh));
-    for (int j = 0; j < 4; j++)
-        v[j] = _mm256_add_ps(
-            _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]))), m);
+    }
+    return _mm256_setzero_si256();
+}
+
+/* The chunk's 32 values in four vectors of 8, as dequant_chunk computes them. */
+static inline void dequant_chunk8(const uint8_t *row, int type, int c, __m256 v[4]) {
+    ChunkScale s = chunk_scale(row, type, c);
+    __m256i q = chunk_ints8(row, type, c);
+    __m128i parts[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+    __m256i off = _mm256_set1_epi32(s.offset);
+    __m256 m = _mm256_set1_ps(s.m);
+    for (int j = 0; j < 4; j++) {
+        __m128i p = j % 2 ? _mm_srli_si128(parts[j / 2], 8) : parts[j / 2];
+        __m256i wide = type == TERN_GGUF_Q8_0 ? _mm256_cvtepi8_epi32(p) : _mm256_cvtepu8_epi32(p);
+        __m256 qf = _mm256_cvtepi32_ps(_mm256_sub_epi32(wide, off));
+        v[j] = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(s.d[j / 2]), qf), m);
+    }
 }
 #endif
 
-/* y[m, n] for rows [n0, n0 + nt) and every row m of x (M < GEMV_MAX_M): each weight row's blocks
+/* y[m, n] for rows [n0, n0 + nt) and every row m of x (M < GEMV_MAX_M): each weight row's chunks
  * are read once and dequantized once, for all M rows. */
 static void gguf_gemv_rows(const float *x, const uint8_t *w, int type, const float *bias, float *y,
                            int M, int N, int K, int n0, int nt) {
-    int nb = K / QK, bytes = block_bytes(type);
+    int nc = K / QK;
+    int64_t rb = row_bytes(type, K);
     for (int r = 0; r < nt; r++) {
-        const uint8_t *wr = w + (int64_t)(n0 + r) * nb * bytes;
+        const uint8_t *wr = w + (int64_t)(n0 + r) * rb;
         float s[GEMV_MAX_M] = {0};
 #ifdef __AVX2__
         __m256 acc[GEMV_MAX_M];
         for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; b++) {
+        for (int c = 0; c < nc; c++) {
             __m256 v[4];
-            dequant_block8(wr + (int64_t)b * bytes, type, v);
+            dequant_chunk8(wr, type, c, v);
             for (int m = 0; m < M; m++) {
-                const float *xb = x + (int64_t)m * K + b * QK;
+                const float *xc = x + (int64_t)m * K + c * QK;
                 for (int j = 0; j < 4; j++)
-                    acc[m] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xb + 8 * j), acc[m]);
+                    acc[m] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xc + 8 * j), acc[m]);
             }
         }
         for (int m = 0; m < M; m++) s[m] = hsum(acc[m]);
 #else
         float v[QK];
-        for (int b = 0; b < nb; b++) {
-            dequant_block(wr + (int64_t)b * bytes, type, v);
+        for (int c = 0; c < nc; c++) {
+            dequant_chunk(wr, type, c, v);
             for (int m = 0; m < M; m++) {
-                const float *xb = x + (int64_t)m * K + b * QK;
-                for (int i = 0; i < QK; i++) s[m] += v[i] * xb[i];
+                const float *xc = x + (int64_t)m * K + c * QK;
+                for (int i = 0; i < QK; i++) s[m] += v[i] * xc[i];
             }
         }
 #endif
@@ -139,26 +289,37 @@ static void gguf_gemv_rows(const float *x, const uint8_t *w, int type, const flo
     }
 }
 
-/* Dequantizes weight rows [n0, n0 + nt) into wf (TILE_N, K), the rows past nt zeroed; `scale`
- * carries the block type (matmul_widened_tiles' widener signature). */
-static void gguf_tile(const void *w, const float *scale, int n0, int nt, int K, float *wf) {
-    int type = (int)(intptr_t)scale, nb = K / QK, bytes = block_bytes(type);
-    for (int r = 0; r < TILE_N; r++) {
-        float *dst = wf + (int64_t)r * K;
-        if (r >= nt) {
-            memset(dst, 0, sizeof(float) * K);
-            continue;
-        }
-        const uint8_t *wr = (const uint8_t *)w + (int64_t)(n0 + r) * nb * bytes;
-        for (int b = 0; b < nb; b++) dequant_block(wr + (int64_t)b * bytes, type, dst + b * QK);
+static void dequant_row(const uint8_t *row, int type, int K, float *out) {
+    for (int c = 0; c < K / QK; c++) {
+#ifdef __AVX2__
+        __m256 v[4];
+        dequant_chunk8(row, type, c, v);
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + c * QK + 8 * j, v[j]);
+#else
+        dequant_chunk(row, type, c, out + c * QK);
+#endif
     }
 }
 
-/* y (M, N) = x (M, K) @ W.T + bias, W (N, K / 32 blocks) of `type`; x, bias, y float32. Returns 0,
+/* Dequantizes weight rows [n0, n0 + nt) into wf (TILE_N, K), the rows past nt zeroed; `scale`
+ * carries the block type (matmul_widened_tiles' widener signature). */
+static void gguf_tile(const void *w, const float *scale, int n0, int nt, int K, float *wf) {
+    int type = (int)(intptr_t)scale;
+    int64_t rb = row_bytes(type, K);
+    for (int r = 0; r < TILE_N; r++) {
+        float *dst = wf + (int64_t)r * K;
+        if (r >= nt)
+            memset(dst, 0, sizeof(float) * K);
+        else
+            dequant_row((const uint8_t *)w + (int64_t)(n0 + r) * rb, type, K, dst);
+    }
+}
+
+/* y (M, N) = x (M, K) @ W.T + bias, W (N, K) in blocks of `type`; x, bias, y float32. Returns 0,
  * -2 for a type or K it does not take, -1 when a thread cannot get its scratch tile. */
 int tern_gguf_linear(const float *x, const uint8_t *w, int type, const float *bias, float *y,
                      int M, int N, int K) {
-    if (block_bytes(type) == 0 || K % QK != 0) return -2;
+    if (row_bytes(type, K) == 0) return -2;
     if (M < GEMV_MAX_M) {
         int num_tiles = (N + GEMV_ROWS - 1) / GEMV_ROWS;
 #pragma omp parallel for schedule(static)
@@ -175,25 +336,22 @@ int tern_gguf_linear(const float *x, const uint8_t *w, int type, const float *bi
 /* out (N, K) float32 = the dequantized weight (for GEMMs of many rows and for checks). Returns 0,
  * or -2 for a type or K it does not take. */
 int tern_gguf_dequantize(const uint8_t *w, int type, float *out, int N, int K) {
-    int nb = K / QK, bytes = block_bytes(type);
-    if (bytes == 0 || K % QK != 0) return -2;
+    int64_t rb = row_bytes(type, K);
+    if (rb == 0) return -2;
 #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *wr = w + (int64_t)n * nb * bytes;
-        for (int b = 0; b < nb; b++)
-            dequant_block(wr + (int64_t)b * bytes, type, out + (int64_t)n * K + b * QK);
-    }
+    for (int n = 0; n < N; n++) dequant_row(w + (int64_t)n * rb, type, K, out + (int64_t)n * K);
     return 0;
 }
 
 /* ---------------------------------------------------------------- quantized activations */
 
 /* The fast path (llama.cpp's): each 32-value block of a row of x quantized to int8 with its own
- * scale dx = max|x| / 127, and each product of a weight block and an activation block taken in
- * integers (AVX2: vpmaddubsw, then vpmaddwd): per block
- *   Q8_0: d dx sum(q xq);  Q4_0: d dx (sum(q xq) - 8 sum(xq));  Q4_1: d dx sum(q xq) + m dx sum(xq)
- * with q the stored integers. The activations' rounding (below 0.4% of each block's largest value)
- * is the only difference from the exact path. */
+ * scale dx = max|x| / 127, and each product of a weight chunk and an activation block taken in
+ * integers (AVX2: vpmaddubsw, then vpmaddwd): per chunk
+ *   dx * sum_halves(d[h] * sum(q' xq)) + m dx sum(xq),   q' = q - offset
+ * with q the stored integers (signed after the offset; vpmaddubsw takes unsigned x signed bytes,
+ * so signed q' lend their signs to xq). The activations' rounding (below 0.4% of each block's
+ * largest value) is the only difference from the exact path. */
 #define Q8ACT_MAX_ROWS 16
 
 typedef struct {
@@ -220,74 +378,54 @@ static void quantize_rows_q8(const float *x, int M, int K, QuantizedRows *out) {
     }
 }
 
-#ifdef __AVX2__
-/* The weight block's integers as 32 bytes in value order (unsigned nibbles for Q4_*, Q8_0's
- * signed bytes). */
-static inline __m256i block_ints(const uint8_t *b, int type) {
-    if (type == TERN_GGUF_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
-    __m128i raw = _mm_loadu_si128((const __m128i *)(b + (type == TERN_GGUF_Q4_1 ? 4 : 2)));
-    __m128i mask = _mm_set1_epi8(0x0f);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+/* Q8_0's integers and every offset type's are signed; the rest unsigned with a minimum. */
+static inline int signed_ints(int type) {
+    return type == TERN_GGUF_Q8_0 || type == TERN_GGUF_Q4_0 || type == TERN_GGUF_Q5_0 ||
+           type == TERN_GGUF_Q6_K;
 }
-
-/* 8 int32 partial sums of q . xq over the block (vpmaddubsw takes unsigned x signed bytes: Q8_0's
- * signs move onto xq). */
-static inline __m256i block_dot8(__m256i q, const int8_t *xq, int type) {
-    __m256i x = _mm256_loadu_si256((const __m256i *)xq), p16;
-    if (type == TERN_GGUF_Q8_0)
-        p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
-    else
-        p16 = _mm256_maddubs_epi16(q, x);
-    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-}
-#else
-/* sum(q xq) of one block, in scalar code. */
-static inline int32_t block_dot_i8(const uint8_t *b, int type, const int8_t *xq) {
-    int32_t s = 0;
-    if (type == TERN_GGUF_Q8_0) {
-        const int8_t *q = (const int8_t *)(b + 2);
-        for (int i = 0; i < QK; i++) s += q[i] * xq[i];
-        return s;
-    }
-    const uint8_t *qs = b + (type == TERN_GGUF_Q4_1 ? 4 : 2);
-    for (int i = 0; i < QK / 2; i++) s += (qs[i] & 0x0f) * xq[i] + (qs[i] >> 4) * xq[i + QK / 2];
-    return s;
-}
-#endif
 
 /* Rows m0 .. m0 + mb - 1 (mb <= 4) of x against weight row wr. */
-static inline void q8act_rows(const uint8_t *wr, int type, int nb, int bytes,
-                              const QuantizedRows *xq, int K, int m0, int mb, float *out) {
+static inline void q8act_rows(const uint8_t *wr, int type, int nc, const QuantizedRows *xq,
+                              int m0, int mb, float *out) {
     float corr[4] = {0};
+    int is_signed = signed_ints(type);
 #ifdef __AVX2__
     __m256 acc[4];
     for (int m = 0; m < 4; m++) acc[m] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
 #else
     float acc[4] = {0};
 #endif
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = wr + (int64_t)b * bytes;
-        uint16_t dh, mh = 0;
-        memcpy(&dh, blk, 2);
-        float d = half_to_float(dh), mw = 0.f;
-        if (type == TERN_GGUF_Q4_1) {
-            memcpy(&mh, blk + 2, 2);
-            mw = half_to_float(mh);
-        }
+    for (int c = 0; c < nc; c++) {
+        ChunkScale s = chunk_scale(wr, type, c);
 #ifdef __AVX2__
-        __m256i q = block_ints(blk, type);
+        __m256i q = chunk_ints8(wr, type, c);
+        if (s.offset) q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)s.offset));
+        __m256i qabs = is_signed ? _mm256_abs_epi8(q) : q;
+        __m256 d = _mm256_set_m128(_mm_set1_ps(s.d[1]), _mm_set1_ps(s.d[0]));
+#else
+        uint8_t qu[QK];
+        chunk_ints(wr, type, c, qu);
 #endif
         for (int m = 0; m < mb; m++) {
-            int64_t i = (int64_t)(m0 + m) * nb + b;
+            int64_t i = (int64_t)(m0 + m) * nc + c;
             float dx = xq->scale[i];
+            const int8_t *xc = xq->q + i * QK;
 #ifdef __AVX2__
-            __m256i p32 = block_dot8(q, xq->q + i * QK, type);
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(d * dx), acc[m]);
+            __m256i x = _mm256_loadu_si256((const __m256i *)xc);
+            if (is_signed) x = _mm256_sign_epi8(x, q);
+            __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(qabs, x), ones);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32),
+                                     _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[m]);
 #else
-            acc[m] += d * dx * (float)block_dot_i8(blk, type, xq->q + i * QK);
+            int32_t dot[2] = {0, 0};
+            for (int j = 0; j < QK; j++) {
+                int v = type == TERN_GGUF_Q8_0 ? (int)(int8_t)qu[j] : (int)qu[j] - s.offset;
+                dot[j / 16] += v * xc[j];
+            }
+            acc[m] += dx * (s.d[0] * (float)dot[0] + s.d[1] * (float)dot[1]);
 #endif
-            if (type == TERN_GGUF_Q4_0) corr[m] -= 8.f * d * dx * (float)xq->sum[i];
-            else if (type == TERN_GGUF_Q4_1) corr[m] += mw * dx * (float)xq->sum[i];
+            if (s.m != 0.f) corr[m] += s.m * dx * (float)xq->sum[i];
         }
     }
     for (int m = 0; m < mb; m++)
@@ -296,29 +434,30 @@ static inline void q8act_rows(const uint8_t *wr, int type, int nb, int bytes,
 #else
         out[m] = acc[m] + corr[m];
 #endif
-    (void)K;
+    (void)is_signed;
 }
 
 /* y (M, N) = x (M, K) @ W.T + bias with x quantized per block (above); float32 x, bias, y.
  * Returns 0, -2 for a type or K it does not take, -1 without memory for the quantized rows. */
 int tern_gguf_linear_q8act(const float *x, const uint8_t *w, int type, const float *bias,
                            float *y, int M, int N, int K) {
-    int nb = K / QK, bytes = block_bytes(type);
-    if (bytes == 0 || K % QK != 0) return -2;
+    int64_t rb = row_bytes(type, K);
+    int nc = K / QK;
+    if (rb == 0) return -2;
     /* From Q8ACT_MAX_ROWS rows the float tiles win (measured: 16 rows of Q4_1 at par). */
     if (M >= Q8ACT_MAX_ROWS) return tern_gguf_linear(x, w, type, bias, y, M, N, K);
-    QuantizedRows xq = {malloc((size_t)M * K), malloc(sizeof(float) * (size_t)M * nb),
-                        malloc(sizeof(int32_t) * (size_t)M * nb)};
+    QuantizedRows xq = {malloc((size_t)M * K), malloc(sizeof(float) * (size_t)M * nc),
+                        malloc(sizeof(int32_t) * (size_t)M * nc)};
     int rc = -1;
     if (xq.q != NULL && xq.scale != NULL && xq.sum != NULL) {
         quantize_rows_q8(x, M, K, &xq);
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < N; n++) {
-            const uint8_t *wr = w + (int64_t)n * nb * bytes;
+            const uint8_t *wr = w + (int64_t)n * rb;
             for (int m0 = 0; m0 < M; m0 += 4) {
                 int mb = M - m0 < 4 ? M - m0 : 4;
                 float out[4];
-                q8act_rows(wr, type, nb, bytes, &xq, K, m0, mb, out);
+                q8act_rows(wr, type, nc, &xq, m0, mb, out);
                 for (int m = 0; m < mb; m++)
                     y[(int64_t)(m0 + m) * N + n] = out[m] + (bias ? bias[n] : 0.f);
             }

@@ -99,7 +99,12 @@ static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 /* GGUF block types tern multiplies as stored (ggml's type ids). */
 #define TERN_GGUF_Q4_0 2
 #define TERN_GGUF_Q4_1 3
+#define TERN_GGUF_Q5_0 6
+#define TERN_GGUF_Q5_1 7
 #define TERN_GGUF_Q8_0 8
+#define TERN_GGUF_Q4_K 12
+#define TERN_GGUF_Q5_K 13
+#define TERN_GGUF_Q6_K 14
 
 /* TERN_EXPORTS_BEGIN */
 
@@ -126,7 +131,7 @@ int tern_int8_linear(const float *x, const int8_t *w, const float *scale, const 
 int tern_int8_linear_bf16(const uint16_t *x, const int8_t *w, const float *scale, const uint16_t *bias, uint16_t *y, int M, int N, int K);
 void tern_int8_dequantize(const int8_t *w, const float *scale, float *out, int N, int K);
 
-/* linear_gguf.c: GGUF blocks (Q8_0, Q4_0, Q4_1) dequantized in registers, float32 arithmetic. */
+/* linear_gguf.c: GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) dequantized in registers, float32 arithmetic. */
 int tern_gguf_linear(const float *x, const uint8_t *w, int type, const float *bias, float *y, int M, int N, int K);
 int tern_gguf_dequantize(const uint8_t *w, int type, float *out, int N, int K);
 int tern_gguf_linear_q8act(const float *x, const uint8_t *w, int type, const float *bias, float *y, int M, int N, int K);
