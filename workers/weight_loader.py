@@ -298,10 +298,17 @@ def expected_weight_names(model: nn.Module) -> set[str]:
     return names
 
 
+def _shard_order(item: tuple[object, str]) -> int:
+    """Shard ids (q, k, v; 0, 1, ...; None for an unfused layer) in the order of their rows."""
+    shard_id = item[0]
+    return {"q": 0, "k": 1, "v": 2, None: 0}.get(shard_id, shard_id)  # type: ignore[arg-type]
+
+
 def keep_gguf_blocks(model: nn.Module, types: dict[str, str], quantize_x: bool = False) -> int:
-    """Switch the unquantized linear layers whose every checkpoint tensor is of one block type the
-    kernels take (`types`: Hugging Face name -> block type) to that type's storage; before the
-    checkpoint loads. Returns how many layers keep blocks."""
+    """Switch the unquantized linear layers whose every checkpoint tensor is of a block type the
+    kernels take (`types`: Hugging Face name -> block type) to that storage (a fused layer's
+    projections each in its own type where they differ); before the checkpoint loads. Returns how
+    many layers keep blocks."""
     from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from workers.layers.linear import LinearBase
 
@@ -322,9 +329,12 @@ def keep_gguf_blocks(model: nn.Module, types: dict[str, str], quantize_x: bool =
             continue
         if len(by_shard) != expected.get(module_name.rpartition(".")[2], 1):
             continue
-        # NOTE: a shard's columns must start at block boundaries (weight.size(1) is this rank's).
-        block_type = next(iter(by_shard.values()))
-        if len(set(by_shard.values())) != 1 or module.weight.size(1) % block_values(block_type):
+        # NOTE: a shard's columns must start at block boundaries (input_size is this rank's).
+        block_types = [t for _, t in sorted(by_shard.items(), key=_shard_order)]
+        cols = module.input_size if isinstance(module, LinearBase) else module.embedding_dim
+        if any(cols % block_values(t) for t in block_types):
+            continue
+        if len(set(block_types)) > 1 and not isinstance(module, LinearBase):
             continue
         tied = []  # LM heads sharing an embedding's rows share its new ones
         if not isinstance(module, ParallelLMHead):
@@ -333,7 +343,7 @@ def keep_gguf_blocks(model: nn.Module, types: dict[str, str], quantize_x: bool =
                 for h in model.modules()
                 if isinstance(h, ParallelLMHead) and h.weight is module.weight
             ]
-        module.keep_gguf_blocks(block_type, quantize_x)
+        module.keep_gguf_blocks(block_types if len(block_types) > 1 else block_types[0], quantize_x)
         kept += 1
         for head in tied:
             head.tie_to(module)

@@ -40,9 +40,8 @@ def _write_gguf():
 # Each file mixes block types across its tensors, as a Q4_K_M file does: case -> (architecture,
 # config changes, GGUF name fragment -> block type). Layers whose tensors share a type the kernels
 # take keep their blocks (llama: qkv Q8_0, o Q5_1, gate_up Q4_1, down Q5_0, the embedding and its
-# tied LM head Q4_0; qwen3_k, wide enough for 256-value super-blocks: gate_up Q5_K, down Q4_K,
-# the embedding and LM head Q6_K); the others are dequantized at load (qkv mixing Q6_K and Q4_K)
-# or stay float (o BF16: its 128 inputs are no super-block).
+# tied LM head Q4_0; qwen3_k, wide enough for 256-value super-blocks: q Q6_K beside k and v Q4_K
+# in one fused layer, gate_up Q5_K, down Q4_K, the embedding and LM head Q6_K); o stays BF16.
 CASES = {
     "llama": ("llama", {}, {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0",
                             "attn_output": "Q5_1", "ffn_gate": "Q4_1", "ffn_up": "Q4_1",
@@ -88,15 +87,23 @@ def gguf_case(
     return gguf, prepared, work / "reference"
 
 
+def kept_types(model: torch.nn.Module) -> set[str]:
+    """The block types the model's layers keep (a fused layer's per projection where they differ)."""
+    kept = set()
+    for m in model.modules():
+        if getattr(m, "quant", None) == "gguf":
+            segments = getattr(m, "gguf_segments", None)
+            kept |= {s.block_type for s in segments} if segments else {m.block_type}
+    return kept
+
+
 def test_engine_matches_hf_on_the_files_weights(gguf_case: tuple[Path, Path, Path]) -> None:
     gguf, prepared, reference = gguf_case
     prompts = make_prompts(49152)
     ref = hf_greedy(reference, prompts, MAX_TOKENS)
     out, core = run_greedy(prepared, prompts, block_size=4)
     assert out == ref
-    modules = core.executor.runner.model.modules()
-    kept = {m.block_type for m in modules if getattr(m, "quant", None) == "gguf"}
-    assert kept == KEPT[gguf.stem.removeprefix("tiny-")]
+    assert kept_types(core.executor.runner.model) == KEPT[gguf.stem.removeprefix("tiny-")]
     # The same prompts again on the same engine: their full blocks come from the prefix cache.
     again, cached = rerun_from_the_prefix_cache(core, prompts)
     assert cached > 0

@@ -202,6 +202,8 @@ def _linear(
             return None
         return TernLinear(w.data_ptr(), scale.data_ptr(), bias_ptr, w.size(0), w.size(1), 0)
     w = lin.weight
+    if lin.quant == "gguf" and lin.gguf_segments is not None:
+        return None  # projections of different block types: one kernel call each, unfused
     if lin.quant == "gguf" and dtype == torch.float32 and w.is_contiguous():
         base = WEIGHT_GGUF_Q8ACT if lin.gguf_quantize_x else WEIGHT_GGUF
         fmt = base + native.GGUF_BLOCKS[lin.block_type][0]

@@ -16,6 +16,8 @@ call and the GEMM is torch's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -71,6 +73,58 @@ def new_parameter(rows: int, cols: int, block_type: str) -> nn.Parameter:
     blocks dequantize to zeros)."""
     nbytes = native.gguf_row_bytes(block_type, cols)
     return nn.Parameter(torch.zeros(rows, nbytes, dtype=torch.uint8), requires_grad=False)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows [row_start, row_start + rows) of a fused linear (q, k, v; gate, up) stored as
+    `block_type` from byte `byte_start` of the layer's flat parameter: llama.cpp's mixes give one
+    fused layer's projections different types (a Q4_K_M file's v Q6_K beside q and k Q4_K)."""
+
+    row_start: int
+    rows: int
+    block_type: str
+    byte_start: int
+
+
+def segments_of(row_counts: list[int], block_types: list[str], cols: int) -> list[Segment]:
+    """Consecutive segments of `row_counts` rows in `block_types`, packed back to back."""
+    segments, row, byte = [], 0, 0
+    for rows, block_type in zip(row_counts, block_types, strict=True):
+        segments.append(Segment(row, rows, block_type, byte))
+        row += rows
+        byte += rows * native.gguf_row_bytes(block_type, cols)
+    return segments
+
+
+def new_segmented_parameter(segments: list[Segment], cols: int) -> nn.Parameter:
+    """A zeroed flat uint8 parameter holding every segment's rows of blocks."""
+    last = segments[-1]
+    nbytes = last.byte_start + last.rows * native.gguf_row_bytes(last.block_type, cols)
+    return nn.Parameter(torch.zeros(nbytes, dtype=torch.uint8), requires_grad=False)
+
+
+def segment_rows(flat: torch.Tensor, segment: Segment, cols: int) -> torch.Tensor:
+    """The (rows, row bytes) view of one segment in a segmented parameter."""
+    row_bytes = native.gguf_row_bytes(segment.block_type, cols)
+    return flat.narrow(0, segment.byte_start, segment.rows * row_bytes).view(-1, row_bytes)
+
+
+def segmented_linear(
+    x: torch.Tensor,
+    flat: torch.Tensor,
+    segments: list[Segment],
+    cols: int,
+    bias: torch.Tensor | None,
+    quantize_x: bool = False,
+) -> torch.Tensor:
+    """x @ W.T + bias with W's row segments in their own block types (`linear` on each)."""
+    parts = [
+        linear(x, segment_rows(flat, s, cols), s.block_type, cols, None, quantize_x)
+        for s in segments
+    ]
+    y = torch.cat(parts, dim=-1)
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 def _qtype(block_type: str):

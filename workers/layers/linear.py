@@ -165,13 +165,25 @@ class LinearBase(nn.Module):
     ) -> None:
         raise NotImplementedError
 
-    def keep_gguf_blocks(self, block_type: str, quantize_x: bool = False) -> None:
-        """Store the weight as GGUF blocks of `block_type` (native.GGUF_BLOCKS), (N, row bytes)
-        uint8, multiplied as stored (with `quantize_x`, the activations quantized
-        per block: gguf_blocks.py); before the checkpoint loads."""
-        self.weight = gguf_blocks.new_parameter(self.output_size, self.input_size, block_type)
+    def keep_gguf_blocks(self, block_types: str | list[str], quantize_x: bool = False) -> None:
+        """Store the weight as GGUF blocks (native.GGUF_BLOCKS) multiplied as stored (with
+        `quantize_x`, the activations quantized per block: gguf_blocks.py); before the checkpoint
+        loads. One type: (N, row bytes) uint8. One type per shard (`shard_rows`) where they
+        differ: a flat parameter of row segments (gguf_blocks.Segment)."""
+        types = [block_types] if isinstance(block_types, str) else list(block_types)
+        self.quant, self.gguf_quantize_x = "gguf", quantize_x
+        if len(set(types)) == 1:
+            self.block_type, self.gguf_segments = types[0], None
+            self.weight = gguf_blocks.new_parameter(self.output_size, self.input_size, types[0])
+        else:
+            self.block_type = None
+            self.gguf_segments = gguf_blocks.segments_of(self.shard_rows(), types, self.input_size)
+            self.weight = gguf_blocks.new_segmented_parameter(self.gguf_segments, self.input_size)
         self.weight.weight_loader = self.weight_loader
-        self.quant, self.block_type, self.gguf_quantize_x = "gguf", block_type, quantize_x
+
+    def shard_rows(self) -> list[int]:
+        """This rank's rows of each projection fused into the layer, in shard order."""
+        return [self.output_size]
 
     def repack_weights(self) -> None:
         packs = self.quant is None and self.dtype == torch.bfloat16
@@ -185,6 +197,10 @@ class LinearBase(nn.Module):
         """x @ W.T + bias with this rank's weight."""
         if self.quant is None:
             return dense_linear(x, self.weight, bias, self.packed_weight)
+        if self.quant == "gguf" and self.gguf_segments is not None:
+            return gguf_blocks.segmented_linear(
+                x, self.weight, self.gguf_segments, self.input_size, bias, self.gguf_quantize_x
+            )
         if self.quant == "gguf":
             return gguf_blocks.linear(
                 x, self.weight, self.block_type, self.input_size, bias, self.gguf_quantize_x
@@ -202,6 +218,15 @@ class LinearBase(nn.Module):
             copy_checked(param.data if size is None else param.data.narrow(0, offset, size), src)
             return
         size = self.output_size if size is None else size
+        if self.quant == "gguf" and self.gguf_segments is not None:
+            segment = next(
+                (s for s in self.gguf_segments if (s.row_start, s.rows) == (offset, size)), None
+            )
+            if segment is None:
+                raise ValueError(f"rows [{offset}, {offset + size}) are not one projection's")
+            rows = gguf_blocks.rows_of(src, segment.block_type, self.input_size)
+            copy_checked(gguf_blocks.segment_rows(param.data, segment, self.input_size), rows)
+            return
         if self.quant == "gguf":
             rows = gguf_blocks.rows_of(src, self.block_type, self.input_size)
             copy_checked(param.data.narrow(0, offset, size), rows)
@@ -304,6 +329,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             LinearBase.__init__(self, input_size, size * len(output_sizes), bias, 0, ctx, quant)
             self.shards = [shard] * len(output_sizes)
 
+    def shard_rows(self) -> list[int]:
+        return [size for _, size in self.shards]
+
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
@@ -359,6 +387,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = self.num_kv_heads * head_dim
         # NOTE: skips ColumnParallelLinear's even split: this rank's rows are q + k + v of its heads.
         LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias, 0, ctx, quant)
+
+    def shard_rows(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
