@@ -19,8 +19,42 @@
 
 #define QK 32
 
+/* Functions below take a block (or super-block) b and the index of a 32-value chunk inside it;
+ * the row loops run with `type` a constant (FOR_EACH_TYPE) and the chunk index a constant in each
+ * unrolled copy (FOR_EACH_CHUNK), so each type's unpacking compiles to its own straight code
+ * (measured: 1.5-2x faster at one row than switching on the type per chunk). */
+#define INLINE static inline __attribute__((always_inline))
+
+/* Loops over the chunks c of a row of nc chunks: b the block holding c, sub (a constant in each
+ * unrolled copy) its index there. Close with END_CHUNKS. */
+#define FOR_EACH_CHUNK(row, type, nc)                                         \
+    {                                                                          \
+        int values_, bytes_ = block_shape(type, &values_);                     \
+        const int per_ = values_ / QK;                                         \
+        for (int c0_ = 0; c0_ < (nc); c0_ += per_) {                           \
+            const uint8_t *b = (row) + (int64_t)(c0_ / per_) * bytes_;         \
+            _Pragma("GCC unroll 8") for (int sub = 0; sub < per_; sub++) {     \
+                int c = c0_ + sub;
+#define END_CHUNKS \
+    }              \
+    }              \
+    }
+
+/* Runs STMT with T bound to `type` as a compile-time constant. */
+#define FOR_EACH_TYPE(type, STMT)                                   \
+    switch (type) {                                                 \
+    case TERN_GGUF_Q8_0: { const int T = TERN_GGUF_Q8_0; STMT; } break; \
+    case TERN_GGUF_Q4_0: { const int T = TERN_GGUF_Q4_0; STMT; } break; \
+    case TERN_GGUF_Q4_1: { const int T = TERN_GGUF_Q4_1; STMT; } break; \
+    case TERN_GGUF_Q5_0: { const int T = TERN_GGUF_Q5_0; STMT; } break; \
+    case TERN_GGUF_Q5_1: { const int T = TERN_GGUF_Q5_1; STMT; } break; \
+    case TERN_GGUF_Q4_K: { const int T = TERN_GGUF_Q4_K; STMT; } break; \
+    case TERN_GGUF_Q5_K: { const int T = TERN_GGUF_Q5_K; STMT; } break; \
+    case TERN_GGUF_Q6_K: { const int T = TERN_GGUF_Q6_K; STMT; } break; \
+    }
+
 /* Values per block and bytes per block of `type`, or 0 bytes for a type this file does not take. */
-static inline int block_shape(int type, int *values) {
+INLINE int block_shape(int type, int *values) {
     *values = 32;
     switch (type) {
     case TERN_GGUF_Q8_0: return 34;
@@ -78,15 +112,8 @@ typedef struct {
     int offset;
 } ChunkScale;
 
-/* The block (or super-block) holding chunk c of a row, and the chunk's index inside it. */
-static inline const uint8_t *chunk_block(const uint8_t *row, int type, int c, int *sub) {
-    int values, bytes = block_shape(type, &values), per = values / QK;
-    *sub = c % per;
-    return row + (int64_t)(c / per) * bytes;
-}
-
 /* A K-quant super-block's 6-bit scale and minimum of sub-block j (12 packed bytes). */
-static inline void k_scale_min(const uint8_t *s, int j, int *scale, int *min) {
+INLINE void k_scale_min(const uint8_t *s, int j, int *scale, int *min) {
     if (j < 4) {
         *scale = s[j] & 63;
         *min = s[j + 4] & 63;
@@ -96,9 +123,7 @@ static inline void k_scale_min(const uint8_t *s, int j, int *scale, int *min) {
     }
 }
 
-static inline ChunkScale chunk_scale(const uint8_t *row, int type, int c) {
-    int sub;
-    const uint8_t *b = chunk_block(row, type, c, &sub);
+INLINE ChunkScale chunk_scale(const uint8_t *b, int type, int sub) {
     ChunkScale s = {{0.f, 0.f}, 0.f, 0};
     switch (type) {
     case TERN_GGUF_Q4_K:
@@ -125,9 +150,7 @@ static inline ChunkScale chunk_scale(const uint8_t *row, int type, int c) {
 }
 
 /* Chunk c's 32 stored integers in value order (Q8_0's as int8, the others unsigned). */
-static inline void chunk_ints(const uint8_t *row, int type, int c, uint8_t *q) {
-    int sub;
-    const uint8_t *b = chunk_block(row, type, c, &sub);
+INLINE void chunk_ints(const uint8_t *b, int type, int sub, uint8_t *q) {
     uint32_t qh;
     switch (type) {
     case TERN_GGUF_Q8_0:
@@ -172,10 +195,10 @@ static inline void chunk_ints(const uint8_t *row, int type, int c, uint8_t *q) {
 }
 
 /* One chunk's 32 values as float32, as the gguf package computes them. */
-static inline void dequant_chunk(const uint8_t *row, int type, int c, float *out) {
-    ChunkScale s = chunk_scale(row, type, c);
+INLINE void dequant_chunk(const uint8_t *b, int type, int sub, float *out) {
+    ChunkScale s = chunk_scale(b, type, sub);
     uint8_t q[QK];
-    chunk_ints(row, type, c, q);
+    chunk_ints(b, type, sub, q);
     for (int i = 0; i < QK; i++) {
         int v = type == TERN_GGUF_Q8_0 ? (int)(int8_t)q[i] : (int)q[i] - s.offset;
         out[i] = s.d[i / 16] * (float)v + s.m;
@@ -199,9 +222,7 @@ static inline __m256i nibbles16(const uint8_t *qs) {
 }
 
 /* chunk_ints in one vector. */
-static inline __m256i chunk_ints8(const uint8_t *row, int type, int c) {
-    int sub;
-    const uint8_t *b = chunk_block(row, type, c, &sub);
+INLINE __m256i chunk_ints8(const uint8_t *b, int type, int sub) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     uint32_t qh;
     switch (type) {
@@ -237,9 +258,9 @@ static inline __m256i chunk_ints8(const uint8_t *row, int type, int c) {
 }
 
 /* The chunk's 32 values in four vectors of 8, as dequant_chunk computes them. */
-static inline void dequant_chunk8(const uint8_t *row, int type, int c, __m256 v[4]) {
-    ChunkScale s = chunk_scale(row, type, c);
-    __m256i q = chunk_ints8(row, type, c);
+INLINE void dequant_chunk8(const uint8_t *b, int type, int sub, __m256 v[4]) {
+    ChunkScale s = chunk_scale(b, type, sub);
+    __m256i q = chunk_ints8(b, type, sub);
     __m128i parts[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
     __m256i off = _mm256_set1_epi32(s.offset);
     __m256 m = _mm256_set1_ps(s.m);
@@ -254,7 +275,7 @@ static inline void dequant_chunk8(const uint8_t *row, int type, int c, __m256 v[
 
 /* y[m, n] for rows [n0, n0 + nt) and every row m of x (M < GEMV_MAX_M): each weight row's chunks
  * are read once and dequantized once, for all M rows. */
-static void gguf_gemv_rows(const float *x, const uint8_t *w, int type, const float *bias, float *y,
+INLINE void gguf_gemv_rows(const float *x, const uint8_t *w, int type, const float *bias, float *y,
                            int M, int N, int K, int n0, int nt) {
     int nc = K / QK;
     int64_t rb = row_bytes(type, K);
@@ -264,41 +285,45 @@ static void gguf_gemv_rows(const float *x, const uint8_t *w, int type, const flo
 #ifdef __AVX2__
         __m256 acc[GEMV_MAX_M];
         for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        for (int c = 0; c < nc; c++) {
+        FOR_EACH_CHUNK(wr, type, nc)
             __m256 v[4];
-            dequant_chunk8(wr, type, c, v);
+            dequant_chunk8(b, type, sub, v);
             for (int m = 0; m < M; m++) {
                 const float *xc = x + (int64_t)m * K + c * QK;
                 for (int j = 0; j < 4; j++)
                     acc[m] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xc + 8 * j), acc[m]);
             }
-        }
+        END_CHUNKS
         for (int m = 0; m < M; m++) s[m] = hsum(acc[m]);
 #else
         float v[QK];
-        for (int c = 0; c < nc; c++) {
-            dequant_chunk(wr, type, c, v);
+        FOR_EACH_CHUNK(wr, type, nc)
+            dequant_chunk(b, type, sub, v);
             for (int m = 0; m < M; m++) {
                 const float *xc = x + (int64_t)m * K + c * QK;
                 for (int i = 0; i < QK; i++) s[m] += v[i] * xc[i];
             }
-        }
+        END_CHUNKS
 #endif
         for (int m = 0; m < M; m++)
             y[(int64_t)m * N + n0 + r] = s[m] + (bias ? bias[n0 + r] : 0.f);
     }
 }
 
-static void dequant_row(const uint8_t *row, int type, int K, float *out) {
-    for (int c = 0; c < K / QK; c++) {
+INLINE void dequant_row_t(const uint8_t *row, int type, int K, float *out) {
+    FOR_EACH_CHUNK(row, type, K / QK)
 #ifdef __AVX2__
         __m256 v[4];
-        dequant_chunk8(row, type, c, v);
+        dequant_chunk8(b, type, sub, v);
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + c * QK + 8 * j, v[j]);
 #else
-        dequant_chunk(row, type, c, out + c * QK);
+        dequant_chunk(b, type, sub, out + c * QK);
 #endif
-    }
+    END_CHUNKS
+}
+
+static void dequant_row(const uint8_t *row, int type, int K, float *out) {
+    FOR_EACH_TYPE(type, dequant_row_t(row, T, K, out));
 }
 
 /* Dequantizes weight rows [n0, n0 + nt) into wf (TILE_N, K), the rows past nt zeroed; `scale`
@@ -325,8 +350,8 @@ int tern_gguf_linear(const float *x, const uint8_t *w, int type, const float *bi
 #pragma omp parallel for schedule(static)
         for (int t = 0; t < num_tiles; t++) {
             int n0 = t * GEMV_ROWS;
-            gguf_gemv_rows(x, w, type, bias, y, M, N, K, n0,
-                           N - n0 < GEMV_ROWS ? N - n0 : GEMV_ROWS);
+            int nt = N - n0 < GEMV_ROWS ? N - n0 : GEMV_ROWS;
+            FOR_EACH_TYPE(type, gguf_gemv_rows(x, w, T, bias, y, M, N, K, n0, nt));
         }
         return 0;
     }
@@ -379,13 +404,13 @@ static void quantize_rows_q8(const float *x, int M, int K, QuantizedRows *out) {
 }
 
 /* Q8_0's integers and every offset type's are signed; the rest unsigned with a minimum. */
-static inline int signed_ints(int type) {
+INLINE int signed_ints(int type) {
     return type == TERN_GGUF_Q8_0 || type == TERN_GGUF_Q4_0 || type == TERN_GGUF_Q5_0 ||
            type == TERN_GGUF_Q6_K;
 }
 
 /* Rows m0 .. m0 + mb - 1 (mb <= 4) of x against weight row wr. */
-static inline void q8act_rows(const uint8_t *wr, int type, int nc, const QuantizedRows *xq,
+INLINE void q8act_rows(const uint8_t *wr, int type, int nc, const QuantizedRows *xq,
                               int m0, int mb, float *out) {
     float corr[4] = {0};
     int is_signed = signed_ints(type);
@@ -396,16 +421,16 @@ static inline void q8act_rows(const uint8_t *wr, int type, int nc, const Quantiz
 #else
     float acc[4] = {0};
 #endif
-    for (int c = 0; c < nc; c++) {
-        ChunkScale s = chunk_scale(wr, type, c);
+    FOR_EACH_CHUNK(wr, type, nc)
+        ChunkScale s = chunk_scale(b, type, sub);
 #ifdef __AVX2__
-        __m256i q = chunk_ints8(wr, type, c);
+        __m256i q = chunk_ints8(b, type, sub);
         if (s.offset) q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)s.offset));
         __m256i qabs = is_signed ? _mm256_abs_epi8(q) : q;
         __m256 d = _mm256_set_m128(_mm_set1_ps(s.d[1]), _mm_set1_ps(s.d[0]));
 #else
         uint8_t qu[QK];
-        chunk_ints(wr, type, c, qu);
+        chunk_ints(b, type, sub, qu);
 #endif
         for (int m = 0; m < mb; m++) {
             int64_t i = (int64_t)(m0 + m) * nc + c;
@@ -427,7 +452,7 @@ static inline void q8act_rows(const uint8_t *wr, int type, int nc, const Quantiz
 #endif
             if (s.m != 0.f) corr[m] += s.m * dx * (float)xq->sum[i];
         }
-    }
+    END_CHUNKS
     for (int m = 0; m < mb; m++)
 #ifdef __AVX2__
         out[m] = hsum(acc[m]) + corr[m];
@@ -457,7 +482,7 @@ int tern_gguf_linear_q8act(const float *x, const uint8_t *w, int type, const flo
             for (int m0 = 0; m0 < M; m0 += 4) {
                 int mb = M - m0 < 4 ? M - m0 : 4;
                 float out[4];
-                q8act_rows(wr, type, nc, &xq, m0, mb, out);
+                FOR_EACH_TYPE(type, q8act_rows(wr, T, nc, &xq, m0, mb, out));
                 for (int m = 0; m < mb; m++)
                     y[(int64_t)(m0 + m) * N + n] = out[m] + (bias ? bias[n] : 0.f);
             }
