@@ -38,7 +38,8 @@ class ModelConfig:
     max_model_len: int | None = None  # None: min(model's max_position_embeddings, 32768)
     served_model_name: str = ""
     seed: int = 0
-    # Weight-only quantization applied at load time (workers/layers/quantization.py): None | int8
+    # Weight-only quantization applied at load time: None | int8 (workers/layers/quantization.py)
+    # | int4 (INT4_ZP blocks of 32 with a scale and zero point: workers/layers/int4_blocks.py)
     quantization: str | None = None
     # What sampled tokens' logprobs describe (vLLM's names): raw_logprobs, the model's distribution,
     # or processed_logprobs, the one the sampler drew from (workers/layers/logprobs.py).
@@ -68,8 +69,8 @@ class ModelConfig:
             raise ValueError(
                 f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}"
             )
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"--quantization must be int8, not {self.quantization!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"--quantization must be int8 or int4, not {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be positive")
 

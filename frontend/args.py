@@ -147,8 +147,9 @@ def make_parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--quantization",
         default=None,
-        choices=["int8"],
-        help="weight-only quantization at load time (int8: per-channel scales)",
+        choices=["int8", "int4"],
+        help="weight-only quantization at load time (int8: per-channel scales; int4: blocks of "
+        "32 with a scale and zero point each)",
     )
     launch.add_argument(
         "--max-model-len",

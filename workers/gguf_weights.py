@@ -26,7 +26,7 @@ import torch
 
 from enginecore.config import GGUF_SOURCE_FILE
 from workers.layers.gguf_blocks import GGUFBlocks
-from workers.layers.native import GGUF_BLOCKS
+from workers.layers.native import BLOCK_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class GGUFCheckpoint:
         return {
             self.names[t.name]: t.tensor_type.name
             for t in self.reader.tensors
-            if t.tensor_type.name in GGUF_BLOCKS and len(t.shape) == 2 and t.name in self.names
+            if t.tensor_type.name in BLOCK_TYPES and len(t.shape) == 2 and t.name in self.names
         }
 
 
@@ -104,7 +104,7 @@ def iter_gguf(
     dequantized: Counter[str] = Counter()
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
-        kept = keep_blocks and kind in GGUF_BLOCKS and len(tensor.shape) == 2
+        kept = keep_blocks and kind in BLOCK_TYPES and len(tensor.shape) == 2
         if kind not in FLOAT_TYPES and not kept:
             dequantized[kind] += 1
         # NOTE: a block tensor's rows are rows of bytes: the processors' row permutations apply.

@@ -45,6 +45,7 @@ from enginecore.messages import (
 )
 from workers.distributed import ParallelContext, shard_heads, stage_layers
 from workers.gguf_weights import gguf_file_of
+from workers.int4_checkpoints import int4_format
 from workers.kv_cache_groups import KVCacheGroup
 from workers.layers import kernel_library
 from workers.layers.attention import Attention, build_attention_metadata
@@ -64,7 +65,7 @@ from workers.layers.pooler import Pooler, PoolingState
 from workers.layers.sampler import Sampler, SamplingTensors
 from workers.models.decoder import mlp_shard_of
 from workers.models.registry import ModelArgs, build_model, load_model_args
-from workers.weight_loader import load_checkpoint
+from workers.weight_loader import keep_blocks_everywhere, load_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -162,17 +163,24 @@ class ModelRunner:
         self.rank = rank
         self.parallel = parallel
         self.device = device or default_device(rank)
-        # A GGUF file: --dtype float32 multiplies its blocks exactly; any other --dtype takes the
-        # fast path (activations quantized per block), and "auto" keeps float32 activations,
-        # which the block kernels and the fused decode layer take.
-        is_gguf = gguf_file_of(config.model.path) is not None
-        dtype_name = "float32" if is_gguf and config.model.dtype == "auto" else config.model.dtype
-        self.gguf_quantize_x = is_gguf and config.model.dtype != "float32"
+        # Block-quantized weights (a GGUF file, a GPTQ / AWQ checkpoint, --quantization int4):
+        # --dtype float32 multiplies the blocks exactly; any other --dtype takes the fast path
+        # (activations quantized per block), and "auto" keeps float32 activations, which the
+        # block kernels and the fused decode layer take.
+        self.int4 = config.model.quantization == "int4"
+        keeps_blocks = (
+            gguf_file_of(config.model.path) is not None
+            or int4_format(config.model.path) is not None
+            or self.int4
+        )
+        auto = config.model.dtype == "auto"
+        dtype_name = "float32" if keeps_blocks and auto else config.model.dtype
+        self.quantize_x = keeps_blocks and config.model.dtype != "float32"
         self.dtype, self.weight_dtype = resolve_dtypes(dtype_name, self.device)
         self.block_size = config.cache.block_size
         self.args = replace(
             load_model_args(config.model.path, config.model.task),
-            quantization=config.model.quantization,
+            quantization=None if self.int4 else config.model.quantization,
             expert_parallel=config.parallel.enable_expert_parallel,
         )
         self.pooler = None if self.args.task == "generate" else Pooler(config.model.pooling_type)
@@ -205,7 +213,9 @@ class ModelRunner:
             model = build_model(self.args, self.parallel)
         if self.weight_dtype != self.dtype:
             store_weights_in_bfloat16(model)
-        load_checkpoint(model, self.config.model.path, self.gguf_quantize_x)
+        if self.int4:  # every linear layer keeps INT4_ZP blocks, quantized as the weights arrive
+            keep_blocks_everywhere(model, "INT4_ZP", self.quantize_x)
+        load_checkpoint(model, self.config.model.path, self.quantize_x)
         self.model = model.eval()
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_cache_groups = model.model.kv_cache_groups

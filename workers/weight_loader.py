@@ -28,6 +28,7 @@ from safetensors import safe_open
 from torch import nn
 
 from workers.gguf_weights import GGUFCheckpoint, gguf_file_of, iter_gguf
+from workers.int4_checkpoints import int4_format, iter_int4, quantized_layers
 from workers.layers.gguf_blocks import block_values
 
 logger = logging.getLogger(__name__)
@@ -350,20 +351,43 @@ def keep_gguf_blocks(model: nn.Module, types: dict[str, str], quantize_x: bool =
     return kept
 
 
-def load_checkpoint(model: nn.Module, model_dir: str | Path, gguf_quantize_x: bool = False) -> None:
+def keep_blocks_everywhere(model: nn.Module, block_type: str, quantize_x: bool = False) -> int:
+    """Every unquantized linear layer whose input features split into blocks, but mixture-of-experts
+    routers, keeps `block_type` blocks, filled as the weights arrive (quantized on arrival:
+    --quantization int4); before the checkpoint loads. Returns how many layers keep blocks."""
+    from workers.layers.linear import LinearBase
+
+    kept = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, LinearBase) or module.quant is not None:
+            continue
+        if name.endswith(".gate") or module.input_size % block_values(block_type):
+            continue
+        module.keep_gguf_blocks(block_type, quantize_x)
+        kept += 1
+    return kept
+
+
+def load_checkpoint(model: nn.Module, model_dir: str | Path, quantize_x: bool = False) -> None:
     """Load a whole checkpoint (safetensors, or the GGUF file a prepared directory names); every
     parameter must be covered. A GGUF file's linear layers keep the block types the kernels
-    multiply as stored (`gguf_quantize_x`: on the fast path), unless the model quantizes its
-    weights itself (--quantization)."""
-    if gguf_file_of(model_dir) is None:
-        weights: Iterable = iter_safetensors_lazy(model_dir)
-    else:
+    multiply as stored, and a GPTQ / AWQ checkpoint's keep their int4 groups as INT4_ZP blocks
+    (`quantize_x`: the fast path, activations quantized per block), unless the model quantizes
+    its weights itself (--quantization)."""
+    quantized = any(getattr(m, "quant", None) is not None for m in model.modules())
+    int4 = int4_format(model_dir)
+    if gguf_file_of(model_dir) is not None:
         checkpoint = GGUFCheckpoint.open(model_dir)
-        quantized = any(getattr(m, "quant", None) is not None for m in model.modules())
-        kept = (
-            0 if quantized else keep_gguf_blocks(model, checkpoint.block_types(), gguf_quantize_x)
-        )
-        weights = iter_gguf(checkpoint, keep_blocks=kept > 0)
+        kept = 0 if quantized else keep_gguf_blocks(model, checkpoint.block_types(), quantize_x)
+        weights: Iterable = iter_gguf(checkpoint, keep_blocks=kept > 0)
+    elif int4 is not None:
+        weights = iter_int4(iter_safetensors_lazy(model_dir), int4)
+        if not quantized and not int4.act_order:  # act-order layers arrive as float
+            names = (name for name, _ in iter_safetensors_lazy(model_dir))
+            layers = quantized_layers(names)
+            keep_gguf_blocks(model, {f"{p}.weight": "INT4_ZP" for p in layers}, quantize_x)
+    else:
+        weights = iter_safetensors_lazy(model_dir)
     loaded = load_weights(model, weights)
     missing = expected_weight_names(model) - loaded
     if missing:

@@ -25,7 +25,7 @@ from tests.unit.test_engine_inproc import MAX_TOKENS, hf_greedy, make_prompts, r
 from tests.unit.test_model_runner import GREEDY, make_runner, run
 from tests.unit.test_model_runner import make_prompts as runner_prompts
 from tests.unit.test_model_zoo import assert_logprobs_match_hf, rerun_from_the_prefix_cache
-from workers.layers.native import GGUF_BLOCKS
+from workers.layers.native import BLOCK_TYPES
 
 
 def _write_gguf():
@@ -142,7 +142,7 @@ def test_tokenizer_and_chat_template_equal_hf(gguf_case: tuple[Path, Path, Path]
         assert ours.apply_chat_template(messages) == hf.encode(expected, add_special_tokens=False)
 
 
-@pytest.mark.parametrize("block_type", sorted(GGUF_BLOCKS))
+@pytest.mark.parametrize("block_type", sorted(BLOCK_TYPES))
 def test_kept_blocks_multiply_as_the_dequantized_weight(block_type: str) -> None:
     """A linear layer keeping GGUF blocks: loaded from a file's rows, sharded by rows and by
     columns at block boundaries (tp 2), and from a float tensor (a weight update), quantized on
@@ -151,6 +151,7 @@ def test_kept_blocks_multiply_as_the_dequantized_weight(block_type: str) -> None
     import gguf
 
     from workers.distributed import ParallelContext
+    from workers.layers import int4_blocks
     from workers.layers.gguf_blocks import GGUFBlocks, quantize
     from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -158,8 +159,11 @@ def test_kept_blocks_multiply_as_the_dequantized_weight(block_type: str) -> None
     k = 512  # two K-quant super-blocks: a column shard holds one
     w = torch.randn(96, k)
     blocks = quantize(w, block_type)
-    qtype = gguf.GGMLQuantizationType[block_type]
-    dequantized = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype).copy())
+    if block_type == "INT4_ZP":  # tern's own blocks (GPTQ / AWQ / --quantization int4)
+        dequantized = torch.from_numpy(int4_blocks.dequantize(blocks.numpy(), k))
+    else:
+        qtype = gguf.GGMLQuantizationType[block_type]
+        dequantized = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype).copy())
     x = torch.randn(5, k)
     half = k // 2
     for rank in range(2):

@@ -39,7 +39,7 @@ from workers.layers.rotary import RotaryEmbedding
 
 # TernLinear.weight_format (csrc/tern_kernels.h): bfloat16-stored, GGUF blocks multiplied exactly
 # or with quantized activations (+ the block type).
-WEIGHT_BF16, WEIGHT_GGUF, WEIGHT_GGUF_Q8ACT = 1, 16, 32
+WEIGHT_BF16, WEIGHT_GGUF, WEIGHT_GGUF_Q8ACT = 1, 256, 512
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ def _linear(
         return None  # projections of different block types: one kernel call each, unfused
     if lin.quant == "gguf" and dtype == torch.float32 and w.is_contiguous():
         base = WEIGHT_GGUF_Q8ACT if lin.gguf_quantize_x else WEIGHT_GGUF
-        fmt = base + native.GGUF_BLOCKS[lin.block_type][0]
+        fmt = base + native.BLOCK_TYPES[lin.block_type][0]
         return TernLinear(w.data_ptr(), None, bias_ptr, w.size(0), lin.input_size, fmt)
     if lin.quant is not None or not w.is_contiguous():
         return None

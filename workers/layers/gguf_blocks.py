@@ -1,5 +1,6 @@
-"""GGUF block-quantized weights kept as they are stored: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32
-values) and Q4_K, Q5_K, Q6_K (super-blocks of 256): native.GGUF_BLOCKS.
+"""Block-quantized weights kept as they are stored: GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32
+values) and Q4_K, Q5_K, Q6_K (super-blocks of 256), and tern's INT4_ZP (int4_blocks.py: GPTQ,
+AWQ, --quantization int4): native.BLOCK_TYPES.
 
 A linear layer that keeps them (`LinearBase.keep_gguf_blocks`) holds its rows' blocks as one uint8
 parameter (N, K / block values * block bytes); tensor parallelism shards rows, or columns at
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers import kquants, native
+from workers.layers import int4_blocks, kquants, native
 
 # Rows from which a product dequantizes the whole weight and calls the float GEMM.
 DEQUANT_MIN_ROWS = 64
@@ -31,7 +32,7 @@ DEQUANT_MIN_ROWS = 64
 
 def block_values(block_type: str) -> int:
     """Values per block (or K-quant super-block) of `block_type`."""
-    return native.GGUF_BLOCKS[block_type][1]
+    return native.BLOCK_TYPES[block_type][1]
 
 
 class GGUFBlocks:
@@ -139,16 +140,21 @@ def dequantize(blocks: torch.Tensor, block_type: str, cols: int) -> torch.Tensor
         return native.gguf_dequantize(blocks, block_type, cols)
     import gguf
 
-    values = gguf.quants.dequantize(blocks.cpu().numpy(), _qtype(block_type))
+    if block_type == "INT4_ZP":
+        values = int4_blocks.dequantize(blocks.cpu().numpy(), cols)
+    else:
+        values = gguf.quants.dequantize(blocks.cpu().numpy(), _qtype(block_type))
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(blocks.device)
 
 
 def quantize(weight: torch.Tensor, block_type: str) -> torch.Tensor:
     """An (N, K) float weight as blocks of `block_type`, rounded as llama.cpp's quantizer does
-    (K-quants: kquants.py's plain rounding)."""
+    (K-quants: kquants.py's plain rounding; INT4_ZP: int4_blocks.py's)."""
     import gguf
 
     values = weight.detach().to(torch.float32).cpu().numpy()
+    if block_type == "INT4_ZP":
+        return torch.from_numpy(int4_blocks.quantize(values))
     if block_type.endswith("_K"):
         return torch.from_numpy(kquants.quantize_k(values, block_type))
     return torch.from_numpy(gguf.quants.quantize(values, _qtype(block_type)))

@@ -166,7 +166,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def keep_gguf_blocks(self, block_types: str | list[str], quantize_x: bool = False) -> None:
-        """Store the weight as GGUF blocks (native.GGUF_BLOCKS) multiplied as stored (with
+        """Store the weight as GGUF blocks (native.BLOCK_TYPES) multiplied as stored (with
         `quantize_x`, the activations quantized per block: gguf_blocks.py); before the checkpoint
         loads. One type: (N, row bytes) uint8. One type per shard (`shard_rows`) where they
         differ: a flat parameter of row segments (gguf_blocks.Segment)."""

@@ -201,9 +201,9 @@ def int8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# GGUF block types the kernels multiply as stored: name -> (ggml type id, values per block, bytes
-# per block).
-GGUF_BLOCKS = {
+# Block types the kernels multiply as stored: name -> (type id, values per block, bytes per block).
+# GGUF's (ggml's type ids) and tern's INT4_ZP (GPTQ / AWQ / --quantization int4: int4_blocks.py).
+BLOCK_TYPES = {
     "Q4_0": (2, 32, 18),
     "Q4_1": (3, 32, 20),
     "Q5_0": (6, 32, 22),
@@ -212,12 +212,13 @@ GGUF_BLOCKS = {
     "Q4_K": (12, 256, 144),
     "Q5_K": (13, 256, 176),
     "Q6_K": (14, 256, 210),
+    "INT4_ZP": (64, 32, 21),
 }
 
 
 def gguf_row_bytes(block_type: str, k: int) -> int:
     """Bytes of a row of k values in `block_type`; k must split into its blocks."""
-    _, values, nbytes = GGUF_BLOCKS[block_type]
+    _, values, nbytes = BLOCK_TYPES[block_type]
     if k % values:
         raise ValueError(f"{k} values do not split into {block_type} blocks of {values}")
     return k // values * nbytes
@@ -226,9 +227,9 @@ def gguf_row_bytes(block_type: str, k: int) -> int:
 def _gguf_type(blocks: torch.Tensor, block_type: str, k: int, name: str) -> int:
     """The ggml type id of `blocks`, checked to be (N, row bytes of k values) contiguous uint8."""
     _check(blocks, torch.uint8, "blocks")
-    if k % GGUF_BLOCKS[block_type][1] or blocks.size(1) != gguf_row_bytes(block_type, k):
+    if k % BLOCK_TYPES[block_type][1] or blocks.size(1) != gguf_row_bytes(block_type, k):
         raise ValueError(f"{name}: {tuple(blocks.shape)} are not {block_type} rows of {k} values")
-    return GGUF_BLOCKS[block_type][0]
+    return BLOCK_TYPES[block_type][0]
 
 
 def gguf_linear(

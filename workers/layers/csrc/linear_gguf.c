@@ -1,9 +1,11 @@
-/* GGUF block-quantized weights multiplied as they are stored (ggml's types): Q8_0, Q4_0, Q4_1,
+/* Block-quantized weights multiplied as they are stored: GGUF's (ggml's types) Q8_0, Q4_0, Q4_1,
  * Q5_0, Q5_1 (blocks of 32 values) and the K-quants Q4_K, Q5_K, Q6_K (super-blocks of 256 values:
- * 8 sub-blocks of 32 with 6-bit scales and minimums, or Q6_K's 16 of 16 with int8 scales). Every
- * type is read as 32-value chunks: the chunk's integers in value order, one scale per 16 values
- * (equal for every type but Q6_K), an offset subtracted from the integers (Q4_0 8, Q5_0 16, Q6_K
- * 32) and a term added to each value (Q4_1 / Q5_1's minimum m, the K-quants' -dmin * min).
+ * 8 sub-blocks of 32 with 6-bit scales and minimums, or Q6_K's 16 of 16 with int8 scales); and
+ * tern's INT4_ZP (32 int4 values q, a float32 scale d and a zero point z: d * (q - z), what GPTQ
+ * and AWQ checkpoints hold per group). Every type is read as 32-value chunks: the chunk's
+ * integers in value order, one scale per 16 values (equal for every type but Q6_K), an offset
+ * subtracted from the integers (Q4_0 8, Q5_0 16, Q6_K 32, INT4_ZP its zero point) and a term
+ * added to each value (Q4_1 / Q5_1's minimum m, the K-quants' -dmin * min).
  *
  * The exact path dequantizes each chunk in registers as ggml and the gguf package do, in the same
  * float32 operations (d * (q - offset) + m; for the K-quants (d * scale) * q - dmin * min) and
@@ -51,6 +53,7 @@
     case TERN_GGUF_Q4_K: { const int T = TERN_GGUF_Q4_K; STMT; } break; \
     case TERN_GGUF_Q5_K: { const int T = TERN_GGUF_Q5_K; STMT; } break; \
     case TERN_GGUF_Q6_K: { const int T = TERN_GGUF_Q6_K; STMT; } break; \
+    case TERN_BLOCK_INT4_ZP: { const int T = TERN_BLOCK_INT4_ZP; STMT; } break; \
     }
 
 /* Values per block and bytes per block of `type`, or 0 bytes for a type this file does not take. */
@@ -62,6 +65,7 @@ INLINE int block_shape(int type, int *values) {
     case TERN_GGUF_Q4_1: return 20;
     case TERN_GGUF_Q5_0: return 22;
     case TERN_GGUF_Q5_1: return 24;
+    case TERN_BLOCK_INT4_ZP: return 21;  /* float32 d, uint8 zero point, 16 bytes of nibbles */
     }
     *values = 256;
     switch (type) {
@@ -141,6 +145,11 @@ INLINE ChunkScale chunk_scale(const uint8_t *b, int type, int sub) {
         s.offset = 32;
         return s;
     }
+    case TERN_BLOCK_INT4_ZP:
+        memcpy(&s.d[0], b, 4);
+        s.d[1] = s.d[0];
+        s.offset = b[4];
+        return s;
     }
     s.d[0] = s.d[1] = half_at(b);
     if (type == TERN_GGUF_Q4_1 || type == TERN_GGUF_Q5_1) s.m = half_at(b + 2);
@@ -157,8 +166,9 @@ INLINE void chunk_ints(const uint8_t *b, int type, int sub, uint8_t *q) {
         memcpy(q, b + 2, QK);
         return;
     case TERN_GGUF_Q4_0:
-    case TERN_GGUF_Q4_1: {
-        const uint8_t *qs = b + (type == TERN_GGUF_Q4_1 ? 4 : 2);
+    case TERN_GGUF_Q4_1:
+    case TERN_BLOCK_INT4_ZP: {
+        const uint8_t *qs = b + (type == TERN_GGUF_Q4_1 ? 4 : type == TERN_BLOCK_INT4_ZP ? 5 : 2);
         for (int i = 0; i < 16; i++) { q[i] = qs[i] & 0x0f; q[i + 16] = qs[i] >> 4; }
         return;
     }
@@ -229,6 +239,7 @@ INLINE __m256i chunk_ints8(const uint8_t *b, int type, int sub) {
     case TERN_GGUF_Q8_0: return _mm256_loadu_si256((const __m256i *)(b + 2));
     case TERN_GGUF_Q4_0: return nibbles16(b + 2);
     case TERN_GGUF_Q4_1: return nibbles16(b + 4);
+    case TERN_BLOCK_INT4_ZP: return nibbles16(b + 5);
     case TERN_GGUF_Q5_0:
         memcpy(&qh, b + 2, 4);
         return _mm256_or_si256(nibbles16(b + 6), bit_to_0x10(qh));
@@ -406,7 +417,7 @@ static void quantize_rows_q8(const float *x, int M, int K, QuantizedRows *out) {
 /* Q8_0's integers and every offset type's are signed; the rest unsigned with a minimum. */
 INLINE int signed_ints(int type) {
     return type == TERN_GGUF_Q8_0 || type == TERN_GGUF_Q4_0 || type == TERN_GGUF_Q5_0 ||
-           type == TERN_GGUF_Q6_K;
+           type == TERN_GGUF_Q6_K || type == TERN_BLOCK_INT4_ZP;
 }
 
 /* Rows m0 .. m0 + mb - 1 (mb <= 4) of x against weight row wr. */

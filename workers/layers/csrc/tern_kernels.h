@@ -21,7 +21,7 @@
 
 /* A linear layer's weight (n, k): int8 with float32 scales (scale != NULL); else by weight_format:
  * 0 in the activations' dtype, TERN_WEIGHT_BF16 bfloat16-stored under float32 activations,
- * TERN_WEIGHT_GGUF + a GGUF block type (TERN_GGUF_*) blocks under float32 activations, multiplied
+ * TERN_WEIGHT_GGUF + a block type (TERN_GGUF_*, TERN_BLOCK_*) blocks under float32 activations, multiplied
  * exactly, or TERN_WEIGHT_GGUF_Q8ACT + the type with the activations quantized. The bias
  * (n,), or NULL, is in the activations' dtype. */
 typedef struct {
@@ -32,8 +32,8 @@ typedef struct {
     int weight_format;
 } TernLinear;
 #define TERN_WEIGHT_BF16 1
-#define TERN_WEIGHT_GGUF 16
-#define TERN_WEIGHT_GGUF_Q8ACT 32
+#define TERN_WEIGHT_GGUF 256
+#define TERN_WEIGHT_GGUF_Q8ACT 512
 
 /* What stays fixed between steps: weights, norms, rotary tables, this layer's KV cache (norms and
  * cache in the activations' dtype). */
@@ -105,6 +105,8 @@ static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 #define TERN_GGUF_Q4_K 12
 #define TERN_GGUF_Q5_K 13
 #define TERN_GGUF_Q6_K 14
+/* tern's own block: 32 int4 values with a zero point (GPTQ, AWQ, --quantization int4). */
+#define TERN_BLOCK_INT4_ZP 64
 
 /* TERN_EXPORTS_BEGIN */
 
@@ -131,7 +133,7 @@ int tern_int8_linear(const float *x, const int8_t *w, const float *scale, const 
 int tern_int8_linear_bf16(const uint16_t *x, const int8_t *w, const float *scale, const uint16_t *bias, uint16_t *y, int M, int N, int K);
 void tern_int8_dequantize(const int8_t *w, const float *scale, float *out, int N, int K);
 
-/* linear_gguf.c: GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) dequantized in registers, float32 arithmetic. */
+/* linear_gguf.c: GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and INT4_ZP dequantized in registers, float32 arithmetic. */
 int tern_gguf_linear(const float *x, const uint8_t *w, int type, const float *bias, float *y, int M, int N, int K);
 int tern_gguf_dequantize(const uint8_t *w, int type, float *out, int N, int K);
 int tern_gguf_linear_q8act(const float *x, const uint8_t *w, int type, const float *bias, float *y, int M, int N, int K);
