@@ -111,6 +111,29 @@ def test_model_zoo_at_tp2_pp2_matches_hf(arch: str, request) -> None:
     assert got == expected * rounds
 
 
+def test_quantized_files_at_tp2_pp2_match_hf(
+    tmp_path: Path, tiny_llama: Path, tokenizer_dir: Path | None
+) -> None:
+    """Block-quantized weights split both ways: a GGUF file of K-quants (qkv rows in two block
+    types, Q5_K / Q4_K MLP sharded by rows and at super-block boundaries, a Q6_K embedding split
+    by vocabulary) and a GPTQ checkpoint (INT4_ZP blocks), each against Hugging Face on the
+    dequantized weights."""
+    from tests.unit.test_gguf import make_gguf_case
+    from tests.unit.test_int4 import write_int4_checkpoint
+
+    _, gptq_ref = write_int4_checkpoint(tiny_llama, tmp_path / "gptq", "gptq", 32)
+    cases = [(tmp_path / "gptq", gptq_ref)]
+    if tokenizer_dir is not None:
+        (tmp_path / "gguf").mkdir()
+        _, prepared, reference = make_gguf_case("qwen3_k", tmp_path / "gguf", tokenizer_dir,
+                                                tmp_path / "home")  # fmt: skip
+        cases.append((prepared, reference))
+    for model_dir, reference in cases:
+        prompts = make_prompts(vocab_of(reference))
+        expected = hf_greedy(reference, prompts, NUM_TOKENS)
+        assert generate(parallel_config(model_dir, 2, 2), prompts, NUM_TOKENS) == expected
+
+
 @pytest.mark.parametrize("arch", ["tiny_qwen2_moe", "tiny_mixtral", "tiny_gpt_oss"])
 def test_expert_parallel_at_tp2_matches_hf(arch: str, request) -> None:
     """--enable-expert-parallel: each of 2 ranks holds 4 of the 8 experts whole (Qwen2-MoE's

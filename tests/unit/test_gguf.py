@@ -68,9 +68,16 @@ def gguf_case(
     """(GGUF file, tern's prepared directory, Hugging Face's dequantized copy of the file)."""
     if tokenizer_dir is None:
         pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
-    case = request.param
+    work = tmp_path_factory.mktemp(f"gguf_{request.param}")
+    return make_gguf_case(request.param, work, tokenizer_dir, tern_home)
+
+
+def make_gguf_case(
+    case: str, work: Path, tokenizer_dir: Path, tern_home: Path
+) -> tuple[Path, Path, Path]:
+    """CASES[case] written as a GGUF file in `work`, prepared under `tern_home`, and Hugging
+    Face's model of the file (dequantized) saved as the reference."""
     arch, overrides, types = CASES[case]
-    work = tmp_path_factory.mktemp(f"gguf_{case}")
     hf_dir = make_tiny_model(arch, work / "hf", tokenizer_dir, overrides=overrides)
     gguf = _write_gguf()(hf_dir, work / f"tiny-{case}.gguf", types)
     with pytest.MonkeyPatch.context() as mp:
