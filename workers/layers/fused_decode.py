@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.layers import native
+from workers.layers import gguf_blocks, native
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.kernel_library import TernDecodeLayer, TernDecodeStep, TernLinear
 from workers.layers.linear import NATIVE_F32_MAX_ROWS, LinearBase
@@ -203,7 +203,9 @@ def _linear(
         return TernLinear(w.data_ptr(), scale.data_ptr(), bias_ptr, w.size(0), w.size(1), 0)
     w = lin.weight
     if lin.quant == "gguf" and lin.gguf_segments is not None:
-        return None  # projections of different block types: one kernel call each, unfused
+        if dtype != torch.float32 or not w.is_contiguous():
+            return None
+        return _segmented(lin, bias)
     if lin.quant == "gguf" and dtype == torch.float32 and w.is_contiguous():
         base = WEIGHT_GGUF_Q8ACT if lin.gguf_quantize_x else WEIGHT_GGUF
         fmt = base + native.BLOCK_TYPES[lin.block_type][0]
@@ -219,6 +221,25 @@ def _linear(
     if rows > native.bf16_gemv_max_rows() and not native.amx_fits(rows, w.size(0), w.size(1)):
         return None  # dense_linear would take oneDNN for some row counts
     return TernLinear(w.data_ptr(), None, bias_ptr, w.size(0), w.size(1), 0)
+
+
+def _segmented(lin: LinearBase, bias: torch.Tensor | None) -> TernLinear:
+    """A linear whose projections have different block types: a head struct (no weight, every
+    row) whose `rest` chains one struct per segment (csrc/tern_kernels.h). The segments' structs
+    live on the head (`_segments`), which _build_fixed keeps on the layer's struct."""
+    base = WEIGHT_GGUF_Q8ACT if lin.gguf_quantize_x else WEIGHT_GGUF
+    segments = []
+    for seg in lin.gguf_segments:
+        rows = gguf_blocks.segment_rows(lin.weight, seg, lin.input_size)
+        seg_bias = bias[seg.row_start :].data_ptr() if bias is not None else None
+        fmt = base + native.BLOCK_TYPES[seg.block_type][0]
+        segments.append(TernLinear(rows.data_ptr(), None, seg_bias, seg.rows, lin.input_size, fmt))
+    for seg, nxt in zip(segments, segments[1:]):
+        seg.rest = ctypes.pointer(nxt)
+    head = TernLinear(None, None, None, lin.output_size, lin.input_size, 0)
+    head.rest = ctypes.pointer(segments[0])
+    head._segments = segments
+    return head
 
 
 def _norms(spec: DecodeLayerSpec) -> list[RMSNorm | ShardedRMSNorm]:
@@ -284,7 +305,7 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
         return None, "a linear layer is not on tern's few-row kernels"
     rope = spec.rotary
     k_cache = a.k_cache  # (num_blocks, block_size, Hkv, D)
-    return TernDecodeLayer(
+    layer = TernDecodeLayer(
         *linears,
         _ptr_or_none(spec.input_norm), _ptr_or_none(spec.post_norm),
         _ptr_or_none(spec.attn_out_norm), _ptr_or_none(spec.mlp_out_norm),
@@ -303,4 +324,7 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
         ctx.tp_shm.base if ctx.tp_size > 1 else None, ctx.tp_rank, ctx.tp_size,
         ctx.tp_shm.slot_bytes if ctx.tp_size > 1 else 0,
         ctx.tp_shm.timeout_s if ctx.tp_size > 1 else 0.0,
-    ), ""  # fmt: skip
+    )  # fmt: skip
+    # NOTE: the struct copies each linear's head; their segments' structs must outlive it.
+    layer._segments = [getattr(lin, "_segments", None) for lin in linears]
+    return layer, ""

@@ -128,10 +128,13 @@ def choose_tier(setting: str | None, features: frozenset[str] | None = None) -> 
 
 
 class TernLinear(ctypes.Structure):
-    _fields_ = [
-        ("weight", _vp), ("scale", _vp), ("bias", _vp), ("n", _i32), ("k", _i32),
-        ("weight_format", _i32),
-    ]  # fmt: skip
+    pass
+
+
+TernLinear._fields_ = [
+    ("weight", _vp), ("scale", _vp), ("bias", _vp), ("n", _i32), ("k", _i32),
+    ("weight_format", _i32), ("rest", ctypes.POINTER(TernLinear)),
+]  # fmt: skip
 
 
 class TernDecodeLayer(ctypes.Structure):

@@ -8,11 +8,12 @@
  * rotary, paged decode attention, SiLU-and-mul), in the same order, so the result is bit for bit
  * the unfused path's. fused_decode.py decides when a layer qualifies and fills the structs.
  */
+#include <stdlib.h>
 #include <string.h>
 #include "tern_kernels.h"
 
 /* The kernel dense_linear / int8_matmul (linear.py, quantization.py) pick for these rows. */
-static int linear(const TernLinear *l, const void *x, void *y, int m, int bf16) {
+static int linear_one(const TernLinear *l, const void *x, void *y, int m, int bf16) {
     if (l->scale != NULL)
         return bf16 ? tern_int8_linear_bf16(x, l->weight, l->scale, l->bias, y, m, l->n, l->k)
                     : tern_int8_linear(x, l->weight, l->scale, l->bias, y, m, l->n, l->k);
@@ -29,6 +30,24 @@ static int linear(const TernLinear *l, const void *x, void *y, int m, int bf16) 
     if (m <= tern_bf16_gemv_available())
         return tern_bf16_gemv(x, l->weight, l->bias, y, m, l->n, l->k);
     return tern_bf16_amx_linear(x, l->weight, l->bias, y, m, l->n, l->k);
+}
+
+/* As linear_one, and a linear in row segments (TernLinear.rest) as gguf_blocks.segmented_linear:
+ * each segment's products into its columns of y (through a scratch block from two rows). */
+static int linear(const TernLinear *l, const void *x, void *y, int m, int bf16) {
+    if (l->rest == NULL) return linear_one(l, x, y, m, bf16);
+    if (bf16) return -2;
+    float *out = y, *tmp = NULL;
+    if (m > 1 && (tmp = malloc(sizeof(float) * (size_t)m * l->n)) == NULL) return -1;
+    int col = 0, rc = 0;
+    for (const TernLinear *s = l->rest; s != NULL && rc == 0; s = s->rest) {
+        rc = linear_one(s, x, m > 1 ? tmp : out + col, m, 0);
+        for (int r = 0; m > 1 && rc == 0 && r < m; r++)
+            memcpy(out + (int64_t)r * l->n + col, tmp + (int64_t)r * s->n, sizeof(float) * s->n);
+        col += s->n;
+    }
+    free(tmp);
+    return rc;
 }
 
 static void rms_norm(const void *x, const void *res, void *res_out, const void *w, void *out,

@@ -24,12 +24,16 @@
  * TERN_WEIGHT_GGUF + a block type (TERN_GGUF_*, TERN_BLOCK_*) blocks under float32 activations, multiplied
  * exactly, or TERN_WEIGHT_GGUF_Q8ACT + the type with the activations quantized. The bias
  * (n,), or NULL, is in the activations' dtype. */
-typedef struct {
+typedef struct TernLinear {
     const void *weight;
     const float *scale;
     const void *bias;
     int n, k;
     int weight_format;
+    /* Rows in segments of different block types (a fused projection's, float32 activations):
+     * weight NULL, n the segments' rows together, rest the first segment, each segment's rest
+     * the next (NULL after the last). NULL for a linear of one format. */
+    const struct TernLinear *rest;
 } TernLinear;
 #define TERN_WEIGHT_BF16 1
 #define TERN_WEIGHT_GGUF 256
