@@ -45,7 +45,6 @@ from enginecore.messages import (
 )
 from workers.distributed import ParallelContext, shard_heads, stage_layers
 from workers.gguf_weights import gguf_file_of
-from workers.int4_checkpoints import int4_format
 from workers.kv_cache_groups import KVCacheGroup
 from workers.layers import kernel_library
 from workers.layers.attention import Attention, build_attention_metadata
@@ -65,6 +64,7 @@ from workers.layers.pooler import Pooler, PoolingState
 from workers.layers.sampler import Sampler, SamplingTensors
 from workers.models.decoder import mlp_shard_of
 from workers.models.registry import ModelArgs, build_model, load_model_args
+from workers.quantized_checkpoints import checkpoint_quantization
 from workers.weight_loader import keep_blocks_everywhere, load_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -168,11 +168,13 @@ class ModelRunner:
         # (activations quantized per block), and "auto" keeps float32 activations, which the
         # block kernels and the fused decode layer take.
         self.int4 = config.model.quantization == "int4"
+        checkpoint_quant = checkpoint_quantization(config.model.path)
         keeps_blocks = (
             gguf_file_of(config.model.path) is not None
-            or int4_format(config.model.path) is not None
+            or (checkpoint_quant is not None and checkpoint_quant.keeps_int4)
             or self.int4
         )
+
         auto = config.model.dtype == "auto"
         dtype_name = "float32" if keeps_blocks and auto else config.model.dtype
         self.quantize_x = keeps_blocks and config.model.dtype != "float32"

@@ -28,8 +28,8 @@ from safetensors import safe_open
 from torch import nn
 
 from workers.gguf_weights import GGUFCheckpoint, gguf_file_of, iter_gguf
-from workers.int4_checkpoints import int4_format, iter_int4, quantized_layers
 from workers.layers.gguf_blocks import block_values
+from workers.quantized_checkpoints import checkpoint_quantization, iter_quantized, quantized_layers
 
 logger = logging.getLogger(__name__)
 
@@ -307,9 +307,9 @@ def _shard_order(item: tuple[object, str]) -> int:
 
 def keep_gguf_blocks(model: nn.Module, types: dict[str, str], quantize_x: bool = False) -> int:
     """Switch the unquantized linear layers whose every checkpoint tensor is of a block type the
-    kernels take (`types`: Hugging Face name -> block type) to that storage (a fused layer's
-    projections each in its own type where they differ); before the checkpoint loads. Returns how
-    many layers keep blocks."""
+    kernels take (`types`: Hugging Face name -> block type, or "int8": int8 storage with per-row
+    scales) to that storage (a fused layer's projections each in its own block type where they
+    differ); before the checkpoint loads. Returns how many layers switch."""
     from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from workers.layers.linear import LinearBase
 
@@ -333,9 +333,13 @@ def keep_gguf_blocks(model: nn.Module, types: dict[str, str], quantize_x: bool =
         # NOTE: a shard's columns must start at block boundaries (input_size is this rank's).
         block_types = [t for _, t in sorted(by_shard.items(), key=_shard_order)]
         cols = module.input_size if isinstance(module, LinearBase) else module.embedding_dim
-        if any(cols % block_values(t) for t in block_types):
+        if "int8" in block_types:  # an int8 checkpoint's layer: int8 storage, whole layers only
+            if set(block_types) != {"int8"} or not isinstance(module, LinearBase):
+                continue
+            block_types = ["int8"]
+        elif any(cols % block_values(t) for t in block_types):
             continue
-        if len(set(block_types)) > 1 and not isinstance(module, LinearBase):
+        elif len(set(block_types)) > 1 and not isinstance(module, LinearBase):
             continue
         tied = []  # LM heads sharing an embedding's rows share its new ones
         if not isinstance(module, ParallelLMHead):
@@ -344,7 +348,12 @@ def keep_gguf_blocks(model: nn.Module, types: dict[str, str], quantize_x: bool =
                 for h in model.modules()
                 if isinstance(h, ParallelLMHead) and h.weight is module.weight
             ]
-        module.keep_gguf_blocks(block_types if len(block_types) > 1 else block_types[0], quantize_x)
+        if block_types == ["int8"]:
+            module.store_int8()
+        else:
+            module.keep_gguf_blocks(
+                block_types if len(block_types) > 1 else block_types[0], quantize_x
+            )
         kept += 1
         for head in tied:
             head.tie_to(module)
@@ -371,21 +380,23 @@ def keep_blocks_everywhere(model: nn.Module, block_type: str, quantize_x: bool =
 def load_checkpoint(model: nn.Module, model_dir: str | Path, quantize_x: bool = False) -> None:
     """Load a whole checkpoint (safetensors, or the GGUF file a prepared directory names); every
     parameter must be covered. A GGUF file's linear layers keep the block types the kernels
-    multiply as stored, and a GPTQ / AWQ checkpoint's keep their int4 groups as INT4_ZP blocks
-    (`quantize_x`: the fast path, activations quantized per block), unless the model quantizes
-    its weights itself (--quantization)."""
+    multiply as stored, and a GPTQ / AWQ / compressed-tensors int4 checkpoint's keep their groups
+    as INT4_ZP blocks (`quantize_x`: the fast path, activations quantized per block), unless the
+    model quantizes its weights itself (--quantization); other quantized checkpoints arrive as
+    float values (quantized_checkpoints.py)."""
     quantized = any(getattr(m, "quant", None) is not None for m in model.modules())
-    int4 = int4_format(model_dir)
+    checkpoint_quant = checkpoint_quantization(model_dir)
     if gguf_file_of(model_dir) is not None:
         checkpoint = GGUFCheckpoint.open(model_dir)
         kept = 0 if quantized else keep_gguf_blocks(model, checkpoint.block_types(), quantize_x)
         weights: Iterable = iter_gguf(checkpoint, keep_blocks=kept > 0)
-    elif int4 is not None:
-        weights = iter_int4(iter_safetensors_lazy(model_dir), int4)
-        if not quantized and not int4.act_order:  # act-order layers arrive as float
-            names = (name for name, _ in iter_safetensors_lazy(model_dir))
-            layers = quantized_layers(names)
-            keep_gguf_blocks(model, {f"{p}.weight": "INT4_ZP" for p in layers}, quantize_x)
+    elif checkpoint_quant is not None:
+        names = [name for name, _ in iter_safetensors_lazy(model_dir)]
+        layers = quantized_layers(checkpoint_quant, names)
+        weights = iter_quantized(iter_safetensors_lazy(model_dir), checkpoint_quant, layers)
+        storage = "INT4_ZP" if checkpoint_quant.keeps_int4 else "int8"
+        if not quantized and (checkpoint_quant.keeps_int4 or checkpoint_quant.int8_layers):
+            keep_gguf_blocks(model, {f"{p}.weight": storage for p in layers}, quantize_x)
     else:
         weights = iter_safetensors_lazy(model_dir)
     loaded = load_weights(model, weights)

@@ -119,9 +119,9 @@ def test_quantized_files_at_tp2_pp2_match_hf(
     by vocabulary) and a GPTQ checkpoint (INT4_ZP blocks), each against Hugging Face on the
     dequantized weights."""
     from tests.unit.test_gguf import make_gguf_case
-    from tests.unit.test_int4 import write_int4_checkpoint
+    from tests.unit.test_quantized_checkpoints import write_quantized_checkpoint
 
-    _, gptq_ref = write_int4_checkpoint(tiny_llama, tmp_path / "gptq", "gptq", 32)
+    _, gptq_ref = write_quantized_checkpoint(tiny_llama, tmp_path / "gptq", "gptq", 32)
     cases = [(tmp_path / "gptq", gptq_ref)]
     if tokenizer_dir is not None:
         (tmp_path / "gguf").mkdir()

@@ -122,7 +122,9 @@ def test_logprobs_match_hf(model_dir: Path) -> None:
     assert_logprobs_match_hf(hf, reqs.values())
 
 
-def assert_logprobs_match_hf(hf: transformers.PreTrainedModel, reqs) -> None:
+def assert_logprobs_match_hf(
+    hf: transformers.PreTrainedModel, reqs, atol: float = 1e-3
+) -> None:
     """Each served request's greedy tokens and logprobs against Hugging Face's generate."""
     with torch.no_grad():
         for r in reqs:
@@ -134,7 +136,7 @@ def assert_logprobs_match_hf(hf: transformers.PreTrainedModel, reqs) -> None:
             )  # fmt: skip
             assert out.sequences[0, len(r.prompt) :].tolist() == r.output
             hf_logprobs = torch.stack([s[0] for s in out.scores]).float().log_softmax(-1)
-            torch.testing.assert_close(torch.stack(r.logprobs), hf_logprobs, atol=1e-3, rtol=0)
+            torch.testing.assert_close(torch.stack(r.logprobs), hf_logprobs, atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["gemma3_vl", "qwen3_5_vl"])

@@ -181,6 +181,14 @@ class LinearBase(nn.Module):
             self.weight = gguf_blocks.new_segmented_parameter(self.gguf_segments, self.input_size)
         self.weight.weight_loader = self.weight_loader
 
+    def store_int8(self) -> None:
+        """Store the weight int8 with per-row scales, as quant="int8" builds the layer (an int8
+        checkpoint's quantized layers); before the checkpoint loads."""
+        self.weight = quantization.new_packed_weight(self.output_size, self.input_size)
+        self._int8 = quantization.PackedInt8(self.output_size)
+        self.weight.weight_loader = self.weight_loader
+        self.quant = "int8"
+
     def shard_rows(self) -> list[int]:
         """This rank's rows of each projection fused into the layer, in shard order."""
         return [self.output_size]
