@@ -122,9 +122,7 @@ def test_logprobs_match_hf(model_dir: Path) -> None:
     assert_logprobs_match_hf(hf, reqs.values())
 
 
-def assert_logprobs_match_hf(
-    hf: transformers.PreTrainedModel, reqs, atol: float = 1e-3
-) -> None:
+def assert_logprobs_match_hf(hf: transformers.PreTrainedModel, reqs, atol: float = 1e-3) -> None:
     """Each served request's greedy tokens and logprobs against Hugging Face's generate."""
     with torch.no_grad():
         for r in reqs:

@@ -189,7 +189,9 @@ def _kept(core) -> set[str | None]:
     return {m.block_type if m.quant == "gguf" else m.quant for m in quant}
 
 
-def test_engine_matches_hf_on_the_dequantized_groups(quantized_case: tuple[str, Path, Path]) -> None:
+def test_engine_matches_hf_on_the_dequantized_groups(
+    quantized_case: tuple[str, Path, Path],
+) -> None:
     case, checkpoint, reference = quantized_case
     prompts = make_prompts(512)
     ref = hf_greedy(reference, prompts, MAX_TOKENS)
