@@ -9,7 +9,10 @@ value is scale * (q - zero). The layouts (config.json's `quantization_config`):
 - GPTQ: qweight (K / 8, N), packed along K, value j of an int32 in bits 4j..4j+3; qzeros
   (K / G, N / 8) packed along N; `checkpoint_format` "gptq" (v1, the default) stores zero - 1.
   `desc_act` (act-order) checkpoints number their groups in another order than the features':
-  those layers are dequantized to float at load (one log line), for now.
+  a layer's features are sorted by group (its groups then whole blocks) and the layer permutes
+  its input the same way before the product; where it cannot (a row-parallel layer at --tp > 1,
+  whose input features are split across ranks, or fused projections grouped differently) the
+  layer is dequantized to float at load (one log line).
 - AWQ (`version` "gemm"): qweight (K, N / 8) and qzeros (K / G, N / 8) packed along N, the eight
   values of an int32 in AWQ's interleaved order (column 8c + AWQ_ORDER[j] in bits 4j..4j+3).
 - compressed-tensors "pack-quantized" (llm-compressor's W4A16): weight_packed (N, K / 8) packed
@@ -72,8 +75,9 @@ class Quantized:
 
     @property
     def keeps_int4(self) -> bool:
-        """Its layers become INT4_ZP blocks (not act-order GPTQ: those arrive as float)."""
-        return self.method in ("gptq", "awq", "ct_int4") and not self.act_order
+        """Its layers become INT4_ZP blocks (act-order GPTQ: those whose input can be permuted,
+        weight_loader.act_order_layers)."""
+        return self.method in ("gptq", "awq", "ct_int4")
 
     @property
     def int8_layers(self) -> bool:
@@ -184,15 +188,31 @@ def unpack_int4(
     return values, np.ascontiguousarray(scale), np.ascontiguousarray(zero, np.uint8), g_idx
 
 
-def _int4_weight(q: Quantized, tensors: dict[str, torch.Tensor]) -> torch.Tensor | GGUFBlocks:
-    """One int4 layer as INT4_ZP blocks, or (groups not in feature order: act-order) its float32
-    weight scale[g] * (q - zero[g])."""
+def permutable_groups(g_idx: np.ndarray) -> bool:
+    """Whether sorting the features by group (GPTQ act-order) gives groups of equal size in
+    whole INT4_ZP blocks."""
+    k, groups = len(g_idx), int(g_idx.max(initial=0)) + 1
+    if k % groups or (k // groups) % int4_blocks.BLOCK:
+        return False
+    return bool(np.array_equal(np.sort(g_idx), np.arange(k) // (k // groups)))
+
+
+def _int4_weight(
+    q: Quantized, tensors: dict[str, torch.Tensor], permute: bool
+) -> torch.Tensor | GGUFBlocks:
+    """One int4 layer as INT4_ZP blocks; with groups not in feature order (act-order), blocks of
+    its features sorted by group when `permute` (the layer permutes its input alike), else its
+    float32 weight scale[g] * (q - zero[g])."""
     values, scale, zero, g_idx = unpack_int4(q, tensors)
     k = values.shape[1]
     group = k // scale.shape[1]
     if np.array_equal(g_idx, np.arange(k) // group) and group % int4_blocks.BLOCK == 0:
         blocks = int4_blocks.from_groups(values, scale, zero)
         return GGUFBlocks(torch.from_numpy(blocks), "INT4_ZP", k)
+    if permute and permutable_groups(g_idx):
+        perm = np.argsort(g_idx, kind="stable")
+        blocks = int4_blocks.from_groups(np.ascontiguousarray(values[:, perm]), scale, zero)
+        return GGUFBlocks(torch.from_numpy(blocks), "INT4_ZP", k, torch.from_numpy(perm))
     floats = scale[:, g_idx] * (values.astype(np.float32) - zero[:, g_idx].astype(np.float32))
     return torch.from_numpy(floats.astype(np.float32))
 
@@ -204,12 +224,14 @@ def _fp8_weight(q: Quantized, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     return w * full
 
 
-def _layer_weight(q: Quantized, tensors: dict[str, torch.Tensor]) -> torch.Tensor | GGUFBlocks:
+def _layer_weight(
+    q: Quantized, tensors: dict[str, torch.Tensor], permute: bool = False
+) -> torch.Tensor | GGUFBlocks:
     if q.method == "fp8":
         return _fp8_weight(q, tensors)
     if q.method == "ct_int8":  # per-channel: int8 values times their row's scale
         return tensors["weight"].float() * tensors["weight_scale"].float().reshape(-1, 1)
-    return _int4_weight(q, tensors)
+    return _int4_weight(q, tensors, permute)
 
 
 def quantized_layers(q: Quantized, names: Iterable[str]) -> list[str]:
@@ -219,10 +241,15 @@ def quantized_layers(q: Quantized, names: Iterable[str]) -> list[str]:
 
 
 def iter_quantized(
-    weights: Iterable[tuple[str, object]], q: Quantized, layers: Iterable[str]
+    weights: Iterable[tuple[str, object]],
+    q: Quantized,
+    layers: Iterable[str],
+    permuted: Iterable[str] = (),
 ) -> Iterator[tuple[str, object]]:
     """The checkpoint's tensors with each quantized layer's (`layers`) as one `<layer>.weight`:
-    INT4_ZP blocks (GGUFBlocks) or float values."""
+    INT4_ZP blocks (GGUFBlocks; act-order layers in `permuted` with their features sorted by
+    group) or float values."""
+    permuted = set(permuted)
     needed, optional = LAYER_TENSORS[q.method]
     if q.act_order:
         needed = needed | {"g_idx"}
@@ -239,7 +266,7 @@ def iter_quantized(
         parts = pending.setdefault(prefix, {})
         parts[leaf] = tensor.materialize() if hasattr(tensor, "materialize") else tensor
         if needed | optional <= parts.keys():
-            weight = _layer_weight(q, pending.pop(prefix))
+            weight = _layer_weight(q, pending.pop(prefix), prefix in permuted)
             as_float += isinstance(weight, torch.Tensor)
             yield f"{prefix}.weight", weight
     for prefix, parts in list(pending.items()):  # optional tensors that never came
@@ -247,7 +274,7 @@ def iter_quantized(
             raise ValueError(
                 f"incomplete {q.method} layer {prefix}: {sorted(needed - parts.keys())}"
             )
-        yield f"{prefix}.weight", _layer_weight(q, parts)
+        yield f"{prefix}.weight", _layer_weight(q, parts, prefix in permuted)
     if as_float and q.method != "ct_int8":
         logger.info("%d %s layers dequantized to float at load%s", as_float, q.method,
                     " (act-order)" if q.act_order else "")  # fmt: skip

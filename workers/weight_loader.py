@@ -23,13 +23,19 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from workers.gguf_weights import GGUFCheckpoint, gguf_file_of, iter_gguf
 from workers.layers.gguf_blocks import block_values
-from workers.quantized_checkpoints import checkpoint_quantization, iter_quantized, quantized_layers
+from workers.quantized_checkpoints import (
+    checkpoint_quantization,
+    iter_quantized,
+    permutable_groups,
+    quantized_layers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -360,6 +366,39 @@ def keep_gguf_blocks(model: nn.Module, types: dict[str, str], quantize_x: bool =
     return kept
 
 
+def act_order_layers(model: nn.Module, model_dir: str | Path, layers: list[str]) -> set[str]:
+    """The act-order GPTQ layers (name prefixes) that keep INT4_ZP blocks with their input
+    permuted: groups that sort into whole blocks, every projection of a fused layer grouped
+    alike, and the whole input on this rank (not a row-parallel layer at --tp > 1)."""
+    from workers.layers.linear import RowParallelLinear
+
+    wanted = {f"{p}.g_idx" for p in layers}
+    g_idx = {
+        name.removesuffix(".g_idx"): w.materialize().numpy()
+        for name, w in iter_safetensors_lazy(model_dir)
+        if name in wanted
+    }
+    local_name = getattr(model, "local_weight_name", None)
+    by_param: dict[str, list[str]] = {}
+    for prefix in g_idx:
+        name = _canonical(f"{prefix}.weight")
+        if local_name is not None and (name := local_name(name)) is None:
+            continue
+        by_param.setdefault(_map_name(name)[0], []).append(prefix)
+    kept = set()
+    for param_name, prefixes in by_param.items():
+        module = model.get_submodule(param_name.rpartition(".")[0])
+        first = g_idx[prefixes[0]]
+        if isinstance(module, RowParallelLinear) and module.ctx.tp_size > 1:
+            continue
+        if not permutable_groups(first) or any(
+            not np.array_equal(g_idx[p], first) for p in prefixes
+        ):
+            continue
+        kept.update(prefixes)
+    return kept
+
+
 def keep_blocks_everywhere(model: nn.Module, block_type: str, quantize_x: bool = False) -> int:
     """Every unquantized linear layer whose input features split into blocks, but mixture-of-experts
     routers, keeps `block_type` blocks, filled as the weights arrive (quantized on arrival:
@@ -393,10 +432,19 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, quantize_x: bool = 
     elif checkpoint_quant is not None:
         names = [name for name, _ in iter_safetensors_lazy(model_dir)]
         layers = quantized_layers(checkpoint_quant, names)
-        weights = iter_quantized(iter_safetensors_lazy(model_dir), checkpoint_quant, layers)
-        storage = "INT4_ZP" if checkpoint_quant.keeps_int4 else "int8"
+        permuted: set[str] = set()
+        if checkpoint_quant.act_order and not quantized:
+            permuted = act_order_layers(model, model_dir, layers)
+        weights = iter_quantized(
+            iter_safetensors_lazy(model_dir), checkpoint_quant, layers, permuted
+        )
         if not quantized and (checkpoint_quant.keeps_int4 or checkpoint_quant.int8_layers):
-            keep_gguf_blocks(model, {f"{p}.weight": storage for p in layers}, quantize_x)
+            if checkpoint_quant.act_order:
+                storage = dict.fromkeys((f"{p}.weight" for p in permuted), "INT4_ZP")
+            else:
+                kind = "INT4_ZP" if checkpoint_quant.keeps_int4 else "int8"
+                storage = dict.fromkeys((f"{p}.weight" for p in layers), kind)
+            keep_gguf_blocks(model, storage, quantize_x)
     else:
         weights = iter_safetensors_lazy(model_dir)
     loaded = load_weights(model, weights)

@@ -116,13 +116,17 @@ def test_quantized_files_at_tp2_pp2_match_hf(
 ) -> None:
     """Block-quantized weights split both ways: a GGUF file of K-quants (qkv rows in two block
     types, Q5_K / Q4_K MLP sharded by rows and at super-block boundaries, a Q6_K embedding split
-    by vocabulary) and a GPTQ checkpoint (INT4_ZP blocks), each against Hugging Face on the
-    dequantized weights."""
+    by vocabulary) and GPTQ checkpoints (INT4_ZP blocks; act-order), each against Hugging Face on
+    the dequantized weights."""
     from tests.unit.test_gguf import make_gguf_case
     from tests.unit.test_quantized_checkpoints import write_quantized_checkpoint
 
-    _, gptq_ref = write_quantized_checkpoint(tiny_llama, tmp_path / "gptq", "gptq", 32)
-    cases = [(tmp_path / "gptq", gptq_ref)]
+    cases = [
+        write_quantized_checkpoint(tiny_llama, tmp_path / "gptq", "gptq", 32),
+        # act-order: column-parallel layers permute their input, row-parallel ones (their input
+        # split across ranks) load as float
+        write_quantized_checkpoint(tiny_llama, tmp_path / "act", "gptq", 32, act_order=True),
+    ]
     if tokenizer_dir is not None:
         (tmp_path / "gguf").mkdir()
         _, prepared, reference = make_gguf_case("qwen3_k", tmp_path / "gguf", tokenizer_dir,

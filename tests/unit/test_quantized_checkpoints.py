@@ -162,7 +162,7 @@ def write_quantized_checkpoint(
 # case -> (method, group size, act-order, what the layers keep: INT4_ZP blocks, int8, or float)
 CASES = {
     "gptq": ("gptq", 32, False, "INT4_ZP"),
-    "gptq_act_order": ("gptq", 32, True, None),
+    "gptq_act_order": ("gptq", 32, True, "INT4_ZP"),
     "awq": ("awq", 64, False, "INT4_ZP"),
     "ct_int4": ("ct_int4", 32, False, "INT4_ZP"),
     "ct_int8": ("ct_int8", 0, False, "int8"),

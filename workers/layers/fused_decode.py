@@ -202,6 +202,8 @@ def _linear(
             return None
         return TernLinear(w.data_ptr(), scale.data_ptr(), bias_ptr, w.size(0), w.size(1), 0)
     w = lin.weight
+    if lin.input_perm is not None:  # the input permuted first (GPTQ act-order): unfused
+        return None
     if lin.quant == "gguf" and lin.gguf_segments is not None:
         if dtype != torch.float32 or not w.is_contiguous():
             return None

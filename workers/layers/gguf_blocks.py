@@ -42,8 +42,16 @@ class GGUFBlocks:
     `materialize` (the dequantized float32 tensor), as weight_loader.LazyWeight does.
     """
 
-    def __init__(self, blocks: torch.Tensor, block_type: str, cols: int) -> None:
-        self.blocks, self.block_type = blocks, block_type
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        block_type: str,
+        cols: int,
+        input_perm: torch.Tensor | None = None,
+    ) -> None:
+        # input_perm: the blocks hold the columns input_perm[0], input_perm[1], ... (GPTQ's
+        # act-order, its groups made contiguous): the layer permutes its input the same way.
+        self.blocks, self.block_type, self.input_perm = blocks, block_type, input_perm
         self.shape = torch.Size([blocks.size(0), cols])
 
     def size(self, dim: int | None = None) -> int | torch.Size:
@@ -56,17 +64,27 @@ class GGUFBlocks:
         dim %= 2
         if not 0 <= start <= start + length <= self.shape[dim]:
             raise ValueError(f"slice [{start}, {start + length}) outside dim {dim} of {self.shape}")
+        if start == 0 and length == self.shape[dim]:
+            return self
         if dim == 0:
-            return GGUFBlocks(self.blocks.narrow(0, start, length), self.block_type, self.shape[1])
+            rows = self.blocks.narrow(0, start, length)
+            return GGUFBlocks(rows, self.block_type, self.shape[1], self.input_perm)
         values = block_values(self.block_type)
-        if start % values or length % values:  # not at block boundaries: the values themselves
+        if start % values or length % values or self.input_perm is not None:
+            # not at block boundaries, or columns permuted: the values themselves
             return self.materialize().narrow(1, start, length)
         start_byte = native.gguf_row_bytes(self.block_type, start)
         cols = self.blocks.narrow(1, start_byte, native.gguf_row_bytes(self.block_type, length))
         return GGUFBlocks(cols, self.block_type, length)
 
     def materialize(self) -> torch.Tensor:
-        return dequantize(self.blocks.contiguous(), self.block_type, self.shape[1])
+        """The float32 weight, its columns in the checkpoint's order."""
+        values = dequantize(self.blocks.contiguous(), self.block_type, self.shape[1])
+        if self.input_perm is None:
+            return values
+        out = torch.empty_like(values)
+        out[:, self.input_perm] = values
+        return out
 
 
 def new_parameter(rows: int, cols: int, block_type: str) -> nn.Parameter:

@@ -154,6 +154,8 @@ class LinearBase(nn.Module):
             self._int8 = quantization.PackedInt8(output_size)
         self.weight.weight_loader = self.weight_loader
         self.packed_weight: torch.Tensor | None = None
+        # Kept blocks whose columns are the input's permuted (GPTQ act-order: gguf_blocks.py).
+        self.input_perm: torch.Tensor | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -203,6 +205,8 @@ class LinearBase(nn.Module):
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W.T + bias with this rank's weight."""
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm)
         if self.quant is None:
             return dense_linear(x, self.weight, bias, self.packed_weight)
         if self.quant == "gguf" and self.gguf_segments is not None:
@@ -236,6 +240,7 @@ class LinearBase(nn.Module):
             copy_checked(gguf_blocks.segment_rows(param.data, segment, self.input_size), rows)
             return
         if self.quant == "gguf":
+            src = self._permuted_input(src)
             rows = gguf_blocks.rows_of(src, self.block_type, self.input_size)
             copy_checked(param.data.narrow(0, offset, size), rows)
             return
@@ -246,6 +251,24 @@ class LinearBase(nn.Module):
                 f"weight shape mismatch: expected {(size, self.input_size)}, got {tuple(src.shape)}"
             )
         quantization.store_rows(param.data, self.output_size, offset, src)
+
+    def _permuted_input(self, src: object) -> object:
+        """Checkpoint rows for blocks in permuted column order: GGUFBlocks carrying the
+        permutation set it (every projection of a fused layer the same one); float rows (a
+        weight update) are permuted to it."""
+        perm = getattr(src, "input_perm", None)
+        if perm is not None:
+            if self.input_perm is not None and not torch.equal(self.input_perm, perm):
+                raise ValueError("the projections of a fused layer permute their input differently")
+            self.input_perm = perm
+            return src
+        if self.input_perm is None:
+            return src
+        if isinstance(src, gguf_blocks.GGUFBlocks):
+            raise ValueError("blocks in the checkpoint's column order for a permuted layer")
+        if not isinstance(src, torch.Tensor):
+            src = src.materialize()
+        return src.index_select(1, self.input_perm.to(src.device))
 
     def _narrow_shard(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full checkpoint tensor along the sharded dimension."""
