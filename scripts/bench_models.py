@@ -259,10 +259,10 @@ def bench(arch: str, work: Path, args: argparse.Namespace) -> dict:
     return result
 
 
-def make_core(model_dir: Path, dtype: str) -> EngineCore:
+def make_core(model_dir: Path, dtype: str, quantization: str | None = None) -> EngineCore:
     """The engine of a benchmark: 32 sequences at once in 1 GiB of KV cache."""
     config = Config(
-        model=ModelConfig(path=str(model_dir), dtype=dtype),
+        model=ModelConfig(path=str(model_dir), dtype=dtype, quantization=quantization),
         cache=CacheConfig(block_size=16, kv_cache_memory_gib=1.0),
         scheduler=SchedulerConfig(max_num_seqs=32),
     )
