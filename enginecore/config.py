@@ -84,10 +84,18 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     # Hybrid models: tokens between linear-attention state checkpoints (None: the workers choose).
     state_checkpoint_interval: int | None = None
+    # "auto": the activations' dtype; "int8": each token's K and V rows per head int8 with a
+    # float32 scale (workers/layers/kv_int8.py).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("--block-size must be a power of two")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(
+                f"--kv-cache-dtype must be auto or int8, not {self.kv_cache_dtype!r} (fp8 has no "
+                "fast path on these CPUs)"
+            )
         interval = self.state_checkpoint_interval
         if interval is not None and (interval < 1 or interval % self.block_size):
             raise ValueError(

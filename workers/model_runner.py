@@ -46,7 +46,7 @@ from enginecore.messages import (
 from workers.distributed import ParallelContext, shard_heads, stage_layers
 from workers.gguf_weights import gguf_file_of
 from workers.kv_cache_groups import KVCacheGroup
-from workers.layers import kernel_library
+from workers.layers import kernel_library, kv_int8
 from workers.layers.attention import Attention, build_attention_metadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.gated_delta_net import CHUNK, GatedDeltaNet
@@ -257,10 +257,17 @@ class ModelRunner:
             return len(stage_layers(self.args.num_hidden_layers, p.pp_size, p.pp_rank))
         return max((layer.kv_slot + 1 for layer in self.attn_layers), default=1)
 
+    def _kv_row(self) -> tuple[int, torch.dtype]:
+        """(elements, dtype) of one head's K or V row of one token in the cache."""
+        if self.config.cache.kv_cache_dtype == "int8":
+            return kv_int8.row_bytes(self.args.head_dim), torch.uint8
+        return self.args.head_dim, self.dtype
+
     def kv_cache_bytes_per_block(self) -> int:
         """K and V of one block over this stage's cache slots and this rank's KV heads."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_layer = 2 * self.block_size * self._kv_heads_per_rank() * self.args.head_dim * elem
+        row, dtype = self._kv_row()
+        elem = torch.empty((), dtype=dtype).element_size()
+        per_layer = 2 * self.block_size * self._kv_heads_per_rank() * row * elem
         return per_layer * self._kv_cache_slots()
 
     def routing_shape(self) -> RoutingShape | None:
@@ -314,16 +321,11 @@ class ModelRunner:
             raise RuntimeError("load_model must run before init_kv_cache")
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, not {num_blocks}")
-        shape = (
-            self._kv_cache_slots(),
-            2,
-            num_blocks,
-            self.block_size,
-            self._kv_heads_per_rank(),
-            self.args.head_dim,
-        )
+        row, dtype = self._kv_row()
+        shape = (self._kv_cache_slots(), 2, num_blocks, self.block_size, self._kv_heads_per_rank(),
+                 row)  # fmt: skip
         # NOTE: zeros, not empty: masked-out keys are still multiplied, and NaN * 0 is NaN.
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         for layer in self.attn_layers:
             layer.kv_cache = self.kv_cache[layer.kv_slot]
         rows = self.config.scheduler.max_num_seqs + num_state_checkpoints
@@ -421,7 +423,8 @@ class ModelRunner:
         """Also returns log_softmax of the raw logits (before temperature) of the rows that sampled,
         (N, vocab) float32 on the CPU, in the order of `req_ids`."""
         output, logprobs = self._execute(step, want_logprobs=True)
-        assert logprobs is not None
+        if logprobs is None:  # no row sampled (every request mid-prefill)
+            logprobs = torch.empty(0, self.args.vocab_size)
         return output, logprobs
 
     def _update_states(self, step: SchedulerOutput) -> None:

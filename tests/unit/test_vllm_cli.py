@@ -103,3 +103,17 @@ def test_uvicorn_log_level() -> None:
     assert fc.uvicorn_log_level == "info"
     with pytest.raises(SystemExit):
         parse("launch", "--uvicorn-log-level", "loud")
+
+
+def test_kv_cache_dtype_and_lmdeploys_quant_policy(model_dir: Path) -> None:
+    def dtype(*flags: str) -> str:
+        return config_from_args(parse("serve", str(model_dir), *flags)).cache.kv_cache_dtype
+
+    assert dtype() == "auto"
+    assert dtype("--kv-cache-dtype", "int8") == "int8"
+    assert dtype("--quant-policy", "8") == "int8"
+    assert dtype("--quant-policy", "0") == "auto"
+    with pytest.raises(ValueError, match="fp8"):
+        dtype("--kv-cache-dtype", "fp8")
+    with pytest.raises(ValueError, match="disagree"):
+        dtype("--quant-policy", "0", "--kv-cache-dtype", "int8")

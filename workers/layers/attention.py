@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers import native
+from workers.layers import kv_int8, native
 
 
 @dataclass
@@ -376,11 +376,12 @@ class Attention(nn.Module):
         # NOTE: what each step would otherwise re-derive from the cache is derived once, here.
         self._kv_cache = cache
         self._k_cache, self._v_cache = (cache[0], cache[1]) if cache.numel() else (cache, cache)
+        self._kv_int8 = cache.dtype == torch.uint8  # kv_int8.py's rows: values and a scale
         self._uses_decode_kernel = (
             self.has_decode_kernel
             and cache.numel() > 0
             and cache.is_cpu
-            and cache.dtype in (torch.float32, torch.bfloat16)
+            and cache.dtype in (torch.float32, torch.bfloat16, torch.uint8)
             and native.supports_decode(
                 self.num_heads, self.num_kv_heads, self.head_dim, cache.size(2)
             )
@@ -416,8 +417,12 @@ class Attention(nn.Module):
                 new_kv=(k, v, meta.slot_mapping), window=self.sliding_window, softcap=self.softcap,
                 sinks=self.sinks,
             )  # fmt: skip
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        if self._kv_int8:
+            kv_int8.write(k_cache, meta.slot_mapping, k)
+            kv_int8.write(v_cache, meta.slot_mapping, v)
+        else:
+            k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
 
         groups = meta.groups
         if use_kernel:
@@ -484,8 +489,11 @@ class Attention(nn.Module):
         num, num_blocks = g.kv_blocks.shape
         qg = q[g.q_gather].view(num, g.max_q, self.num_heads, self.head_dim).transpose(1, 2)
         # (G, num_blocks, block_size, Hkv, D) -> (G, Hkv, max_ctx, D)
-        kg = k_cache[g.kv_blocks].flatten(1, 2).transpose(1, 2)
-        vg = v_cache[g.kv_blocks].flatten(1, 2).transpose(1, 2)
+        kg, vg = k_cache[g.kv_blocks], v_cache[g.kv_blocks]
+        if self._kv_int8:
+            kg, vg = kv_int8.read(kg, q.dtype), kv_int8.read(vg, q.dtype)
+        kg = kg.flatten(1, 2).transpose(1, 2)
+        vg = vg.flatten(1, 2).transpose(1, 2)
         mask = g.mask if self.sliding_window is None else g.window_mask(self.sliding_window)
         og = self._sdpa(qg, kg, vg, mask, is_causal=False)  # (G, H, max_q, D)
         og = og.transpose(1, 2).reshape(num * g.max_q, self.num_heads, self.head_dim)

@@ -98,7 +98,8 @@ def paged_decode_attention(
     softcap * tanh(score / softcap) with `softcap`; `sinks` (H,) float32: each head's attention
     sink, a logit in the softmax with no value, as gpt-oss's).
 
-    k_cache, v_cache (num_blocks, block_size, Hkv, D) float32 or bfloat16; block_tables
+    k_cache, v_cache (num_blocks, block_size, Hkv, D) float32 or bfloat16, or (..., D + 4) uint8:
+    int8 rows with their scales (kv_int8.py; no `new_kv`); block_tables
     (B, max_blocks) int32; context_lens (B,) int32, each at least 1. `new_kv` = (k, v, slots):
     this step's k and v (B, Hkv, D) in the cache's dtype (heads contiguous, any token stride),
     written to cache slots (B,) int64 before attending.
@@ -108,14 +109,20 @@ def paged_decode_attention(
     _check(q, _float_dtype(q), "q")
     _check(block_tables, torch.int32, "block_tables")
     _check(context_lens, torch.int32, "context_lens")
-    if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"the KV cache must be float32 or bfloat16, not {k_cache.dtype}")
+    kv_formats = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}  # uint8: kv_int8.py's rows
+    if k_cache.dtype not in kv_formats or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"the KV cache must be float32 or bfloat16 (or uint8: int8 rows), not {k_cache.dtype}"
+        )
     _check(k_cache, k_cache.dtype, "k_cache")
     _check(v_cache, k_cache.dtype, "v_cache")
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or not block_tables.size(0) == context_lens.size(0) == num_seqs:
+    row = head_dim + 4 if k_cache.dtype == torch.uint8 else head_dim
+    if cache_dim != row or not block_tables.size(0) == context_lens.size(0) == num_seqs:
         raise ValueError("q, the KV cache, block tables and context lengths do not agree")
+    if new_kv is not None and k_cache.dtype == torch.uint8:
+        raise ValueError("an int8 KV cache's new rows are written by kv_int8.write, not here")
     k_new = v_new = slots = None
     if new_kv is not None:
         k_new, v_new, slots = new_kv
@@ -133,7 +140,7 @@ def paged_decode_attention(
     rc = lib.tern_paged_decode_attention(
         _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), block_tables.stride(0),
         _ptr(context_lens), _ptr(out), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-        scale, int(k_cache.dtype == torch.bfloat16), int(q.dtype == torch.bfloat16),
+        scale, kv_formats[k_cache.dtype], int(q.dtype == torch.bfloat16),
         _ptr(k_new) if k_new is not None else None, k_new.stride(0) if k_new is not None else 0,
         _ptr(v_new) if v_new is not None else None, v_new.stride(0) if v_new is not None else 0,
         _ptr(slots) if slots is not None else None, num_blocks * block_size, window or 0,

@@ -1,7 +1,8 @@
 /* Paged decode attention: one query token per sequence attends its whole context straight from
  * the paged KV cache (no gathered, padded copy of K and V), with an online softmax per block.
- * Float32 or bfloat16 cache; the AVX2 loops, the AVX-512 P.V loop and the AVX512-BF16 16-token
- * loop side by side, the scalar loops for builds without them.
+ * Float32, bfloat16 or int8 cache (kv_int8.py's rows: D int8 values and their float32 scale); the
+ * AVX2 loops, the AVX-512 P.V loop and the AVX512-BF16 16-token loop side by side, the scalar
+ * loops for builds without them.
  */
 #include <math.h>
 #include <omp.h>
@@ -15,6 +16,23 @@
 
 #define LOAD1_f32(p) (*(p))
 #define LOAD1_bf16(p) bf16_to_f32(*(p))
+#define LOAD1_i8(p) ((float)*(p))
+#ifdef __AVX2__
+static inline __m256 load8_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#endif
+/* Elements from one head's row to the next in a token's slot: an int8 row carries its scale. */
+#define HEAD_f32(D) (D)
+#define HEAD_bf16(D) (D)
+#define HEAD_i8(D) ((D) + 4)
+
+/* The float32 scale stored after an int8 row of D values. */
+static inline float row_scale(const int8_t *row, int D) {
+    float s;
+    memcpy(&s, row + D, sizeof s);
+    return s;
+}
 
 /* dot_T(q, row, D): q . row; axpy_T(acc, p, row, D): acc += p * row (row: one cached K or V
  * vector of this KV head, float32 or bfloat16). Vectorised when D % 8 == 0. */
@@ -59,6 +77,7 @@
 #endif
 DEFINE_ROW_OPS(f32, float)
 DEFINE_ROW_OPS(bf16, uint16_t)
+DEFINE_ROW_OPS(i8, int8_t)
 
 /* acc (D,) += sum over t < n of p[t] * row t, rows `stride` elements apart. With D % 64 == 0 the
  * accumulator stays in 8 registers per 64 features while the rows stream past. */
@@ -91,6 +110,15 @@ DEFINE_ROW_OPS(bf16, uint16_t)
 #endif
 DEFINE_ACCUMULATE(f32, float)
 DEFINE_ACCUMULATE(bf16, uint16_t)
+DEFINE_ACCUMULATE(i8, int8_t)
+
+/* The int8 cache's P.V: each row's probability times its scale, then the int8 values. */
+static inline void accumulate_i8_scaled(float *acc, const float *p, const int8_t *rows, int n,
+                                        int64_t stride, int D) {
+    float ps[MAX_BLOCK];
+    for (int t = 0; t < n; t++) ps[t] = p[t] * row_scale(rows + t * stride, D);
+    accumulate_i8(acc, ps, rows, n, stride, D);
+}
 
 /* The bfloat16 cache's hot loops on AVX-512: P.V with 16-wide FMAs, and with AVX512-BF16 the
  * scores as bf16 pair dot products (vdpbf16ps) of the unscaled bf16 query and the cached key,
@@ -120,6 +148,7 @@ static inline void accumulate_bf16_wide(float *acc, const float *p, const uint16
 #define ACCUMULATE_bf16 accumulate_bf16
 #endif
 #define ACCUMULATE_f32 accumulate_f32
+#define ACCUMULATE_i8 accumulate_i8_scaled
 
 #ifdef __AVX512BF16__
 static inline float dot_bf16_pairs(const uint16_t *a, const uint16_t *b, int D) { /* D % 32 == 0 */
@@ -135,6 +164,7 @@ static inline float dot_bf16_pairs(const uint16_t *a, const uint16_t *b, int D) 
 #define SCORE_bf16(qs, qb, kp, D, scale) dot_bf16((qs), (kp), (D))
 #endif
 #define SCORE_f32(qs, qb, kp, D, scale) dot_f32((qs), (kp), (D))
+#define SCORE_i8(qs, qb, kp, D, scale) (dot_i8((qs), (kp), (D)) * row_scale((kp), (D)))
 
 /* s[t] = exp(s[t] - m) for t < n (every s[t] <= m); returns their sum. */
 static inline float exp_sub(float *s, int n, float m) {
@@ -192,7 +222,7 @@ static inline void prefetch_rows(const char *p, int n, int64_t row_stride, int r
             }                                                                                    \
             if (j + 1 < num_blocks) { /* blocks are scattered: fetch the next one early */       \
                 int64_t next = (int64_t)table[j + 1] * block_size * slot_stride;                 \
-                int bytes = nh * D * (int)sizeof(KV_T);                                          \
+                int bytes = nh * HEAD_##SUFFIX(D) * (int)sizeof(KV_T);                                          \
                 prefetch_rows((const char *)(k + next), block_size, row_stride, bytes);          \
                 prefetch_rows((const char *)(v + next), block_size, row_stride, bytes);          \
             }                                                                                    \
@@ -200,7 +230,7 @@ static inline void prefetch_rows(const char *p, int n, int64_t row_stride, int r
                 const float *qh = qs + (int64_t)h * G * D;                                       \
                 const uint16_t *qbh = qb != NULL ? qb + (int64_t)h * G * D : NULL;               \
                 for (int t = 0; t < n; t++) {                                                    \
-                    const KV_T *kp = k + (base + t) * slot_stride + h * D;                       \
+                    const KV_T *kp = k + (base + t) * slot_stride + h * HEAD_##SUFFIX(D);                       \
                     for (int g = 0; g < G; g++)                                                  \
                         scores[g * block_size + t] = SCORE_##SUFFIX(                             \
                             qh + g * D, qbh != NULL ? qbh + g * D : NULL, kp, D, scale);         \
@@ -217,7 +247,7 @@ static inline void prefetch_rows(const char *p, int n, int64_t row_stride, int r
                     row_sum[r] = row_sum[r] * corr + exp_sub(sg, n, m);                          \
                     if (corr != 1.f)                                                             \
                         for (int d = 0; d < D; d++) acc[r * D + d] *= corr;                      \
-                    ACCUMULATE_##SUFFIX(acc + r * D, sg, v + base * slot_stride + h * D, n,      \
+                    ACCUMULATE_##SUFFIX(acc + r * D, sg, v + base * slot_stride + h * HEAD_##SUFFIX(D), n,      \
                                         slot_stride, D);                                         \
                 }                                                                                \
             }                                                                                    \
@@ -229,6 +259,7 @@ static inline void prefetch_rows(const char *p, int n, int64_t row_stride, int r
     }
 DEFINE_DECODE_HEADS(f32, float)
 DEFINE_DECODE_HEADS(bf16, uint16_t)
+DEFINE_DECODE_HEADS(i8, int8_t)
 
 #ifdef __AVX512BF16__
 /* The bfloat16 cache with bfloat16 queries and D % 64 == 0, 16 tokens at a time (~2.5x fewer
@@ -358,7 +389,8 @@ static void decode_heads_bf16_x16(const uint16_t *qb, float scale, const uint16_
 #endif
 
 /* q, out: (B, H, D) float32 (io_is_bf16 = 0) or bfloat16 (1). k_cache, v_cache: (num_blocks *
- * block_size, Hkv, D) float32 or bfloat16. block_tables: (B, table_stride) int32. context_lens:
+ * block_size, Hkv, D) float32 (kv_format 0) or bfloat16 (1), or (..., Hkv, D + 4) bytes of int8
+ * rows with their scales (2; no `slots`: the caller writes the rows). block_tables: (B, table_stride) int32. context_lens:
  * (B,) int32, each >= 1. With `slots` (B,) int64, this step's k_new and v_new (B, Hkv, D) in the
  * cache's dtype, token rows k_new_stride / v_new_stride elements apart, are first written to those
  * cache slots
@@ -371,7 +403,7 @@ static void decode_heads_bf16_x16(const uint16_t *qb, float scale, const uint16_
 int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
                                 const int32_t *block_tables, int64_t table_stride,
                                 const int32_t *context_lens, void *out, int B, int H, int Hkv,
-                                int D, int block_size, float scale, int kv_is_bf16,
+                                int D, int block_size, float scale, int kv_format,
                                 int io_is_bf16, const void *k_new, int64_t k_new_stride,
                                 const void *v_new, int64_t v_new_stride, const int64_t *slots,
                                 int64_t num_slots, int window, float softcap,
@@ -380,7 +412,9 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
     if (G > MAX_GROUP || D > MAX_HEAD_DIM || block_size > MAX_BLOCK || G * Hkv != H ||
         H * D > MAX_QUERY_FLOATS)
         return -1;
-    int64_t slot_stride = (int64_t)Hkv * D;
+    int kv_is_bf16 = kv_format == 1, kv_is_i8 = kv_format == 2;
+    if (kv_is_i8 && (slots != NULL || D % 4)) return -1;
+    int64_t slot_stride = (int64_t)Hkv * (kv_is_i8 ? D + 4 : D);
     for (int b = 0; slots != NULL && b < B; b++)
         if (slots[b] < 0 || slots[b] >= num_slots) return -2;
     /* One work item per sequence (all its KV heads); with too few sequences to keep the threads
@@ -419,7 +453,12 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
                                   context_lens[b], nh, G, D, block_size, slot_stride, o);
         else
 #endif
-        if (kv_is_bf16)
+        if (kv_is_i8)
+            decode_heads_i8(qs, NULL, scale, (const int8_t *)k_cache + (int64_t)h0 * (D + 4),
+                            (const int8_t *)v_cache + (int64_t)h0 * (D + 4), table, start,
+                            context_lens[b], nh, G, D, block_size, slot_stride, softcap,
+                            item_sinks, o);
+        else if (kv_is_bf16)
             decode_heads_bf16(qs, qb, scale, (const uint16_t *)k_cache + h0 * D,
                               (const uint16_t *)v_cache + h0 * D, table, start, context_lens[b],
                               nh, G, D, block_size, slot_stride, softcap, item_sinks, o);

@@ -121,8 +121,9 @@ const char *tern_compiled_tier(void);
 void tern_struct_sizes(int64_t *sizes);
 
 /* attention.c: q, out (B, H, D) float32 (io_is_bf16 = 0) or bfloat16 (1); k_cache, v_cache
- * (num_slots, Hkv, D) float32 or bfloat16; see the definition. */
-int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache, const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens, void *out, int B, int H, int Hkv, int D, int block_size, float scale, int kv_is_bf16, int io_is_bf16, const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride, const int64_t *slots, int64_t num_slots, int window, float softcap, const float *sinks);
+ * (num_slots, Hkv, D) float32 (kv_format 0) or bfloat16 (1), or int8 rows with scales (2); see
+ * the definition. */
+int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache, const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens, void *out, int B, int H, int Hkv, int D, int block_size, float scale, int kv_format, int io_is_bf16, const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride, const int64_t *slots, int64_t num_slots, int window, float softcap, const float *sinks);
 
 /* linear_f32.c: y (M, N) = x (M, K) @ w (N, K).T + bias, float32 arithmetic; w float32, or
  * bfloat16-stored (bf16w) widened to float32 in registers. */
