@@ -5,6 +5,7 @@ policy-gradient step, and pushes the new weights into tern before the next rollo
     python examples/rl/grpo.py                          # launches tern on the default model
     python examples/rl/grpo.py --weight-sync shm        # weights through /dev/shm, not a broadcast
     python examples/rl/grpo.py --colocate               # tern sleeps (level 2) while training
+    python examples/rl/grpo.py --quantization int4      # tern serves int4 weights (pushed float)
     python examples/rl/grpo.py --base-url http://127.0.0.1:8000 --model DIR   # attach instead
 
 Step k: rollouts from the weights of step k (tern's weight_version says so), the trainer's own
@@ -52,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--dtype", choices=list(DTYPES), default="float32",
                    help="the server's and the trainer's")  # fmt: skip
+    p.add_argument("--quantization", choices=["int8", "int4"], default=None,
+                   help="tern's weights quantized at load and on every push (the trainer's stay "
+                   "--dtype): the mismatch then includes the quantization")  # fmt: skip
     p.add_argument("--weight-sync", choices=["distributed", "shm"], default="distributed")
     p.add_argument("--colocate", action="store_true", help="tern sleeps while the trainer steps")
     p.add_argument("--seed", type=int, default=0)
@@ -218,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     try:
         if args.base_url is None:
-            server = launch(args.model, args.dtype, args.seed)
+            server = launch(args.model, args.dtype, args.seed, args.quantization)
         policy = Policy(args.model, DTYPES[args.dtype], args.lr)  # loads while tern starts
         if server is not None:
             server.wait_ready()
@@ -239,7 +243,8 @@ def summarize(args: argparse.Namespace, log: dict[str, Any]) -> None:
     first, last = steps[0], steps[-1]
     trained = [s["mismatch"] for s in steps if "mismatch" in s]
     mismatch = sum(trained) / len(trained) if trained else math.nan
-    title = (f"GRPO via tern, {Path(args.model).name} {args.dtype}, "
+    served = f" (tern {args.quantization})" if args.quantization else ""
+    title = (f"GRPO via tern, {Path(args.model).name} {args.dtype}{served}, "
              f"{args.prompts_per_step}x{args.samples_per_prompt} samples/step")  # fmt: skip
     plot(args.plot, steps, title)
     print(f"reward {first['reward']:.3f} -> {last['reward']:.3f} (exact {first['exact']:.2f} -> "

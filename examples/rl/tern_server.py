@@ -23,10 +23,12 @@ from frontend.client.trainer import TrainerClient
 KV_CACHE_GIB = 0.25
 
 
-def launch(model: str, dtype: str, seed: int) -> LaunchedServer:
+def launch(model: str, dtype: str, seed: int, quantization: str | None = None) -> LaunchedServer:
     """A tern server for the rollouts, owned by this script (stop it with shut_down())."""
     args = ["--model", model, "--dtype", dtype, "--seed", str(seed),
             "--kv-cache-memory", str(KV_CACHE_GIB)]  # fmt: skip
+    if quantization is not None:
+        args += ["--quantization", quantization]
     return LaunchedServer(args, log_prefix="tern-rl-server-")
 
 
