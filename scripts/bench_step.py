@@ -179,7 +179,9 @@ def build_core(args: argparse.Namespace, concurrency: int) -> EngineCore:
     extra = {"quantization": args.quantization} if args.quantization else {}
     config = Config(
         model=ModelConfig(path=str(args.model), dtype=args.dtype, **extra),
-        cache=CacheConfig(kv_cache_memory_gib=args.kv_cache_memory),
+        cache=CacheConfig(
+            kv_cache_memory_gib=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype
+        ),
         scheduler=SchedulerConfig(max_num_seqs=concurrency),
     )
     return EngineCore(config, InProcExecutor(config))
@@ -195,6 +197,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto or int8")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", type=Path, default=None)
