@@ -1,7 +1,7 @@
 """The fused decoder layer of small decode steps (csrc/decode_layer.c) against the module-by-module
 path: the same logprobs bit for bit, on every kernel tier this CPU runs, for `--dtype bfloat16`
 (bfloat16 activations on AVX512-BF16 tiers; float32 activations with bfloat16-stored weights on the
-others) and `--dtype float32`, unquantized and int8, Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k
+others) and `--dtype float32`, unquantized and int8, with an int8 KV cache too, Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k
 norms), Mistral (a sliding window shorter than the prompts), GLM-4 (sandwich norms, interleaved
 partial rotation), Phi-3 (partial rotation), SmolLM3 (NoPE layers), OLMo 2 (post norms only, q/k norms over the projection)
 Gemma 2 / 3 (GELU, softcapping, 1 + weight norms; these norms multiply in float32: fused under
@@ -32,10 +32,12 @@ pytestmark = [
 ]
 
 
-def _runner(model_dir: Path, quantization: str | None, dtype: str) -> ModelRunner:
+def _runner(
+    model_dir: Path, quantization: str | None, dtype: str, kv_cache_dtype: str = "auto"
+) -> ModelRunner:
     config = Config(
         model=ModelConfig(path=str(model_dir), dtype=dtype, quantization=quantization),
-        cache=CacheConfig(block_size=4, num_gpu_blocks_override=256),
+        cache=CacheConfig(block_size=4, num_gpu_blocks_override=256, kv_cache_dtype=kv_cache_dtype),
     )
     runner = ModelRunner(config)
     runner.load_model()
@@ -49,19 +51,32 @@ FAMILIES = ("tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_mistral", "tiny_glm4
 # int8 linears and bfloat16 storage are the same kernels in every family: the first families
 # cover them, the others (their norms, rotations, gates) run in float32.
 CASES = [
-    (arch, quantization, dtype)
+    (arch, quantization, dtype, "auto")
     for i, arch in enumerate(FAMILIES)
     for quantization in ((None, "int8") if i < 3 else (None,))
     for dtype in (("bfloat16", "float32") if i < 4 else ("float32",))
+] + [  # the int8 KV cache: the new rows quantized in the native call as kv_int8.py rounds them
+    ("tiny_llama", None, "float32", "int8"),
+    ("tiny_qwen3", None, "bfloat16", "int8"),
+    ("tiny_gpt_oss", None, "float32", "int8"),
 ]
 
 
-@pytest.mark.parametrize(("arch", "quantization", "dtype"), CASES)
+@pytest.mark.parametrize(("arch", "quantization", "dtype", "kv_cache_dtype"), CASES)
 def test_fused_layer_is_bit_identical_to_the_modules(
-    arch: str, quantization: str | None, dtype: str, request: pytest.FixtureRequest, monkeypatch
+    arch: str,
+    quantization: str | None,
+    dtype: str,
+    kv_cache_dtype: str,
+    request: pytest.FixtureRequest,
+    monkeypatch,
 ) -> None:
     model_dir = request.getfixturevalue(arch)
-    report = _runner(model_dir, quantization, dtype).kernel_report()
+
+    def make_runner() -> ModelRunner:
+        return _runner(model_dir, quantization, dtype, kv_cache_dtype)
+
+    report = make_runner().kernel_report()
     if "float32 under torch.bfloat16 activations" in report:  # OLMo 2, Gemma, Qwen3.5
         pytest.skip("norms that multiply in float32 are fused under float32 activations only")
     prompts = make_prompts(1000)[:5]
@@ -79,19 +94,17 @@ def test_fused_layer_is_bit_identical_to_the_modules(
         return out
 
     monkeypatch.setattr(FusedDecodeLayer, "__call__", counting)
-    fused = run(_runner(model_dir, quantization, dtype), prompts, params, arrival_steps=arrivals,
-                chunk_size=5)  # fmt: skip
+    fused = run(make_runner(), prompts, params, arrival_steps=arrivals, chunk_size=5)
     sizes = set(fused_calls) - {None}
     assert {1, 2} <= sizes, "decode steps of one and two sequences took the fused path"
-    bf16_activations = _runner(model_dir, quantization, dtype).dtype == torch.bfloat16
+    bf16_activations = make_runner().dtype == torch.bfloat16
     if not bf16_activations or native.bf16_amx_max_rows() >= 3:
         assert max(sizes) >= 3, "and larger ones (float32, or AMX)"
     assert None in fused_calls  # prefill steps did not
-    assert "fused decode layer: on" in _runner(model_dir, quantization, dtype).kernel_report()
+    assert "fused decode layer: on" in make_runner().kernel_report()
 
     monkeypatch.setattr(FusedDecodeLayer, "__call__", lambda self, x, residual, meta: None)
-    unfused = run(_runner(model_dir, quantization, dtype), prompts, params, arrival_steps=arrivals,
-                  chunk_size=5)  # fmt: skip
+    unfused = run(make_runner(), prompts, params, arrival_steps=arrivals, chunk_size=5)
     for req_id, r in unfused.items():
         assert fused[req_id].output == r.output
         for a, b in zip(fused[req_id].logprobs, r.logprobs):

@@ -410,7 +410,7 @@ class Attention(nn.Module):
         k_cache, v_cache = self._k_cache, self._v_cache  # (num_blocks, block_size, Hkv, D)
         d = meta.decode
         use_kernel = d is not None and self._uses_decode_kernel
-        if use_kernel and d.is_whole_batch and k.dtype == k_cache.dtype:
+        if use_kernel and d.is_whole_batch and (k.dtype == k_cache.dtype or self._kv_int8):
             # One call writes this step's K/V and attends: the common decode step.
             return native.paged_decode_attention(
                 q.contiguous(), k_cache, v_cache, d.block_tables, d.context_lens, self.scale,

@@ -179,7 +179,7 @@ class FusedDecodeLayer:
         )
         if key != self._key:
             (self._fixed, self._off_reason), self._key = _build_fixed(spec), key
-            self._dtype = spec.attention.kv_cache.dtype
+            self._dtype = spec.qkv.dtype
             self._widths = _scratch_widths(self._fixed) if self._fixed is not None else ()
         return self._fixed
 
@@ -283,11 +283,14 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
     a = spec.attention
     norms = _norms(spec)
     ctx = spec.qkv.ctx
-    dtype = a.kv_cache.dtype  # the activations'
+    dtype = spec.qkv.dtype  # the activations'
+    cache_dtype = a.kv_cache.dtype  # theirs, or int8 rows (uint8)
     if native.load() is None:
         return None, "the kernels are off"
     if not a.uses_decode_kernel or dtype not in (torch.float32, torch.bfloat16):
-        return None, f"the KV cache is {dtype} or not on tern's decode kernel"
+        return None, f"the activations are {dtype} or the KV cache not on tern's decode kernel"
+    if cache_dtype not in (dtype, torch.uint8):
+        return None, f"a {cache_dtype} KV cache under {dtype} activations"
     if dtype == torch.bfloat16 and native.bf16_gemv_max_rows() == 0:
         return None, f"the {native.active_tier_name()} kernels have no AVX512-BF16 few-row linear"
     if ctx.tp_size > 1 and (
@@ -322,6 +325,7 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
         rope.cos_cache.size(0) if rope is not None else 0,
         k_cache.data_ptr(), a.v_cache.data_ptr(), k_cache.size(0) * k_cache.size(1),
         k_cache.size(1), a.sliding_window or 0,
+        2 if cache_dtype == torch.uint8 else int(dtype == torch.bfloat16),
         a.sinks.data_ptr() if a.sinks is not None else None,
         ctx.tp_shm.base if ctx.tp_size > 1 else None, ctx.tp_rank, ctx.tp_size,
         ctx.tp_shm.slot_bytes if ctx.tp_size > 1 else 0,

@@ -147,7 +147,7 @@ class TernDecodeLayer(ctypes.Structure):
         ("hidden", _i32), ("num_heads", _i32), ("num_kv_heads", _i32), ("head_dim", _i32),
         ("intermediate", _i32), ("cos_cache", _vp), ("sin_cache", _vp), ("num_positions", _i64),
         ("k_cache", _vp), ("v_cache", _vp), ("num_slots", _i64), ("block_size", _i32),
-        ("window", _i32), ("sinks", _vp), ("shm", _vp), ("tp_rank", _i32), ("tp_size", _i32), ("shm_slot_bytes", _i64),
+        ("window", _i32), ("kv_format", _i32), ("sinks", _vp), ("shm", _vp), ("tp_rank", _i32), ("tp_size", _i32), ("shm_slot_bytes", _i64),
         ("shm_timeout_s", ctypes.c_double),
     ]  # fmt: skip
 

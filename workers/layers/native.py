@@ -99,10 +99,11 @@ def paged_decode_attention(
     sink, a logit in the softmax with no value, as gpt-oss's).
 
     k_cache, v_cache (num_blocks, block_size, Hkv, D) float32 or bfloat16, or (..., D + 4) uint8:
-    int8 rows with their scales (kv_int8.py; no `new_kv`); block_tables
+    int8 rows with their scales (kv_int8.py); block_tables
     (B, max_blocks) int32; context_lens (B,) int32, each at least 1. `new_kv` = (k, v, slots):
-    this step's k and v (B, Hkv, D) in the cache's dtype (heads contiguous, any token stride),
-    written to cache slots (B,) int64 before attending.
+    this step's k and v (B, Hkv, D) in the cache's dtype (q's for int8 rows, quantized as
+    kv_int8.quantize does; heads contiguous, any token stride), written to cache slots (B,)
+    int64 before attending.
     """
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
@@ -121,13 +122,12 @@ def paged_decode_attention(
     row = head_dim + 4 if k_cache.dtype == torch.uint8 else head_dim
     if cache_dim != row or not block_tables.size(0) == context_lens.size(0) == num_seqs:
         raise ValueError("q, the KV cache, block tables and context lengths do not agree")
-    if new_kv is not None and k_cache.dtype == torch.uint8:
-        raise ValueError("an int8 KV cache's new rows are written by kv_int8.write, not here")
     k_new = v_new = slots = None
     if new_kv is not None:
         k_new, v_new, slots = new_kv
-        _check_heads(k_new, k_cache.dtype, "k")
-        _check_heads(v_new, k_cache.dtype, "v")
+        new_dtype = q.dtype if k_cache.dtype == torch.uint8 else k_cache.dtype
+        _check_heads(k_new, new_dtype, "k")
+        _check_heads(v_new, new_dtype, "v")
         _check(slots, torch.int64, "slots")
         shape = (num_seqs, num_kv_heads, head_dim)
         if k_new.shape != shape or v_new.shape != shape or slots.numel() != num_seqs:

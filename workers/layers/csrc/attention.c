@@ -27,6 +27,22 @@ static inline __m256 load8_i8(const int8_t *p) {
 #define HEAD_bf16(D) (D)
 #define HEAD_i8(D) ((D) + 4)
 
+/* One head's new K or V row (D float32 or bfloat16 values) as an int8 row and its scale, rounded
+ * as kv_int8.quantize rounds it: scale = max |x| / 127, q = round-half-even(x / scale). */
+static void write_i8_row(int8_t *dst, const void *src, int D, int src_bf16) {
+    float x[MAX_HEAD_DIM], amax = 0.f;
+    for (int d = 0; d < D; d++) {
+        x[d] = src_bf16 ? bf16_to_f32(((const uint16_t *)src)[d]) : ((const float *)src)[d];
+        amax = fmaxf(amax, fabsf(x[d]));
+    }
+    float scale = amax / 127.f, div = scale > 0.f ? scale : 1.f;
+    for (int d = 0; d < D; d++) {
+        float r = nearbyintf(x[d] / div);
+        dst[d] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+    }
+    memcpy(dst + D, &scale, sizeof scale);
+}
+
 /* The float32 scale stored after an int8 row of D values. */
 static inline float row_scale(const int8_t *row, int D) {
     float s;
@@ -413,7 +429,7 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
         H * D > MAX_QUERY_FLOATS)
         return -1;
     int kv_is_bf16 = kv_format == 1, kv_is_i8 = kv_format == 2;
-    if (kv_is_i8 && (slots != NULL || D % 4)) return -1;
+    if (kv_is_i8 && D % 4) return -1;
     int64_t slot_stride = (int64_t)Hkv * (kv_is_i8 ? D + 4 : D);
     for (int b = 0; slots != NULL && b < B; b++)
         if (slots[b] < 0 || slots[b] >= num_slots) return -2;
@@ -427,7 +443,18 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
         int h0 = item % (Hkv / nh) * nh;
         int64_t first = ((int64_t)b * H + (int64_t)h0 * G) * D;
         int n = nh * G * D;
-        if (slots != NULL) {
+        if (slots != NULL && kv_is_i8) {
+            size_t io = io_is_bf16 ? 2 : 4;
+            for (int h = h0; h < h0 + nh; h++) {
+                int64_t dst = slots[b] * slot_stride + (int64_t)h * (D + 4);
+                write_i8_row((int8_t *)k_cache + dst,
+                             (const char *)k_new + ((int64_t)b * k_new_stride + h * D) * io, D,
+                             io_is_bf16);
+                write_i8_row((int8_t *)v_cache + dst,
+                             (const char *)v_new + ((int64_t)b * v_new_stride + h * D) * io, D,
+                             io_is_bf16);
+            }
+        } else if (slots != NULL) {
             size_t elem = kv_is_bf16 ? 2 : 4, bytes = (size_t)nh * D * elem;
             int64_t dst = (slots[b] * slot_stride + (int64_t)h0 * D) * elem;
             int64_t k_src = ((int64_t)b * k_new_stride + (int64_t)h0 * D) * elem;

@@ -143,7 +143,7 @@ static int decode_layer(const TernDecodeLayer *L, const TernDecodeStep *S, const
     if (rc != 0) return -2;
     rc = tern_paged_decode_attention(S->q, L->k_cache, L->v_cache, S->block_tables,
                                      S->table_stride, S->context_lens, S->attn, T, H, Hkv, D,
-                                     L->block_size, L->attn_scale, bf16, bf16, k, row, v, row,
+                                     L->block_size, L->attn_scale, L->kv_format, bf16, k, row, v, row,
                                      S->slots, L->num_slots, L->window, L->attn_softcap,
                                      L->sinks);
     if (rc != 0) return rc == -2 ? -2 : -1;

@@ -39,8 +39,8 @@ typedef struct TernLinear {
 #define TERN_WEIGHT_GGUF 256
 #define TERN_WEIGHT_GGUF_Q8ACT 512
 
-/* What stays fixed between steps: weights, norms, rotary tables, this layer's KV cache (norms and
- * cache in the activations' dtype). */
+/* What stays fixed between steps: weights, norms, rotary tables, this layer's KV cache (norms in
+ * the activations' dtype; the cache too, or int8 rows with their scales: kv_format). */
 typedef struct {
     TernLinear qkv, o, gate_up, down;
     /* The norms before attention and before the MLP (Llama's two), and of the attention's and
@@ -62,6 +62,7 @@ typedef struct {
     int64_t num_slots;
     int block_size;
     int window; /* a sliding-window layer's window, or 0 */
+    int kv_format; /* the cache: the activations' dtype (0 float32, 1 bfloat16) or 2: int8 rows */
     const float *sinks; /* each head's attention sink (gpt-oss), or NULL */
     /* tensor parallelism: the TP group's shared-memory segment (shm_collectives.py), or tp_size 1 */
     char *shm;
