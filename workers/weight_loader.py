@@ -416,6 +416,23 @@ def keep_blocks_everywhere(model: nn.Module, block_type: str, quantize_x: bool =
     return kept
 
 
+def checkpoint_weights(
+    model: nn.Module, model_dir: str | Path, permuted: Iterable[str] = ()
+) -> Iterable[tuple[str, object]]:
+    """A checkpoint directory's tensors under Hugging Face's names, for the model's layers as they
+    store their weights now: a GGUF file's blocks where layers keep blocks, a quantized
+    checkpoint's layers as INT4_ZP blocks or float values (act-order layers in `permuted` with
+    their input order), plain tensors otherwise (loading, and updates from disk)."""
+    if gguf_file_of(model_dir) is not None:
+        keeps = any(getattr(m, "quant", None) == "gguf" for m in model.modules())
+        return iter_gguf(GGUFCheckpoint.open(model_dir), keep_blocks=keeps)
+    checkpoint_quant = checkpoint_quantization(model_dir)
+    if checkpoint_quant is None:
+        return iter_safetensors_lazy(model_dir)
+    layers = quantized_layers(checkpoint_quant, (n for n, _ in iter_safetensors_lazy(model_dir)))
+    return iter_quantized(iter_safetensors_lazy(model_dir), checkpoint_quant, layers, permuted)
+
+
 def load_checkpoint(model: nn.Module, model_dir: str | Path, quantize_x: bool = False) -> None:
     """Load a whole checkpoint (safetensors, or the GGUF file a prepared directory names); every
     parameter must be covered. A GGUF file's linear layers keep the block types the kernels
@@ -425,28 +442,21 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, quantize_x: bool = 
     float values (quantized_checkpoints.py)."""
     quantized = any(getattr(m, "quant", None) is not None for m in model.modules())
     checkpoint_quant = checkpoint_quantization(model_dir)
-    if gguf_file_of(model_dir) is not None:
-        checkpoint = GGUFCheckpoint.open(model_dir)
-        kept = 0 if quantized else keep_gguf_blocks(model, checkpoint.block_types(), quantize_x)
-        weights: Iterable = iter_gguf(checkpoint, keep_blocks=kept > 0)
-    elif checkpoint_quant is not None:
-        names = [name for name, _ in iter_safetensors_lazy(model_dir)]
+    permuted: set[str] = set()
+    if gguf_file_of(model_dir) is not None and not quantized:
+        keep_gguf_blocks(model, GGUFCheckpoint.open(model_dir).block_types(), quantize_x)
+    elif checkpoint_quant is not None and not quantized:
+        names = (name for name, _ in iter_safetensors_lazy(model_dir))
         layers = quantized_layers(checkpoint_quant, names)
-        permuted: set[str] = set()
-        if checkpoint_quant.act_order and not quantized:
+        if checkpoint_quant.act_order:
             permuted = act_order_layers(model, model_dir, layers)
-        weights = iter_quantized(
-            iter_safetensors_lazy(model_dir), checkpoint_quant, layers, permuted
-        )
-        if not quantized and (checkpoint_quant.keeps_int4 or checkpoint_quant.int8_layers):
-            if checkpoint_quant.act_order:
-                storage = dict.fromkeys((f"{p}.weight" for p in permuted), "INT4_ZP")
-            else:
-                kind = "INT4_ZP" if checkpoint_quant.keeps_int4 else "int8"
-                storage = dict.fromkeys((f"{p}.weight" for p in layers), kind)
+            storage = dict.fromkeys((f"{p}.weight" for p in permuted), "INT4_ZP")
+        else:
+            kind = "INT4_ZP" if checkpoint_quant.keeps_int4 else "int8"
+            storage = dict.fromkeys((f"{p}.weight" for p in layers), kind)
+        if checkpoint_quant.keeps_int4 or checkpoint_quant.int8_layers:
             keep_gguf_blocks(model, storage, quantize_x)
-    else:
-        weights = iter_safetensors_lazy(model_dir)
+    weights = checkpoint_weights(model, model_dir, permuted)
     loaded = load_weights(model, weights)
     missing = expected_weight_names(model) - loaded
     if missing:

@@ -36,8 +36,8 @@ from enginecore.messages import (
 )
 from workers.model_runner import ModelRunner
 from workers.weight_loader import (
+    checkpoint_weights,
     expected_weight_names,
-    iter_safetensors_lazy,
     load_weights,
 )
 from workers.weight_sync import (
@@ -136,7 +136,7 @@ class WorkerControl:
         if not path.is_dir():
             raise ValueError(f"model_path {model_path!r} is not a directory")
         self._begin()
-        loaded = load_weights(self.model, iter_safetensors_lazy(path))
+        loaded = load_weights(self.model, checkpoint_weights(self.model, path))
         missing = expected_weight_names(self.model) - loaded
         if missing:
             raise ValueError(f"checkpoint {model_path} lacks weights: {sorted(missing)[:8]}")

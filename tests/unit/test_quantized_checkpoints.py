@@ -250,3 +250,26 @@ def test_unsupported_quantized_checkpoints_are_refused(tmp_path: Path) -> None:
         (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
         with pytest.raises(ValueError, match=message):
             checkpoint_quantization(tmp_path)
+
+
+def test_a_gptq_server_updates_from_a_gptq_checkpoint_on_disk(tmp_path: Path) -> None:
+    """An update from disk reads a quantized checkpoint as loading does: its int4 groups go into
+    the layers' INT4_ZP blocks as they are (the answers: Hugging Face's on its dequantized
+    weights)."""
+    from enginecore.control import EngineControl
+    from enginecore.messages import UtilityMethod
+    from tests.unit.test_engine_inproc import make_core
+    from tests.unit.test_weight_control import call, greedy
+
+    first, first_ref = write_quantized_checkpoint(
+        make_tiny_model("llama", tmp_path / "a"), tmp_path / "qa", "gptq"
+    )
+    second, second_ref = write_quantized_checkpoint(
+        make_tiny_model("llama", tmp_path / "b", seed=1), tmp_path / "qb", "gptq"
+    )
+    prompts = make_prompts(512, n=3)
+    control = EngineControl(make_core(first))
+    assert greedy(control, prompts, "a")[0] == hf_greedy(first_ref, prompts, 8)
+    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_DISK, model_path=str(second))
+    assert greedy(control, prompts, "b")[0] == hf_greedy(second_ref, prompts, 8)
+    assert _kept(control.core) == {"INT4_ZP"}
