@@ -22,9 +22,9 @@
 #define QK 32
 
 /* Functions below take a block (or super-block) b and the index of a 32-value chunk inside it;
- * the row loops run with `type` a constant (FOR_EACH_TYPE) and the chunk index a constant in each
- * unrolled copy (FOR_EACH_CHUNK), so each type's unpacking compiles to its own straight code
- * (measured: 1.5-2x faster at one row than switching on the type per chunk). */
+ * the row loops run with `type` a constant (one function per type: rows_of) and the chunk index
+ * a constant in each unrolled copy (FOR_EACH_CHUNK), so each type's unpacking compiles to its own
+ * straight code (measured: 1.5-2x faster at one row than switching on the type per chunk). */
 #define INLINE static inline __attribute__((always_inline))
 
 /* Loops over the chunks c of a row of nc chunks: b the block holding c, sub (a constant in each
@@ -42,19 +42,11 @@
     }              \
     }
 
-/* Runs STMT with T bound to `type` as a compile-time constant. */
-#define FOR_EACH_TYPE(type, STMT)                                   \
-    switch (type) {                                                 \
-    case TERN_GGUF_Q8_0: { const int T = TERN_GGUF_Q8_0; STMT; } break; \
-    case TERN_GGUF_Q4_0: { const int T = TERN_GGUF_Q4_0; STMT; } break; \
-    case TERN_GGUF_Q4_1: { const int T = TERN_GGUF_Q4_1; STMT; } break; \
-    case TERN_GGUF_Q5_0: { const int T = TERN_GGUF_Q5_0; STMT; } break; \
-    case TERN_GGUF_Q5_1: { const int T = TERN_GGUF_Q5_1; STMT; } break; \
-    case TERN_GGUF_Q4_K: { const int T = TERN_GGUF_Q4_K; STMT; } break; \
-    case TERN_GGUF_Q5_K: { const int T = TERN_GGUF_Q5_K; STMT; } break; \
-    case TERN_GGUF_Q6_K: { const int T = TERN_GGUF_Q6_K; STMT; } break; \
-    case TERN_BLOCK_INT4_ZP: { const int T = TERN_BLOCK_INT4_ZP; STMT; } break; \
-    }
+/* Every block type: X(name, its type constant). */
+#define EACH_BLOCK_TYPE(X)                                                                     \
+    X(q8_0, TERN_GGUF_Q8_0) X(q4_0, TERN_GGUF_Q4_0) X(q4_1, TERN_GGUF_Q4_1)                    \
+    X(q5_0, TERN_GGUF_Q5_0) X(q5_1, TERN_GGUF_Q5_1) X(q4_k, TERN_GGUF_Q4_K)                    \
+    X(q5_k, TERN_GGUF_Q5_K) X(q6_k, TERN_GGUF_Q6_K) X(int4_zp, TERN_BLOCK_INT4_ZP)
 
 /* Values per block and bytes per block of `type`, or 0 bytes for a type this file does not take. */
 INLINE int block_shape(int type, int *values) {
@@ -333,52 +325,6 @@ INLINE void dequant_row_t(const uint8_t *row, int type, int K, float *out) {
     END_CHUNKS
 }
 
-static void dequant_row(const uint8_t *row, int type, int K, float *out) {
-    FOR_EACH_TYPE(type, dequant_row_t(row, T, K, out));
-}
-
-/* Dequantizes weight rows [n0, n0 + nt) into wf (TILE_N, K), the rows past nt zeroed; `scale`
- * carries the block type (matmul_widened_tiles' widener signature). */
-static void gguf_tile(const void *w, const float *scale, int n0, int nt, int K, float *wf) {
-    int type = (int)(intptr_t)scale;
-    int64_t rb = row_bytes(type, K);
-    for (int r = 0; r < TILE_N; r++) {
-        float *dst = wf + (int64_t)r * K;
-        if (r >= nt)
-            memset(dst, 0, sizeof(float) * K);
-        else
-            dequant_row((const uint8_t *)w + (int64_t)(n0 + r) * rb, type, K, dst);
-    }
-}
-
-/* y (M, N) = x (M, K) @ W.T + bias, W (N, K) in blocks of `type`; x, bias, y float32. Returns 0,
- * -2 for a type or K it does not take, -1 when a thread cannot get its scratch tile. */
-int tern_gguf_linear(const float *x, const uint8_t *w, int type, const float *bias, float *y,
-                     int M, int N, int K) {
-    if (row_bytes(type, K) == 0) return -2;
-    if (M < GEMV_MAX_M) {
-        int num_tiles = (N + GEMV_ROWS - 1) / GEMV_ROWS;
-#pragma omp parallel for schedule(static)
-        for (int t = 0; t < num_tiles; t++) {
-            int n0 = t * GEMV_ROWS;
-            int nt = N - n0 < GEMV_ROWS ? N - n0 : GEMV_ROWS;
-            FOR_EACH_TYPE(type, gguf_gemv_rows(x, w, T, bias, y, M, N, K, n0, nt));
-        }
-        return 0;
-    }
-    return matmul_widened_tiles(x, w, (const float *)(intptr_t)type, gguf_tile, bias, y, M, N, K);
-}
-
-/* out (N, K) float32 = the dequantized weight (for GEMMs of many rows and for checks). Returns 0,
- * or -2 for a type or K it does not take. */
-int tern_gguf_dequantize(const uint8_t *w, int type, float *out, int N, int K) {
-    int64_t rb = row_bytes(type, K);
-    if (rb == 0) return -2;
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) dequant_row(w + (int64_t)n * rb, type, K, out + (int64_t)n * K);
-    return 0;
-}
-
 /* ---------------------------------------------------------------- quantized activations */
 
 /* The fast path (llama.cpp's): each 32-value block of a row of x quantized to int8 with its own
@@ -473,6 +419,93 @@ INLINE void q8act_rows(const uint8_t *wr, int type, int nc, const QuantizedRows 
     (void)is_signed;
 }
 
+/* ---------------------------------------------------------------- per block type */
+
+/* The row loops compiled once per block type, each a function of its own with `type` a constant:
+ * with all of them inlined into one function GCC stopped optimizing the later types (Q4_K's
+ * one-row product 2.6x slower once a ninth type was added). */
+typedef void (*GemvRows)(const float *x, const uint8_t *w, const float *bias, float *y, int M,
+                         int N, int K, int n0, int nt);
+typedef void (*DequantRow)(const uint8_t *row, int K, float *out);
+typedef void (*Q8ActRows)(const uint8_t *wr, int nc, const QuantizedRows *xq, int m0, int mb,
+                          float *out);
+typedef struct {
+    GemvRows gemv;
+    DequantRow dequant;
+    Q8ActRows q8act;
+} TypeRows;
+
+#define DEFINE_TYPE_ROWS(name, T)                                                              \
+    static void gemv_rows_##name(const float *x, const uint8_t *w, const float *bias, float *y, \
+                                 int M, int N, int K, int n0, int nt) {                        \
+        gguf_gemv_rows(x, w, T, bias, y, M, N, K, n0, nt);                                     \
+    }                                                                                          \
+    static void dequant_row_##name(const uint8_t *row, int K, float *out) {                    \
+        dequant_row_t(row, T, K, out);                                                         \
+    }                                                                                          \
+    static void q8act_rows_##name(const uint8_t *wr, int nc, const QuantizedRows *xq, int m0,  \
+                                  int mb, float *out) {                                        \
+        q8act_rows(wr, T, nc, xq, m0, mb, out);                                                \
+    }
+EACH_BLOCK_TYPE(DEFINE_TYPE_ROWS)
+
+/* The row loops of `type` (a type block_shape takes). */
+static TypeRows rows_of(int type) {
+#define TYPE_ROWS_CASE(name, T) \
+    case T: return (TypeRows){gemv_rows_##name, dequant_row_##name, q8act_rows_##name};
+    switch (type) { EACH_BLOCK_TYPE(TYPE_ROWS_CASE) }
+#undef TYPE_ROWS_CASE
+    return (TypeRows){NULL, NULL, NULL};
+}
+
+/* ---------------------------------------------------------------- float32 products */
+
+/* Dequantizes weight rows [n0, n0 + nt) into wf (TILE_N, K), the rows past nt zeroed; `scale`
+ * carries the block type (matmul_widened_tiles' widener signature). */
+static void gguf_tile(const void *w, const float *scale, int n0, int nt, int K, float *wf) {
+    int type = (int)(intptr_t)scale;
+    int64_t rb = row_bytes(type, K);
+    DequantRow dequant = rows_of(type).dequant;
+    for (int r = 0; r < TILE_N; r++) {
+        float *dst = wf + (int64_t)r * K;
+        if (r >= nt)
+            memset(dst, 0, sizeof(float) * K);
+        else
+            dequant((const uint8_t *)w + (int64_t)(n0 + r) * rb, K, dst);
+    }
+}
+
+/* y (M, N) = x (M, K) @ W.T + bias, W (N, K) in blocks of `type`; x, bias, y float32. Returns 0,
+ * -2 for a type or K it does not take, -1 when a thread cannot get its scratch tile. */
+int tern_gguf_linear(const float *x, const uint8_t *w, int type, const float *bias, float *y,
+                     int M, int N, int K) {
+    if (row_bytes(type, K) == 0) return -2;
+    if (M < GEMV_MAX_M) {
+        GemvRows gemv = rows_of(type).gemv;
+        int num_tiles = (N + GEMV_ROWS - 1) / GEMV_ROWS;
+#pragma omp parallel for schedule(static)
+        for (int t = 0; t < num_tiles; t++) {
+            int n0 = t * GEMV_ROWS;
+            gemv(x, w, bias, y, M, N, K, n0, N - n0 < GEMV_ROWS ? N - n0 : GEMV_ROWS);
+        }
+        return 0;
+    }
+    return matmul_widened_tiles(x, w, (const float *)(intptr_t)type, gguf_tile, bias, y, M, N, K);
+}
+
+/* out (N, K) float32 = the dequantized weight (for GEMMs of many rows and for checks). Returns 0,
+ * or -2 for a type or K it does not take. */
+int tern_gguf_dequantize(const uint8_t *w, int type, float *out, int N, int K) {
+    int64_t rb = row_bytes(type, K);
+    if (rb == 0) return -2;
+    DequantRow dequant = rows_of(type).dequant;
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) dequant(w + (int64_t)n * rb, K, out + (int64_t)n * K);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- quantized-activation products */
+
 /* y (M, N) = x (M, K) @ W.T + bias with x quantized per block (above); float32 x, bias, y.
  * Returns 0, -2 for a type or K it does not take, -1 without memory for the quantized rows. */
 int tern_gguf_linear_q8act(const float *x, const uint8_t *w, int type, const float *bias,
@@ -487,6 +520,7 @@ int tern_gguf_linear_q8act(const float *x, const uint8_t *w, int type, const flo
                         malloc(sizeof(int32_t) * (size_t)M * nc)};
     int rc = -1;
     if (xq.q != NULL && xq.scale != NULL && xq.sum != NULL) {
+        Q8ActRows q8act = rows_of(type).q8act;
         quantize_rows_q8(x, M, K, &xq);
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < N; n++) {
@@ -494,7 +528,7 @@ int tern_gguf_linear_q8act(const float *x, const uint8_t *w, int type, const flo
             for (int m0 = 0; m0 < M; m0 += 4) {
                 int mb = M - m0 < 4 ? M - m0 : 4;
                 float out[4];
-                FOR_EACH_TYPE(type, q8act_rows(wr, T, nc, &xq, m0, mb, out));
+                q8act(wr, nc, &xq, m0, mb, out);
                 for (int m = 0; m < mb; m++)
                     y[(int64_t)(m0 + m) * N + n] = out[m] + (bias ? bias[n] : 0.f);
             }
