@@ -174,7 +174,6 @@ class ModelRunner:
             or (checkpoint_quant is not None and checkpoint_quant.keeps_int4)
             or self.int4
         )
-
         auto = config.model.dtype == "auto"
         dtype_name = "float32" if keeps_blocks and auto else config.model.dtype
         self.quantize_x = keeps_blocks and config.model.dtype != "float32"

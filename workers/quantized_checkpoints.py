@@ -274,7 +274,9 @@ def iter_quantized(
             raise ValueError(
                 f"incomplete {q.method} layer {prefix}: {sorted(needed - parts.keys())}"
             )
-        yield f"{prefix}.weight", _layer_weight(q, parts, prefix in permuted)
+        weight = _layer_weight(q, parts, prefix in permuted)
+        as_float += isinstance(weight, torch.Tensor)
+        yield f"{prefix}.weight", weight
     if as_float and q.method != "ct_int8":
         logger.info("%d %s layers dequantized to float at load%s", as_float, q.method,
                     " (act-order)" if q.act_order else "")  # fmt: skip

@@ -31,6 +31,7 @@ from torch import nn
 from workers.gguf_weights import GGUFCheckpoint, gguf_file_of, iter_gguf
 from workers.layers.gguf_blocks import block_values
 from workers.quantized_checkpoints import (
+    Quantized,
     checkpoint_quantization,
     iter_quantized,
     permutable_groups,
@@ -305,6 +306,16 @@ def expected_weight_names(model: nn.Module) -> set[str]:
     return names
 
 
+def _local_param(model: nn.Module, hf_name: str) -> tuple[str, object] | None:
+    """(parameter name, shard id) of checkpoint tensor `hf_name` on this pipeline stage, or None
+    when another stage holds it."""
+    name = _canonical(hf_name)
+    local_name = getattr(model, "local_weight_name", None)
+    if local_name is not None and (name := local_name(name)) is None:
+        return None
+    return _map_name(name)
+
+
 def _shard_order(item: tuple[object, str]) -> int:
     """Shard ids (q, k, v; 0, 1, ...; None for an unfused layer) in the order of their rows."""
     shard_id = item[0]
@@ -319,14 +330,11 @@ def keep_gguf_blocks(model: nn.Module, types: dict[str, str], quantize_x: bool =
     from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from workers.layers.linear import LinearBase
 
-    local_name = getattr(model, "local_weight_name", None)
     shards: dict[str, dict[object, str]] = {}
     for hf_name, block_type in types.items():
-        name = _canonical(hf_name)
-        if local_name is not None and (name := local_name(name)) is None:
-            continue
-        param_name, shard_id = _map_name(name)
-        shards.setdefault(param_name, {})[shard_id] = block_type
+        if (local := _local_param(model, hf_name)) is not None:
+            param_name, shard_id = local
+            shards.setdefault(param_name, {})[shard_id] = block_type
     expected = {"qkv_proj": 3, "gate_up_proj": 2}
     kept = 0
     for param_name, by_shard in shards.items():
@@ -378,13 +386,10 @@ def act_order_layers(model: nn.Module, model_dir: str | Path, layers: list[str])
         for name, w in iter_safetensors_lazy(model_dir)
         if name in wanted
     }
-    local_name = getattr(model, "local_weight_name", None)
     by_param: dict[str, list[str]] = {}
     for prefix in g_idx:
-        name = _canonical(f"{prefix}.weight")
-        if local_name is not None and (name := local_name(name)) is None:
-            continue
-        by_param.setdefault(_map_name(name)[0], []).append(prefix)
+        if (local := _local_param(model, f"{prefix}.weight")) is not None:
+            by_param.setdefault(local[0], []).append(prefix)
     kept = set()
     for param_name, prefixes in by_param.items():
         module = model.get_submodule(param_name.rpartition(".")[0])
@@ -416,21 +421,28 @@ def keep_blocks_everywhere(model: nn.Module, block_type: str, quantize_x: bool =
     return kept
 
 
-def checkpoint_weights(
-    model: nn.Module, model_dir: str | Path, permuted: Iterable[str] = ()
-) -> Iterable[tuple[str, object]]:
+def _gguf_weights(model: nn.Module, checkpoint: GGUFCheckpoint) -> Iterable[tuple[str, object]]:
+    """The file's tensors: blocks where the model's layers keep blocks, else float values."""
+    keeps = any(getattr(m, "quant", None) == "gguf" for m in model.modules())
+    return iter_gguf(checkpoint, keep_blocks=keeps)
+
+
+def _quantized_layers(checkpoint_quant: Quantized, model_dir: str | Path) -> list[str]:
+    names = (name for name, _ in iter_safetensors_lazy(model_dir))
+    return quantized_layers(checkpoint_quant, names)
+
+
+def checkpoint_weights(model: nn.Module, model_dir: str | Path) -> Iterable[tuple[str, object]]:
     """A checkpoint directory's tensors under Hugging Face's names, for the model's layers as they
-    store their weights now: a GGUF file's blocks where layers keep blocks, a quantized
-    checkpoint's layers as INT4_ZP blocks or float values (act-order layers in `permuted` with
-    their input order), plain tensors otherwise (loading, and updates from disk)."""
+    store their weights now (an update from disk): a GGUF file's blocks where layers keep blocks,
+    a quantized checkpoint's layers as INT4_ZP blocks or float values, plain tensors otherwise."""
     if gguf_file_of(model_dir) is not None:
-        keeps = any(getattr(m, "quant", None) == "gguf" for m in model.modules())
-        return iter_gguf(GGUFCheckpoint.open(model_dir), keep_blocks=keeps)
+        return _gguf_weights(model, GGUFCheckpoint.open(model_dir))
     checkpoint_quant = checkpoint_quantization(model_dir)
     if checkpoint_quant is None:
         return iter_safetensors_lazy(model_dir)
-    layers = quantized_layers(checkpoint_quant, (n for n, _ in iter_safetensors_lazy(model_dir)))
-    return iter_quantized(iter_safetensors_lazy(model_dir), checkpoint_quant, layers, permuted)
+    layers = _quantized_layers(checkpoint_quant, model_dir)
+    return iter_quantized(iter_safetensors_lazy(model_dir), checkpoint_quant, layers)
 
 
 def load_checkpoint(model: nn.Module, model_dir: str | Path, quantize_x: bool = False) -> None:
@@ -442,21 +454,29 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, quantize_x: bool = 
     float values (quantized_checkpoints.py)."""
     quantized = any(getattr(m, "quant", None) is not None for m in model.modules())
     checkpoint_quant = checkpoint_quantization(model_dir)
-    permuted: set[str] = set()
-    if gguf_file_of(model_dir) is not None and not quantized:
-        keep_gguf_blocks(model, GGUFCheckpoint.open(model_dir).block_types(), quantize_x)
-    elif checkpoint_quant is not None and not quantized:
-        names = (name for name, _ in iter_safetensors_lazy(model_dir))
-        layers = quantized_layers(checkpoint_quant, names)
-        if checkpoint_quant.act_order:
+    weights: Iterable[tuple[str, object]]
+    if gguf_file_of(model_dir) is not None:
+        checkpoint = GGUFCheckpoint.open(model_dir)  # once: parsing a file takes seconds
+        if not quantized:
+            keep_gguf_blocks(model, checkpoint.block_types(), quantize_x)
+        weights = _gguf_weights(model, checkpoint)
+    elif checkpoint_quant is not None:
+        layers = _quantized_layers(checkpoint_quant, model_dir)
+        permuted: set[str] = set()
+        if not quantized and checkpoint_quant.act_order:
             permuted = act_order_layers(model, model_dir, layers)
             storage = dict.fromkeys((f"{p}.weight" for p in permuted), "INT4_ZP")
-        else:
-            kind = "INT4_ZP" if checkpoint_quant.keeps_int4 else "int8"
-            storage = dict.fromkeys((f"{p}.weight" for p in layers), kind)
-        if checkpoint_quant.keeps_int4 or checkpoint_quant.int8_layers:
             keep_gguf_blocks(model, storage, quantize_x)
-    weights = checkpoint_weights(model, model_dir, permuted)
+        elif not quantized and (checkpoint_quant.keeps_int4 or checkpoint_quant.int8_layers):
+            kind = "INT4_ZP" if checkpoint_quant.keeps_int4 else "int8"
+            keep_gguf_blocks(
+                model, dict.fromkeys((f"{p}.weight" for p in layers), kind), quantize_x
+            )
+        weights = iter_quantized(
+            iter_safetensors_lazy(model_dir), checkpoint_quant, layers, permuted
+        )
+    else:
+        weights = iter_safetensors_lazy(model_dir)
     loaded = load_weights(model, weights)
     missing = expected_weight_names(model) - loaded
     if missing:

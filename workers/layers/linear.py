@@ -149,10 +149,9 @@ class LinearBase(nn.Module):
         self.full_size = local * ctx.tp_size
         if quant is None:
             self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+            self.weight.weight_loader = self.weight_loader
         else:
-            self.weight = quantization.new_packed_weight(output_size, input_size)
-            self._int8 = quantization.PackedInt8(output_size)
-        self.weight.weight_loader = self.weight_loader
+            self.store_int8()
         self.packed_weight: torch.Tensor | None = None
         # Kept blocks whose columns are the input's permuted (GPTQ act-order: gguf_blocks.py).
         self.input_perm: torch.Tensor | None = None
@@ -184,8 +183,8 @@ class LinearBase(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def store_int8(self) -> None:
-        """Store the weight int8 with per-row scales, as quant="int8" builds the layer (an int8
-        checkpoint's quantized layers); before the checkpoint loads."""
+        """Store the weight int8 with per-row scales (quant="int8", or an int8 checkpoint's
+        quantized layers); before the checkpoint loads."""
         self.weight = quantization.new_packed_weight(self.output_size, self.input_size)
         self._int8 = quantization.PackedInt8(self.output_size)
         self.weight.weight_loader = self.weight_loader
