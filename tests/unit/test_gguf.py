@@ -223,3 +223,14 @@ def test_the_fast_path_agrees_with_the_exact_one(gguf_case: tuple[Path, Path, Pa
     # A bound that catches a broken kernel (it agrees on almost nothing), not a quality target:
     # these random models' sharp logits amplify the activations' rounding through every layer.
     assert agree / total >= 0.85 and mean_diff < 0.1
+
+
+def test_preempted_requests_resume_with_hf_logprobs(gguf_case: tuple[Path, Path, Path]) -> None:
+    """Three requests preempted mid-decode (their blocks freed, prompt + output recomputed on
+    resume, 7 tokens a step): tokens and logprobs still Hugging Face's on the file's weights."""
+    _, prepared, reference = gguf_case
+    hf = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    runner = make_runner(prepared, block_size=4)
+    reqs = run(runner, runner_prompts(49152), GREEDY, chunk_size=7,
+               preempt={6: "r2", 9: "r7", 12: "r0"})  # fmt: skip
+    assert_logprobs_match_hf(hf, reqs.values())

@@ -273,3 +273,17 @@ def test_a_gptq_server_updates_from_a_gptq_checkpoint_on_disk(tmp_path: Path) ->
     call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_DISK, model_path=str(second))
     assert greedy(control, prompts, "b")[0] == hf_greedy(second_ref, prompts, 8)
     assert _kept(control.core) == {"INT4_ZP"}
+
+
+def test_preempted_requests_resume_with_hf_logprobs(
+    quantized_case: tuple[str, Path, Path],
+) -> None:
+    """Three requests preempted mid-decode (blocks freed, prompt + output recomputed on resume,
+    7 tokens a step) on each quantized checkpoint: Hugging Face's tokens and logprobs."""
+    from tests.unit.test_model_runner import make_runner
+
+    case, checkpoint, reference = quantized_case
+    hf = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    reqs = run(make_runner(checkpoint, block_size=4), runner_prompts(512), GREEDY, chunk_size=7,
+               preempt={6: "r2", 9: "r7", 12: "r0"})  # fmt: skip
+    assert_logprobs_match_hf(hf, reqs.values(), atol=3e-3 if case == "ct_int8" else 1e-3)
