@@ -6,8 +6,8 @@ The state here decides when the engine may step:
 - asleep (KV cache and maybe the weights freed: nothing runs until woken),
 - weights not valid (woken after sleep level 2, before new weights arrived),
 - a bucketed weight update is open (between its first and its `finished` bucket).
-Each UtilityMethod is answered by the method of EngineControl named after it (`handle` finds it),
-which returns the JSON answer of the HTTP route.
+Each control operation (an EngineControlOp, enginecore/messages.py) is answered by the handler its
+type maps to in `EngineControl.handlers`, which returns the JSON answer of the HTTP route.
 A weight update is a transaction on the workers: it commits on every rank or is rolled back on every
 rank, so no step ever runs on half-updated weights. After a commit, every cached prefix computed with
 the old weights is forgotten and the weight version changes; requests in flight continue with the
@@ -17,19 +17,29 @@ new weights unless the caller asked to abort them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 from enginecore.core import EngineCore
 from enginecore.messages import (
+    CommitWeights,
+    ControlCall,
     DestroyWeightsUpdateGroup,
+    EngineControlOp,
     EngineCoreOutput,
-    FinishWeightUpdate,
+    FinishWeightsUpdate,
+    GetControlState,
+    GetStats,
     InitWeightsUpdateGroup,
+    PauseGeneration,
+    ReleaseMemory,
+    ResetPrefixCache,
+    ResumeGeneration,
+    ResumeMemory,
     Sleep,
-    UpdateWeightsFromDisk,
-    UpdateWeightsFromDistributed,
-    UpdateWeightsFromTensors,
-    UtilityMethod,
+    UpdateWeights,
     UtilityResult,
     WakeUp,
 )
@@ -101,34 +111,41 @@ class EngineControl:
     # ------------------------------------------------------------------ the calls
 
     def handle(
-        self,
-        call_id: int,
-        method: UtilityMethod,
-        args: dict[str, Any],
-        aborted: list[EngineCoreOutput],
+        self, call_id: int, op: EngineControlOp, aborted: list[EngineCoreOutput]
     ) -> UtilityResult | None:
-        """Runs one call. Requests it aborts go to `aborted`. None: the answer comes later."""
-        handler = getattr(self, f"_{method.value}")
+        """Runs one operation. Requests it aborts go to `aborted`. None: the answer comes later."""
         try:
-            result = handler(args, aborted)
-        except (ControlError, KeyError, TypeError) as e:
-            message = f"missing argument {e}" if isinstance(e, KeyError) else str(e)
-            return UtilityResult(call_id, error=message)
+            result = self.handlers[type(op)](op, aborted)
+        except ControlError as e:
+            return UtilityResult(call_id, error=str(e))
         if result is _DEFERRED:
             self._deferred_pauses.append(call_id)
             return None
         return UtilityResult(call_id, result)
+
+    @property
+    def handlers(self) -> dict[type, Callable[[Any, list[EngineCoreOutput]], object]]:
+        return {
+            GetStats: lambda op, aborted: msgspec.to_builtins(self.core.stats()),
+            GetControlState: lambda op, aborted: self.state(),
+            PauseGeneration: self._pause,
+            ResumeGeneration: self._resume,
+            ResetPrefixCache: self._reset_prefix_cache,
+            UpdateWeights: self._update_weights,
+            FinishWeightsUpdate: self._finish_weights_update,
+            InitWeightsUpdateGroup: self._init_weights_update_group,
+            DestroyWeightsUpdateGroup: self._destroy_weights_update_group,
+            ReleaseMemory: self._sleep,
+            ResumeMemory: self._wake_up,
+        }
 
     def _abort_all(self, aborted: list[EngineCoreOutput]) -> None:
         s = self.core.scheduler
         ids = [r.request_id for r in list(s.running) + list(s.waiting)]
         aborted.extend(self.core.abort_requests(ids))
 
-    def _get_control_state(self, args: dict[str, Any], aborted: list[EngineCoreOutput]) -> object:
-        return self.state()
-
-    def _pause(self, args: dict[str, Any], aborted: list[EngineCoreOutput]) -> object:
-        mode = args.get("mode", "abort")
+    def _pause(self, op: PauseGeneration, aborted: list[EngineCoreOutput]) -> object:
+        mode = op.mode
         if mode not in PAUSE_MODES:
             raise ControlError(f"mode must be one of {PAUSE_MODES}, not {mode!r}")
         self.pause_mode = mode
@@ -143,47 +160,46 @@ class EngineControl:
             return _DEFERRED
         return self.state()
 
-    def _resume(self, args: dict[str, Any], aborted: list[EngineCoreOutput]) -> object:
+    def _resume(self, op: ResumeGeneration, aborted: list[EngineCoreOutput]) -> object:
         self.pause_mode = None
         return self.state()
 
-    def _reset_prefix_cache(self, args: dict[str, Any], aborted: list[EngineCoreOutput]) -> object:
+    def _reset_prefix_cache(self, op: ResetPrefixCache, aborted: list[EngineCoreOutput]) -> object:
         self.core.scheduler.kv.invalidate_prefix_cache()
         return {"success": True, "message": "prefix cache reset"}
 
     # ------------------------------------------------------------------ weights
 
-    def _run(self, call: object, timeout: float | None = None) -> None:
-        errors = self.core.executor.run_control(call, timeout)
+    def _run(self, call: ControlCall) -> None:
+        errors = self.core.executor.run_control(call)
         if errors:
             raise ControlError("; ".join(errors))
 
-    def _transaction(
-        self, call: object, args: dict[str, Any], aborted: list, finished: bool
-    ) -> dict:
+    def _update_weights(self, op: UpdateWeights, aborted: list[EngineCoreOutput]) -> dict:
         if self.asleep_tags & {"weights"}:
             raise ControlError('the weights are asleep: POST /wake_up with tags ["weights"] first')
-        if args.get("abort_all_requests"):
+        options = op.options
+        if options.abort_all_requests:
             self._abort_all(aborted)
         try:
-            self._run(call, timeout=args.get("timeout_s"))
+            self._run(op.source)
         except ControlError:
             self.update_open = False
-            self._run(FinishWeightUpdate(commit=False))
+            self._run(CommitWeights(commit=False))
             raise
-        if not finished:
+        if not options.finished:
             self.update_open = True  # generation waits for the rest of the buckets
             return {"success": True, "message": "bucket loaded; waiting for finished=true"}
-        return self._commit(args)
+        return self._commit(options.weight_version, options.flush_cache)
 
-    def _commit(self, args: dict[str, Any]) -> dict:
-        self._run(FinishWeightUpdate(commit=True))
+    def _commit(self, weight_version: str | None, flush_cache: bool) -> dict:
+        self._run(CommitWeights(commit=True))
         self.update_open = False
         self.weights_valid = True
         self._num_updates += 1
-        self.weight_version = str(args.get("weight_version") or self._num_updates)
+        self.weight_version = weight_version or str(self._num_updates)
         # flush_cache=False (SGLang's option) keeps prefixes computed with the old weights.
-        if args.get("flush_cache", True):
+        if flush_cache:
             self.core.scheduler.kv.invalidate_prefix_cache()
         logger.info("weights updated: version %s", self.weight_version)
         return {
@@ -192,63 +208,34 @@ class EngineControl:
             "weight_version": self.weight_version,
         }
 
-    def _update_weights_from_disk(self, args: dict[str, Any], aborted: list) -> object:
-        call = UpdateWeightsFromDisk(model_path=str(args["model_path"]))
-        return self._transaction(call, args, aborted, finished=bool(args.get("finished", True)))
-
-    def _finish_weights_update(self, args: dict[str, Any], aborted: list) -> object:
+    def _finish_weights_update(self, op: FinishWeightsUpdate, aborted: list) -> object:
         """Ends the open update (loaded with finished=false): commit, or roll back to the weights
         before it. Trainers driving several servers prepare on all, then finish on all."""
         if not self.update_open:
             raise ControlError("no weight update is open (send one with finished=false first)")
-        if args.get("commit", True):
-            return self._commit(args)
+        if op.commit:
+            return self._commit(op.weight_version, op.flush_cache)
         self.update_open = False
-        self._run(FinishWeightUpdate(commit=False))
+        self._run(CommitWeights(commit=False))
         return {"success": True, "message": "weight update rolled back"}
 
-    def _update_weights_from_tensors(self, args: dict[str, Any], aborted: list) -> object:
-        call = UpdateWeightsFromTensors(
-            blobs=list(args.get("blobs", [])), shm_paths=list(args.get("shm_paths", []))
-        )
-        return self._transaction(call, args, aborted, finished=bool(args.get("finished", True)))
+    def _init_weights_update_group(self, op: InitWeightsUpdateGroup, aborted: list) -> object:
+        self._run(op)
+        return {"success": True, "message": f"joined weight-update group {op.group_name!r}"}
 
-    def _update_weights_from_distributed(self, args: dict[str, Any], aborted: list) -> object:
-        call = UpdateWeightsFromDistributed(
-            group_name=args["group_name"],
-            names=list(args["names"]),
-            dtypes=list(args["dtypes"]),
-            shapes=[list(s) for s in args["shapes"]],
-            flattened=args.get("load_format") == "flattened_bucket",
-        )
-        return self._transaction(call, args, aborted, finished=bool(args.get("finished", True)))
-
-    def _init_weights_update_group(self, args: dict[str, Any], aborted: list) -> object:
-        call = InitWeightsUpdateGroup(
-            master_address=str(args["master_address"]),
-            master_port=int(args["master_port"]),
-            rank_offset=int(args["rank_offset"]),
-            world_size=int(args["world_size"]),
-            group_name=str(args["group_name"]),
-            backend=args.get("backend"),
-            timeout_s=float(args.get("timeout_s", 600.0)),
-        )
-        self._run(call)
-        return {"success": True, "message": f"joined weight-update group {call.group_name!r}"}
-
-    def _destroy_weights_update_group(self, args: dict[str, Any], aborted: list) -> object:
-        self._run(DestroyWeightsUpdateGroup(group_name=str(args["group_name"])))
-        return {"success": True, "message": f"destroyed {args['group_name']!r}"}
+    def _destroy_weights_update_group(self, op: DestroyWeightsUpdateGroup, aborted: list) -> object:
+        self._run(op)
+        return {"success": True, "message": f"destroyed {op.group_name!r}"}
 
     # ------------------------------------------------------------------ sleep
 
-    def _sleep(self, args: dict[str, Any], aborted: list) -> object:
+    def _sleep(self, op: ReleaseMemory, aborted: list) -> object:
         """Level 1 frees the KV cache, level 2 the weights too; `tags` (SGLang's
         release_memory_occupation) name what to free instead."""
-        level = int(args.get("level") or 1)
+        level = op.level or 1
         if level not in (1, 2):
             raise ControlError(f"level must be 1 or 2, not {level}")
-        tags = _memory_tags(args.get("tags")) or (["kv_cache", "weights"][:level])
+        tags = _memory_tags(op.tags) or (["kv_cache", "weights"][:level])
         self._abort_all(aborted)  # nothing in flight can continue without its cache or weights
         self._run(Sleep(level=level, tags=[t for t in tags if t != "cuda_graph"]))
         self.core.scheduler.kv.invalidate_prefix_cache()
@@ -257,8 +244,8 @@ class EngineControl:
             self.weights_valid = False
         return {"success": True, "message": f"released {sorted(set(tags))}", **self.state()}
 
-    def _wake_up(self, args: dict[str, Any], aborted: list) -> object:
-        tags = _memory_tags(args.get("tags")) or list(WAKE_TAGS)
+    def _wake_up(self, op: ResumeMemory, aborted: list) -> object:
+        tags = _memory_tags(op.tags) or list(WAKE_TAGS)
         self._run(WakeUp(tags=[t for t in tags if t != "cuda_graph"]))
         self.asleep_tags -= set(tags)
         return {"success": True, "message": f"resumed {sorted(set(tags))}", **self.state()}

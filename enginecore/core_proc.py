@@ -44,7 +44,6 @@ from enginecore.messages import (
     RequestType,
     SchedulerStats,
     UtilityCall,
-    UtilityMethod,
     UtilityResult,
 )
 
@@ -166,10 +165,8 @@ class EngineCoreProc:
         self, call: UtilityCall, outputs: list[EngineCoreOutput]
     ) -> UtilityResult | None:
         assert self.core is not None
-        if call.method == UtilityMethod.GET_STATS:
-            return UtilityResult(call.call_id, msgspec.to_builtins(self.core.stats()))
         # NOTE: worker failures inside a control call propagate: they are fatal for the engine.
-        return self.control.handle(call.call_id, call.method, call.args, outputs)
+        return self.control.handle(call.call_id, call.op, outputs)
 
     def _check_liveness(self) -> None:
         assert self.core is not None

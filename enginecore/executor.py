@@ -102,7 +102,7 @@ class Executor(Protocol):
         while the workers run the forward pass."""
         ...
 
-    def run_control(self, call: ControlCall, timeout: float | None) -> list[str]: ...
+    def run_control(self, call: ControlCall) -> list[str]: ...
 
     def shutdown(self) -> None: ...
 
@@ -134,7 +134,7 @@ class InProcExecutor:
     ) -> ModelRunnerOutput:
         return self.runner.execute_model(step, bitmasks)
 
-    def run_control(self, call: ControlCall, timeout: float | None) -> list[str]:
+    def run_control(self, call: ControlCall) -> list[str]:
         try:
             self.control.handle(call)
         except Exception as e:  # noqa: BLE001 - reported like a worker's control error
@@ -247,10 +247,10 @@ class MultiprocExecutor:
         assert result.rank == self.driver_rank and result.output is not None, result
         return result.output
 
-    def run_control(self, call: ControlCall, timeout: float | None) -> list[str]:
+    def run_control(self, call: ControlCall) -> list[str]:
         """Runs a control call on every rank; returns the errors of the ranks that failed."""
         self._broadcast(call)
-        results = self._gather(WorkerResult, timeout)
+        results = self._gather(WorkerResult, timeout=None)
         return [f"rank {r.rank}: {r.control_error}" for r in results if r.control_error]
 
     def check_health(self) -> None:

@@ -188,29 +188,9 @@ class EngineCoreAbort(msgspec.Struct):
     request_ids: list[str]
 
 
-class UtilityMethod(str, enum.Enum):
-    """Engine-core calls that are not generation. Replies come back as a `UtilityResult`."""
-
-    GET_STATS = "get_stats"
-    # Control of generation and weights, for RL trainers (args documented in enginecore/control.py).
-    PAUSE = "pause"
-    RESUME = "resume"
-    RESET_PREFIX_CACHE = "reset_prefix_cache"
-    UPDATE_WEIGHTS_FROM_DISK = "update_weights_from_disk"
-    UPDATE_WEIGHTS_FROM_TENSORS = "update_weights_from_tensors"
-    INIT_WEIGHTS_UPDATE_GROUP = "init_weights_update_group"
-    UPDATE_WEIGHTS_FROM_DISTRIBUTED = "update_weights_from_distributed"
-    DESTROY_WEIGHTS_UPDATE_GROUP = "destroy_weights_update_group"
-    FINISH_WEIGHTS_UPDATE = "finish_weights_update"  # commit or roll back an open update
-    SLEEP = "sleep"
-    WAKE_UP = "wake_up"
-    GET_CONTROL_STATE = "get_control_state"
-
-
 class UtilityCall(msgspec.Struct):
     call_id: int
-    method: UtilityMethod
-    args: dict[str, Any] = {}
+    op: EngineControlOp
 
 
 class UtilityResult(msgspec.Struct, omit_defaults=True):
@@ -432,8 +412,9 @@ class DestroyWeightsUpdateGroup(msgspec.Struct, tag="destroy_update_group"):
     group_name: str
 
 
-class FinishWeightUpdate(msgspec.Struct, tag="finish_update"):
-    """Ends a weight update: commit keeps the new weights, otherwise the old ones come back."""
+class CommitWeights(msgspec.Struct, tag="commit_weights"):
+    """Ends a weight update on a worker: commit keeps the new weights, otherwise the old ones
+    come back."""
 
     commit: bool
 
@@ -453,7 +434,7 @@ ControlCall = (
     | InitWeightsUpdateGroup
     | UpdateWeightsFromDistributed
     | DestroyWeightsUpdateGroup
-    | FinishWeightUpdate
+    | CommitWeights
     | Sleep
     | WakeUp
 )
@@ -461,6 +442,83 @@ CONTROL_CALLS = typing.get_args(ControlCall)  # for isinstance
 
 # A new control call only joins ControlCall: the workers' union and dispatch follow from it.
 WorkerCall = typing.Union[(ExecuteModel, GrammarBitmasks, InitKVCache, Shutdown, *CONTROL_CALLS)]  # noqa: UP007
+
+
+# --------------------------------------------------------------------------- control (frontend -> core)
+# Each control route's body becomes one of these at the frontend (frontend/control/routes.py), is
+# checked there once, and travels as that type to the engine core (enginecore/control.py answers it)
+# and, where workers act, inside it to the workers (the ControlCall it carries).
+
+
+class GetStats(msgspec.Struct, tag="get_stats"):
+    pass
+
+
+class GetControlState(msgspec.Struct, tag="get_control_state"):
+    pass
+
+
+class PauseGeneration(msgspec.Struct, tag="pause"):
+    # abort | wait | keep (= SGLang's in_place) | retract (also frees the running requests' cache)
+    mode: str = "abort"
+
+
+class ResumeGeneration(msgspec.Struct, tag="resume"):
+    pass
+
+
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
+    pass
+
+
+class UpdateOptions(msgspec.Struct, omit_defaults=True):
+    """How a weight update ends: finished=False loads and holds the new weights (generation waits)
+    until a later bucket or FinishWeightsUpdate commits them."""
+
+    finished: bool = True
+    flush_cache: bool = True  # False keeps prefixes computed with the old weights (SGLang)
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+WeightSource = UpdateWeightsFromDisk | UpdateWeightsFromTensors | UpdateWeightsFromDistributed
+
+
+class UpdateWeights(msgspec.Struct, tag="update_weights"):
+    source: WeightSource
+    options: UpdateOptions = msgspec.field(default_factory=UpdateOptions)
+
+
+class FinishWeightsUpdate(msgspec.Struct, tag="finish_weights_update", omit_defaults=True):
+    """Commits (or rolls back) the update left open by finished=False."""
+
+    commit: bool = True
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class ReleaseMemory(msgspec.Struct, tag="sleep", omit_defaults=True):
+    level: int | None = None  # 1: the KV cache; 2: the weights too
+    tags: list[str] | None = None  # instead of level: weights, kv_cache, cuda_graph
+
+
+class ResumeMemory(msgspec.Struct, tag="wake_up", omit_defaults=True):
+    tags: list[str] | None = None  # none: all
+
+
+EngineControlOp = (
+    GetStats
+    | GetControlState
+    | PauseGeneration
+    | ResumeGeneration
+    | ResetPrefixCache
+    | UpdateWeights
+    | FinishWeightsUpdate
+    | InitWeightsUpdateGroup
+    | DestroyWeightsUpdateGroup
+    | ReleaseMemory
+    | ResumeMemory
+)
 
 
 # --------------------------------------------------------------------------- workers -> core

@@ -16,7 +16,9 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,9 +26,9 @@ from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 
 from enginecore.messages import (
+    CommitWeights,
     ControlCall,
     DestroyWeightsUpdateGroup,
-    FinishWeightUpdate,
     InitWeightsUpdateGroup,
     Sleep,
     UpdateWeightsFromDisk,
@@ -99,12 +101,17 @@ class WorkerControl:
         return self.runner.model
 
     def handle(self, call: ControlCall) -> None:
-        """Runs the method named after the call's message tag (enginecore/messages.py)."""
-        tag = type(call).__struct_config__.tag
-        method = getattr(self, f"on_{tag}", None)
-        if method is None:
-            raise TypeError(f"not a control call: {type(call).__name__}")
-        method(call)
+        handlers: dict[type, Callable[[Any], None]] = {
+            UpdateWeightsFromDisk: self.on_update_from_disk,
+            UpdateWeightsFromTensors: self.on_update_from_tensors,
+            InitWeightsUpdateGroup: self.on_init_update_group,
+            UpdateWeightsFromDistributed: self.on_update_from_distributed,
+            DestroyWeightsUpdateGroup: self.on_destroy_update_group,
+            CommitWeights: self.on_commit_weights,
+            Sleep: self.on_sleep,
+            WakeUp: self.on_wake_up,
+        }
+        handlers[type(call)](call)
 
     # ------------------------------------------------------------------ weight updates
 
@@ -116,7 +123,7 @@ class WorkerControl:
                 name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()
             }
 
-    def on_finish_update(self, call: FinishWeightUpdate) -> None:
+    def on_commit_weights(self, call: CommitWeights) -> None:
         commit = call.commit
         if self._snapshot is not None and not commit:
             with torch.no_grad():

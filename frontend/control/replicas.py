@@ -1,11 +1,11 @@
 """Control calls (RL trainers' routes) over every replica of a --dp > 1 server, as one operation.
 
 Each replica's engine core already runs a weight update as a transaction over its own workers
-(enginecore/control.py: load and keep a snapshot, then FinishWeightUpdate commits or rolls back).
+(enginecore/control.py: load and keep a snapshot, then CommitWeights commits or rolls back).
 Across replicas the same two phases run one level up:
 - prepare: the update goes to every living replica at once with finished=false, so each loads the
   new weights, keeps the old ones, and stops generating (its update is open);
-- commit: only when every replica prepared, FINISH_WEIGHTS_UPDATE(commit=true) goes to all, with one
+- commit: only when every replica prepared, FinishWeightsUpdate(commit=true) goes to all, with one
   weight_version chosen here (the caller's, or the count of commits); if any replica failed, the
   others roll back (commit=false) and the caller gets the first error.
 Generation is held on every replica between the two phases, so once a call returns every replica
@@ -30,19 +30,23 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from enginecore.messages import UtilityMethod
+from msgspec.structs import replace
+
+from enginecore.messages import (
+    DestroyWeightsUpdateGroup,
+    EngineControlOp,
+    FinishWeightsUpdate,
+    GetControlState,
+    GetStats,
+    InitWeightsUpdateGroup,
+    PauseGeneration,
+    ResumeGeneration,
+    UpdateWeights,
+)
 from frontend.engine.core_client import EngineDeadError, UtilityError
 
 logger = logging.getLogger("tern.frontend")
 
-UPDATES = frozenset(
-    {
-        UtilityMethod.UPDATE_WEIGHTS_FROM_DISK,
-        UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS,
-        UtilityMethod.UPDATE_WEIGHTS_FROM_DISTRIBUTED,
-    }
-)
-READ_ONLY = frozenset({UtilityMethod.GET_STATS, UtilityMethod.GET_CONTROL_STATE})
 # Stats that are the same on every replica rather than summed.
 _SHARED_STATS = frozenset({"block_size"})
 
@@ -53,9 +57,7 @@ class Replica(Protocol):
     @property
     def is_dead(self) -> bool: ...
 
-    async def call_utility(
-        self, method: UtilityMethod, timeout: float = 10.0, **args: Any
-    ) -> Any: ...
+    async def call_utility(self, op: EngineControlOp, timeout: float = 10.0) -> Any: ...
 
 
 class ReplicaControl:
@@ -71,19 +73,19 @@ class ReplicaControl:
             raise EngineDeadError("every replica is dead")
         return alive
 
-    async def call(self, method: UtilityMethod, timeout: float, args: dict[str, Any]) -> Any:
-        if method in READ_ONLY:
-            return await self._read(method, timeout, args)
+    async def call(self, op: EngineControlOp, timeout: float) -> Any:
+        if isinstance(op, GetStats | GetControlState):
+            return await self._read(op, timeout)
         async with self._lock:
-            if method in UPDATES:
-                return await self._update(method, timeout, args)
-            if method == UtilityMethod.FINISH_WEIGHTS_UPDATE:
-                return await self._finish(timeout, args)
-            if method == UtilityMethod.INIT_WEIGHTS_UPDATE_GROUP:
-                return await self._init_group(timeout, args)
-            if method == UtilityMethod.PAUSE:
-                return await self._pause(timeout, args)
-            results = await self._on_all(self.living(), method, timeout, lambda i: args)
+            if isinstance(op, UpdateWeights):
+                return await self._update(op, timeout)
+            if isinstance(op, FinishWeightsUpdate):
+                return await self._finish(op, timeout)
+            if isinstance(op, InitWeightsUpdateGroup):
+                return await self._init_group(op, timeout)
+            if isinstance(op, PauseGeneration):
+                return await self._pause(op, timeout)
+            results = await self._on_all(self.living(), timeout, lambda i: op)
             return _first_result_or_raise(results)
 
     # ------------------------------------------------------------------ fan-out
@@ -91,53 +93,53 @@ class ReplicaControl:
     async def _on_all(
         self,
         replicas: list[Replica],
-        method: UtilityMethod,
         timeout: float,
-        args_of: Callable[[int], dict[str, Any]],
+        op_of: Callable[[int], EngineControlOp],
     ) -> list[tuple[Replica, Any]]:
         """(replica, its result or the exception it raised), for every replica, in order."""
+        ops = [op_of(i) for i in range(len(replicas))]
         results = await asyncio.gather(
-            *(r.call_utility(method, timeout, **args_of(i)) for i, r in enumerate(replicas)),
+            *(r.call_utility(op, timeout) for r, op in zip(replicas, ops, strict=True)),
             return_exceptions=True,
         )
-        for r, result in zip(replicas, results, strict=True):
+        for r, op, result in zip(replicas, ops, results, strict=True):
             if isinstance(result, BaseException) and not isinstance(result, Exception):
                 raise result  # cancellation and the like: not a replica's answer
             if isinstance(result, Exception):
-                logger.warning("replica %d: %s failed: %s", r.index, method.value, result)
+                name = type(op).__struct_config__.tag
+                logger.warning("replica %d: %s failed: %s", r.index, name, result)
         return list(zip(replicas, results, strict=True))
 
-    async def _read(self, method: UtilityMethod, timeout: float, args: dict[str, Any]) -> Any:
-        results = await self._on_all(self.living(), method, timeout, lambda i: args)
+    async def _read(self, op: GetStats | GetControlState, timeout: float) -> Any:
+        results = await self._on_all(self.living(), timeout, lambda i: op)
         answers = [(r, res) for r, res in results if not isinstance(res, Exception)]
         if not answers:
             _first_result_or_raise(results)
-        if method == UtilityMethod.GET_STATS:
+        if isinstance(op, GetStats):
             return merge_stats([(r.index, res) for r, res in answers])
         return merge_control_states([res for _, res in answers])
 
     # ------------------------------------------------------------------ weight updates
 
-    async def _update(self, method: UtilityMethod, timeout: float, args: dict[str, Any]) -> Any:
+    async def _update(self, op: UpdateWeights, timeout: float) -> Any:
         replicas = self.living()
-        prepared = await self._on_all(
-            replicas, method, timeout, lambda i: {**args, "finished": False}
-        )
+        prepare = replace(op, options=replace(op.options, finished=False))
+        prepared = await self._on_all(replicas, timeout, lambda i: prepare)
         failed = [(r, res) for r, res in prepared if isinstance(res, Exception)]
         if failed:
             await self._roll_back([r for r, res in prepared if not isinstance(res, Exception)])
             raise _error_of(failed)
-        if not args.get("finished", True):
+        if not op.options.finished:
             return prepared[0][1]
-        return await self._commit(replicas, timeout, args)
+        commit = FinishWeightsUpdate(True, op.options.weight_version, op.options.flush_cache)
+        return await self._commit(replicas, timeout, commit)
 
-    async def _commit(self, replicas: list[Replica], timeout: float, args: dict[str, Any]) -> Any:
-        version = args.get("weight_version") or str(self.num_updates + 1)
-        commit = {"commit": True, "weight_version": version}
-        commit["flush_cache"] = args.get("flush_cache", True)
-        results = await self._on_all(
-            replicas, UtilityMethod.FINISH_WEIGHTS_UPDATE, timeout, lambda i: commit
-        )
+    async def _commit(
+        self, replicas: list[Replica], timeout: float, finish: FinishWeightsUpdate
+    ) -> Any:
+        version = finish.weight_version or str(self.num_updates + 1)
+        commit = replace(finish, commit=True, weight_version=version)
+        results = await self._on_all(replicas, timeout, lambda i: commit)
         failed = [(r, res) for r, res in results if isinstance(res, Exception)]
         if failed:
             # NOTE: a commit only drops the snapshot: it fails when a replica died meanwhile, and
@@ -149,47 +151,38 @@ class ReplicaControl:
 
     async def _roll_back(self, replicas: list[Replica]) -> None:
         if replicas:
-            await self._on_all(
-                replicas, UtilityMethod.FINISH_WEIGHTS_UPDATE, 600.0, lambda i: {"commit": False}
-            )
+            await self._on_all(replicas, 600.0, lambda i: FinishWeightsUpdate(commit=False))
 
-    async def _finish(self, timeout: float, args: dict[str, Any]) -> Any:
+    async def _finish(self, op: FinishWeightsUpdate, timeout: float) -> Any:
         replicas = self.living()
-        if args.get("commit", True):
-            return await self._commit(replicas, timeout, args)
-        results = await self._on_all(
-            replicas, UtilityMethod.FINISH_WEIGHTS_UPDATE, timeout, lambda i: {"commit": False}
-        )
+        if op.commit:
+            return await self._commit(replicas, timeout, op)
+        results = await self._on_all(replicas, timeout, lambda i: op)
         return _first_result_or_raise(results)
 
-    async def _init_group(self, timeout: float, args: dict[str, Any]) -> Any:
+    async def _init_group(self, op: InitWeightsUpdateGroup, timeout: float) -> Any:
         replicas = self.living()
-        offset = int(args["rank_offset"])
 
-        def args_of(i: int) -> dict[str, Any]:
-            return {**args, "rank_offset": offset + i * self.ranks_per_replica}
+        def op_of(i: int) -> InitWeightsUpdateGroup:
+            return replace(op, rank_offset=op.rank_offset + i * self.ranks_per_replica)
 
-        results = await self._on_all(
-            replicas, UtilityMethod.INIT_WEIGHTS_UPDATE_GROUP, timeout, args_of
-        )
+        results = await self._on_all(replicas, timeout, op_of)
         failed = [(r, res) for r, res in results if isinstance(res, Exception)]
         if failed:
             joined = [r for r, res in results if not isinstance(res, Exception)]
-            leave = {"group_name": args.get("group_name", "weight_update_group")}
+            leave = DestroyWeightsUpdateGroup(op.group_name)
             if joined:
-                await self._on_all(
-                    joined, UtilityMethod.DESTROY_WEIGHTS_UPDATE_GROUP, 60.0, lambda i: leave
-                )
+                await self._on_all(joined, 60.0, lambda i: leave)
             raise _error_of(failed)
         return results[0][1]
 
-    async def _pause(self, timeout: float, args: dict[str, Any]) -> Any:
-        results = await self._on_all(self.living(), UtilityMethod.PAUSE, timeout, lambda i: args)
+    async def _pause(self, op: PauseGeneration, timeout: float) -> Any:
+        results = await self._on_all(self.living(), timeout, lambda i: op)
         failed = [(r, res) for r, res in results if isinstance(res, Exception)]
         if failed:
             paused = [r for r, res in results if not isinstance(res, Exception)]
             if paused:
-                await self._on_all(paused, UtilityMethod.RESUME, 60.0, lambda i: {})
+                await self._on_all(paused, 60.0, lambda i: ResumeGeneration())
             raise _error_of(failed)
         return merge_control_states([res for _, res in results])
 

@@ -1,9 +1,10 @@
 """Every control route, declared once: its paths (SGLang's, LMDeploy's and vLLM's names for the same
-operation), the body it takes and the engine-core call it makes. The HTTP routes (server/app.py),
-the OpenAPI document and the access guard (middleware.CONTROL_PATHS) are all built from CONTROL_ROUTES;
-the engine core answers a call with the EngineControl method named after its UtilityMethod, and a
-worker runs the WorkerControl method named after its message's tag. A new operation is one entry
-here, its body struct, and those methods.
+operation), the body it takes and the typed engine-core operation (EngineControlOp) the body becomes.
+The HTTP routes (server/app.py), the OpenAPI document and the access guard
+(middleware.CONTROL_PATHS) are all built from CONTROL_ROUTES. A body is decoded and checked once,
+here; its `op()` is what travels to the engine core (EngineControl.handlers) and, for what workers
+do, on to the workers (WorkerControl.handle). A new operation is one entry here, its body struct,
+its message type (enginecore/messages.py) and a handler in each table.
 
 Bodies follow the peers' field names. A field a peer has whose effect tern cannot deliver is a 400
 when set to anything but its neutral value (`unsupported`), never accepted and ignored.
@@ -13,12 +14,28 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from enginecore.messages import UtilityMethod
+from enginecore.messages import (
+    DestroyWeightsUpdateGroup,
+    EngineControlOp,
+    FinishWeightsUpdate,
+    InitWeightsUpdateGroup,
+    PauseGeneration,
+    ReleaseMemory,
+    ResetPrefixCache,
+    ResumeGeneration,
+    ResumeMemory,
+    UpdateOptions,
+    UpdateWeights,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensors,
+)
 
 # Weight updates may wait for a trainer's whole broadcast; disk loads may be slow.
 UPDATE_TIMEOUT_S = 3600.0
@@ -49,6 +66,9 @@ class UpdateFromDiskRequest(msgspec.Struct, forbid_unknown_fields=True):
         if self.load_format not in (None, "auto", "safetensors"):
             raise ValueError("load_format must be 'safetensors' (or omitted)", "load_format")
 
+    def op(self) -> UpdateWeights:
+        return UpdateWeights(UpdateWeightsFromDisk(self.model_path), _options(self))
+
 
 class UpdateFromTensorRequest(msgspec.Struct, forbid_unknown_fields=True):
     serialized_named_tensors: list[str] | str
@@ -58,35 +78,38 @@ class UpdateFromTensorRequest(msgspec.Struct, forbid_unknown_fields=True):
     abort_all_requests: bool = False
     weight_version: str | None = None
 
-    def engine_args(self) -> dict[str, Any]:
+    def op(self) -> UpdateWeights:
         items = self.serialized_named_tensors
         items = [items] if isinstance(items, str) else items
-        args: dict[str, Any] = {
-            "finished": self.finished,
-            "flush_cache": self.flush_cache,
-            "abort_all_requests": self.abort_all_requests,
-            "weight_version": self.weight_version,
-            "blobs": [],
-            "shm_paths": [],
-        }
         fmt = self.load_format or "safetensors"
         if fmt == "safetensors":
             try:
-                args["blobs"] = [base64.b64decode(item, validate=True) for item in items]
+                source = UpdateWeightsFromTensors(
+                    blobs=[base64.b64decode(item, validate=True) for item in items]
+                )
             except (binascii.Error, ValueError):
                 raise ValueError(
                     "serialized_named_tensors must be base64 safetensors blobs",
                     "serialized_named_tensors",
                 ) from None
         elif fmt == "shm":
-            args["shm_paths"] = list(items)
+            source = UpdateWeightsFromTensors(shm_paths=list(items))
         else:
             raise ValueError(
                 f"load_format {fmt!r} is not supported: use 'safetensors' (base64 blobs, any host) "
                 "or 'shm' (safetensors files in /dev/shm, same host); pickled formats are refused",
                 "load_format",
             )
-        return args
+        return UpdateWeights(source, _options(self))
+
+
+def _options(body: Any) -> UpdateOptions:
+    return UpdateOptions(
+        finished=body.finished,
+        flush_cache=body.flush_cache,
+        abort_all_requests=body.abort_all_requests,
+        weight_version=body.weight_version,
+    )
 
 
 class InitGroupRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -97,6 +120,9 @@ class InitGroupRequest(msgspec.Struct, forbid_unknown_fields=True):
     group_name: str = "weight_update_group"
     backend: str | None = None
     timeout_s: float = 600.0
+
+    def op(self) -> InitWeightsUpdateGroup:
+        return InitWeightsUpdateGroup(**msgspec.structs.asdict(self))
 
 
 class UpdateFromDistributedRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -118,6 +144,16 @@ class UpdateFromDistributedRequest(msgspec.Struct, forbid_unknown_fields=True):
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
             raise ValueError("names, dtypes and shapes must have the same length", "names")
 
+    def op(self) -> UpdateWeights:
+        source = UpdateWeightsFromDistributed(
+            group_name=self.group_name,
+            names=self.names,
+            dtypes=self.dtypes,
+            shapes=self.shapes,
+            flattened=self.load_format == "flattened_bucket",
+        )
+        return UpdateWeights(source, _options(self))
+
 
 class FinishUpdateRequest(msgspec.Struct, forbid_unknown_fields=True):
     """Ends the weight update left open by calls with finished=false: the commit phase (or the
@@ -127,13 +163,22 @@ class FinishUpdateRequest(msgspec.Struct, forbid_unknown_fields=True):
     weight_version: str | None = None
     flush_cache: bool = True
 
+    def op(self) -> FinishWeightsUpdate:
+        return FinishWeightsUpdate(self.commit, self.weight_version, self.flush_cache)
+
 
 class DestroyGroupRequest(msgspec.Struct, forbid_unknown_fields=True):
     group_name: str = "weight_update_group"
 
+    def op(self) -> DestroyWeightsUpdateGroup:
+        return DestroyWeightsUpdateGroup(self.group_name)
+
 
 class PauseRequest(msgspec.Struct, forbid_unknown_fields=True):
     mode: str = "abort"  # abort | wait | keep (= SGLang's in_place) | retract
+
+    def op(self) -> PauseGeneration:
+        return PauseGeneration(self.mode)
 
 
 class EmptyRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -144,19 +189,22 @@ class SleepRequest(msgspec.Struct, forbid_unknown_fields=True):
     level: int | None = None  # 1 (default): the KV cache; 2: also the weights
     tags: list[str] | None = None  # instead of level: any of weights, kv_cache, cuda_graph
 
+    def op(self) -> ReleaseMemory:
+        return ReleaseMemory(self.level, self.tags)
+
 
 class MemoryTagsRequest(msgspec.Struct, forbid_unknown_fields=True):
     tags: list[str] | None = None  # weights, kv_cache, cuda_graph; none: all
 
-    def engine_args(self) -> dict[str, Any]:
-        return {"tags": self.tags or ["weights", "kv_cache", "cuda_graph"]}
+    def all_tags(self) -> list[str]:
+        return self.tags or ["weights", "kv_cache", "cuda_graph"]
 
 
 @dataclass(frozen=True)
 class ControlRoute:
     paths: tuple[str, ...]
     summary: str
-    method: UtilityMethod
+    op: Callable[[Any], EngineControlOp]  # the checked body -> the engine core's operation
     body: type[msgspec.Struct] = EmptyRequest
     timeout_s: float = CONTROL_TIMEOUT_S
     http_methods: tuple[str, ...] = ("POST",)
@@ -165,32 +213,31 @@ class ControlRoute:
 
 CONTROL_ROUTES: tuple[ControlRoute, ...] = (
     ControlRoute(("/pause_generation",), "Pause generation (abort, wait, keep/in_place, retract)",
-                 UtilityMethod.PAUSE, PauseRequest),
+                 PauseRequest.op, PauseRequest),
     ControlRoute(("/resume_generation", "/continue_generation"), "Resume generation",
-                 UtilityMethod.RESUME),
+                 lambda body: ResumeGeneration()),
     ControlRoute(("/reset_prefix_cache", "/flush_cache"), "Forget cached prefixes",
-                 UtilityMethod.RESET_PREFIX_CACHE, http_methods=("POST", "GET")),
+                 lambda body: ResetPrefixCache(), http_methods=("POST", "GET")),
     ControlRoute(("/update_weights_from_disk",), "Reload weights from a checkpoint",
-                 UtilityMethod.UPDATE_WEIGHTS_FROM_DISK, UpdateFromDiskRequest, UPDATE_TIMEOUT_S),
+                 UpdateFromDiskRequest.op, UpdateFromDiskRequest, UPDATE_TIMEOUT_S),
     ControlRoute(("/update_weights", "/update_weights_from_tensor"), "Push weights as tensors",
-                 UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, UpdateFromTensorRequest,
-                 UPDATE_TIMEOUT_S),
+                 UpdateFromTensorRequest.op, UpdateFromTensorRequest, UPDATE_TIMEOUT_S),
     ControlRoute(("/init_weights_update_group",), "Join the trainer's process group",
-                 UtilityMethod.INIT_WEIGHTS_UPDATE_GROUP, InitGroupRequest),
+                 InitGroupRequest.op, InitGroupRequest),
     ControlRoute(("/update_weights_from_distributed",), "Receive a broadcast of weights",
-                 UtilityMethod.UPDATE_WEIGHTS_FROM_DISTRIBUTED, UpdateFromDistributedRequest,
-                 UPDATE_TIMEOUT_S),
+                 UpdateFromDistributedRequest.op, UpdateFromDistributedRequest, UPDATE_TIMEOUT_S),
     ControlRoute(("/finish_weights_update",), "Commit (or roll back) the open weight update",
-                 UtilityMethod.FINISH_WEIGHTS_UPDATE, FinishUpdateRequest),
+                 FinishUpdateRequest.op, FinishUpdateRequest),
     ControlRoute(("/destroy_weights_update_group",), "Leave the trainer's group",
-                 UtilityMethod.DESTROY_WEIGHTS_UPDATE_GROUP, DestroyGroupRequest),
+                 DestroyGroupRequest.op, DestroyGroupRequest),
     ControlRoute(("/sleep",), "Free the KV cache (level 1), the weights too (level 2), or tags",
-                 UtilityMethod.SLEEP, SleepRequest, query=("level", "tags")),
+                 SleepRequest.op, SleepRequest, query=("level", "tags")),
     ControlRoute(("/release_memory_occupation",), "Free the memory of the tags (default: all)",
-                 UtilityMethod.SLEEP, MemoryTagsRequest),
+                 lambda body: ReleaseMemory(tags=body.all_tags()), MemoryTagsRequest),
     ControlRoute(("/wake_up", "/wakeup", "/resume_memory_occupation"),
-                 "Bring back what sleep freed (tags; default: all)", UtilityMethod.WAKE_UP,
-                 MemoryTagsRequest, query=("tags",)),
+                 "Bring back what sleep freed (tags; default: all)",
+                 lambda body: ResumeMemory(tags=body.all_tags()), MemoryTagsRequest,
+                 query=("tags",)),
 )  # fmt: skip
 
 # Routes that change the engine's state for every user: the access guard's list.

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from enginecore.messages import UtilityMethod
+from enginecore.messages import EngineControlOp, GetControlState
 from frontend.control.routes import ControlRoute
 from frontend.engine.client import EngineClient, EngineDeadError, UtilityError
 from frontend.server.errors import APIError, bad_request, engine_dead_error
@@ -66,13 +66,11 @@ async def decode_body(request: Request, route: ControlRoute) -> msgspec.Struct:
     return body
 
 
-def engine_args(body: msgspec.Struct) -> dict[str, Any]:
+def engine_op(route: ControlRoute, body: msgspec.Struct) -> EngineControlOp:
     try:
-        if hasattr(body, "engine_args"):
-            return body.engine_args()
+        return route.op(body)
     except ValueError as e:
         raise bad_request(*e.args) from None
-    return {k: v for k, v in msgspec.structs.asdict(body).items() if v is not None}
 
 
 class ControlServing:
@@ -89,20 +87,20 @@ class ControlServing:
     def endpoint(self, route: ControlRoute) -> Callable[[Request], Awaitable[Response]]:
         async def handle(request: Request) -> Response:
             body = await decode_body(request, route)
-            args = engine_args(body)
-            timeout = route.timeout_s + float(args.get("timeout_s", 0.0))
-            result = await self._call(route.method, timeout, **args)
+            op = engine_op(route, body)
+            timeout = route.timeout_s + float(getattr(op, "timeout_s", 0.0))
+            result = await self._call(op, timeout)
             if not isinstance(result, dict) or "success" not in result:
                 result = {"success": True, "message": route.summary, "state": result}
             return json_response(result)
 
-        handle.__name__ = route.method.value
+        handle.__name__ = route.paths[0].strip("/")
         handle.control = route  # type: ignore[attr-defined]  # marks the state-changing routes
         return handle
 
-    async def _call(self, method: UtilityMethod, timeout: float, **args: Any) -> Any:
+    async def _call(self, op: EngineControlOp, timeout: float) -> Any:
         try:
-            result = await self.engine.call_utility(method, timeout, **args)
+            result = await self.engine.call_utility(op, timeout)
         except EngineDeadError as e:
             raise engine_dead_error(str(e)) from e
         except UtilityError as e:
@@ -113,7 +111,7 @@ class ControlServing:
 
     async def _refresh(self) -> None:
         try:
-            state = await self.engine.call_utility(UtilityMethod.GET_CONTROL_STATE, 10.0)
+            state = await self.engine.call_utility(GetControlState(), 10.0)
         except Exception:  # noqa: BLE001 - the engine may be gone; health reports that
             return
         self.state = state

@@ -34,7 +34,17 @@ from typing import Any
 import msgspec
 
 from enginecore.config import Config
-from enginecore.messages import EngineCoreRequest, EngineReady, SchedulerStats, UtilityMethod
+from enginecore.messages import (
+    EngineControlOp,
+    EngineCoreRequest,
+    EngineReady,
+    FinishWeightsUpdate,
+    GetStats,
+    ReleaseMemory,
+    ResetPrefixCache,
+    SchedulerStats,
+    UpdateWeights,
+)
 from frontend.control.replicas import ReplicaControl
 from frontend.engine.core_client import (
     EngineCoreClient,
@@ -56,16 +66,7 @@ __all__ = [
 logger = logging.getLogger("tern.frontend")
 
 # Calls after which no replica holds the prefixes the balancer remembers.
-_CACHE_RESETS = frozenset(
-    {
-        UtilityMethod.RESET_PREFIX_CACHE,
-        UtilityMethod.UPDATE_WEIGHTS_FROM_DISK,
-        UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS,
-        UtilityMethod.UPDATE_WEIGHTS_FROM_DISTRIBUTED,
-        UtilityMethod.FINISH_WEIGHTS_UPDATE,
-        UtilityMethod.SLEEP,
-    }
-)
+_CACHE_RESETS = (ResetPrefixCache, UpdateWeights, FinishWeightsUpdate, ReleaseMemory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,26 +236,26 @@ class EngineClient:
 
     # ------------------------------------------------------------------ utility calls and stats
 
-    async def call_utility(self, method: UtilityMethod, timeout: float = 10.0, **args: Any) -> Any:
+    async def call_utility(self, op: EngineControlOp, timeout: float = 10.0) -> Any:
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         if not self.is_replicated:
-            return await self.replicas[0].call_utility(method, timeout, **args)
+            return await self.replicas[0].call_utility(op, timeout)
         try:
-            return await self.control.call(method, timeout, args)
+            return await self.control.call(op, timeout)
         finally:
-            if method in _CACHE_RESETS:
+            if isinstance(op, _CACHE_RESETS):
                 self.balancer.forget()
 
     async def get_stats(self) -> dict[str, Any]:
-        return await self.call_utility(UtilityMethod.GET_STATS)
+        return await self.call_utility(GetStats())
 
     async def replica_stats(self) -> list[tuple[int, dict[str, Any]]]:
         """(index, scheduler stats asked now) of every living replica."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         alive = [r for r in self.replicas if not r.is_dead]
-        stats = await asyncio.gather(*(r.call_utility(UtilityMethod.GET_STATS) for r in alive))
+        stats = await asyncio.gather(*(r.call_utility(GetStats()) for r in alive))
         return [(r.index, s) for r, s in zip(alive, stats)]
 
     @property

@@ -31,6 +31,7 @@ import zmq.asyncio
 from enginecore.config import Config
 from enginecore.messages import (
     Codec,
+    EngineControlOp,
     EngineCoreAbort,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -38,11 +39,11 @@ from enginecore.messages import (
     EngineReady,
     EngineStartup,
     EngineStartupFailed,
+    GetStats,
     Logprobs,
     RequestType,
     SchedulerStats,
     UtilityCall,
-    UtilityMethod,
 )
 
 logger = logging.getLogger("tern.frontend")
@@ -298,20 +299,20 @@ class EngineCoreClient:
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._streams
 
-    async def call_utility(self, method: UtilityMethod, timeout: float = 10.0, **args: Any) -> Any:
+    async def call_utility(self, op: EngineControlOp, timeout: float = 10.0) -> Any:
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._utility_futures[call_id] = future
         try:
-            self._send(RequestType.UTILITY, UtilityCall(call_id, method, args))
+            self._send(RequestType.UTILITY, UtilityCall(call_id, op))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._utility_futures.pop(call_id, None)
 
     async def get_stats(self) -> dict[str, Any]:
-        return await self.call_utility(UtilityMethod.GET_STATS)
+        return await self.call_utility(GetStats())
 
     @property
     def num_in_flight(self) -> int:

@@ -29,10 +29,10 @@ from enginecore.messages import (
     EngineStartup,
     EngineStartupFailed,
     FinishReason,
+    GetStats,
     RequestType,
     SamplingParams,
     UtilityCall,
-    UtilityMethod,
 )
 
 TIMEOUT_S = 120
@@ -64,7 +64,7 @@ class CoreClient:
         return self.outputs.decode(self.out.recv())
 
     def stats(self) -> dict:
-        self.send(RequestType.UTILITY, UtilityCall(1, UtilityMethod.GET_STATS))
+        self.send(RequestType.UTILITY, UtilityCall(1, GetStats()))
         for _ in range(100):
             msg = self.recv()
             if msg.utility_results:

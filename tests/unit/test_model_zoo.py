@@ -29,7 +29,13 @@ import torch
 import transformers
 
 from enginecore.control import EngineControl
-from enginecore.messages import EngineCoreRequest, SamplingParams, UtilityMethod
+from enginecore.messages import (
+    EngineCoreRequest,
+    SamplingParams,
+    UpdateWeights,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromTensors,
+)
 from tests.conftest import MOE_FIXTURES, ZOO_FIXTURES, make_tiny_model
 from tests.unit.test_engine_inproc import (
     MAX_TOKENS,
@@ -172,7 +178,7 @@ def test_weight_updates_from_disk_and_tensors(
     assert expected_trained != expected_original
     control = EngineControl(make_core(original))
     assert greedy(control, prompts, "a")[0] == expected_original
-    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_DISK, model_path=str(trained))
+    call(control, UpdateWeights(UpdateWeightsFromDisk(str(trained))))
     assert greedy(control, prompts, "b")[0] == expected_trained
     tensors = blob(original)
     if "moe" in arch or arch == "mixtral":
@@ -180,7 +186,7 @@ def test_weight_updates_from_disk_and_tensors(
         state = {k: v.contiguous() for k, v in live.state_dict().items()}
         assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
         tensors = save(state)
-    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs=[tensors])
+    call(control, UpdateWeights(UpdateWeightsFromTensors(blobs=[tensors])))
     assert greedy(control, prompts, "c")[0] == expected_original
 
 

@@ -21,7 +21,17 @@ from enginecore.config import CacheConfig, Config, ModelConfig, SchedulerConfig
 from enginecore.control import EngineControl
 from enginecore.core import EngineCore
 from enginecore.executor import InProcExecutor
-from enginecore.messages import EngineCoreRequest, FinishReason, SamplingParams, UtilityMethod
+from enginecore.messages import (
+    EngineControlOp,
+    EngineCoreRequest,
+    FinishReason,
+    PauseGeneration,
+    ResumeGeneration,
+    SamplingParams,
+    UpdateWeights,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromTensors,
+)
 from enginecore.model_task import read_model_task
 from tests.unit.test_engine_inproc import vocab_of
 
@@ -179,11 +189,8 @@ def test_preempted_prompts_pool_from_scratch(pooling_type: str, tiny_llama: Path
             break
         if step in (3, 9):
             assert any(0 < r.num_computed_tokens < r.num_tokens for r in core.scheduler.running)
-            for method, args in (
-                (UtilityMethod.PAUSE, {"mode": "retract"}),
-                (UtilityMethod.RESUME, {}),
-            ):
-                result = control.handle(1, method, args, [])
+            for op in (PauseGeneration(mode="retract"), ResumeGeneration()):
+                result = control.handle(1, op, [])
                 assert result is not None and result.error is None, result
         outs.update({out.request_id: out.pooled for out in core.step()})
     assert core.scheduler.num_preempted_total >= 2
@@ -264,14 +271,14 @@ def test_weight_updates_reach_the_reward_head(tiny_pooling_model) -> None:
     prompts = make_prompts(vocab_of(model_dir))[:8]
     control = EngineControl(make_core(model_dir))
 
-    def update(method: UtilityMethod, **args: object) -> None:
-        result = control.handle(1, method, args, [])
+    def update(op: EngineControlOp) -> None:
+        result = control.handle(1, op, [])
         assert result is not None and result.error is None, result
 
     ref, other = hf_reference(model_dir, prompts, "LAST"), hf_reference(other_dir, prompts, "LAST")
     assert (ref - other).abs().max() > 0.1
-    update(UtilityMethod.UPDATE_WEIGHTS_FROM_DISK, model_path=str(other_dir))
+    update(UpdateWeights(UpdateWeightsFromDisk(str(other_dir))))
     torch.testing.assert_close(pool(control.core, prompts, "a"), other, atol=ATOL, rtol=0)
     (file,) = model_dir.glob("*.safetensors")
-    update(UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs=[save(load_file(file))])
+    update(UpdateWeights(UpdateWeightsFromTensors(blobs=[save(load_file(file))])))
     torch.testing.assert_close(pool(control.core, prompts, "b"), ref, atol=ATOL, rtol=0)

@@ -227,7 +227,13 @@ def test_every_weight_update_path_on_an_int8_engine(tiny_llama, tiny_llama_pertu
     from enginecore.control import EngineControl
     from enginecore.core import EngineCore
     from enginecore.executor import InProcExecutor
-    from enginecore.messages import UtilityMethod
+    from enginecore.messages import (
+        ReleaseMemory,
+        ResumeMemory,
+        UpdateWeights,
+        UpdateWeightsFromDisk,
+        UpdateWeightsFromTensors,
+    )
     from tests.unit.test_engine_inproc import make_prompts, vocab_of
     from tests.unit.test_weight_control import call, greedy
 
@@ -245,10 +251,10 @@ def test_every_weight_update_path_on_an_int8_engine(tiny_llama, tiny_llama_pertu
     assert original != perturbed
 
     control = control_on(tiny_llama)
-    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_DISK, model_path=str(tiny_llama_perturbed))
+    call(control, UpdateWeights(UpdateWeightsFromDisk(str(tiny_llama_perturbed))))
     assert greedy(control, prompts, "a")[0] == perturbed
     original_blob = save(load_file(next(tiny_llama.glob("*.safetensors"))))
-    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs=[original_blob])
+    call(control, UpdateWeights(UpdateWeightsFromTensors(blobs=[original_blob])))
     assert greedy(control, prompts, "b")[0] == original
 
     tensors = load_file(next(tiny_llama_perturbed.glob("*.safetensors")))
@@ -256,12 +262,14 @@ def test_every_weight_update_path_on_an_int8_engine(tiny_llama, tiny_llama_pertu
         :, :-1
     ].contiguous()  # wrong shape: the tensors sorted before it (the int8 embedding) roll back
     with pytest.raises(ValueError):
-        call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS,
-             blobs=[save(dict(sorted(tensors.items())))])  # fmt: skip
+        call(
+            control,
+            UpdateWeights(UpdateWeightsFromTensors(blobs=[save(dict(sorted(tensors.items())))])),
+        )
     assert greedy(control, prompts, "c")[0] == original
 
-    call(control, UtilityMethod.SLEEP, level=2)
-    call(control, UtilityMethod.WAKE_UP, tags=["weights"])
-    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_DISK, model_path=str(tiny_llama))
-    call(control, UtilityMethod.WAKE_UP, tags=["kv_cache"])
+    call(control, ReleaseMemory(level=2))
+    call(control, ResumeMemory(tags=["weights"]))
+    call(control, UpdateWeights(UpdateWeightsFromDisk(str(tiny_llama))))
+    call(control, ResumeMemory(tags=["kv_cache"]))
     assert greedy(control, prompts, "d")[0] == original

@@ -257,7 +257,7 @@ def test_a_gptq_server_updates_from_a_gptq_checkpoint_on_disk(tmp_path: Path) ->
     the layers' INT4_ZP blocks as they are (the answers: Hugging Face's on its dequantized
     weights)."""
     from enginecore.control import EngineControl
-    from enginecore.messages import UtilityMethod
+    from enginecore.messages import UpdateWeights, UpdateWeightsFromDisk
     from tests.unit.test_engine_inproc import make_core
     from tests.unit.test_weight_control import call, greedy
 
@@ -270,7 +270,7 @@ def test_a_gptq_server_updates_from_a_gptq_checkpoint_on_disk(tmp_path: Path) ->
     prompts = make_prompts(512, n=3)
     control = EngineControl(make_core(first))
     assert greedy(control, prompts, "a")[0] == hf_greedy(first_ref, prompts, 8)
-    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_DISK, model_path=str(second))
+    call(control, UpdateWeights(UpdateWeightsFromDisk(str(second))))
     assert greedy(control, prompts, "b")[0] == hf_greedy(second_ref, prompts, 8)
     assert _kept(control.core) == {"INT4_ZP"}
 

@@ -10,7 +10,16 @@ from typing import Any
 
 import pytest
 
-from enginecore.messages import UtilityMethod
+from enginecore.messages import (
+    EngineControlOp,
+    FinishWeightsUpdate,
+    InitWeightsUpdateGroup,
+    PauseGeneration,
+    ResumeGeneration,
+    UpdateOptions,
+    UpdateWeights,
+    UpdateWeightsFromTensors,
+)
 from frontend.args import config_from_args, make_parser
 from frontend.control.replicas import ReplicaControl
 from frontend.engine.client import replica_config
@@ -60,97 +69,99 @@ def test_a_cached_prefix_wins_within_the_slack_and_spreads_beyond_it() -> None:
 
 
 class FakeReplica:
-    """Answers control calls as an engine core does: an update opens (finished=false) or commits;
-    FINISH_WEIGHTS_UPDATE commits or rolls back; `fail` names methods it fails."""
+    """Answers control operations as an engine core does: an update opens (finished=false) or
+    commits; FinishWeightsUpdate commits or rolls back; `fail` names operation types it fails."""
 
-    def __init__(self, index: int, fail: tuple[UtilityMethod, ...] = ()) -> None:
+    def __init__(self, index: int, fail: tuple[type, ...] = ()) -> None:
         self.index = index
         self.fail = fail
-        self.die_on: tuple[UtilityMethod, ...] = ()
+        self.die_on: tuple[type, ...] = ()
         self.is_dead = False
         self.weights, self.staged, self.version = "old", None, "default"
-        self.calls: list[tuple[UtilityMethod, dict[str, Any]]] = []
+        self.calls: list[EngineControlOp] = []
         self.paused = False
 
-    async def call_utility(self, method: UtilityMethod, timeout: float = 10.0, **args: Any) -> Any:
-        self.calls.append((method, args))
+    async def call_utility(self, op: EngineControlOp, timeout: float = 10.0) -> Any:
+        self.calls.append(op)
         await asyncio.sleep(0)
-        if method in self.die_on:
+        if isinstance(op, self.die_on):
             self.is_dead = True
             raise EngineDeadError("the engine core process exited with code 1")
-        if method in self.fail:
+        if isinstance(op, self.fail):
             self.staged = None  # an engine core rolls back its own open update
             raise UtilityError(f"replica {self.index}: bad tensor shape")
-        if method == UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS:
-            self.staged = args["blobs"]
+        if isinstance(op, UpdateWeights):
+            self.staged = op.source.shm_paths
             return {"success": True}
-        if method == UtilityMethod.FINISH_WEIGHTS_UPDATE:
+        if isinstance(op, FinishWeightsUpdate):
             if self.staged is None:
                 raise UtilityError("no weight update is open")
-            if args.get("commit", True):
-                self.weights, self.version = self.staged, args["weight_version"]
+            if op.commit:
+                self.weights, self.version = self.staged, op.weight_version
             self.staged = None
             return {"success": True, "weight_version": self.version}
-        if method in (UtilityMethod.PAUSE, UtilityMethod.RESUME):
-            self.paused = method == UtilityMethod.PAUSE
-            return {"paused": args.get("mode"), "is_sleeping": False, "asleep_tags": [],
+        if isinstance(op, PauseGeneration | ResumeGeneration):
+            self.paused = isinstance(op, PauseGeneration)
+            return {"paused": getattr(op, "mode", None), "is_sleeping": False, "asleep_tags": [],
                     "weights_valid": True, "update_open": False, "weight_version": self.version}  # fmt: skip
         return {"success": True}
 
 
-def run(control: ReplicaControl, method: UtilityMethod, **args: Any) -> Any:
-    return asyncio.run(control.call(method, 10.0, args))
+def run(control: ReplicaControl, op: EngineControlOp) -> Any:
+    return asyncio.run(control.call(op, 10.0))
+
+
+def push(name: str, **options: Any) -> UpdateWeights:
+    """An update whose tensors the fakes know by name."""
+    return UpdateWeights(UpdateWeightsFromTensors(shm_paths=[name]), UpdateOptions(**options))
 
 
 def test_an_update_commits_on_every_replica_with_one_version() -> None:
     replicas = [FakeReplica(0), FakeReplica(1)]
     control = ReplicaControl(replicas, ranks_per_replica=2)
-    run(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs="new")
-    assert [(r.weights, r.version) for r in replicas] == [("new", "1"), ("new", "1")]
+    run(control, push("new"))
+    assert [(r.weights, r.version) for r in replicas] == [(["new"], "1"), (["new"], "1")]
     # Every replica prepared (finished=false) before any committed.
-    assert [m for m, _ in replicas[0].calls] == [
-        UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS,
-        UtilityMethod.FINISH_WEIGHTS_UPDATE,
-    ]
-    assert replicas[0].calls[0][1]["finished"] is False
+    assert [type(op) for op in replicas[0].calls] == [UpdateWeights, FinishWeightsUpdate]
+    assert replicas[0].calls[0].options.finished is False
     # Buckets: held open on every replica until the last one.
-    run(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs="b1", finished=False)
-    assert all(r.staged == "b1" and r.weights == "new" for r in replicas)
-    run(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs="b2", weight_version="v7")
-    assert [(r.weights, r.version) for r in replicas] == [("b2", "v7"), ("b2", "v7")]
+    run(control, push("b1", finished=False))
+    assert all(r.staged == ["b1"] and r.weights == ["new"] for r in replicas)
+    run(control, push("b2", weight_version="v7"))
+    assert [(r.weights, r.version) for r in replicas] == [(["b2"], "v7"), (["b2"], "v7")]
 
 
 def test_a_failure_on_one_replica_rolls_back_every_replica() -> None:
-    good, bad = FakeReplica(0), FakeReplica(1, fail=(UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS,))
+    good, bad = FakeReplica(0), FakeReplica(1, fail=(UpdateWeights,))
     control = ReplicaControl([good, bad], ranks_per_replica=1)
     with pytest.raises(UtilityError, match="bad tensor shape"):
-        run(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs="new")
+        run(control, push("new"))
     assert (good.weights, good.staged, bad.weights) == ("old", None, "old")
-    assert good.calls[-1] == (UtilityMethod.FINISH_WEIGHTS_UPDATE, {"commit": False})
+    assert good.calls[-1] == FinishWeightsUpdate(commit=False)
     # A dead replica fails the call too; the living one rolls back, and later calls skip the dead.
-    bad.die_on = (UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS,)
+    bad.die_on = (UpdateWeights,)
     with pytest.raises(UtilityError, match="replica 1 failed"):
-        run(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs="new")
+        run(control, push("new"))
     assert (good.weights, good.staged) == ("old", None)
-    run(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs="new")
-    assert good.weights == "new"
+    run(control, push("new"))
+    assert good.weights == ["new"]
     good.is_dead = True
     with pytest.raises(EngineDeadError):
-        run(control, UtilityMethod.RESUME)
+        run(control, ResumeGeneration())
 
 
 def test_group_ranks_per_replica_and_pause_as_a_whole() -> None:
     replicas = [FakeReplica(0), FakeReplica(1), FakeReplica(2)]
     control = ReplicaControl(replicas, ranks_per_replica=4)
-    run(control, UtilityMethod.INIT_WEIGHTS_UPDATE_GROUP, rank_offset=1, world_size=13,
-        master_address="h", master_port=1, group_name="g")  # fmt: skip
-    assert [r.calls[-1][1]["rank_offset"] for r in replicas] == [1, 5, 9]
-    run(control, UtilityMethod.PAUSE, mode="keep")
+    run(control, InitWeightsUpdateGroup(rank_offset=1, world_size=13, master_address="h",
+                                        master_port=1, group_name="g"))  # fmt: skip
+    assert [r.calls[-1].rank_offset for r in replicas] == [1, 5, 9]
+    run(control, PauseGeneration(mode="keep"))
     assert all(r.paused for r in replicas)
-    run(control, UtilityMethod.RESUME)
-    replicas[2].fail = (UtilityMethod.PAUSE,)
+    run(control, ResumeGeneration())
+    replicas[2].fail = (PauseGeneration,)
     with pytest.raises(UtilityError):
-        run(control, UtilityMethod.PAUSE, mode="keep")
+        run(control, PauseGeneration(mode="keep"))
     assert not any(r.paused for r in replicas)  # the ones that paused resumed
 
 

@@ -12,7 +12,22 @@ import pytest
 from safetensors.torch import load_file, save
 
 from enginecore.control import EngineControl
-from enginecore.messages import EngineCoreRequest, SamplingParams, UtilityMethod
+from enginecore.messages import (
+    DestroyWeightsUpdateGroup,
+    EngineControlOp,
+    EngineCoreRequest,
+    InitWeightsUpdateGroup,
+    PauseGeneration,
+    ReleaseMemory,
+    ResetPrefixCache,
+    ResumeGeneration,
+    ResumeMemory,
+    SamplingParams,
+    UpdateOptions,
+    UpdateWeights,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromTensors,
+)
 from tests.unit.test_engine_inproc import hf_greedy, make_core, make_prompts, vocab_of
 
 N = 8
@@ -37,9 +52,9 @@ def greedy(control: EngineControl, prompts: list[list[int]], tag: str) -> tuple[
     ]
 
 
-def call(control: EngineControl, method: UtilityMethod, **args) -> dict:
+def call(control: EngineControl, op: EngineControlOp) -> dict:
     aborted: list = []
-    result = control.handle(1, method, args, aborted)
+    result = control.handle(1, op, aborted)
     assert result is not None
     if result.error:
         raise ValueError(result.error)
@@ -65,14 +80,19 @@ def test_updates_from_disk_and_tensors_then_back(
     assert original != perturbed
     assert greedy(control, prompts, "a")[0] == original
 
-    r = call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_DISK, model_path=str(tiny_llama_perturbed))
+    r = call(control, UpdateWeights(UpdateWeightsFromDisk(str(tiny_llama_perturbed))))
     assert r["weight_version"] == "1" and control.weight_version == "1"
     out, cached = greedy(control, prompts, "b")
     assert out == perturbed
     assert cached == [0, 0, 0]  # the prefix computed with the old weights is not reused
 
-    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs=[blob(tiny_llama)],
-         weight_version="v-orig")  # fmt: skip
+    call(
+        control,
+        UpdateWeights(
+            UpdateWeightsFromTensors(blobs=[blob(tiny_llama)]),
+            UpdateOptions(weight_version="v-orig"),
+        ),
+    )
     assert control.weight_version == "v-orig"
     assert greedy(control, prompts, "c")[0] == original
 
@@ -82,9 +102,15 @@ def test_updates_from_disk_and_tensors_then_back(
     half = len(names) // 2
     first = save({k: tensors[k] for k in names[:half]})
     second = save({k: tensors[k] for k in names[half:]})
-    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs=[first], finished=False)
+    call(
+        control,
+        UpdateWeights(UpdateWeightsFromTensors(blobs=[first]), UpdateOptions(finished=False)),
+    )
     assert control.update_open and not control.can_run and control.weight_version == "v-orig"
-    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS, blobs=[second], finished=True)
+    call(
+        control,
+        UpdateWeights(UpdateWeightsFromTensors(blobs=[second]), UpdateOptions(finished=True)),
+    )
     assert not control.update_open and control.weight_version == "3"
     assert greedy(control, prompts, "d")[0] == perturbed
 
@@ -105,11 +131,15 @@ def test_bad_update_fails_cleanly_and_keeps_old_weights(
         tensors[name] = tensors[name].to(__import__("torch").int32)
     with pytest.raises(ValueError):
         if bad == "missing_dir":
-            call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_DISK, model_path="/no/such/dir")
+            call(control, UpdateWeights(UpdateWeightsFromDisk("/no/such/dir")))
         else:
             # NOTE: sorted so that good tensors are loaded before the bad one: rollback matters.
-            call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS,
-                 blobs=[save(dict(sorted(tensors.items())))])  # fmt: skip
+            call(
+                control,
+                UpdateWeights(
+                    UpdateWeightsFromTensors(blobs=[save(dict(sorted(tensors.items())))])
+                ),
+            )
     assert control.weight_version == "default" and control.can_run
     assert greedy(control, prompts, "b")[0] == before
 
@@ -119,20 +149,20 @@ def test_sleep_levels_and_wake(control: EngineControl, tiny_llama: Path):
     before = greedy(control, prompts, "a")[0]
     runner = control.core.executor.runner
 
-    call(control, UtilityMethod.SLEEP, level=1)
+    call(control, ReleaseMemory(level=1))
     assert runner.kv_cache is None and not control.can_run and not control.is_busy()
-    call(control, UtilityMethod.WAKE_UP)
+    call(control, ResumeMemory())
     assert greedy(control, prompts, "b")[0] == before
 
-    call(control, UtilityMethod.SLEEP, level=2)
+    call(control, ReleaseMemory(level=2))
     assert all(p.numel() == 0 for p in runner.model.parameters())
     with pytest.raises(ValueError, match="asleep"):
-        call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_DISK, model_path=str(tiny_llama))
-    call(control, UtilityMethod.WAKE_UP, tags=["weights"])
+        call(control, UpdateWeights(UpdateWeightsFromDisk(str(tiny_llama))))
+    call(control, ResumeMemory(tags=["weights"]))
     assert not control.can_run  # woken weights hold nothing until an update
-    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_DISK, model_path=str(tiny_llama))
+    call(control, UpdateWeights(UpdateWeightsFromDisk(str(tiny_llama))))
     assert not control.can_run  # the KV cache still sleeps
-    call(control, UtilityMethod.WAKE_UP, tags=["kv_cache"])
+    call(control, ResumeMemory(tags=["kv_cache"]))
     assert control.can_run
     assert greedy(control, prompts, "c")[0] == before
 
@@ -143,13 +173,13 @@ def test_pause_modes(control: EngineControl, tiny_llama: Path):
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     core.add_request(EngineCoreRequest("run", prompt, params))
     core.step()
-    assert call(control, UtilityMethod.PAUSE, mode="keep")["paused"] == "keep"
+    assert call(control, PauseGeneration(mode="keep"))["paused"] == "keep"
     assert not control.is_busy()
     core.add_request(EngineCoreRequest("new", prompt, params))
     assert not control.is_busy()
     # "wait": the running request finishes, the new one waits; the answer comes when idle.
     aborted: list = []
-    assert control.handle(7, UtilityMethod.PAUSE, {"mode": "wait"}, aborted) is None
+    assert control.handle(7, PauseGeneration(mode="wait"), aborted) is None
     finished = []
     while control.is_busy():
         finished += [o.request_id for o in core.step(admit_waiting=control.can_admit)
@@ -157,9 +187,9 @@ def test_pause_modes(control: EngineControl, tiny_llama: Path):
     assert finished == ["run"]
     (answer,) = control.poll_deferred()
     assert answer.call_id == 7
-    call(control, UtilityMethod.RESUME)
+    call(control, ResumeGeneration())
     assert control.is_busy()
-    assert call(control, UtilityMethod.PAUSE, mode="abort")["paused"] == "abort"
+    assert call(control, PauseGeneration(mode="abort"))["paused"] == "abort"
     assert not core.scheduler.has_requests
 
 
@@ -185,12 +215,12 @@ def test_second_group_with_the_same_name_is_refused(control: EngineControl):
     try:
         args = dict(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2,
                     group_name="g", timeout_s=30)  # fmt: skip
-        call(control, UtilityMethod.INIT_WEIGHTS_UPDATE_GROUP, **args)
+        call(control, InitWeightsUpdateGroup(**args))
         with pytest.raises(ValueError, match="already exists"):
-            call(control, UtilityMethod.INIT_WEIGHTS_UPDATE_GROUP, **args)
-        call(control, UtilityMethod.DESTROY_WEIGHTS_UPDATE_GROUP, group_name="g")
+            call(control, InitWeightsUpdateGroup(**args))
+        call(control, DestroyWeightsUpdateGroup(group_name="g"))
         with pytest.raises(ValueError, match="no weight-update group"):
-            call(control, UtilityMethod.DESTROY_WEIGHTS_UPDATE_GROUP, group_name="g")
+            call(control, DestroyWeightsUpdateGroup(group_name="g"))
     finally:
         done.set()
         trainer.join(30)
@@ -221,24 +251,26 @@ def test_bf16_packed_weights_follow_every_change(tiny_llama: Path, tiny_llama_pe
     assert packs == (torch.backends.mkldnn.is_available()
                      and torch.ops.mkldnn._is_mkldnn_bf16_supported())  # fmt: skip
     assert greedy(control, prompts, "a")[0] == expected[tiny_llama]
-    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_DISK, model_path=str(tiny_llama_perturbed))
+    call(control, UpdateWeights(UpdateWeightsFromDisk(str(tiny_llama_perturbed))))
     assert greedy(control, prompts, "b")[0] == expected[tiny_llama_perturbed]
 
     tensors = load_file(next(tiny_llama.glob("*.safetensors")))
     name = "model.layers.0.mlp.down_proj.weight"
     tensors[name] = tensors[name][:, :-1].contiguous()
     with pytest.raises(ValueError):  # the good tensors load first, then the update rolls back
-        call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_TENSORS,
-             blobs=[save(dict(sorted(tensors.items())))])  # fmt: skip
+        call(
+            control,
+            UpdateWeights(UpdateWeightsFromTensors(blobs=[save(dict(sorted(tensors.items())))])),
+        )
     # NOTE: in bfloat16 a prompt prefilled whole or after a cached prefix may round differently.
-    call(control, UtilityMethod.RESET_PREFIX_CACHE)
+    call(control, ResetPrefixCache())
     assert greedy(control, prompts, "c")[0] == expected[tiny_llama_perturbed]
 
-    call(control, UtilityMethod.SLEEP, level=2)
+    call(control, ReleaseMemory(level=2))
     assert all(m.packed_weight is None for m in linears)  # the copies are freed with the weights
-    call(control, UtilityMethod.WAKE_UP, tags=["weights"])
-    call(control, UtilityMethod.UPDATE_WEIGHTS_FROM_DISK, model_path=str(tiny_llama))
-    call(control, UtilityMethod.WAKE_UP, tags=["kv_cache"])
+    call(control, ResumeMemory(tags=["weights"]))
+    call(control, UpdateWeights(UpdateWeightsFromDisk(str(tiny_llama))))
+    call(control, ResumeMemory(tags=["kv_cache"]))
     assert all((m.packed_weight is not None) == packs for m in linears)
     assert greedy(control, prompts, "d")[0] == expected[tiny_llama]
     control.core.shutdown()
@@ -257,7 +289,7 @@ def test_wait_pause_drains_preempted_requests_too(tiny_llama: Path):
         core.step()
     assert len(core.scheduler.running) == 3
     aborted: list = []
-    assert control.handle(7, UtilityMethod.PAUSE, {"mode": "wait"}, aborted) is None
+    assert control.handle(7, PauseGeneration(mode="wait"), aborted) is None
     finished = []
     for _ in range(1000):
         if not control.is_busy():

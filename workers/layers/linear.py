@@ -25,6 +25,7 @@ from torch import nn
 
 from workers.distributed import ParallelContext, divide, shard_heads
 from workers.layers import gguf_blocks, native, quantization
+from workers.layers.lora import LoraStack
 
 # Measured on a 2-core AVX2 EPYC (scripts/bench_quant.py --kernels): below 64 rows tern's float32
 # kernel beats BLAS (about 2x at 8 rows, 1.5x at 32); from 64 rows BLAS is as fast or faster.
@@ -155,6 +156,7 @@ class LinearBase(nn.Module):
         self.packed_weight: torch.Tensor | None = None
         # Kept blocks whose columns are the input's permuted (GPTQ act-order: gguf_blocks.py).
         self.input_perm: torch.Tensor | None = None
+        self.lora: LoraStack | None = None  # the LoRA adapters it serves (--enable-lora)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -203,7 +205,13 @@ class LinearBase(nn.Module):
         return self._int8.views(self.weight)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ W.T + bias with this rank's weight."""
+        """x @ W.T + bias with this rank's weight, plus each token's LoRA adapter's product."""
+        y = self._base_linear(x, bias)
+        if self.lora is not None:
+            self.lora.add_(x, y)
+        return y
+
+    def _base_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.input_perm is not None:
             x = x.index_select(-1, self.input_perm)
         if self.quant is None:
