@@ -215,6 +215,32 @@ class StructuredOutputConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (--enable-lora; enginecore/lora.py). Off: no layer carries adapter slots."""
+
+    enabled: bool = False
+    max_loras: int = 4  # distinct adapters in one step
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept loaded on the workers (LRU beyond); max_loras
+    modules: tuple[tuple[str, str], ...] = ()  # (name, path) served from start-up
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("--max-loras and --max-lora-rank must be at least 1")
+        if self.max_lora_rank > 256:
+            raise ValueError("--max-lora-rank is at most 256")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("--max-cpu-loras must be at least --max-loras")
+        if self.modules and not self.enabled:
+            raise ValueError("LoRA modules need --enable-lora")
+
+    @property
+    def num_slots(self) -> int:
+        """Adapters the workers hold at once."""
+        return self.max_cpu_loras or self.max_loras
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -228,6 +254,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     # Directory of this instance's IPC sockets: unique per server so that instances never collide.
     ipc_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="tern-"))
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])

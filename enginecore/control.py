@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from enginecore.core import EngineCore
+from enginecore.lora import LoraError
 from enginecore.messages import (
     CommitWeights,
     ControlCall,
@@ -33,12 +34,14 @@ from enginecore.messages import (
     GetControlState,
     GetStats,
     InitWeightsUpdateGroup,
+    LoadLoraAdapter,
     PauseGeneration,
     ReleaseMemory,
     ResetPrefixCache,
     ResumeGeneration,
     ResumeMemory,
     Sleep,
+    UnloadLoraAdapter,
     UpdateWeights,
     UtilityResult,
     WakeUp,
@@ -106,6 +109,7 @@ class EngineControl:
             "weights_valid": self.weights_valid,
             "update_open": self.update_open,
             "weight_version": self.weight_version,
+            "lora_adapters": self.core.loras.state() if self.core.loras is not None else {},
         }
 
     # ------------------------------------------------------------------ the calls
@@ -116,7 +120,7 @@ class EngineControl:
         """Runs one operation. Requests it aborts go to `aborted`. None: the answer comes later."""
         try:
             result = self.handlers[type(op)](op, aborted)
-        except ControlError as e:
+        except (ControlError, LoraError) as e:
             return UtilityResult(call_id, error=str(e))
         if result is _DEFERRED:
             self._deferred_pauses.append(call_id)
@@ -137,6 +141,8 @@ class EngineControl:
             DestroyWeightsUpdateGroup: self._destroy_weights_update_group,
             ReleaseMemory: self._sleep,
             ResumeMemory: self._wake_up,
+            LoadLoraAdapter: self._load_lora_adapter,
+            UnloadLoraAdapter: self._unload_lora_adapter,
         }
 
     def _abort_all(self, aborted: list[EngineCoreOutput]) -> None:
@@ -226,6 +232,25 @@ class EngineControl:
     def _destroy_weights_update_group(self, op: DestroyWeightsUpdateGroup, aborted: list) -> object:
         self._run(op)
         return {"success": True, "message": f"destroyed {op.group_name!r}"}
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def _load_lora_adapter(self, op: LoadLoraAdapter, aborted: list) -> object:
+        if self.asleep_tags:
+            raise ControlError("the server is asleep: wake it up before loading an adapter")
+        loras = self.core.adapters()
+        running = self.core.scheduler.running_adapters()
+        adapter = loras.load(op.name, op.source, op.version, running, op.replace, op.pinned)
+        return {
+            "success": True,
+            "message": f"LoRA adapter {op.name!r} loaded (version {adapter.version})",
+            "name": op.name,
+            "version": adapter.version,
+        }
+
+    def _unload_lora_adapter(self, op: UnloadLoraAdapter, aborted: list) -> object:
+        self.core.adapters().unload(op.name)
+        return {"success": True, "message": f"LoRA adapter {op.name!r} unloaded", "name": op.name}
 
     # ------------------------------------------------------------------ sleep
 

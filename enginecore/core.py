@@ -17,10 +17,13 @@ from typing import Any
 
 from enginecore.config import Config
 from enginecore.executor import Executor
+from enginecore.lora import LoraError, LoraRegistry, adapter_spec, read_adapter_config
 from enginecore.messages import (
+    ControlCall,
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
+    LoadLora,
     SamplingParams,
     SchedulerStats,
 )
@@ -80,6 +83,23 @@ class EngineCore:
         )
         # Waiting requests whose grammar is compiling, and its future.
         self._compiling: dict[str, tuple[Request, Future[Any]]] = {}
+        self.loras = (
+            LoraRegistry(config.lora, self._run_on_workers) if config.lora.enabled else None
+        )
+        self._on_adapter: dict[str, Request] = {}  # requests in flight on a LoRA adapter
+        self._load_startup_adapters()
+
+    def _run_on_workers(self, call: ControlCall) -> None:
+        errors = self.executor.run_control(call)
+        if errors:
+            raise LoraError("; ".join(errors))
+
+    def _load_startup_adapters(self) -> None:
+        """--lora-modules: each served from the start (a bad one stops the server here)."""
+        assert self.loras is not None or not self.config.lora.modules
+        for name, path in self.config.lora.modules:
+            rank, scaling = adapter_spec(read_adapter_config(path), self.config.lora.max_lora_rank)
+            self.loras.load(name, LoadLora(-1, rank, scaling, path=path), None, ())
 
     def add_request(self, req: EngineCoreRequest) -> list[EngineCoreOutput]:
         """Queues a request. Returns an error output at once for a request that cannot be served."""
@@ -107,6 +127,12 @@ class EngineCore:
             req.arrival_time or None,
             req.structured_output,
         )
+        if req.lora_name is not None:
+            try:
+                request.lora = self.adapters().acquire(req.lora_name)
+            except LoraError as e:
+                return [EngineCoreOutput(req.request_id, [], FinishReason.ERROR, error=str(e))]
+            self._on_adapter[req.request_id] = request
         if req.structured_output is not None:
             future = self.grammars.submit(req.structured_output, params.eos_token_ids)
             self._compiling[req.request_id] = (request, future)
@@ -114,13 +140,44 @@ class EngineCore:
         return []
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
-        return self.scheduler.abort_requests(request_ids)
+        return self._ended(self.scheduler.abort_requests(request_ids))
+
+    def adapters(self) -> LoraRegistry:
+        if self.loras is None:
+            raise LoraError("this server was started without --enable-lora: it serves no adapter")
+        return self.loras
+
+    def _ended(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Finished requests give their adapter version back; their last output names it."""
+        for out in outputs:
+            if out.finish_reason is None:
+                continue
+            request = self._on_adapter.pop(out.request_id, None)
+            if request is not None and request.lora is not None:
+                out.lora_version = request.lora.version
+                self.adapters().release(request.lora)
+        return outputs
+
+    def _load_waiting_adapters(self) -> None:
+        """Adapters evicted from the workers that waiting requests need, loaded again (as many
+        as slots idle adapters free)."""
+        assert self.loras is not None
+        running = self.scheduler.running_adapters()
+        for request in list(self.scheduler.waiting)[: self.config.scheduler.max_num_seqs]:
+            if request.lora is not None and request.lora.slot < 0:
+                if not self.loras.ensure_loaded(request.lora, running):
+                    break
 
     def step(self, admit_waiting: bool = True) -> list[EngineCoreOutput]:
         """One step. admit_waiting=False runs only the requests already started (a pause)."""
+        return self._ended(self._step(admit_waiting))
+
+    def _step(self, admit_waiting: bool) -> list[EngineCoreOutput]:
         if not self.scheduler.has_requests:
             return []
         failed = self._take_compiled_grammars()
+        if self.loras is not None:
+            self._load_waiting_adapters()
         step = self.scheduler.schedule(admit_waiting)
         if not step.requests:
             if self._compiling and not failed:

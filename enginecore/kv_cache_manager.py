@@ -237,7 +237,10 @@ class KVCacheManager:
             i = len(hashes)
             start = i * self.block_size
             tokens = request.all_token_ids[start : start + self.block_size]
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+            # A request on a LoRA adapter chains from the adapter's own root: its blocks are
+            # never another adapter's (or the base model's).
+            root = request.lora.cache_root if request.lora is not None else None
+            hashes.append(hash_block(hashes[-1] if hashes else root, tokens))
 
 
 def servable_len(

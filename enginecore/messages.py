@@ -177,6 +177,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    lora_name: str | None = None  # the LoRA adapter it runs on (enginecore/lora.py), None: base
     structured_output: StructuredOutputSpec | None = None
     # A pooling request (embedding, classification, reward; the served model's task): prefill only,
     # nothing sampled (sampling_params unused). Its one output carries `pooled` and finishes (STOP)
@@ -243,6 +244,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     pooled: list[float] | None = None
     # --enable-return-routed-experts: the routing of the positions computed since the last output.
     routed_experts: RoutedExperts | None = None
+    # On the last output of a request on a LoRA adapter: the adapter's version it ran on.
+    lora_version: str | None = None
 
 
 class SchedulerStats(msgspec.Struct):
@@ -330,6 +333,8 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     other_group_block_ids: list[list[int]] = []
     # With sampling_params, on hybrid models: the request's row in the linear-attention state pools.
     state_slot: int = -1
+    # With sampling_params: the worker slot of the LoRA adapter it runs on, -1: the base model.
+    lora_slot: int = -1
     # Hybrid models with prefix caching (enginecore/state_checkpoints.py): the checkpoint whose
     # states the request starts from (with state_slot, on a prefix-cache hit), and [tokens into
     # this step's chunk, checkpoint] where its states after that many tokens are to be kept.
@@ -419,6 +424,19 @@ class CommitWeights(msgspec.Struct, tag="commit_weights"):
     commit: bool
 
 
+class LoadLora(msgspec.Struct, tag="load_lora"):
+    """A PEFT adapter into a LoRA slot of every layer (workers/lora_adapters.py), scaled by
+    `scaling`: its tensors from `path` (a PEFT directory) or `blobs` (safetensors of the full
+    tensors: one for every rank, or one per TP rank as SGLang sends them), each rank keeping its
+    shard."""
+
+    slot: int
+    rank: int
+    scaling: float
+    path: str = ""
+    blobs: list[bytes] = []
+
+
 class Sleep(msgspec.Struct, tag="sleep"):
     level: int  # 1: discard the KV cache (on GPU, weights go to host memory); 2: also the weights
     tags: list[str] = msgspec.field(default_factory=lambda: ["kv_cache"])  # "kv_cache", "weights"
@@ -435,6 +453,7 @@ ControlCall = (
     | UpdateWeightsFromDistributed
     | DestroyWeightsUpdateGroup
     | CommitWeights
+    | LoadLora
     | Sleep
     | WakeUp
 )
@@ -506,6 +525,21 @@ class ResumeMemory(msgspec.Struct, tag="wake_up", omit_defaults=True):
     tags: list[str] | None = None  # none: all
 
 
+class LoadLoraAdapter(msgspec.Struct, tag="load_lora_adapter", omit_defaults=True):
+    """Serve an adapter as `name` (a new version of it when it is served already); `source` is
+    the workers' load call (its slot chosen by the engine core), checked at the frontend."""
+
+    name: str
+    source: LoadLora
+    version: str | None = None
+    replace: bool = True  # False: a served name is refused (vLLM's load_inplace=false)
+    pinned: bool = False  # never evicted from the workers (SGLang's pinned)
+
+
+class UnloadLoraAdapter(msgspec.Struct, tag="unload_lora_adapter"):
+    name: str
+
+
 EngineControlOp = (
     GetStats
     | GetControlState
@@ -518,6 +552,8 @@ EngineControlOp = (
     | DestroyWeightsUpdateGroup
     | ReleaseMemory
     | ResumeMemory
+    | LoadLoraAdapter
+    | UnloadLoraAdapter
 )
 
 

@@ -21,6 +21,7 @@ from enginecore.messages import (
 )
 
 if TYPE_CHECKING:
+    from enginecore.lora import Adapter
     from enginecore.routing import RequestRouting
     from enginecore.structured_output import RequestGrammar
 
@@ -73,6 +74,8 @@ class Request:
         self.pooling_type = pooling_type
         # --enable-return-routed-experts: the experts of each computed position (set by the scheduler).
         self.routing: RequestRouting | None = None
+        # The LoRA adapter version it runs on (enginecore/lora.py), set by the engine core.
+        self.lora: Adapter | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from enginecore.config import Config
 from enginecore.kv_cache_manager import KVCacheManager
+from enginecore.lora import Adapter
 from enginecore.messages import (
     EngineCoreOutput,
     FinishReason,
@@ -56,6 +57,7 @@ class Scheduler:
         routing_shape: record every request's routing (--enable-return-routed-experts,
         enginecore/routing.py). num_experts: per MoE layer (the tokens each takes are counted)."""
         self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_loras = config.lora.max_loras
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
@@ -172,14 +174,14 @@ class Scheduler:
             i += 1
 
         # A step that had to preempt admits nobody new: the pool is the bottleneck.
-        not_ready: list[Request] = []  # grammars still compiling: they keep their place
+        not_ready: list[Request] = []  # grammars compiling, adapters not in: they keep their place
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
             if not admit_waiting and request.status != RequestStatus.PREEMPTED:
                 break  # a pause resumes only started requests (preempted ones lead the queue)
-            if request.is_waiting_for_grammar:
+            if request.is_waiting_for_grammar or not self._adapter_fits(request):
                 not_ready.append(self.waiting.popleft())
                 continue
             cached_blocks, num_cached = None, 0
@@ -215,6 +217,20 @@ class Scheduler:
         finished, self._finished_req_ids = self._finished_req_ids, []
         return SchedulerOutput(self._step_id, scheduled, finished)
 
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether a request's LoRA adapter is loaded and one more distinct adapter (if it is
+        one) keeps the step within --max-loras."""
+        adapter = request.lora
+        if adapter is None:
+            return True
+        if adapter.slot < 0:
+            return False
+        running = self.running_adapters()
+        return adapter in running or len(running) < self.max_loras
+
+    def running_adapters(self) -> set[Adapter]:
+        return {r.lora for r in self.running if r.lora is not None}
+
     def _start_routing(self, request: Request, num_cached: int) -> None:
         """A request starting (or resuming) takes the routing rows of its cached blocks."""
         if request.routing is None:
@@ -245,6 +261,7 @@ class Scheduler:
             sample_index=request.num_output_tokens if end == request.num_tokens else -1,
             sampling_params=request.sampling_params if is_new else None,
             state_slot=request.state_slot if is_new else -1,
+            lora_slot=request.lora.slot if is_new and request.lora is not None else -1,
             save_checkpoints=self.kv.checkpoints_to_save(request, start, end),
         )
         if is_new and request.sampling_params.needs_history:

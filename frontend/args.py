@@ -21,6 +21,7 @@ from enginecore.config import (
     TASKS,
     CacheConfig,
     Config,
+    LoraConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -351,6 +352,38 @@ def make_parser() -> argparse.ArgumentParser:
         help="how a pooling task pools a prompt's final hidden states: LAST token (default, as "
         "Hugging Face's classifiers), MEAN over its tokens, or CLS (its first token)",
     )
+    lora = launch.add_argument_group("LoRA adapters")
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (PEFT's format) beside the base model",
+    )
+    lora.add_argument(
+        "--lora-modules",
+        "--lora-paths",
+        "--adapters",
+        nargs="+",
+        default=[],
+        metavar="ADAPTER",
+        help="adapters served from start-up: name=path, vLLM's JSON "
+        '\'{"name": ..., "path": ...}\', or a path (named after its directory); SGLang\'s '
+        "--lora-paths and LMDeploy's --adapters are the same flag (and enable LoRA)",
+    )
+    lora.add_argument(
+        "--max-loras", type=int, default=4, help="distinct adapters in one batch (default 4)"
+    )
+    lora.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        help="the largest adapter rank served (default 16; at most 256)",
+    )
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept loaded (least recently used evicted beyond; default --max-loras)",
+    )
     parallel = launch.add_argument_group("parallelism")
     parallel.add_argument("--tensor-parallel-size", "--tp", "-tp", type=int, default=1, dest="tp")
     parallel.add_argument("--pipeline-parallel-size", "--pp", "-pp", type=int, default=1, dest="pp")
@@ -452,7 +485,41 @@ def config_from_args(args: argparse.Namespace) -> Config:
         parallel=parallel,
         server=ServerConfig(host=args.host, port=args.port),
         structured_output=StructuredOutputConfig(bound_json_numbers=args.json_number_bound),
+        lora=lora_config_from_args(args),
     )
+
+
+def lora_config_from_args(args: argparse.Namespace) -> LoraConfig:
+    modules = tuple(_lora_module(spec) for spec in args.lora_modules)
+    names = [name for name, _ in modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules names an adapter twice: {names}")
+    return LoraConfig(
+        enabled=args.enable_lora or bool(modules),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        modules=modules,
+    )
+
+
+def _lora_module(spec: str) -> tuple[str, str]:
+    """(name, path) of one --lora-modules entry: name=path, vLLM's JSON object, or a path."""
+    if spec.lstrip().startswith("{"):
+        try:
+            entry = json.loads(spec)
+            return str(entry["name"]), str(entry["path"])
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(
+                f'--lora-modules {spec!r}: JSON entries are {{"name": ..., "path": ...}}'
+            ) from None
+    name, sep, path = spec.partition("=")
+    if not sep:
+        path = spec
+        name = Path(spec.rstrip("/")).name
+    if not name or not path:
+        raise ValueError(f"--lora-modules {spec!r}: give name=path")
+    return name, path
 
 
 def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:

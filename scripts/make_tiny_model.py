@@ -366,6 +366,41 @@ def make_tiny_model(
 _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_lora_adapter(
+    base_dir: Path,
+    out_dir: Path,
+    rank: int = 8,
+    targets: tuple[str, ...] = LORA_TARGETS,
+    seed: int = 0,
+    alpha: float = 16.0,
+    use_rslora: bool = False,
+    scale: float = 0.5,
+) -> Path:
+    """A PEFT LoRA adapter of the model in base_dir, written by peft as trainers write them, with
+    random A and B (B times `scale`, so that the adapter changes the model's choices without
+    drowning it); return out_dir."""
+    import peft
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora,
+        init_lora_weights=False, lora_dropout=0.0,
+    )  # fmt: skip
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(scale)
+    model.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
 def _to_mxfp4(w: Any) -> tuple[Any, Any]:
     """float (..., K) with K % 32 == 0 -> (blocks (..., K / 32, 16) uint8, scales (..., K / 32)
     uint8): each block of 32 values scaled by a power of two that puts its largest at most 6,

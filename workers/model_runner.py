@@ -58,10 +58,12 @@ from workers.layers.logprobs import (
     prompt_logprobs_jobs,
     sampled_logprobs_by_request,
 )
+from workers.layers.lora import LoraBatch
 from workers.layers.moe import SparseMoE
 from workers.layers.norm import RMSNorm
 from workers.layers.pooler import Pooler, PoolingState
 from workers.layers.sampler import Sampler, SamplingTensors
+from workers.lora_adapters import attach_lora_stacks
 from workers.models.decoder import mlp_shard_of
 from workers.models.registry import ModelArgs, build_model, load_model_args
 from workers.quantized_checkpoints import checkpoint_quantization
@@ -145,6 +147,7 @@ class _RequestState:
     history: TokenHistory | None = None  # every token, when sampling reads them (penalties...)
     pooling: PoolingState | None = None  # pooling models: the prompt's pooling so far
     state_slot: int = -1  # hybrid models: its row in the linear-attention state pools
+    lora_slot: int = -1  # the LoRA adapter it runs on (workers/lora_adapters.py), -1: none
 
 
 class ModelRunner:
@@ -203,6 +206,7 @@ class ModelRunner:
         self.weights_valid = True
         self.requests: dict[str, _RequestState] = {}
         self.sampler = Sampler()
+        self.lora_batch: LoraBatch | None = None  # with --enable-lora: the step's adapter slots
         self._processed_logprobs = config.model.logprobs_mode == "processed_logprobs"
         # Seconds spent in each phase of the last step (scripts/bench_step.py reads it).
         self.last_step_timings: dict[str, float] = {}
@@ -217,6 +221,8 @@ class ModelRunner:
         if self.int4:  # every linear layer keeps INT4_ZP blocks, quantized as the weights arrive
             keep_blocks_everywhere(model, "INT4_ZP", self.quantize_x)
         load_checkpoint(model, self.config.model.path, self.quantize_x)
+        if self.config.lora.enabled:
+            self.lora_batch = attach_lora_stacks(model, self.config.lora, self.device)
         self.model = model.eval()
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_cache_groups = model.model.kv_cache_groups
@@ -438,6 +444,7 @@ class ModelRunner:
                     _new_history(r),
                     PoolingState() if self.pooler is not None else None,
                     self._state_slot(r),
+                    self._lora_slot(r),
                 )
                 if r.restore_checkpoint >= 0:
                     self._restore_checkpoint(r)
@@ -453,6 +460,20 @@ class ModelRunner:
             history = self.requests[r.req_id].history
             if history is not None:
                 history.extend(r.start_pos, r.token_ids)
+
+    def _token_lora_slots(self, reqs: list[ScheduledRequest]) -> torch.Tensor | None:
+        """Each token's adapter slot this step, or None when no request runs on one."""
+        slots = [self.requests[r.req_id].lora_slot for r in reqs]
+        if all(s < 0 for s in slots):
+            return None
+        counts = torch.tensor([len(r.token_ids) for r in reqs])
+        return torch.tensor(slots, dtype=torch.int32).repeat_interleave(counts).to(self.device)
+
+    def _lora_slot(self, r: ScheduledRequest) -> int:
+        slots = self.config.lora.num_slots if self.lora_batch is not None else 0
+        if r.lora_slot != -1 and not 0 <= r.lora_slot < slots:
+            raise ValueError(f"request {r.req_id!r} scheduled with LoRA slot {r.lora_slot}")
+        return r.lora_slot
 
     def _state_slot(self, r: ScheduledRequest) -> int:
         if not self.linear_layers:
@@ -532,6 +553,8 @@ class ModelRunner:
             self.device,
             [[t[g] for t in tables] for g in range(1, len(self.kv_cache_groups))],
         )
+        if self.lora_batch is not None:
+            self.lora_batch.slots = self._token_lora_slots(reqs)
         if self.linear_layers:
             meta.state_slots = torch.tensor(
                 [self.requests[r.req_id].state_slot for r in reqs], device=self.device

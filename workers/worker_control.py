@@ -30,12 +30,14 @@ from enginecore.messages import (
     ControlCall,
     DestroyWeightsUpdateGroup,
     InitWeightsUpdateGroup,
+    LoadLora,
     Sleep,
     UpdateWeightsFromDisk,
     UpdateWeightsFromDistributed,
     UpdateWeightsFromTensors,
     WakeUp,
 )
+from workers.lora_adapters import load_adapter
 from workers.model_runner import ModelRunner
 from workers.weight_loader import (
     checkpoint_weights,
@@ -108,6 +110,7 @@ class WorkerControl:
             UpdateWeightsFromDistributed: self.on_update_from_distributed,
             DestroyWeightsUpdateGroup: self.on_destroy_update_group,
             CommitWeights: self.on_commit_weights,
+            LoadLora: self.on_load_lora,
             Sleep: self.on_sleep,
             WakeUp: self.on_wake_up,
         }
@@ -216,6 +219,9 @@ class WorkerControl:
         if group is None:
             raise ValueError(f"no weight-update group {group_name!r}")
         destroy_weights_update_group(group)
+
+    def on_load_lora(self, call: LoadLora) -> None:
+        load_adapter(self.model, call, self.runner.parallel.tp_rank)
 
     # ------------------------------------------------------------------ sleep and wake-up
 

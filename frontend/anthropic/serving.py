@@ -81,7 +81,7 @@ class MessagesServing:
         message_id, keys, headers = s.request_ids(http_request, "msg_")
         group = s.start(
             message_id, keys, req.to_sampling(), [prompt_ids], "messages",
-            structured_output=constraint,
+            structured_output=constraint, lora=s.check_model(req.model),
         )  # fmt: skip
         parser = self.chat.choice_parser(plan, opens)
         draft = _Draft(message_id, s.model_name)

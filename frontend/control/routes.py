@@ -16,20 +16,25 @@ import base64
 import binascii
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from enginecore.lora import LoraError, adapter_spec, read_adapter_config
 from enginecore.messages import (
     DestroyWeightsUpdateGroup,
     EngineControlOp,
     FinishWeightsUpdate,
     InitWeightsUpdateGroup,
+    LoadLora,
+    LoadLoraAdapter,
     PauseGeneration,
     ReleaseMemory,
     ResetPrefixCache,
     ResumeGeneration,
     ResumeMemory,
+    UnloadLoraAdapter,
     UpdateOptions,
     UpdateWeights,
     UpdateWeightsFromDisk,
@@ -174,6 +179,88 @@ class DestroyGroupRequest(msgspec.Struct, forbid_unknown_fields=True):
         return DestroyWeightsUpdateGroup(self.group_name)
 
 
+class LoadLoraRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's /v1/load_lora_adapter (load_inplace) and SGLang's /load_lora_adapter (pinned): a
+    PEFT adapter directory served as `lora_name`. A name already served: vLLM's route needs
+    load_inplace=true; SGLang's serves the new version (tern's choice, for RL trainers pushing
+    versions under one name; SGLang refuses). Requests in flight finish on their version."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+    pinned: bool = False
+    version: str | None = None  # tern: the version outputs report (default: 1, 2, ...)
+
+    def op(self, replace: bool) -> LoadLoraAdapter:
+        try:
+            rank, scaling = adapter_spec(read_adapter_config(self.lora_path))
+        except LoraError as e:
+            raise ValueError(str(e), "lora_path") from None
+        source = LoadLora(-1, rank, scaling, path=str(Path(self.lora_path).resolve()))
+        return LoadLoraAdapter(self.lora_name, source, self.version, replace, self.pinned)
+
+
+class LoadLoraFromTensorsRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """SGLang's /load_lora_adapter_from_tensors, for RL: the adapter's tensors as base64
+    safetensors (one blob for every rank, or one per TP rank) and its adapter_config.json as
+    `config_dict`. SGLang's pickled form is refused: nothing unpickles data from the network."""
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_tensors: str | list[str]
+    load_format: str | None = None  # "safetensors" (the only one)
+    pinned: bool = False
+    added_tokens_config: dict[str, Any] | None = None
+    version: str | None = None
+
+    def unsupported(self) -> dict[str, Any]:
+        return {"added_tokens_config": None}
+
+    def op(self) -> LoadLoraAdapter:
+        if self.load_format not in (None, "safetensors"):
+            raise ValueError(
+                f"load_format {self.load_format!r} is not supported: send safetensors bytes",
+                "load_format",
+            )
+        try:
+            rank, scaling = adapter_spec(self.config_dict)
+        except LoraError as e:
+            raise ValueError(str(e), "config_dict") from None
+        items = self.serialized_tensors
+        blobs = [_safetensors_blob(item) for item in ([items] if isinstance(items, str) else items)]
+        if not blobs:
+            raise ValueError("serialized_tensors is empty", "serialized_tensors")
+        source = LoadLora(-1, rank, scaling, blobs=blobs)
+        return LoadLoraAdapter(self.lora_name, source, self.version, True, self.pinned)
+
+
+def _safetensors_blob(item: str) -> bytes:
+    """A base64 safetensors file, its header checked (pickles and garbage are a 400 here)."""
+    param = "serialized_tensors"
+    try:
+        blob = base64.b64decode(item, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("serialized_tensors must be base64 safetensors bytes", param) from None
+    if blob[:1] == b"\x80":
+        raise ValueError("pickled tensors are refused: send safetensors bytes", param)
+    size = int.from_bytes(blob[:8], "little") if len(blob) >= 8 else -1
+    try:
+        header = msgspec.json.decode(blob[8 : 8 + size]) if 0 < size <= len(blob) - 8 else None
+    except msgspec.DecodeError:
+        header = None
+    if not isinstance(header, dict):
+        raise ValueError("serialized_tensors is not a safetensors file", param)
+    return blob
+
+
+class UnloadLoraRequest(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; the name decides
+
+    def op(self) -> UnloadLoraAdapter:
+        return UnloadLoraAdapter(self.lora_name)
+
+
 class PauseRequest(msgspec.Struct, forbid_unknown_fields=True):
     mode: str = "abort"  # abort | wait | keep (= SGLang's in_place) | retract
 
@@ -234,6 +321,15 @@ CONTROL_ROUTES: tuple[ControlRoute, ...] = (
                  SleepRequest.op, SleepRequest, query=("level", "tags")),
     ControlRoute(("/release_memory_occupation",), "Free the memory of the tags (default: all)",
                  lambda body: ReleaseMemory(tags=body.all_tags()), MemoryTagsRequest),
+    ControlRoute(("/v1/load_lora_adapter",), "Serve a LoRA adapter (load_inplace: a new version)",
+                 lambda body: body.op(replace=body.load_inplace), LoadLoraRequest, UPDATE_TIMEOUT_S),
+    ControlRoute(("/load_lora_adapter",), "Serve a LoRA adapter (a served name: a new version)",
+                 lambda body: body.op(replace=True), LoadLoraRequest, UPDATE_TIMEOUT_S),
+    ControlRoute(("/load_lora_adapter_from_tensors",), "Serve a LoRA adapter pushed as tensors",
+                 LoadLoraFromTensorsRequest.op, LoadLoraFromTensorsRequest, UPDATE_TIMEOUT_S),
+    ControlRoute(("/v1/unload_lora_adapter", "/unload_lora_adapter"),
+                 "Stop serving a LoRA adapter (requests in flight finish first)",
+                 UnloadLoraRequest.op, UnloadLoraRequest),
     ControlRoute(("/wake_up", "/wakeup", "/resume_memory_occupation"),
                  "Bring back what sleep freed (tags; default: all)",
                  lambda body: ResumeMemory(tags=body.all_tags()), MemoryTagsRequest,

@@ -34,7 +34,7 @@ from frontend.control.routes import ControlRoute
 from frontend.engine.client import EngineClient, EngineDeadError, UtilityError
 from frontend.server.errors import APIError, bad_request, engine_dead_error
 from frontend.server.middleware import send_error
-from frontend.serving.base import json_response
+from frontend.serving.base import OpenAIServing, json_response
 
 
 async def decode_body(request: Request, route: ControlRoute) -> msgspec.Struct:
@@ -74,8 +74,10 @@ def engine_op(route: ControlRoute, body: msgspec.Struct) -> EngineControlOp:
 
 
 class ControlServing:
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, serving: OpenAIServing | None = None) -> None:
+        """`serving`: whose view of the served LoRA adapters each refresh updates."""
         self.engine = engine
+        self.serving = serving
         # The frontend's view of the engine's control state, refreshed by every control call.
         self.state: dict[str, Any] = {"is_sleeping": False, "weights_valid": True}
         self.weight_version = "default"
@@ -109,6 +111,9 @@ class ControlServing:
         await self._refresh()
         return result
 
+    async def refresh(self) -> None:
+        await self._refresh()
+
     async def _refresh(self) -> None:
         try:
             state = await self.engine.call_utility(GetControlState(), 10.0)
@@ -116,6 +121,8 @@ class ControlServing:
             return
         self.state = state
         self.weight_version = state["weight_version"]
+        if self.serving is not None and self.serving.adapters is not None:
+            self.serving.adapters = state.get("lora_adapters", {})
 
     # ------------------------------------------------------------------ read-only
 

@@ -49,6 +49,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     return_logprob: bool | None = None  # meta_info.output_token_logprobs: [logprob, token id]
     # LMDeploy's chat route has it: json_schema, regex_schema or json_object (text/structured_outputs.py).
     response_format: dict[str, Any] | None = None
+    adapter_name: str | None = None  # the LoRA adapter to run on (None: the base model)
 
     image_data: Any = UNSET
     top_logprobs_num: Any = UNSET

@@ -64,6 +64,7 @@ class LMDeployServing:
         group = s.start(
             request_id, keys, req.to_sampling(), [prompt_ids], param, session_id=session_id, logprobs=logprobs,
             structured_output=structured_output_spec(req.response_format),
+            lora=s.check_adapter(req.adapter_name, "adapter_name"),
         )  # fmt: skip
         if req.stream:
             return s.sse_response(self._generate_stream(group), group, headers)

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 
 import msgspec
+from msgspec import UNSET
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -52,7 +53,7 @@ class ChatServing:
     async def create(self, http_request: Request) -> Response:
         s = self.serving
         req = decode_request(await http_request.body(), ChatCompletionRequest)
-        s.check_model(req.model)
+        lora = s.lora_of(req)
         plan = self.plan(req)
         prompt_text, prompt_ids = self.render(req, plan)
         constraint, opens_reasoning = self.after_reasoning(plan.constraint, prompt_text)
@@ -60,7 +61,7 @@ class ChatServing:
         group = s.start(
             request_id, keys, req.to_sampling(), [prompt_ids], "messages",
             n=req.n or 1, logprobs=req.num_logprobs, prompt_logprobs=req.prompt_logprobs,
-            structured_output=constraint,
+            structured_output=constraint, lora=lora,
         )  # fmt: skip
         view = _ChatView(
             req, TokenStrings(s.tokenizer.backend, bool(req.return_tokens_as_token_ids))
@@ -92,6 +93,7 @@ class ChatServing:
         response = ChatCompletionResponse(
             request_id, "chat.completion", created, s.model_name, choices, group.usage(),
             group.weight_version, view.prompt_logprobs(first), view.prompt_token_ids(first),
+            group.lora_version,
         )  # fmt: skip
         return json_response(response, headers=headers)
 
@@ -185,6 +187,7 @@ class ChatServing:
                     request_id, "chat.completion.chunk", created, s.model_name, [choice],
                     gen.usage() if continuous_usage else None,
                     gen.weight_version if finish else None, prompt_token_ids,
+                    gen.lora_version if finish and gen.lora_version else UNSET,
                 )
             )  # fmt: skip
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from msgspec import UNSET
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -39,7 +40,7 @@ class CompletionServing:
     async def create(self, http_request: Request) -> Response:
         s = self.serving
         req = decode_request(await http_request.body(), CompletionRequest)
-        s.check_model(req.model)
+        lora = s.lora_of(req)
         prompts, prompt_texts = [], []
         for prompt in req.normalized_prompts():
             ids = s.encode_prompt(prompt, req.add_special_tokens, "prompt")
@@ -56,7 +57,7 @@ class CompletionServing:
         group = s.start(
             request_id, keys, req.to_sampling(), prompts, "prompt",
             n=req.n or 1, logprobs=req.logprobs, prompt_logprobs=num_prompt_top,
-            discard_output=req.is_echo_only, structured_output=req.output_constraint(),
+            discard_output=req.is_echo_only, structured_output=req.output_constraint(), lora=lora,
         )  # fmt: skip
         view = _CompletionView(req, s, prompt_texts, group.n)
         created = int(time.time())
@@ -74,7 +75,7 @@ class CompletionServing:
             choice.routed_experts = s.routed_experts_of(gen)
         response = CompletionResponse(
             request_id, "text_completion", created, s.model_name, choices, group.usage(),
-            group.weight_version,
+            group.weight_version, group.lora_version,
         )  # fmt: skip
         return json_response(response, headers=headers)
 
@@ -105,6 +106,7 @@ class CompletionServing:
                     request_id, "text_completion", created, s.model_name, [choice],
                     gen.usage() if continuous_usage else None,
                     gen.weight_version if gen.is_finished else None,
+                    gen.lora_version if gen.is_finished and gen.lora_version else UNSET,
                 )
             )  # fmt: skip
         if include_usage:

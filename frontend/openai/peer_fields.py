@@ -4,7 +4,8 @@ Routers put their own fields into every body they forward: vllm-router 0.1.17 an
 (sgl-model-gateway) re-serialize /v1/chat/completions and /v1/completions through SGLang's request
 structs, so each body gains `no_stop_trim`, `separate_reasoning`, `stream_reasoning`,
 `return_hidden_states` (and, when a client set them, `lora_path`, `session_params`, `regex`,
-`ebnf`, `json_schema`, `sampling_seed`, `rid`). The policy, decided here and nowhere else:
+`ebnf`, `json_schema`, `sampling_seed`, `rid`). The policy, decided here and nowhere else
+(`lora_path`, the name of a LoRA adapter, is read with `model`: OpenAIServing.lora_of):
 
 1. A peer's field that means something tern does is honoured under tern's name (`HONOURED`):
    `no_stop_trim` is `include_stop_str_in_output`, `sampling_seed` is `seed`, `rid` is
@@ -37,7 +38,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "separate_reasoning": (None, True),
     "stream_reasoning": (None, True),
     "return_hidden_states": (None, False),
-    "lora_path": (None,),
     "session_params": (None,),
 }
 

@@ -576,6 +576,7 @@ class ChatCompletionResponse(msgspec.Struct):
     weight_version: str | None = None  # the weights that produced it (SGLang's field)
     prompt_logprobs: PromptLogprobsList | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
+    lora_version: str | UnsetType = UNSET  # the LoRA adapter's version, on an adapter's answers
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
@@ -604,6 +605,7 @@ class ChatCompletionStreamResponse(msgspec.Struct, omit_defaults=True):
     usage: UsageInfo | None = None
     weight_version: str | None = None  # on a choice's last chunk
     prompt_token_ids: list[int] | None = None  # with return_token_ids, on the first chunk
+    lora_version: str | UnsetType = UNSET  # on a choice's last chunk (an adapter's answers)
 
 
 class CompletionResponseChoice(msgspec.Struct):
@@ -628,6 +630,7 @@ class CompletionResponse(msgspec.Struct):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     weight_version: str | None = None  # the weights that produced it (SGLang's field)
+    lora_version: str | UnsetType = UNSET  # the LoRA adapter's version, on an adapter's answers
 
 
 class CompletionStreamResponse(msgspec.Struct, omit_defaults=True):
@@ -638,6 +641,7 @@ class CompletionStreamResponse(msgspec.Struct, omit_defaults=True):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
     weight_version: str | None = None  # on a choice's last chunk
+    lora_version: str | UnsetType = UNSET  # on a choice's last chunk (an adapter's answers)
 
 
 class ModelCard(msgspec.Struct):

@@ -83,7 +83,7 @@ class ResponsesServing:
     async def create(self, http_request: Request) -> Response:
         s = self.serving
         req = decode_request(await http_request.body(), ResponsesRequest)
-        s.check_model(req.model)
+        lora = s.check_model(req.model)
         history = None
         if req.previous_response_id is not None:
             stored = self.store.get(req.previous_response_id)
@@ -104,7 +104,7 @@ class ResponsesServing:
         response_id, keys, headers = s.request_ids(http_request, "resp_", req.request_id)
         group = s.start(
             response_id, keys, req.to_sampling(), [prompt_ids], "input",
-            structured_output=constraint,
+            structured_output=constraint, lora=lora,
         )  # fmt: skip
         params = group.gens[0].params
         draft = _Draft(req, response_id, s.model_name, params.temperature, params.top_p)

@@ -54,7 +54,12 @@ def build_app(
     """The ASGI app. `engine` must be started (its EngineReady describes the model)."""
     assert engine.ready is not None
     chat = ChatServing(serving, frontend.chat_options)
-    control = ControlServing(engine)
+    if config.lora.enabled:  # until the engine's control state says more
+        serving.adapters = {
+            name: {"version": "1", "loaded": True, "pinned": False, "path": path}
+            for name, path in config.lora.modules
+        }
+    control = ControlServing(engine, serving)
     if config.parallel.data_parallel_size > 1 and serving.metrics is not None:
         serving.metrics.replicas = engine.replica_snapshots
     openapi = _json.encode(openapi_document("tern", tern_version()))

@@ -73,12 +73,23 @@ class InfoServing:
         )
 
     async def models(self, request: Request) -> Response:
-        return json_response(ModelList([self._card(name) for name in self.serving.model_names]))
+        cards = [self._card(name) for name in self.serving.model_names]
+        if self.serving.adapters is not None:
+            await self.control.refresh()
+            for name, adapter in (self.serving.adapters or {}).items():
+                card = self._card(name)
+                card.root, card.parent = adapter.get("path") or name, self.serving.model_name
+                cards.append(card)
+        return json_response(ModelList(cards))
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        self.serving.check_model(name)
-        return json_response(self._card(name))
+        adapter = self.serving.check_model(name)
+        card = self._card(name)
+        if adapter is not None:
+            card.root = (self.serving.adapters or {})[adapter].get("path") or adapter
+            card.parent = self.serving.model_name
+        return json_response(card)
 
     async def health(self, request: Request) -> Response:
         status = 503 if self.engine.is_dead else 200

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from msgspec import UNSET
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -83,6 +84,9 @@ class OpenAIServing:
         self.metrics = metrics
         self.records_routing = records_routing
         self.inflight = InflightRequests()
+        # The LoRA adapters served ({name: {"version", "loaded", "path"}}), as the engine core's
+        # control state last said (frontend/control/serving.py refreshes it); None: LoRA is off.
+        self.adapters: dict[str, dict[str, Any]] | None = None
 
     def routed_experts_of(self, gen: Generation) -> str | None:
         """vLLM's choices[i].routed_experts of a finished generation (routed_experts.py)."""
@@ -96,15 +100,48 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ shared
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            served = ", ".join(f"`{m}`" for m in self.model_names)
-            raise APIError(
-                f"The model `{model}` does not exist. This server serves {served}.",
-                404,
-                "model",
-                "model_not_found",
-            )
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (an adapter's name, or SGLang's `base:adapter`), None
+        for the base model; 404 for a name not served."""
+        if model is None or model in self.model_names:
+            return None
+        base, _, adapter = model.partition(":")
+        name = adapter if adapter and base in self.model_names else model
+        if self.adapters is not None and name in self.adapters:
+            return name
+        served = ", ".join(f"`{m}`" for m in [*self.model_names, *(self.adapters or {})])
+        raise APIError(
+            f"The model `{model}` does not exist. This server serves {served}.",
+            404,
+            "model",
+            "model_not_found",
+        )
+
+    def lora_of(self, req: Any) -> str | None:
+        """The adapter an OpenAI body asks for: by `model`, or by SGLang's `lora_path` (an
+        adapter's name, as routers forward it); both set must agree."""
+        by_model = self.check_model(req.model)
+        path = req.lora_path
+        if path is UNSET or path is None:
+            return by_model
+        if not isinstance(path, str):
+            raise bad_request("lora_path must be the name of a loaded LoRA adapter", "lora_path")
+        named = self.check_adapter(path, "lora_path")
+        if by_model is not None and by_model != named:
+            raise bad_request(f"model names adapter {by_model!r}, lora_path {named!r}", "lora_path")
+        return named
+
+    def check_adapter(self, name: str | None, param: str) -> str | None:
+        """An adapter named by a request field (SGLang's lora_path, LMDeploy's adapter_name)."""
+        if name is None:
+            return None
+        if self.adapters is None:
+            raise bad_request("this server serves no LoRA adapter (start it with --enable-lora)",
+                              param)  # fmt: skip
+        if name not in self.adapters:
+            raise APIError(f"no LoRA adapter named {name!r} is loaded", 404, param,
+                           "model_not_found")  # fmt: skip
+        return name
 
     def request_ids(
         self, http_request: Request, prefix: str, body_request_id: str | None = None
@@ -145,6 +182,7 @@ class OpenAIServing:
         prompt_logprobs: int | None = None,
         discard_output: bool = False,
         structured_output: StructuredOutputSpec | None = None,
+        lora: str | None | Sequence[str | None] = None,
     ) -> RequestGroup:
         """Checks every prompt, then starts n engine requests per prompt (all or none): samples
         0..n-1 of prompt 0, then of prompt 1... (frontend/serving/sampling.py says how they differ).
@@ -152,14 +190,18 @@ class OpenAIServing:
         `logprobs` / `prompt_logprobs`: how many most likely tokens the logprobs of each output /
         prompt token show (None: no logprobs). `discard_output`: see Generation.
         `structured_output`: the grammar every sample's output follows.
+        `lora`: the LoRA adapter every prompt runs on, or one per prompt (None: the base model).
         """
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise bad_request(f"{len(loras)} adapters for {len(prompts)} prompts", "lora_path")
         params = [self.sampling_params(sampling, ids, prompt_param) for ids in prompts]
         if self.engine.is_dead:
             raise engine_dead_error(self.engine.dead_reason)
         engine_ids = iter(unique_ids(request_id, len(prompts) * n, self.engine.is_in_flight))
         gens: list[Generation] = []
         try:
-            for prompt_ids, base in zip(prompts, params):
+            for prompt_ids, base, lora_name in zip(prompts, params, loras):
                 for index in range(n):
                     p = for_sample(base, index, logprobs, prompt_logprobs)
                     detokenizer = IncrementalDetokenizer(
@@ -171,7 +213,7 @@ class OpenAIServing:
                     )
                     gen = Generation(
                         self.engine, next(engine_ids), prompt_ids, p, detokenizer, self.metrics,
-                        discard_output, structured_output,
+                        discard_output, structured_output, lora_name,
                     )  # fmt: skip
                     gens.append(gen)
         except EngineDeadError as e:

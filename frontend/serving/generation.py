@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from msgspec import UNSET, UnsetType
 from starlette.requests import Request
 
 from enginecore.messages import (
@@ -52,8 +53,10 @@ class Generation:
         metrics: Metrics | None = None,
         discard_output: bool = False,
         structured_output: StructuredOutputSpec | None = None,
+        lora_name: str | None = None,
     ) -> None:
-        """`discard_output`: the output is not wanted (completions' echo with max_tokens 0): the
+        """`lora_name`: the LoRA adapter it runs on (None: the base model).
+        `discard_output`: the output is not wanted (completions' echo with max_tokens 0): the
         request runs only for its prompt logprobs, and finishes with "length" and no tokens."""
         self.engine = engine
         self.request_id = request_id
@@ -68,6 +71,8 @@ class Generation:
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
         self.weight_version: str | None = None  # of the weights that computed the last tokens
+        self.lora_name = lora_name
+        self.lora_version: str | None = None  # of the adapter, once finished
         self.output_token_ids: list[int] = []  # the tokens counted in usage, stop token included
         # Logprobs, when the request asked: of output_token_ids, and of prompt tokens 1..n-1.
         self.output_logprobs: list[Logprobs] = []
@@ -89,6 +94,7 @@ class Generation:
                 params,
                 arrival_time=time.time(),
                 structured_output=structured_output,
+                lora_name=lora_name,
             )
         )
 
@@ -120,6 +126,8 @@ class Generation:
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.weight_version is not None:
             self.weight_version = out.weight_version
+        if out.lora_version is not None:
+            self.lora_version = out.lora_version
         if out.finish_reason == FinishReason.ERROR:
             self.finish_reason = "error"
             raise RequestFailedError(out.error or "the engine failed to serve this request")
@@ -224,6 +232,12 @@ class RequestGroup:
     def weight_version(self) -> str | None:
         versions = [g.weight_version for g in self.gens if g.weight_version is not None]
         return versions[-1] if versions else None
+
+    @property
+    def lora_version(self) -> str | UnsetType:
+        """The version of the LoRA adapter its requests ran on (the last one's), or UNSET."""
+        versions = [g.lora_version for g in self.gens if g.lora_version is not None]
+        return versions[-1] if versions else UNSET
 
     def usage(self) -> UsageInfo:
         # A prompt counts once, however many samples it has (as vLLM); its first sample shows

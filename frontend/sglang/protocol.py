@@ -45,11 +45,11 @@ _SAMPLING_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 # GenerateReqInput's fields tern cannot honour -> the values that mean "not used": multimodal
-# inputs, LoRA, sessions, disaggregation and routing, hidden states, extra outputs...
+# inputs, LoRA ids (lora_path, an adapter's name, is honoured), sessions, disaggregation and routing, hidden states, extra outputs...
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     **dict.fromkeys(
         """input_embeds mm_hashes mm_content_hashes video_config session_id session_params
-        lora_path lora_id custom_logit_processor positional_embed_overrides bootstrap_host
+        lora_id custom_logit_processor positional_embed_overrides bootstrap_host
         bootstrap_port bootstrap_room bootstrap_pair_key decode_tp_size disagg_prefill_dp_rank
         kv_router_hint routing_key http_worker_ipc max_thinking_tokens custom_labels
         external_trace_header received_time need_wait_for_mm_inputs num_items_assigned
@@ -363,6 +363,7 @@ class SGLangMetaInfo(msgspec.Struct):
     input_token_logprobs: list[LogprobEntry] | UnsetType = UNSET
     output_token_logprobs: list[LogprobEntry] | UnsetType = UNSET
     output_token_logprobs_length: int | UnsetType = UNSET
+    lora_version: str | UnsetType = UNSET  # the LoRA adapter's version, on an adapter's answers
     input_top_logprobs: list[list[LogprobEntry] | None] | UnsetType = UNSET
     output_top_logprobs: list[list[LogprobEntry] | None] | UnsetType = UNSET
     e2e_latency: float | UnsetType = UNSET  # seconds, once finished

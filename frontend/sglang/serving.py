@@ -150,6 +150,7 @@ class SGLangServing:
         own sampling parameters and its own clamped max_new_tokens)."""
         s = self.serving
         n, k = req.n, req.num_logprobs
+        loras = self._loras(req, len(prompts))
         groups: list[RequestGroup] = []
         try:
             for i, p in enumerate(prompts):
@@ -160,6 +161,7 @@ class SGLangServing:
                         first.id, keys, p.params.to_sampling(), [p.ids], req.prompt_param, n=n, logprobs=k,
                         prompt_logprobs=k if wants_prompt else None,
                         discard_output=p.is_prefill_only, structured_output=p.structured_output,
+                        lora=loras[i],
                     )
                 )  # fmt: skip
         except BaseException:
@@ -169,6 +171,20 @@ class SGLangServing:
         for group in groups:
             s.inflight.remove(group)
         return RequestGroup(keys, [gen for g in groups for gen in g.gens], s.inflight, None, n)
+
+    def _loras(self, req: SGLangGenerateRequest, num_prompts: int) -> list[str | None]:
+        """lora_path: one adapter name for every prompt, or one per prompt (None: the base)."""
+        paths = req.lora_path
+        if paths is UNSET or paths is None or isinstance(paths, str):
+            paths = [None if paths is UNSET else paths] * num_prompts
+        if not isinstance(paths, list) or len(paths) != num_prompts:
+            raise bad_request(
+                f"lora_path must be an adapter name or a list of {num_prompts} (one per prompt)",
+                "lora_path",
+            )
+        if not all(p is None or isinstance(p, str) for p in paths):
+            raise bad_request("lora_path entries must be adapter names or null", "lora_path")
+        return [self.serving.check_adapter(p, "lora_path") for p in paths]
 
     async def _stream(
         self, group: RequestGroup, view: _OutputView, items: list[_Item], is_list: bool
@@ -257,6 +273,8 @@ class _OutputView:
             item.id, _finish_reason(gen, item), gen.num_prompt_tokens, gen.weight_version,
             gen.num_output_tokens, gen.num_cached_tokens,
         )  # fmt: skip
+        if gen.lora_version is not None:
+            meta.lora_version = gen.lora_version
         if self.num_logprobs is not None:
             self._add_logprobs(meta, gen, item)
         if gen.is_finished:

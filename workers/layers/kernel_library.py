@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 HEADER = SOURCE_DIR / "tern_kernels.h"
-ABI_VERSION = 13
+ABI_VERSION = 14
 ENV_VAR = "TERN_KERNELS"
 _COMMON_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 
@@ -133,7 +133,9 @@ class TernLinear(ctypes.Structure):
 
 TernLinear._fields_ = [
     ("weight", _vp), ("scale", _vp), ("bias", _vp), ("n", _i32), ("k", _i32),
-    ("weight_format", _i32), ("rest", ctypes.POINTER(TernLinear)),
+    ("weight_format", _i32), ("rest", ctypes.POINTER(TernLinear)), ("lora_a", _vp),
+    ("lora_b", _vp), ("lora_seg_rows", _vp), ("lora_rank", _i32), ("lora_nseg", _i32),
+    ("lora_num_slots", _i32),
 ]  # fmt: skip
 
 
@@ -156,7 +158,7 @@ class TernDecodeStep(ctypes.Structure):
     _fields_ = [
         ("num_tokens", _i32), ("positions", _vp), ("slots", _vp), ("block_tables", _vp),
         ("context_lens", _vp), ("table_stride", _i64), ("normed", _vp), ("qkv", _vp), ("q", _vp),
-        ("attn", _vp), ("attn_out", _vp), ("gate_up", _vp), ("act", _vp),
+        ("attn", _vp), ("attn_out", _vp), ("gate_up", _vp), ("act", _vp), ("lora_slots", _vp),
     ]  # fmt: skip
 
 

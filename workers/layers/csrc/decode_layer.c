@@ -34,7 +34,7 @@ static int linear_one(const TernLinear *l, const void *x, void *y, int m, int bf
 
 /* As linear_one, and a linear in row segments (TernLinear.rest) as gguf_blocks.segmented_linear:
  * each segment's products into its columns of y (through a scratch block from two rows). */
-static int linear(const TernLinear *l, const void *x, void *y, int m, int bf16) {
+static int linear_base(const TernLinear *l, const void *x, void *y, int m, int bf16) {
     if (l->rest == NULL) return linear_one(l, x, y, m, bf16);
     if (bf16) return -2;
     float *out = y, *tmp = NULL;
@@ -48,6 +48,17 @@ static int linear(const TernLinear *l, const void *x, void *y, int m, int bf16) 
     }
     free(tmp);
     return rc;
+}
+
+/* y (m, n) = x (m, k) @ W.T + bias, then each token's LoRA adapter's product added (lora_slots:
+ * the step's, NULL when it has none) as LinearBase._linear does: the same kernel after the same
+ * base product. */
+static int linear(const TernLinear *l, const void *x, void *y, int m, int bf16,
+                  const int32_t *lora_slots) {
+    int rc = linear_base(l, x, y, m, bf16);
+    if (rc != 0 || l->lora_a == NULL || lora_slots == NULL) return rc;
+    return tern_lora_add(x, l->k, y, l->n, lora_slots, m, l->k, l->n, l->lora_a, l->lora_b,
+                         l->lora_num_slots, l->lora_rank, l->lora_nseg, l->lora_seg_rows, bf16);
 }
 
 static void rms_norm(const void *x, const void *res, void *res_out, const void *w, void *out,
@@ -117,7 +128,7 @@ static int decode_layer(const TernDecodeLayer *L, const TernDecodeStep *S, const
     } else {
         rms_norm(x, residual, res_out, L->input_norm, S->normed, T, L->hidden, L->eps, bf16);
     }
-    if (linear(&L->qkv, attn_in, S->qkv, T, bf16) != 0) return -1;
+    if (linear(&L->qkv, attn_in, S->qkv, T, bf16, S->lora_slots) != 0) return -1;
     char *qkv = (char *)S->qkv, *k = qkv + elem * qh * H * D, *v = k + elem * Hkv * D;
     char *q = (char *)S->q; /* the queries gathered contiguous (T, H, D), as attention takes them */
     for (int t = 0; t < T; t++)
@@ -154,7 +165,7 @@ static int decode_layer(const TernDecodeLayer *L, const TernDecodeStep *S, const
                                           D)
                  : tern_sigmoid_gate((float *)S->attn + h * D, (int64_t)H * D,
                                      (const float *)qkv + (int64_t)h * 2 * D + D, row, T, D);
-    if (linear(&L->o, S->attn, S->attn_out, T, bf16) != 0) return -1;
+    if (linear(&L->o, S->attn, S->attn_out, T, bf16, S->lora_slots) != 0) return -1;
     if ((rc = all_reduce(L, S->attn_out, T, seq, bf16)) != 0) return rc;
     if (L->attn_out_norm != NULL)
         rms_norm(S->attn_out, NULL, NULL, L->attn_out_norm, S->attn_out, T, L->hidden, L->eps,
@@ -172,14 +183,14 @@ static int decode_layer(const TernDecodeLayer *L, const TernDecodeStep *S, const
         memcpy(out, mlp_in, elem * (size_t)n);
         return 0;
     }
-    if (linear(&L->gate_up, mlp_in, S->gate_up, T, bf16) != 0) return -1;
+    if (linear(&L->gate_up, mlp_in, S->gate_up, T, bf16, S->lora_slots) != 0) return -1;
     if (L->gelu)
         bf16 ? tern_gelu_tanh_and_mul_bf16(S->gate_up, S->act, T, L->intermediate)
              : tern_gelu_tanh_and_mul(S->gate_up, S->act, T, L->intermediate);
     else
         bf16 ? tern_silu_and_mul_bf16(S->gate_up, S->act, T, L->intermediate)
              : tern_silu_and_mul(S->gate_up, S->act, T, L->intermediate);
-    if (linear(&L->down, S->act, out, T, bf16) != 0) return -1;
+    if (linear(&L->down, S->act, out, T, bf16, S->lora_slots) != 0) return -1;
     if ((rc = all_reduce(L, out, T, seq + 1, bf16)) != 0) return rc;
     if (L->mlp_out_norm != NULL)
         rms_norm(out, NULL, NULL, L->mlp_out_norm, out, T, L->hidden, L->eps, bf16);

@@ -34,6 +34,13 @@ typedef struct TernLinear {
      * weight NULL, n the segments' rows together, rest the first segment, each segment's rest
      * the next (NULL after the last). NULL for a linear of one format. */
     const struct TernLinear *rest;
+    /* The LoRA adapters it serves (workers/layers/lora.py's LoraStack), added after the base
+     * product (after every segment's): a (lora_num_slots, lora_nseg lora_rank, k) and b
+     * (lora_num_slots, n, lora_rank) float32, lora_seg_rows (lora_nseg,) summing to n; lora_a
+     * NULL (and the rest 0) for a linear without them. */
+    const float *lora_a, *lora_b;
+    const int32_t *lora_seg_rows;
+    int lora_rank, lora_nseg, lora_num_slots;
 } TernLinear;
 #define TERN_WEIGHT_BF16 1
 #define TERN_WEIGHT_GGUF 256
@@ -79,6 +86,7 @@ typedef struct {
     const int32_t *block_tables, *context_lens;
     int64_t table_stride;
     void *normed, *qkv, *q, *attn, *attn_out, *gate_up, *act;
+    const int32_t *lora_slots; /* each token's LoRA slot (-1: none), or NULL: no LoRA this step */
 } TernDecodeStep;
 
 /* ---------------------------------------------------------------- bfloat16 scalars */
@@ -163,6 +171,10 @@ void tern_sigmoid_gate(float *o, int64_t o_stride, const float *gate, int64_t ga
 void tern_sigmoid_gate_bf16(uint16_t *o, int64_t o_stride, const uint16_t *gate, int64_t gate_stride, int T, int n);
 void tern_gelu_tanh_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I);
 void tern_apply_token_bitmask(float *logits, int64_t row_stride, const int32_t *bitmask, int64_t words_per_row, const int64_t *rows, int n_rows, int vocab);
+
+/* lora.c: y (M, N) += each row's LoRA adapter's product with x (M, K), float32 or bfloat16
+ * (is_bf16), rows x_stride / y_stride elements apart; see the definition. */
+int tern_lora_add(const void *x, int64_t x_stride, void *y, int64_t y_stride, const int32_t *slots, int M, int K, int N, const float *a, const float *b, int num_slots, int R, int nseg, const int32_t *seg_rows, int is_bf16);
 
 /* collectives.c: all-reduce and all-gather among the TP ranks of one host. */
 int64_t tern_shm_header_bytes(void);
