@@ -98,6 +98,43 @@ ZOO_PARALLEL = ("tiny_mistral", "tiny_gemma3", "tiny_phi3", "tiny_olmo2", "tiny_
                 "tiny_qwen3_5", "tiny_qwen2_moe", "tiny_qwen3_moe", "tiny_gpt_oss")  # fmt: skip
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_adapters_mixed_in_one_batch_match_hf_peft(
+    layout: str, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Base-model requests and three PEFT adapters' in one batch, A and B sharded as their layers
+    are (column-parallel: B's rows; row-parallel: A's columns, the partial products summed by the
+    all-reduce), each stage its own layers' adapters; prompts served twice (prefix cache)."""
+    from enginecore.config import LoraConfig
+    from scripts.make_tiny_model import make_lora_adapter
+    from tests.unit.test_lora import ADAPTERS, hf_reference, mixed_requests
+
+    root = tmp_path_factory.mktemp("lora")
+    paths = {n: make_lora_adapter(tiny_llama, root / n, **spec) for n, spec in ADAPTERS.items()}
+    tp, pp = LAYOUTS[layout]
+    config = parallel_config(tiny_llama, tp, pp, block_size=4).replace(
+        lora=LoraConfig(enabled=True, modules=tuple((n, str(p)) for n, p in paths.items()))
+    )
+    requests = mixed_requests(tiny_llama)
+    client = CoreClient(config)
+    try:
+        assert isinstance(client.startup(), EngineReady)
+        for round_ in range(2):
+            sent = {}
+            for req_id, (prompt, name) in requests.items():
+                req = greedy(f"{req_id}.{round_}", prompt, NUM_TOKENS)
+                req.lora_name = name
+                sent[req.request_id] = req
+            got = client.run(sent)
+            for req_id, (prompt, name) in requests.items():
+                expected = hf_reference(tiny_llama, paths.get(name) if name else None, prompt,
+                                        NUM_TOKENS)[0]  # fmt: skip
+                assert got[f"{req_id}.{round_}"][0] == expected, req_id
+        assert client.stats()["prefix_cache_hits"] > 0
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("arch", ZOO_PARALLEL)
 def test_model_zoo_at_tp2_pp2_matches_hf(arch: str, request) -> None:
     """The zoo's families split both ways at once (4 ranks: each stage's layers sharded). Qwen3.5
