@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from enginecore.config import LoraConfig
 from enginecore.messages import ControlCall, LoadLora
 
@@ -139,6 +141,8 @@ class LoraRegistry:
                 f"the adapter's rank {source.rank} exceeds --max-lora-rank "
                 f"{self.config.max_lora_rank}"
             )
+        # NOTE: a broadcast cannot be received twice: such an adapter is never evicted.
+        pinned = pinned or source.broadcast is not None
         number = self._versions.get(name, 0) + 1
         adapter = Adapter(name, version or str(number), next(self._uids), source, pinned=pinned)
         self._place(adapter, set(busy))
@@ -210,11 +214,7 @@ class LoraRegistry:
             victim = min(idle, key=lambda a: (not a.retired, a.requests > 0, a.last_used))
             slot = victim.slot
             self._evict(victim)
-        call = LoadLora(
-            slot, adapter.source.rank, adapter.source.scaling, adapter.source.path,
-            adapter.source.blobs,
-        )  # fmt: skip
-        self._run(call)  # NOTE: a slot a failed load left half-written is free: nothing reads it
+        self._run(msgspec.structs.replace(adapter.source, slot=slot))  # NOTE: a slot a failed load left half-written is free: nothing reads it
         adapter.slot = slot
         adapter.last_used = time.monotonic()
         self.slots[slot] = adapter

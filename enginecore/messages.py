@@ -424,17 +424,27 @@ class CommitWeights(msgspec.Struct, tag="commit_weights"):
     commit: bool
 
 
+class LoraBroadcast(msgspec.Struct):
+    """An adapter's tensors as the trainer broadcasts them over a weight-update group."""
+
+    group_name: str
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+
 class LoadLora(msgspec.Struct, tag="load_lora"):
     """A PEFT adapter into a LoRA slot of every layer (workers/lora_adapters.py), scaled by
-    `scaling`: its tensors from `path` (a PEFT directory) or `blobs` (safetensors of the full
-    tensors: one for every rank, or one per TP rank as SGLang sends them), each rank keeping its
-    shard."""
+    `scaling`: its tensors from `path` (a PEFT directory), `blobs` (safetensors of the full
+    tensors: one for every rank, or one per TP rank as SGLang sends them) or a trainer's
+    `broadcast`, each rank keeping its shard."""
 
     slot: int
     rank: int
     scaling: float
     path: str = ""
     blobs: list[bytes] = []
+    broadcast: LoraBroadcast | None = None
 
 
 class Sleep(msgspec.Struct, tag="sleep"):

@@ -63,9 +63,15 @@ def adapter_tensors(call: LoadLora, tp_rank: int) -> dict[str, torch.Tensor]:
         raise LoraError(f"the adapter's tensors are not a safetensors file: {e}") from None
 
 
-def load_adapter(model: nn.Module, call: LoadLora, tp_rank: int) -> None:
-    """Puts the adapter into slot `call.slot` of every served layer of this stage."""
-    pairs = _pairs(adapter_tensors(call, tp_rank))
+def load_adapter(
+    model: nn.Module,
+    call: LoadLora,
+    tp_rank: int,
+    received: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Puts the adapter into slot `call.slot` of every served layer of this stage (`received`:
+    its tensors, when the trainer broadcast them)."""
+    pairs = _pairs(received if received is not None else adapter_tensors(call, tp_rank))
     stacks = {m.lora for m in model.modules() if isinstance(m, LinearBase) and m.lora is not None}
     if not stacks:
         raise LoraError("this server was started without --enable-lora")

@@ -221,7 +221,20 @@ class WorkerControl:
         destroy_weights_update_group(group)
 
     def on_load_lora(self, call: LoadLora) -> None:
-        load_adapter(self.model, call, self.runner.parallel.tp_rank)
+        tensors = None
+        if call.broadcast is not None:
+            b = call.broadcast
+            group = self._groups.get(b.group_name)
+            if group is None:
+                raise ValueError(f"no weight-update group {b.group_name!r}: call init first")
+            if not len(b.names) == len(b.dtypes) == len(b.shapes):
+                raise ValueError("names, dtypes and shapes must have the same length")
+            tensors = {}
+            for name, dtype, shape in zip(b.names, b.dtypes, b.shapes):
+                tensor = torch.empty(shape, dtype=parse_dtype(dtype), device=self.runner.device)
+                dist.broadcast(tensor, src=0, group=group)  # every one, even if one is wrong
+                tensors[name] = tensor.cpu()
+        load_adapter(self.model, call, self.runner.parallel.tp_rank, tensors)
 
     # ------------------------------------------------------------------ sleep and wake-up
 

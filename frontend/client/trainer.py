@@ -7,6 +7,7 @@
     client.init_weights_update_group("127.0.0.1", 29600, tern_world_size=2)
     client.update_weights_from_distributed(model.state_dict())        # torch.distributed broadcast
     client.destroy_weights_update_group()
+    client.update_lora("policy", peft_model, version="step-3")        # only the adapter's tensors
 
 Every multi-bucket update is one transaction on the server: buckets carry `finished: false` but the
 last, generation waits meanwhile, and a failure restores the old weights.
@@ -353,12 +354,83 @@ class TrainerClient:
             call.result()
         return self._commit(weight_version)
 
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def update_lora(
+        self,
+        name: str,
+        adapter: Any,
+        version: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        via: str = "http",
+    ) -> dict[str, Any]:
+        """Serves `adapter` as `name` (a new version of it when served already: requests in
+        flight finish on theirs, new ones run on this one; outputs name the version). `adapter`
+        is a peft model (its active adapter's config is sent) or a state dict of PEFT's tensor
+        names with `config` (its adapter_config.json). via "http": the tensors as safetensors
+        bytes; "distributed": broadcast over the weight-update group (init_weights_update_group
+        first). Only the adapter's tensors travel, never the base weights."""
+        state_dict, config = _adapter_tensors(adapter, config)
+        if via == "http":
+            body = {
+                "lora_name": name,
+                "config_dict": config,
+                "serialized_tensors": base64.b64encode(save(state_dict)).decode(),
+                "version": version,
+            }
+            return self.post("/load_lora_adapter_from_tensors", body)
+        if via != "distributed":
+            raise ValueError("via must be 'http' or 'distributed'")
+        if self._group is None:
+            raise RuntimeError("call init_weights_update_group first")
+        body = {
+            "lora_name": name,
+            "config_dict": config,
+            "names": list(state_dict),
+            "dtypes": [str(t.dtype).removeprefix("torch.") for t in state_dict.values()],
+            "shapes": [list(t.shape) for t in state_dict.values()],
+            "group_name": self._group_name,
+            "version": version,
+        }
+        with _InBackground(self.post, "/load_lora_adapter_from_distributed", body) as call:
+            for tensor in state_dict.values():
+                dist.broadcast(tensor, src=0, group=self._group)
+        return call.result()
+
+    def unload_lora(self, name: str) -> dict[str, Any]:
+        return self.post("/unload_lora_adapter", {"lora_name": name})
+
     def destroy_weights_update_group(self) -> None:
         if self._group is None:
             return
         self.post("/destroy_weights_update_group", {"group_name": self._group_name})
         destroy_weights_update_group(self._group)
         self._group = None
+
+
+def _adapter_tensors(
+    adapter: Any, config: Mapping[str, Any] | None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(PEFT-named tensors, adapter_config.json) of a peft model or of a state dict + config."""
+    if hasattr(adapter, "peft_config"):
+        from peft import get_peft_model_state_dict  # noqa: PLC0415 - only trainers with peft
+
+        state = get_peft_model_state_dict(adapter)
+        config = adapter.peft_config[getattr(adapter, "active_adapter", "default")].to_dict()
+    else:
+        state = dict(adapter)
+        if config is None:
+            raise ValueError("a state dict needs its config (adapter_config.json as a dict)")
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    return tensors, json.loads(json.dumps(dict(config), default=_jsonable))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, set | frozenset):
+        return sorted(value)
+    if hasattr(value, "value"):  # enums (peft's task_type, peft_type)
+        return value.value
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 class _InBackground:

@@ -29,6 +29,7 @@ from enginecore.messages import (
     InitWeightsUpdateGroup,
     LoadLora,
     LoadLoraAdapter,
+    LoraBroadcast,
     PauseGeneration,
     ReleaseMemory,
     ResetPrefixCache,
@@ -234,6 +235,31 @@ class LoadLoraFromTensorsRequest(msgspec.Struct, forbid_unknown_fields=True):
         return LoadLoraAdapter(self.lora_name, source, self.version, True, self.pinned)
 
 
+class LoadLoraFromDistributedRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """tern's: an adapter the trainer broadcasts over its weight-update group (as
+    /update_weights_from_distributed does weights; TrainerClient.update_lora). Such an adapter
+    stays loaded (it cannot be received again)."""
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    version: str | None = None
+
+    def op(self) -> LoadLoraAdapter:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError("names, dtypes and shapes must have the same length", "names")
+        try:
+            rank, scaling = adapter_spec(self.config_dict)
+        except LoraError as e:
+            raise ValueError(str(e), "config_dict") from None
+        broadcast = LoraBroadcast(self.group_name, self.names, self.dtypes, self.shapes)
+        source = LoadLora(-1, rank, scaling, broadcast=broadcast)
+        return LoadLoraAdapter(self.lora_name, source, self.version, True, True)
+
+
 def _safetensors_blob(item: str) -> bytes:
     """A base64 safetensors file, its header checked (pickles and garbage are a 400 here)."""
     param = "serialized_tensors"
@@ -327,6 +353,9 @@ CONTROL_ROUTES: tuple[ControlRoute, ...] = (
                  lambda body: body.op(replace=True), LoadLoraRequest, UPDATE_TIMEOUT_S),
     ControlRoute(("/load_lora_adapter_from_tensors",), "Serve a LoRA adapter pushed as tensors",
                  LoadLoraFromTensorsRequest.op, LoadLoraFromTensorsRequest, UPDATE_TIMEOUT_S),
+    ControlRoute(("/load_lora_adapter_from_distributed",),
+                 "Serve a LoRA adapter the trainer broadcasts", LoadLoraFromDistributedRequest.op,
+                 LoadLoraFromDistributedRequest, UPDATE_TIMEOUT_S),
     ControlRoute(("/v1/unload_lora_adapter", "/unload_lora_adapter"),
                  "Stop serving a LoRA adapter (requests in flight finish first)",
                  UnloadLoraRequest.op, UnloadLoraRequest),

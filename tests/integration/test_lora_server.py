@@ -209,3 +209,38 @@ def test_control_errors(server: Any, adapter_dirs: dict) -> None:
     # Control routes are guarded as the others: the OpenAPI document lists them.
     paths = httpx.get(f"{server.base_url}/openapi.json", timeout=30).json()["paths"]
     assert {"/v1/load_lora_adapter", "/load_lora_adapter_from_tensors"} <= set(paths)
+
+
+def test_trainer_client_pushes_only_the_adapter_over_http_and_a_process_group(
+    server: Any, adapter_dirs: dict, tiny_llama_with_tokenizer: Path
+) -> None:
+    import peft
+    import torch
+    import transformers
+
+    from enginecore.executor import free_port
+    from frontend.client.trainer import TrainerClient
+
+    load(server, "ref1", adapter_dirs["v1"], "/load_lora_adapter")
+    load(server, "ref2", adapter_dirs["v2"], "/load_lora_adapter")
+    refs = [complete(server, f"ref{i}")["choices"][0]["text"] for i in (1, 2)]
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_llama_with_tokenizer, dtype=torch.float32
+    )
+    policy = peft.PeftModel.from_pretrained(base, adapter_dirs["v1"], is_trainable=True)
+    client = TrainerClient(server.base_url)
+    assert client.update_lora("policy", policy, version="s1")["version"] == "s1"
+    out = complete(server, "policy")
+    assert (out["choices"][0]["text"], out["lora_version"]) == (refs[0], "s1")
+
+    # The second version's tensors broadcast over the trainer's group (state dict + config).
+    tensors = load_file(adapter_dirs["v2"] / "adapter_model.safetensors")
+    config = json.loads((adapter_dirs["v2"] / "adapter_config.json").read_text())
+    client.init_weights_update_group("127.0.0.1", free_port(), tern_world_size=1)
+    try:
+        client.update_lora("policy", tensors, version="s2", config=config, via="distributed")
+    finally:
+        client.destroy_weights_update_group()
+    out = complete(server, "policy")
+    assert (out["choices"][0]["text"], out["lora_version"]) == (refs[1], "s2")
+    client.unload_lora("policy")

@@ -171,12 +171,55 @@ static inline __attribute__((always_inline)) vec dot_rows(const float *m, int64_
     return vsum_lanes(acc);
 }
 
-/* shrink[i, j0 .. j0 + VL) of batch row rows[i]: rows j0 .. of a[s] dotted with x. */
-static void shrink_block(const LoraJob *jb, int i, int j0) {
-    int t = jb->rows[i], K = jb->K, nj = jb->J - j0 < VL ? jb->J - j0 : VL;
-    const float *x = jb->x + (int64_t)(jb->is_bf16 ? i : t) * jb->x_stride;
-    const float *a = jb->a + ((int64_t)jb->slots[t] * jb->J + j0) * K;
-    vstore_part(jb->shrink + (int64_t)i * jb->Jp + j0, dot_rows(a, K, nj, x, K), nj);
+/* shrink[i0 + m, j0 + j] = a[s, j0 + j] . x[rows[i0 + m]] for m < MB rows on slot s and
+ * j < VL / MB: a tile of lanes (j, m), each a[s] vector loaded once for the MB rows. Each value's
+ * arithmetic is dot_rows' (one accumulator along k, its lanes summed), whatever MB. */
+static inline __attribute__((always_inline)) void shrink_tile(const LoraJob *jb, int i0, int j0,
+                                                              const int MB) {
+    const int JB = VL / MB;
+    int K = jb->K, nj = jb->J - j0 < JB ? jb->J - j0 : JB;
+    const float *xs[VL], *as[VL];
+    for (int m = 0; m < MB; m++)
+        xs[m] = jb->x + (int64_t)(jb->is_bf16 ? i0 + m : jb->rows[i0 + m]) * jb->x_stride;
+    const float *a = jb->a + ((int64_t)jb->slots[jb->rows[i0]] * jb->J + j0) * K;
+    for (int j = 0; j < JB; j++) as[j] = a + (int64_t)(j < nj ? j : nj - 1) * K;
+    vec acc[VL];
+    for (int l = 0; l < VL; l++) acc[l] = vzero();
+    int k = 0;
+    for (; k + VL <= K; k += VL) {
+        vec xv[VL];
+        for (int m = 0; m < MB; m++) xv[m] = vload(xs[m] + k);
+        for (int j = 0; j < JB; j++) {
+            vec av = vload(as[j] + k);
+            for (int m = 0; m < MB; m++) acc[j * MB + m] = vfma(av, xv[m], acc[j * MB + m]);
+        }
+    }
+    if (k < K) {
+        vec xv[VL];
+        for (int m = 0; m < MB; m++) xv[m] = vload_part(xs[m] + k, K - k);
+        for (int j = 0; j < JB; j++) {
+            vec av = vload_part(as[j] + k, K - k);
+            for (int m = 0; m < MB; m++) acc[j * MB + m] = vfma(av, xv[m], acc[j * MB + m]);
+        }
+    }
+    float out[VL];
+    vstore_part(out, vsum_lanes(acc), VL);
+    for (int m = 0; m < MB; m++)
+        for (int j = 0; j < nj; j++) jb->shrink[(int64_t)(i0 + m) * jb->Jp + j0 + j] = out[j * MB + m];
+}
+
+/* shrink[i, j0 .. j0 + VL) for a group's rows i0 .. i0 + n: tiles of 4, 2 and 1 rows. */
+static void shrink_group(const LoraJob *jb, int i0, int n, int j0) {
+    int i = i0;
+#if VL >= 4
+    for (; i + 4 <= i0 + n; i += 4)
+        for (int j = j0; j < j0 + VL && j < jb->J; j += VL / 4) shrink_tile(jb, i, j, 4);
+#endif
+#if VL >= 2
+    for (; i + 2 <= i0 + n; i += 2)
+        for (int j = j0; j < j0 + VL && j < jb->J; j += VL / 2) shrink_tile(jb, i, j, 2);
+#endif
+    for (; i < i0 + n; i++) shrink_tile(jb, i, j0, 1);
 }
 
 /* y[rows[i], c] += b[s, c] . the segment's shrink values, for the columns c of one chunk: VL
@@ -222,7 +265,7 @@ static void run(const LoraJob *jb) {
 #pragma omp for schedule(static)
     for (int64_t w = 0; w < (int64_t)jb->num_groups * jblocks; w++) {
         const int32_t *g = jb->groups + w / jblocks * 2;
-        for (int i = g[0]; i < g[0] + g[1]; i++) shrink_block(jb, i, (int)(w % jblocks) * VL);
+        shrink_group(jb, g[0], g[1], (int)(w % jblocks) * VL);
     }
 #pragma omp for schedule(static)
     for (int64_t w = 0; w < (int64_t)jb->num_groups * chunks; w++) {
