@@ -1,7 +1,7 @@
 """LoRA adapters in the engine, in process: PEFT adapters written by the `peft` package on a tiny
 random Llama, requests on the base model and on three adapters mixed in one batch, against
 Hugging Face PEFT (greedy tokens, and each token's logprob within 1e-3); with chunked prefill and
-prefix caching, on float32 and int8 base weights; adapter versions living side by side, unload
+prefix caching, on float32, int8 and int4 base weights; adapter versions living side by side, unload
 while requests run, LRU eviction and reload, and what tern refuses.
 (--tp 2 / --pp 2: tests/integration/test_parallel.py; over HTTP: tests/integration/test_lora_server.py.)
 """
@@ -136,15 +136,34 @@ def int8_reference(base: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("case", ["float32", "chunked", "int8"])
+def int4_reference(base: Path, out: Path) -> Path:
+    """The base model with every linear layer's weight as its INT4_ZP blocks' values
+    (--quantization int4)."""
+    from tests.unit.test_quantized_checkpoints import LINEARS
+    from workers.layers import int4_blocks
+
+    shutil.copytree(base, out)
+    tensors = load_file(base / "model.safetensors")
+    for name in [n for n in tensors if n.rsplit(".", 2)[-2] in LINEARS]:
+        w = tensors[name].float().numpy()
+        tensors[name] = torch.from_numpy(
+            int4_blocks.dequantize(int4_blocks.quantize(w), w.shape[1])
+        )
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("case", ["float32", "chunked", "int8", "int4"])
 def test_base_and_three_adapters_in_one_batch_match_hf_peft(
     case: str, tiny_llama: Path, adapters: dict[str, Path], tmp_path: Path
 ) -> None:
     kw = {"max_num_batched_tokens": 7} if case == "chunked" else {}
-    if case == "int8":
-        kw["quant"] = "int8"
+    references = {"int8": int8_reference, "int4": int4_reference}
+    reference_base = tiny_llama
+    if case in references:
+        kw["quant"] = case
+        reference_base = references[case](tiny_llama, tmp_path / case)
     core = lora_core(tiny_llama, adapters, **kw)
-    reference_base = int8_reference(tiny_llama, tmp_path / "int8") if case == "int8" else tiny_llama
     requests = mixed_requests(tiny_llama)
     # Twice: the second round's prompts are found in the prefix cache, each under its adapter.
     for round_ in range(2):
@@ -231,8 +250,10 @@ def test_what_tern_refuses(tiny_llama: Path, adapters: dict[str, Path], tmp_path
     for bad, message in [
         ({**tensors, name: tensors[name][:, :2].contiguous()}, "do not pair"),
         ({**tensors, name.replace("q_proj", "lm_head"): tensors[name].clone()}, "not served"),
-        ({**tensors, name.replace("lora_B", "lora_magnitude_vector"): tensors[name].clone()},
-         "DoRA"),
+        (
+            {**tensors, name.replace("lora_B", "lora_magnitude_vector"): tensors[name].clone()},
+            "DoRA",
+        ),
         ({k: v for k, v in tensors.items() if k != name}, "lacks lora_B"),
     ]:
         path = tmp_path / "bad"

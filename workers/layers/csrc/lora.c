@@ -3,11 +3,16 @@
  * (output columns [c_i, c_i + seg_rows[i])),
  *     shrink = a[s, i R : (i + 1) R] @ x[t]              (R values)
  *     y[t, c_i + n] += b[s, c_i + n] . shrink            (n < seg_rows[i])
- * in float32 (bfloat16 x widened, each bfloat16 y rounded once after its add). Both steps are
- * dot products: the shrink's of length K, the expand's of length R; each is computed a vector of
- * VL dot products at a time (VL independent accumulators summed lane-wise at the end), so a
- * value's arithmetic depends only on its own row and column, never on the batch, the block it
- * falls in or the thread count: the fused decode layer and the module path agree bit for bit.
+ * in float32 (bfloat16 x widened, each bfloat16 y rounded once after its add).
+ *
+ * Both steps are dot products (the shrink's of length K, the expand's of length R), taken VL at
+ * a time: VL accumulators, one per dot product, each summed along its vector's lanes at the end
+ * (vsum_lanes), so every value is one fixed sequence of operations on its own row and column,
+ * whichever tile, work item or thread computes it: a row's result does not depend on the rows
+ * beside it or on the thread count, and the fused decode layer (decode_layer.c) and the module
+ * path agree bit for bit. The rows on one adapter are taken together (up to GROUP_ROWS, and 4 or
+ * 2 in one register tile of the shrink), so each tile of a and b is read from memory once for
+ * them: at K 4096, 8 rows on one adapter take 3x one row's time rather than 8x.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -17,13 +22,15 @@
 #endif
 
 /* Below this many multiply-adds a call runs on the calling thread: an OpenMP region's start-up
- * and barrier (~4 us on a 2-core EPYC) cost more than the second core saves. Measured (Zen 4, 2
- * cores, AVX-512): K 576, N 1728, R 16 takes 9 us on one thread for one row, 13 us on two. */
+ * and barriers cost more than the second core saves. Measured on a 2-core Zen 4 (AVX-512, R 16,
+ * 3 projections), one thread / two: K 576, N 1728 at 1 row 3.7 / 4.3 us, 2 rows (110K) 4.4 /
+ * 4.6, 3 rows (166K) 5.1 / 4.9; K 2048, N 3072 at 1 row (147K) 7.1 / 7.0; K 96: 2 us / 3. */
 #ifndef LORA_PARALLEL_MIN_FMAS
-#define LORA_PARALLEL_MIN_FMAS (1 << 18)
+#define LORA_PARALLEL_MIN_FMAS (1 << 17)
 #endif
-/* Columns of b in one expand work item (a multiple of every tier's VL: 4 KB of b at rank 16),
- * and rows of x that share its tiles (enough items for every thread at a few adapters). */
+/* Columns of b in one expand work item (a multiple of every tier's VL: 4 KB of b at rank 16, in
+ * L1 for every row of its group), and the rows of one adapter in one work item (groups of a
+ * batch on one adapter leave work items for every thread). */
 #define CHUNK_COLS 64
 #define GROUP_ROWS 8
 
@@ -51,8 +58,12 @@ static inline __m256i lanes_below(int n) {
 }
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
 static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
-static inline vec vload_part(const float *p, int n) { return _mm256_maskload_ps(p, lanes_below(n)); }
-static inline void vstore_part(float *p, vec v, int n) { _mm256_maskstore_ps(p, lanes_below(n), v); }
+static inline vec vload_part(const float *p, int n) {
+    return _mm256_maskload_ps(p, lanes_below(n));
+}
+static inline void vstore_part(float *p, vec v, int n) {
+    _mm256_maskstore_ps(p, lanes_below(n), v);
+}
 static inline vec vfma(vec a, vec b, vec acc) { return _mm256_fmadd_ps(a, b, acc); }
 static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 static inline vec vsum_lanes(const vec *v) {
@@ -105,9 +116,9 @@ static inline void add_bf16(uint16_t *y, vec d, int nc) {
 #if defined(__AVX512F__)
     if (nc == VL) {
         __m512 v = _mm512_add_ps(load16_bf16(y), d);
-        __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
-        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                         _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+        __m512i u = _mm512_castps_si512(v);
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
         __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
         _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
@@ -116,14 +127,14 @@ static inline void add_bf16(uint16_t *y, vec d, int nc) {
 #elif defined(__AVX2__)
     if (nc == VL) {
         __m256 v = _mm256_add_ps(load8_bf16(y), d);
-        __m256i u = _mm256_castps_si256(v), one = _mm256_set1_epi32(1);
-        __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
-                                                         _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+        __m256i u = _mm256_castps_si256(v);
+        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
         __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
         r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
         r = _mm256_srli_epi32(r, 16);
-        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-        _mm_storeu_si128((__m128i *)y, packed);
+        __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+        _mm_storeu_si128((__m128i *)y, _mm_packus_epi32(lo, hi));
         return;
     }
 #endif
@@ -161,7 +172,8 @@ static inline __attribute__((always_inline)) vec dot_rows(const float *m, int64_
     int k = 0;
     for (; k + VL <= len; k += VL) {
         vec vk = vload(v + k);
-        for (int l = 0; l < VL; l++) acc[l] = vfma(vload(m + (l < n ? l : n - 1) * stride + k), vk, acc[l]);
+        for (int l = 0; l < VL; l++)
+            acc[l] = vfma(vload(m + (l < n ? l : n - 1) * stride + k), vk, acc[l]);
     }
     if (k < len) {
         vec vk = vload_part(v + k, len - k);
@@ -171,16 +183,19 @@ static inline __attribute__((always_inline)) vec dot_rows(const float *m, int64_
     return vsum_lanes(acc);
 }
 
-/* shrink[i0 + m, j0 + j] = a[s, j0 + j] . x[rows[i0 + m]] for m < MB rows on slot s and
- * j < VL / MB: a tile of lanes (j, m), each a[s] vector loaded once for the MB rows. Each value's
- * arithmetic is dot_rows' (one accumulator along k, its lanes summed), whatever MB. */
-static inline __attribute__((always_inline)) void shrink_tile(const LoraJob *jb, int i0, int j0,
-                                                              const int MB) {
+/* shrink[i0 + m, j0 + j] = a[s, j0 + j] . x[rows[i0 + m]] for m < n <= MB rows on slot s and
+ * j < VL / MB: a tile of lanes (j, m), each a[s] vector loaded once for the MB rows (rows and
+ * a's rows past the last repeat it: computed, not stored). Each value's arithmetic is one
+ * accumulator along k, its lanes summed, whatever the tile. */
+static inline __attribute__((always_inline)) void shrink_tile(const LoraJob *jb, int i0, int n,
+                                                              int j0, const int MB) {
     const int JB = VL / MB;
     int K = jb->K, nj = jb->J - j0 < JB ? jb->J - j0 : JB;
     const float *xs[VL], *as[VL];
-    for (int m = 0; m < MB; m++)
-        xs[m] = jb->x + (int64_t)(jb->is_bf16 ? i0 + m : jb->rows[i0 + m]) * jb->x_stride;
+    for (int m = 0; m < MB; m++) {
+        int i = i0 + (m < n ? m : n - 1);
+        xs[m] = jb->x + (int64_t)(jb->is_bf16 ? i : jb->rows[i]) * jb->x_stride;
+    }
     const float *a = jb->a + ((int64_t)jb->slots[jb->rows[i0]] * jb->J + j0) * K;
     for (int j = 0; j < JB; j++) as[j] = a + (int64_t)(j < nj ? j : nj - 1) * K;
     vec acc[VL];
@@ -204,22 +219,28 @@ static inline __attribute__((always_inline)) void shrink_tile(const LoraJob *jb,
     }
     float out[VL];
     vstore_part(out, vsum_lanes(acc), VL);
-    for (int m = 0; m < MB; m++)
-        for (int j = 0; j < nj; j++) jb->shrink[(int64_t)(i0 + m) * jb->Jp + j0 + j] = out[j * MB + m];
+    for (int m = 0; m < n; m++)
+        for (int j = 0; j < nj; j++)
+            jb->shrink[(int64_t)(i0 + m) * jb->Jp + j0 + j] = out[j * MB + m];
 }
 
-/* shrink[i, j0 .. j0 + VL) for a group's rows i0 .. i0 + n: tiles of 4, 2 and 1 rows. */
+/* shrink[i, j0 .. j0 + VL) for a group's rows i0 .. i0 + n: tiles of 4 rows (3 as 4), then of
+ * 2 or 1 (fewer lanes of x: a 4-row tile's FMAs for one row would cost more than the loads of a
+ * it saves). */
 static void shrink_group(const LoraJob *jb, int i0, int n, int j0) {
-    int i = i0;
+    int i = i0, end = i0 + n;
+#if VL >= 2
+    int jend = j0 + VL < jb->J ? j0 + VL : jb->J;
+#endif
 #if VL >= 4
-    for (; i + 4 <= i0 + n; i += 4)
-        for (int j = j0; j < j0 + VL && j < jb->J; j += VL / 4) shrink_tile(jb, i, j, 4);
+    for (; i + 3 <= end; i += 4)
+        for (int j = j0; j < jend; j += VL / 4) shrink_tile(jb, i, end - i < 4 ? 3 : 4, j, 4);
 #endif
 #if VL >= 2
-    for (; i + 2 <= i0 + n; i += 2)
-        for (int j = j0; j < j0 + VL && j < jb->J; j += VL / 2) shrink_tile(jb, i, j, 2);
+    for (; i + 2 <= end; i += 2)
+        for (int j = j0; j < jend; j += VL / 2) shrink_tile(jb, i, 2, j, 2);
 #endif
-    for (; i < i0 + n; i++) shrink_tile(jb, i, j0, 1);
+    for (; i < end; i++) shrink_tile(jb, i, 1, j0, 1);
 }
 
 /* y[rows[i], c] += b[s, c] . the segment's shrink values, for the columns c of one chunk: VL
@@ -313,14 +334,16 @@ int tern_lora_add(const void *x, int64_t x_stride, void *y, int64_t y_stride,
     for (int s = 0; s < num_slots; s++) start[s + 1] += start[s];
     for (int t = 0; t < M; t++)
         if (slots[t] >= 0) rows[start[slots[t]]++] = t; /* start[s] ends as slot s's end */
-    int num_groups = 0;
-    for (int i = 0; i < num_rows; i++)
-        if (i == 0 || slots[rows[i]] != slots[rows[i - 1]] || groups[2 * num_groups - 1] == GROUP_ROWS) {
+    int num_groups = 0; /* runs of one slot's rows, GROUP_ROWS at most */
+    for (int i = 0; i < num_rows; i++) {
+        int32_t *last = groups + 2 * (num_groups - 1);
+        if (i > 0 && slots[rows[i]] == slots[rows[i - 1]] && last[1] < GROUP_ROWS) {
+            last[1]++;
+        } else {
             groups[2 * num_groups] = i;
             groups[2 * num_groups++ + 1] = 1;
-        } else {
-            groups[2 * num_groups - 1]++;
         }
+    }
     for (int i = 0, c = 0, *p = chunks; i < nseg; c += seg_rows[i++])
         for (int col = c; col < c + seg_rows[i]; col += CHUNK_COLS, p += 3) {
             p[0] = i;
