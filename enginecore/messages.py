@@ -431,6 +431,7 @@ class LoraBroadcast(msgspec.Struct):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
+    flattened: bool = False  # one broadcast of them all (SGLang's "flattened_bucket")
 
 
 class LoadLora(msgspec.Struct, tag="load_lora"):

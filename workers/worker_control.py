@@ -229,11 +229,17 @@ class WorkerControl:
                 raise ValueError(f"no weight-update group {b.group_name!r}: call init first")
             if not len(b.names) == len(b.dtypes) == len(b.shapes):
                 raise ValueError("names, dtypes and shapes must have the same length")
-            tensors = {}
-            for name, dtype, shape in zip(b.names, b.dtypes, b.shapes):
-                tensor = torch.empty(shape, dtype=parse_dtype(dtype), device=self.runner.device)
-                dist.broadcast(tensor, src=0, group=group)  # every one, even if one is wrong
-                tensors[name] = tensor.cpu()
+            dtypes = [parse_dtype(d) for d in b.dtypes]
+            device = self.runner.device
+            if b.flattened:
+                received = receive_flattened(b.names, dtypes, b.shapes, group, device)
+                tensors = {name: t.cpu() for name, t in received}
+            else:
+                tensors = {}
+                for name, dtype, shape in zip(b.names, dtypes, b.shapes):
+                    tensor = torch.empty(shape, dtype=dtype, device=device)
+                    dist.broadcast(tensor, src=0, group=group)  # every one, even if one is wrong
+                    tensors[name] = tensor.cpu()
         load_adapter(self.model, call, self.runner.parallel.tp_rank, tensors)
 
     # ------------------------------------------------------------------ sleep and wake-up

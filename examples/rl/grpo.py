@@ -6,11 +6,14 @@ policy-gradient step, and pushes the new weights into tern before the next rollo
     python examples/rl/grpo.py --weight-sync shm        # weights through /dev/shm, not a broadcast
     python examples/rl/grpo.py --colocate               # tern sleeps (level 2) while training
     python examples/rl/grpo.py --quantization int4      # tern serves int4 weights (pushed float)
+    python examples/rl/grpo.py --lora 16                # trains and pushes only a LoRA adapter
     python examples/rl/grpo.py --base-url http://127.0.0.1:8000 --model DIR   # attach instead
 
 Step k: rollouts from the weights of step k (tern's weight_version says so), the trainer's own
 logprobs of those tokens (their distance from tern's is the training-inference mismatch), one
-AdamW step, then the push. One more rollout after the last push scores the final weights. The
+AdamW step, then the push. One more rollout after the last push scores the final weights. With
+--lora the base stays frozen on both sides: tern serves the adapter as model "policy", its
+lora_version says which step's adapter sampled, and each push sends the adapter alone. The
 task is examples/rl/task.py; what a run found is in docs/rl.md.
 """
 
@@ -29,7 +32,7 @@ from typing import Any
 
 import torch
 from policy import Policy, group_advantages, grpo_loss, make_batch
-from report import format_step, machine_info, plot, write_log
+from report import format_step, machine_info, plot, push_summary, write_log
 from task import Prompt, count_words, is_exact, reward, sample_prompts
 from tern_server import Rollout, WeightSync, greedy, launch, sample
 from transformers import AutoTokenizer
@@ -40,6 +43,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHORT = {"steps": 2, "prompts_per_step": 2, "samples_per_prompt": 4, "max_new_tokens": 8}
 PROBE_PROMPTS = [Prompt("the sea", 3), Prompt("cats", 2)]  # greedy outputs before and after
 PROBE_TOKENS = 8
+LR, LORA_LR = 2e-5, 1e-3  # a LoRA adapter's few weights need far larger steps than the model's
+ADAPTER = "policy"  # the name tern serves the LoRA adapter under (the requests' model)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -49,15 +54,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="training steps")
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--samples-per-prompt", type=int, default=8, help="GRPO's group size")
-    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"default {LR}, with --lora {LORA_LR}")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--dtype", choices=list(DTYPES), default="float32",
                    help="the server's and the trainer's")  # fmt: skip
     p.add_argument("--quantization", choices=["int8", "int4"], default=None,
                    help="tern's weights quantized at load and on every push (the trainer's stay "
                    "--dtype): the mismatch then includes the quantization")  # fmt: skip
-    p.add_argument("--weight-sync", choices=["distributed", "shm"], default="distributed")
+    p.add_argument("--weight-sync", choices=["distributed", "shm"], default="distributed",
+                   help="distributed: a broadcast over a process group the trainer joins; shm: "
+                   "safetensors files in /dev/shm (with --lora: the adapter's safetensors bytes "
+                   "over HTTP)")  # fmt: skip
     p.add_argument("--colocate", action="store_true", help="tern sleeps while the trainer steps")
+    p.add_argument("--lora", type=int, default=None, metavar="RANK",
+                   help="train a LoRA adapter of this rank on every projection (the base frozen) "
+                   "and push only the adapter; tern serves it as model 'policy'")  # fmt: skip
+    p.add_argument("--lora-alpha", type=float, default=None, help="default 2 x --lora")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=Path("rl-run"))
     p.add_argument("--plot", type=Path, default=None, help="default: OUT_DIR/rl.png")
@@ -66,6 +79,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.short:  # the short defaults, unless given explicitly
         p.set_defaults(**SHORT)
         args = p.parse_args(argv)
+    if args.lora is not None:
+        if args.lora < 1:
+            p.error("--lora takes a rank >= 1")
+        if args.colocate:  # level-2 sleep drops the base weights, which a LoRA run never pushes
+            p.error("--colocate refills tern's weights with a full push each step; with --lora "
+                    "only the adapter is pushed, so the two do not combine")  # fmt: skip
+        if args.lora_alpha is None:
+            args.lora_alpha = 2.0 * args.lora
+    elif args.lora_alpha is not None:
+        p.error("--lora-alpha needs --lora")
+    if args.lr is None:
+        args.lr = LORA_LR if args.lora else LR
     if args.model is None:
         from frontend.model_prep import ensure_default_model
 
@@ -138,7 +163,9 @@ class Run:
         self.args = args
         self.client = client
         self.policy = policy
-        self.model_name = client.get("/v1/models")["data"][0]["id"]
+        self.model_name = ADAPTER if policy.is_lora else client.get("/v1/models")["data"][0]["id"]
+        # The version that says which weights sampled: the adapter's, or the whole model's.
+        self.version_key = "lora_version" if policy.is_lora else "weight_version"
         self.tokenizer = AutoTokenizer.from_pretrained(args.model)
         self.rng = random.Random(args.seed)
         self.sync = WeightSync(client, args.weight_sync)
@@ -148,24 +175,32 @@ class Run:
         ids = [encode(self.tokenizer, p) for p in PROBE_PROMPTS]
         return greedy(self.client, self.model_name, ids, PROBE_TOKENS)
 
-    def push(self, version: str) -> float:
+    def push(self, version: str, full: bool = False) -> dict[str, float]:
+        """Pushes the policy (with LoRA the adapter alone, unless `full`: the base weights);
+        returns its seconds and bytes."""
         start = time.perf_counter()
-        self.sync.push(self.policy.named_weights(), version)
+        if self.policy.is_lora and not full:
+            num_bytes = nbytes(self.policy.adapter_weights())
+            self.sync.push_lora(ADAPTER, self.policy.model, version)
+        else:
+            weights = self.policy.named_weights()
+            num_bytes = nbytes(weights)
+            self.sync.push(weights, version)
+            assert self.client.weight_version() == version
         self.version = version
-        assert self.client.weight_version() == version
-        return time.perf_counter() - start
+        return {"update_s": time.perf_counter() - start, "update_bytes": num_bytes}
 
     def step(self, step: int, is_last: bool) -> dict[str, Any]:
         args = self.args
         prompts = sample_prompts(self.rng, args.prompts_per_step)
         ids = [encode(self.tokenizer, p) for p in prompts]
         start = time.perf_counter()
-        rollouts, version = sample(self.client, self.model_name, ids, args.samples_per_prompt,
-                                   args.max_new_tokens, args.seed * 100_003 + step)  # fmt: skip
-        record: dict[str, Any] = {"step": step, "weight_version": version}
+        rollouts, versions = sample(self.client, self.model_name, ids, args.samples_per_prompt,
+                                    args.max_new_tokens, args.seed * 100_003 + step)  # fmt: skip
+        record: dict[str, Any] = {"step": step, **versions}
         record |= rollout_stats(prompts, rollouts, time.perf_counter() - start)
         # NOTE: on-policy: these tokens came from the weights the trainer holds right now.
-        assert version == self.version, (version, self.version)
+        assert versions.get(self.version_key) == self.version, (versions, self.version)
         if not is_last:
             record |= self.train_and_push(step, rollouts, record["rewards"])
         record["load_avg"] = os.getloadavg()[0]
@@ -184,7 +219,7 @@ class Run:
             start = time.perf_counter()
             self.client.wake_up(["weights"])  # empty weights: the push fills them
             timings["wake_s"] = time.perf_counter() - start
-        timings["update_s"] = self.push(f"step-{step + 1}")
+        timings |= self.push(f"step-{step + 1}")
         if self.args.colocate:
             start = time.perf_counter()
             self.client.wake_up(["kv_cache"])
@@ -197,8 +232,12 @@ def run(args: argparse.Namespace, base_url: str, policy: Policy, log: dict[str, 
     r = Run(args, client, policy)
     try:
         if args.base_url:  # a server we did not start may hold other weights than --model
-            r.push("rl-init")
-        log["weight_version_start"] = r.version
+            r.push("rl-init", full=True)
+        log["weight_version_start"] = client.weight_version()
+        log["full_weight_bytes"] = nbytes(policy.named_weights())
+        if policy.is_lora:  # the initial adapter (B = 0: the base model's outputs)
+            log["adapter_bytes"] = nbytes(policy.adapter_weights())
+            log["initial_push"] = r.push("step-0")
         log["greedy_before"] = r.greedy_probe()
         for step in range(args.steps + 1):
             record = r.step(step, is_last=step == args.steps)
@@ -222,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     try:
         if args.base_url is None:
-            server = launch(args.model, args.dtype, args.seed, args.quantization)
-        policy = Policy(args.model, DTYPES[args.dtype], args.lr)  # loads while tern starts
+            server = launch(args.model, args.dtype, args.seed, args.quantization, args.lora)
+        # The policy loads while tern starts.
+        policy = Policy(args.model, DTYPES[args.dtype], args.lr, args.lora, args.lora_alpha)
         if server is not None:
             server.wait_ready()
             log["server_pids"] = [server.proc.pid, *server.descendants]
@@ -238,19 +278,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.nbytes for t in tensors.values())
+
+
 def summarize(args: argparse.Namespace, log: dict[str, Any]) -> None:
     steps = log["steps"]
     first, last = steps[0], steps[-1]
     trained = [s["mismatch"] for s in steps if "mismatch" in s]
     mismatch = sum(trained) / len(trained) if trained else math.nan
     served = f" (tern {args.quantization})" if args.quantization else ""
-    title = (f"GRPO via tern, {Path(args.model).name} {args.dtype}{served}, "
+    lora = f" LoRA r{args.lora}" if args.lora else ""
+    title = (f"GRPO via tern, {Path(args.model).name}{lora} {args.dtype}{served}, "
              f"{args.prompts_per_step}x{args.samples_per_prompt} samples/step")  # fmt: skip
-    plot(args.plot, steps, title)
+    push = push_summary(steps, log["full_weight_bytes"])
+    plot(args.plot, steps, title, push)
+    key = "lora_version" if args.lora else "weight_version"
     print(f"reward {first['reward']:.3f} -> {last['reward']:.3f} (exact {first['exact']:.2f} -> "
           f"{last['exact']:.2f}) in {args.steps} steps, {log['wall_s']:.0f} s wall; "
-          f"mean mismatch {mismatch:.2e}; weight_version {log['weight_version_start']} -> "
-          f"{log['weight_version_end']}; log {args.out_dir / 'log.json'}, plot {args.plot}")  # fmt: skip
+          f"mean mismatch {mismatch:.2e}; {push}; {key} {first[key]} -> {last[key]}; "
+          f"log {args.out_dir / 'log.json'}, plot {args.plot}")  # fmt: skip
 
 
 if __name__ == "__main__":

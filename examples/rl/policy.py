@@ -1,10 +1,11 @@
-"""The trainer's policy: a Hugging Face causal LM in plain torch, the logprobs it gives tern's
-sampled tokens, the GRPO loss (PPO-clip with the importance ratio against tern's logprobs), and an
-AdamW step.
+"""The trainer's policy: a Hugging Face causal LM in plain torch (or, with a LoRA rank, that model
+frozen under a PEFT LoRA adapter that alone trains), the logprobs it gives tern's sampled tokens,
+the GRPO loss (PPO-clip with the importance ratio against tern's logprobs), and an AdamW step.
 
 In bfloat16 the model computes in bfloat16 like the server, while AdamW updates float32 master
 weights that are rounded back into the model after each step: Adam's small steps would otherwise
-vanish in bfloat16's 8-bit mantissa. The weights pushed to tern are always the model's own.
+vanish in bfloat16's 8-bit mantissa. A LoRA adapter needs no master copy: PEFT keeps its weights in
+float32 over a bfloat16 base. The weights pushed to tern are always the model's own.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from transformers import AutoModelForCausalLM
 
 CLIP_EPS = 0.2
 MAX_GRAD_NORM = 1.0
+# Every projection of the decoder blocks (PEFT's module names; tern serves adapters on all of them).
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @dataclass
@@ -41,19 +44,51 @@ def make_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: i
 
 
 class Policy:
-    def __init__(self, model_path: str, dtype: torch.dtype, lr: float) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: torch.dtype,
+        lr: float,
+        lora_rank: int | None = None,
+        lora_alpha: float | None = None,
+    ) -> None:
+        """With `lora_rank`, `model` is a PEFT model: the base frozen, a LoRA adapter (B = 0, so
+        the policy starts as the base) on every projection of LORA_TARGETS."""
         self.model: nn.Module = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        # NOTE: PEFT wraps the model but injects its LoRA layers in place, into the modules of
+        # `self.lm`: a forward through `self.lm` runs the adapter.
+        self.lm: nn.Module = self.model
+        self.is_lora = lora_rank is not None
+        if lora_rank is not None:
+            from peft import LoraConfig, get_peft_model  # noqa: PLC0415 - only LoRA runs need it
+
+            alpha = lora_alpha if lora_alpha is not None else 2 * lora_rank
+            config = LoraConfig(r=lora_rank, lora_alpha=alpha, target_modules=LORA_TARGETS,
+                                lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")  # fmt: skip
+            self.model = get_peft_model(self.model, config)
+            self.lm = self.model.get_base_model()
         self.model.eval()  # no dropout: the trainer's forward must be the sampler's distribution
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.master = None
-        if dtype != torch.float32:
+        if any(p.dtype != torch.float32 for p in self.params):
             self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
         trained = self.master if self.master is not None else self.params
         self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """What tern loads: every parameter once (a tied LM head is the embedding)."""
-        return {name: p.detach() for name, p in self.model.named_parameters()}
+        """What tern loads as its weights: every parameter once (a tied LM head is the embedding);
+        with LoRA, the frozen base's, under their checkpoint names (no adapter)."""
+        weights = {}
+        for name, p in self.lm.named_parameters():
+            if ".lora_" not in name:  # PEFT renames a wrapped layer's own weight base_layer.*
+                weights[name.replace(".base_layer.", ".")] = p.detach()
+        return weights
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter's tensors under PEFT's names: what a push of the adapter sends."""
+        from peft import get_peft_model_state_dict  # noqa: PLC0415 - only LoRA runs need it
+
+        return {name: t.detach() for name, t in get_peft_model_state_dict(self.model).items()}
 
     def token_logprobs(self, batch: Batch) -> list[torch.Tensor]:
         """Each sequence's completion-token logprobs, (C_i,) float32, with grad when enabled.
@@ -61,14 +96,14 @@ class Policy:
         Only the completion positions go through the LM head: (tokens, vocab) logits for the
         prompts would cost more than the rest of the model.
         """
-        hidden = self.model.model(
+        hidden = self.lm.model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask
         ).last_hidden_state  # (B, T, H)
         rows, targets = [], []
         for i, (p, c) in enumerate(zip(batch.prompt_lens, batch.completion_lens)):
             rows.append(hidden[i, p - 1 : p + c - 1])  # position t predicts token t + 1
             targets.append(batch.input_ids[i, p : p + c])
-        logits = self.model.lm_head(torch.cat(rows)).float()  # (sum C_i, V)
+        logits = self.lm.lm_head(torch.cat(rows)).float()  # (sum C_i, V)
         chosen = logits.log_softmax(-1).gather(1, torch.cat(targets)[:, None]).squeeze(1)
         return list(chosen.split(batch.completion_lens))
 

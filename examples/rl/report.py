@@ -1,5 +1,6 @@
 """What a run leaves behind: one printed line per step, the JSON log, the plot, and the machine
-it ran on (CPU model and the ISA flags tern's kernels choose between, load average)."""
+it ran on (CPU model and the ISA flags tern's kernels choose between, load average); what each
+push sent (the full weights, or a LoRA adapter) and took."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import math
 import os
 import platform
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,8 @@ def format_step(s: dict[str, Any]) -> str:
         f" | rollout {s['rollout_s']:5.1f} s {s['rollout_tok_s']:6.1f} tok/s"
     )
     if "train_s" in s:
-        line += f" | train {s['train_s']:5.1f} s | update {s['update_s']:4.1f} s"
+        line += f" | train {s['train_s']:5.1f} s | update {s['update_s']:5.2f} s"
+        line += f" {format_bytes(s['update_bytes'])}"
     if "sleep_s" in s:
         line += f" | sleep {s['sleep_s']:.2f} s wake {s['wake_s']:.2f} s"
     if "mismatch" in s:
@@ -50,12 +53,32 @@ def format_step(s: dict[str, Any]) -> str:
     return line + f" | load {s['load_avg']:.1f}"
 
 
+def format_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def push_summary(steps: list[dict[str, Any]], full_weight_bytes: int) -> str:
+    """The median push's bytes and seconds, beside the full weights' bytes when it sent less."""
+    pushes = [s for s in steps if "update_s" in s]
+    if not pushes:
+        return "no push"
+    num_bytes = statistics.median(s["update_bytes"] for s in pushes)
+    text = (f"push {format_bytes(num_bytes)} in "
+            f"{statistics.median(s['update_s'] for s in pushes):.2f} s (median)")  # fmt: skip
+    if num_bytes < full_weight_bytes:
+        text += f", the full weights {format_bytes(full_weight_bytes)}"
+    return text
+
+
 def write_log(path: Path, log: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(log, indent=1))
 
 
-def plot(path: Path, steps: list[dict[str, Any]], title: str) -> None:
+def plot(path: Path, steps: list[dict[str, Any]], title: str, subtitle: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,7 +96,7 @@ def plot(path: Path, steps: list[dict[str, Any]], title: str) -> None:
     top.set_ylim(0, 1)
     top.set_ylabel("reward (rollouts at T=1)")
     top.legend(loc="upper left")
-    top.set_title(title)
+    top.set_title(f"{title}\n{subtitle}" if subtitle else title, fontsize="medium")
     trained = [s for s in steps if math.isfinite(s.get("mismatch", math.nan))]
     bottom.semilogy([s["step"] for s in trained], [s["mismatch"] for s in trained], "o-",
                     label="mean |logprob tern - logprob trainer|")  # fmt: skip

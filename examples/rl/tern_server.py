@@ -1,5 +1,6 @@
 """The trainer's side of tern: start (or attach to) a server, sample rollouts with token ids and
-logprobs, push weights (a torch.distributed broadcast or /dev/shm files), sleep and wake.
+logprobs, push weights (a torch.distributed broadcast or /dev/shm files) or only a LoRA adapter
+(the same broadcast, or safetensors over HTTP), sleep and wake.
 
 Everything goes through frontend/client/trainer.py and the public HTTP API, as an external
 trainer would; the server runs as a subprocess (frontend/client/launched_server.py).
@@ -23,12 +24,21 @@ from frontend.client.trainer import TrainerClient
 KV_CACHE_GIB = 0.25
 
 
-def launch(model: str, dtype: str, seed: int, quantization: str | None = None) -> LaunchedServer:
-    """A tern server for the rollouts, owned by this script (stop it with shut_down())."""
+def launch(
+    model: str,
+    dtype: str,
+    seed: int,
+    quantization: str | None = None,
+    max_lora_rank: int | None = None,
+) -> LaunchedServer:
+    """A tern server for the rollouts, owned by this script (stop it with shut_down());
+    `max_lora_rank`: it serves LoRA adapters up to that rank."""
     args = ["--model", model, "--dtype", dtype, "--seed", str(seed),
             "--kv-cache-memory", str(KV_CACHE_GIB)]  # fmt: skip
     if quantization is not None:
         args += ["--quantization", quantization]
+    if max_lora_rank is not None:
+        args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank)]
     return LaunchedServer(args, log_prefix="tern-rl-server-")
 
 
@@ -50,9 +60,10 @@ def sample(
     n: int,
     max_tokens: int,
     seed: int,
-) -> tuple[list[Rollout], str]:
+) -> tuple[list[Rollout], dict[str, str]]:
     """n samples of each prompt at temperature 1 with no top-k/top-p/min-p, so that the returned
-    logprobs (tern's raw logprobs) are those of the distribution the tokens were drawn from."""
+    logprobs (tern's raw logprobs) are those of the distribution the tokens were drawn from; and
+    the versions they ran on: weight_version, and lora_version when `model_name` is an adapter."""
     body = {
         "model": model_name, "prompt": prompts, "n": n, "max_tokens": max_tokens,
         "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "seed": seed,
@@ -65,7 +76,8 @@ def sample(
         token_ids, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
         assert len(token_ids) == len(logprobs), (len(token_ids), len(logprobs))
         rollouts.append(Rollout(i, prompts[i], token_ids, logprobs, choice["text"]))
-    return rollouts, response["weight_version"]
+    versions = {k: response[k] for k in ("weight_version", "lora_version") if k in response}
+    return rollouts, versions
 
 
 def greedy(
@@ -79,7 +91,9 @@ def greedy(
 
 class WeightSync:
     """Pushes the trainer's weights: "distributed" broadcasts over a process group the trainer
-    joins as rank 0; "shm" writes safetensors files to /dev/shm that the server loads."""
+    joins as rank 0; "shm" writes safetensors files to /dev/shm that the server loads. A LoRA
+    adapter goes over the same group with "distributed", as safetensors bytes over HTTP with
+    "shm" (tern loads adapters from a path or from tensors, not from /dev/shm files)."""
 
     def __init__(self, client: TrainerClient, mode: str) -> None:
         if mode not in ("distributed", "shm"):
@@ -98,6 +112,12 @@ class WeightSync:
         else:
             self.client.update_weights_from_tensors(tensors, load_format="shm",
                                                     weight_version=version)  # fmt: skip
+
+    def push_lora(self, name: str, peft_model: torch.nn.Module, version: str) -> None:
+        """Only the adapter's tensors travel; `name` serves them as `version` from now on."""
+        via = "distributed" if self.mode == "distributed" else "http"
+        served = self.client.update_lora(name, peft_model, version=version, via=via)
+        assert served["version"] == version, served
 
     def close(self) -> None:
         if self.mode == "distributed":

@@ -391,10 +391,11 @@ class TrainerClient:
             "shapes": [list(t.shape) for t in state_dict.values()],
             "group_name": self._group_name,
             "version": version,
+            "load_format": "flattened_bucket",  # one collective: hundreds of small tensors
         }
+        flat = flattened_bucket(list(state_dict.values()))
         with _InBackground(self.post, "/load_lora_adapter_from_distributed", body) as call:
-            for tensor in state_dict.values():
-                dist.broadcast(tensor, src=0, group=self._group)
+            dist.broadcast(flat, src=0, group=self._group)
         return call.result()
 
     def unload_lora(self, name: str) -> dict[str, Any]:

@@ -247,15 +247,21 @@ class LoadLoraFromDistributedRequest(msgspec.Struct, forbid_unknown_fields=True)
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
     version: str | None = None
+    load_format: str | None = None  # None: one broadcast per tensor; "flattened_bucket": one
 
     def op(self) -> LoadLoraAdapter:
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
             raise ValueError("names, dtypes and shapes must have the same length", "names")
+        if self.load_format not in (None, "flattened_bucket"):
+            raise ValueError("load_format must be 'flattened_bucket' or omitted", "load_format")
         try:
             rank, scaling = adapter_spec(self.config_dict)
         except LoraError as e:
             raise ValueError(str(e), "config_dict") from None
-        broadcast = LoraBroadcast(self.group_name, self.names, self.dtypes, self.shapes)
+        broadcast = LoraBroadcast(
+            self.group_name, self.names, self.dtypes, self.shapes,
+            flattened=self.load_format == "flattened_bucket",
+        )  # fmt: skip
         source = LoadLora(-1, rank, scaling, broadcast=broadcast)
         return LoadLoraAdapter(self.lora_name, source, self.version, True, True)
 

@@ -164,7 +164,9 @@ def _check_key(scope: Scope, expected: bytes, what: str) -> APIError | None:
     )
 
 
-UNLIMITED_BODY_PATHS = frozenset({"/update_weights", "/update_weights_from_tensor"})
+UNLIMITED_BODY_PATHS = frozenset(
+    {"/update_weights", "/update_weights_from_tensor", "/load_lora_adapter_from_tensors"}
+)
 assert UNLIMITED_BODY_PATHS <= CONTROL_PATHS  # unlimited bodies only behind the control guard
 
 

@@ -9,7 +9,8 @@ float32 activations), Granite (residual multipliers) and Qwen3.5's attention (ou
 its Gated DeltaNet layers), Qwen3-MoE (attention fused before the experts, beside a dense
 layer), gpt-oss (attention sinks), decode steps of
 one to five sequences (the few-row kernels, and AMX where the CPU has it), after prompts and
-chunked prefills."""
+chunked prefills; and with LoRA adapters on every linear (tokens on different adapters or none),
+unquantized, int8 and GGUF row segments."""
 
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ import torch
 
 from enginecore.config import CacheConfig, Config, ModelConfig
 from enginecore.messages import SamplingParams
+from tests.unit.test_gguf import make_gguf_case
 from tests.unit.test_model_runner import make_prompts, run
 from workers.layers import native
 from workers.layers.fused_decode import FusedDecodeLayer
+from workers.layers.linear import LinearBase
+from workers.layers.lora import LoraBatch, LoraStack
 from workers.model_runner import ModelRunner
 
 # Every test runs once per kernel tier this CPU runs.
@@ -128,3 +132,96 @@ def test_layers_outside_the_fused_path_say_so(tiny_gemma3) -> None:
             continue
         assert reason is not None and "multiply in float32" in reason
         assert f"fused decode layer: off, reason: {reason}" in runner.kernel_report()
+
+
+def _serve_lora(runner: ModelRunner, seed: int = 0) -> list[LinearBase]:
+    """Every linear of every fused layer serves three random adapters of rank 8 (LoraStack),
+    and each step's tokens take slots 0, -1 (none), 2, 1, 0, ... in batch order. Returns the
+    linears."""
+    batch = LoraBatch()
+    linears = []
+    g = torch.Generator().manual_seed(seed)
+    for layer in runner.model.model.layers:
+        if layer.fused_decode is None:
+            continue
+        spec = layer.fused_decode.spec
+        for lin in (spec.qkv, spec.o, spec.gate_up, spec.down):
+            if lin is None:
+                continue
+            linears.append(lin)
+            lin.lora = LoraStack(batch, 3, 8, lin.input_size, lin.shard_rows())
+            for slot in range(3):
+                for i, rows in enumerate(lin.shard_rows()):
+                    a = torch.randn(8, lin.input_size, generator=g) * 0.05
+                    lin.lora.set_segment(slot, i, a, torch.randn(rows, 8, generator=g) * 0.05)
+    pattern = torch.tensor([0, -1, 2, 1], dtype=torch.int32)
+
+    def take_slots(model: torch.nn.Module, args: tuple) -> None:
+        n = args[0].numel()  # the step's input ids
+        batch.slots = pattern.repeat(-(-n // 4))[:n].contiguous()
+
+    runner.model.register_forward_pre_hook(take_slots)
+    return linears
+
+
+@pytest.fixture(scope="module")
+def gguf_segmented(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
+    """A GGUF model whose qkv keeps row segments of two block types (test_gguf.py's qwen3_k)."""
+    if tokenizer_dir is None:
+        pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
+    work = tmp_path_factory.mktemp("gguf_lora")
+    return make_gguf_case("qwen3_k", work, tokenizer_dir, work / "tern_home")[1]
+
+
+LORA_CASES = [
+    ("tiny_llama", None, "float32"),
+    ("tiny_llama", None, "bfloat16"),
+    ("tiny_llama", "int8", "float32"),
+    ("tiny_qwen2", "int8", "bfloat16"),  # q/k/v bias
+    ("tiny_qwen3", None, "bfloat16"),
+    ("gguf_segmented", None, "float32"),  # adapters added after every segment's product
+]
+
+
+@pytest.mark.parametrize(("arch", "quantization", "dtype"), LORA_CASES)
+def test_fused_layer_with_lora_adapters_is_bit_identical_to_the_modules(
+    arch: str, quantization: str | None, dtype: str, request: pytest.FixtureRequest, monkeypatch
+) -> None:
+    """Each linear adds its tokens' adapters in the native call with the kernel LinearBase runs
+    (native.lora_add): the same logprobs bit for bit, and not those of the base model."""
+    model_dir = request.getfixturevalue(arch)
+
+    def serve(lora: bool) -> dict:
+        runner = _runner(model_dir, quantization, dtype)
+        if lora:
+            linears = _serve_lora(runner)
+            assert "fused decode layer: on" in runner.kernel_report()
+            segmented = any(getattr(lin, "gguf_segments", None) for lin in linears)
+            assert segmented == (arch == "gguf_segmented")
+        prompts = make_prompts(1000)[:5]
+        params = SamplingParams(temperature=0.0, seed=1, max_tokens=16)
+        return run(runner, prompts, params, arrival_steps=(0, 0, 2, 9, 20), chunk_size=5)
+
+    fused_calls = []
+    original = FusedDecodeLayer.__call__
+
+    def counting(self, x, residual, meta):
+        out = original(self, x, residual, meta)
+        fused_calls.append(None if out is None else x.size(0))
+        return out
+
+    monkeypatch.setattr(FusedDecodeLayer, "__call__", counting)
+    fused = serve(lora=True)
+    assert {1, 2} <= set(fused_calls), "decode steps with adapters took the fused path"
+    base = serve(lora=False)
+    monkeypatch.setattr(FusedDecodeLayer, "__call__", lambda self, x, residual, meta: None)
+    unfused = serve(lora=True)
+    for req_id, r in unfused.items():
+        assert fused[req_id].output == r.output
+        for a, b in zip(fused[req_id].logprobs, r.logprobs):
+            assert torch.equal(a, b)
+    assert any(
+        not torch.equal(a, b)
+        for req_id, r in unfused.items()
+        for a, b in zip(base[req_id].logprobs, r.logprobs)
+    ), "the adapters change the model"

@@ -13,14 +13,16 @@ shm_collectives.py), with a SiLU or GELU-tanh gate (output gates, residual multi
 family puts them, q/k norms, rotation whole, partial or none, softcapping: DecodeLayerSpec), norms
 that multiply in float32 (Gemma, OLMo 2) under float32 activations only, and a step whose tokens are all
 single-token decodes, at most `max_rows(dtype)` of them (the rows tern's few-row kernels take:
-bfloat16 2, or 32 with AMX; float32 63). Everything else returns None and runs module by module;
+bfloat16 2, or 32 with AMX; float32 63). Linears serving LoRA adapters (LinearBase.lora) add them
+in the native call with the kernel the module path calls (csrc/lora.c), each token on the step's
+slot for it (LoraBatch.slots). Everything else returns None and runs module by module;
 `off_reason` says why a layer does not qualify (the start-up log shows it).
 
 The layer's fixed part (weights, norms, rotary tables, its KV cache) is one ctypes struct
 (kernel_library.TernDecodeLayer, checked against tern_kernels.h at load), rebuilt whenever one of
 those tensors moves (weight updates, sleep and wake-up replace storage); the step's part
-(positions, block tables, slots, scratch rows) is built once per step and shared by the layers
-through the step's AttentionMetadata.
+(positions, block tables, slots, LoRA slots, scratch rows) is built once per step and shared by the
+layers through the step's AttentionMetadata.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from workers.layers import gguf_blocks, native
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.kernel_library import TernDecodeLayer, TernDecodeStep, TernLinear
 from workers.layers.linear import NATIVE_F32_MAX_ROWS, LinearBase
+from workers.layers.lora import LoraBatch
 from workers.layers.norm import RMSNorm, ShardedRMSNorm
 from workers.layers.rotary import RotaryEmbedding
 
@@ -100,6 +103,21 @@ class StepBuffers:
             d.block_tables.data_ptr(), d.context_lens.data_ptr(), d.block_tables.stride(0),
             *(b.data_ptr() for b in self._scratch),
         )  # fmt: skip
+        self.lora_slots: torch.Tensor | None = None  # what struct.lora_slots points at
+
+    def use_lora_slots(self, slots: torch.Tensor | None) -> bool:
+        """Point the struct at each token's LoRA slot (None: no adapters this step); False where
+        the kernel cannot take them (the module path then says why)."""
+        if slots is not None and (
+            slots.dtype != torch.int32
+            or not slots.is_cpu
+            or not slots.is_contiguous()
+            or slots.numel() != self.struct.num_tokens
+        ):
+            return False
+        self.lora_slots = slots  # NOTE: kept alive here: the struct holds its address only
+        self.struct.lora_slots = None if slots is None else slots.data_ptr()
+        return True
 
 
 class FusedDecodeLayer:
@@ -110,6 +128,7 @@ class FusedDecodeLayer:
         self._key: tuple | None = None
         self._fixed: TernDecodeLayer | None = None
         self._off_reason = "not built yet"
+        self._lora_batch: LoraBatch | None = None  # the adapters' step slots, if it serves any
         self._widths: tuple[int, ...] = ()  # _scratch_widths(self._fixed)
         self._dtype = torch.float32  # the activations' (and KV cache's), once built
 
@@ -134,6 +153,10 @@ class FusedDecodeLayer:
         step = meta.native_step
         if step is None or step.key != (self._widths, x.dtype):
             step = meta.native_step = StepBuffers(meta, self._widths, x.dtype)
+        batch = self._lora_batch
+        if batch is not None and batch.slots is not step.lora_slots:
+            if not step.use_lora_slots(batch.slots):
+                return None
         out, res_out = torch.empty_like(x), torch.empty_like(x)
         shm = self.spec.qkv.ctx.tp_shm
         # NOTE: exactly the all-reduces the layer runs: the shared segment's two buffers alternate
@@ -166,7 +189,7 @@ class FusedDecodeLayer:
 
     def _fixed_struct(self) -> TernDecodeLayer | None:
         spec = self.spec
-        linears = [lin for lin in (spec.qkv, spec.o, spec.gate_up, spec.down) if lin is not None]
+        linears = _linears(spec)
         tensors = [lin.weight for lin in linears] + [_norm_weight(n) for n in _norms(spec)] + [
             spec.attention.kv_cache,
             *([spec.rotary.cos_cache] if spec.rotary is not None else []),
@@ -174,14 +197,26 @@ class FusedDecodeLayer:
         ]  # fmt: skip
         # NOTE: whether each bf16 linear is packed decides whether the unfused path would take the
         # few-row kernel, so it is part of the key.
-        key = tuple(t.data_ptr() for t in tensors) + tuple(
-            lin.packed_weight is None for lin in linears
+        key = (
+            tuple(t.data_ptr() for t in tensors)
+            + tuple(lin.packed_weight is None for lin in linears)
+            + tuple(_lora_key(lin) for lin in linears)
         )
         if key != self._key:
             (self._fixed, self._off_reason), self._key = _build_fixed(spec), key
+            self._lora_batch = next(
+                (lin.lora.batch for lin in linears if lin.lora is not None), None
+            )
             self._dtype = spec.qkv.dtype
             self._widths = _scratch_widths(self._fixed) if self._fixed is not None else ()
         return self._fixed
+
+
+def _lora_key(lin: LinearBase) -> tuple[int, ...] | None:
+    """The addresses a struct holds of lin's LoRA stack (None: it has none)."""
+    if lin.lora is None:
+        return None
+    return tuple(t.data_ptr() for t in (lin.lora.a, lin.lora.b, lin.lora.seg_rows))
 
 
 def _linear(
@@ -225,6 +260,25 @@ def _linear(
     return TernLinear(w.data_ptr(), None, bias_ptr, w.size(0), w.size(1), 0)
 
 
+def _add_lora(struct: TernLinear, lin: LinearBase) -> bool:
+    """Let `struct` add lin's LoRA adapters after its product (after every segment's); False
+    where native.lora_add would refuse the stack (the module path then says why)."""
+    lora = lin.lora
+    a, b, seg_rows = lora.a, lora.b, lora.seg_rows
+    if not all(t.is_cpu and t.is_contiguous() for t in (a, b, seg_rows)):
+        return False
+    if a.dtype != torch.float32 or b.dtype != torch.float32 or seg_rows.dtype != torch.int32:
+        return False
+    num_slots, nseg = a.size(0), seg_rows.numel()
+    a_shape, b_shape = (num_slots, nseg * lora.rank, struct.k), (num_slots, struct.n, lora.rank)
+    if tuple(a.shape) != a_shape or tuple(b.shape) != b_shape:
+        return False
+    struct.lora_a, struct.lora_b = a.data_ptr(), b.data_ptr()
+    struct.lora_seg_rows, struct.lora_nseg = seg_rows.data_ptr(), nseg
+    struct.lora_rank, struct.lora_num_slots = lora.rank, num_slots
+    return True
+
+
 def _segmented(lin: LinearBase, bias: torch.Tensor | None) -> TernLinear:
     """A linear whose projections have different block types: a head struct (no weight, every
     row) whose `rest` chains one struct per segment (csrc/tern_kernels.h). The segments' structs
@@ -242,6 +296,10 @@ def _segmented(lin: LinearBase, bias: torch.Tensor | None) -> TernLinear:
     head.rest = ctypes.pointer(segments[0])
     head._segments = segments
     return head
+
+
+def _linears(spec: DecodeLayerSpec) -> list[LinearBase]:
+    return [lin for lin in (spec.qkv, spec.o, spec.gate_up, spec.down) if lin is not None]
 
 
 def _norms(spec: DecodeLayerSpec) -> list[RMSNorm | ShardedRMSNorm]:
@@ -308,6 +366,12 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
     ]  # fmt: skip
     if any(x is None for x in linears):
         return None, "a linear layer is not on tern's few-row kernels"
+    modules = (spec.qkv, spec.o, spec.gate_up, spec.down)
+    with_lora = [(s, m) for s, m in zip(linears, modules) if m is not None and m.lora is not None]
+    if not all(_add_lora(s, lin) for s, lin in with_lora):
+        return None, "a LoRA stack not float32 contiguous CPU tensors of the linear's shape"
+    if len({id(lin.lora.batch) for _, lin in with_lora}) > 1:
+        return None, "LoRA stacks reading different batches' slots"
     rope = spec.rotary
     k_cache = a.k_cache  # (num_blocks, block_size, Hkv, D)
     layer = TernDecodeLayer(

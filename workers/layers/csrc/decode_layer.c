@@ -4,9 +4,10 @@
  * - bfloat16 activations and KV cache, bfloat16 or int8 weights (CPUs with AVX512-BF16);
  * - float32 activations and KV cache, float32, bfloat16-stored, int8 or GGUF-block weights (every
  *   CPU: what AVX2-only machines run).
- * Each stage calls the same kernel the layer's modules call one by one (rms norm, few-row linear,
- * rotary, paged decode attention, SiLU-and-mul), in the same order, so the result is bit for bit
- * the unfused path's. fused_decode.py decides when a layer qualifies and fills the structs.
+ * Each stage calls the same kernel the layer's modules call one by one (rms norm, few-row linear
+ * and its LoRA adapters, rotary, paged decode attention, SiLU-and-mul), in the same order, so the
+ * result is bit for bit the unfused path's. fused_decode.py decides when a layer qualifies and
+ * fills the structs.
  */
 #include <stdlib.h>
 #include <string.h>
