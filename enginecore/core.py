@@ -158,15 +158,26 @@ class EngineCore:
                 self.adapters().release(request.lora)
         return outputs
 
-    def _load_waiting_adapters(self) -> None:
+    def _load_waiting_adapters(self) -> list[EngineCoreOutput]:
         """Adapters evicted from the workers that waiting requests need, loaded again (as many
-        as slots idle adapters free)."""
+        as slots idle adapters free); the requests on one that no longer loads fail."""
         assert self.loras is not None
         running = self.scheduler.running_adapters()
+        failed: list[EngineCoreOutput] = []
         for request in list(self.scheduler.waiting)[: self.config.scheduler.max_num_seqs]:
-            if request.lora is not None and request.lora.slot < 0:
-                if not self.loras.ensure_loaded(request.lora, running):
+            adapter = request.lora
+            if adapter is None or adapter.slot >= 0 or request.is_finished:
+                continue
+            try:
+                if not self.loras.ensure_loaded(adapter, running):
                     break
+            except LoraError as e:
+                error = f"LoRA adapter {adapter.name!r} could not be loaded again: {e}"
+                for r in list(self.scheduler.waiting):
+                    if r.lora is adapter:
+                        out = self.scheduler.fail_request(r.request_id, error)
+                        failed += [out] if out is not None else []
+        return failed
 
     def step(self, admit_waiting: bool = True) -> list[EngineCoreOutput]:
         """One step. admit_waiting=False runs only the requests already started (a pause)."""
@@ -177,7 +188,7 @@ class EngineCore:
             return []
         failed = self._take_compiled_grammars()
         if self.loras is not None:
-            self._load_waiting_adapters()
+            failed += self._load_waiting_adapters()
         step = self.scheduler.schedule(admit_waiting)
         if not step.requests:
             if self._compiling and not failed:

@@ -46,6 +46,10 @@ class LoraError(ValueError):
     """An adapter tern cannot serve, or a name it does not know."""
 
 
+class NoFreeSlot(LoraError):
+    """Every slot holds an adapter that running requests use."""
+
+
 def read_adapter_config(path: str) -> dict[str, Any]:
     file = Path(path) / "adapter_config.json"
     try:
@@ -175,12 +179,12 @@ class LoraRegistry:
 
     def ensure_loaded(self, adapter: Adapter, running: Iterable[Adapter]) -> bool:
         """Gives an evicted adapter a slot again (evicting an idle one); False when every slot
-        holds an adapter a running request uses."""
+        holds an adapter a running request uses. LoraError: its source no longer loads."""
         if adapter.slot >= 0:
             return True
         try:
             self._place(adapter, set(running))
-        except LoraError:
+        except NoFreeSlot:
             return False
         return True
 
@@ -206,7 +210,7 @@ class LoraRegistry:
                 if a is not None and a not in busy and not (a.pinned and not a.retired)
             ]
             if not idle:
-                raise LoraError(
+                raise NoFreeSlot(
                     f"all {len(self.slots)} adapter slots hold adapters running requests use "
                     "(raise --max-cpu-loras)"
                 )

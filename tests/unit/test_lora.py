@@ -264,3 +264,24 @@ def test_what_tern_refuses(tiny_llama: Path, adapters: dict[str, Path], tmp_path
         assert "bad" not in registry.current
     with pytest.raises(LoraError, match="max-lora-rank"):
         registry.load("big", LoadLora(-1, 32, 1.0, path=str(adapters["a4"])), None, ())
+
+
+def test_an_evicted_adapter_that_no_longer_loads_fails_its_requests(
+    tiny_llama: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """One slot: loading b evicts a; a's files then vanish, so a request on a fails with a
+    message naming it while b keeps serving (nothing waits forever)."""
+    copies = {n: Path(shutil.copytree(adapters[n], tmp_path / n)) for n in ("a4", "a8")}
+    core = lora_core(tiny_llama, {}, max_loras=1, max_cpu_loras=1)
+    registry = core.loras
+    assert registry is not None
+    for name, path in copies.items():
+        rank, scaling = adapter_spec(json.loads((path / "adapter_config.json").read_text()))
+        registry.load(name, LoadLora(-1, rank, scaling, path=str(path)), None, ())
+    assert registry.current["a4"].slot == -1  # evicted by a8
+    shutil.rmtree(copies["a4"])
+    prompt = make_prompts(vocab_of(tiny_llama), n=3)[1]
+    results = run(core, {"on-a4": (prompt, "a4"), "on-a8": (prompt, "a8")})
+    assert results["on-a4"][2].finish_reason == FinishReason.ERROR
+    assert "could not be loaded again" in results["on-a4"][2].error
+    assert results["on-a8"][0] == hf_reference(tiny_llama, adapters["a8"], prompt)[0]
