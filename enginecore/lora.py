@@ -170,6 +170,7 @@ class LoraRegistry:
         if adapter is None:
             raise LoraError(f"no LoRA adapter named {name!r} is loaded")
         adapter.requests += 1
+        adapter.last_used = time.monotonic()
         return adapter
 
     def release(self, adapter: Adapter) -> None:

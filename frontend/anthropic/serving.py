@@ -84,7 +84,7 @@ class MessagesServing:
             structured_output=constraint, lora=s.check_model(req.model),
         )  # fmt: skip
         parser = self.chat.choice_parser(plan, opens)
-        draft = _Draft(message_id, s.model_name)
+        draft = _Draft(message_id, group.model_name)
         if req.stream:
             return streaming_response(self._events(group, parser, draft), group, headers)
         texts = await group.collect_unless_disconnected(http_request)
@@ -104,7 +104,7 @@ class MessagesServing:
         stop_reason, stop_sequence = _stop(gen, bool(parsed.tool_calls))
         return json_response(
             MessageResponse(
-                id=message_id, model=s.model_name, content=blocks, stop_reason=stop_reason,
+                id=message_id, model=group.model_name, content=blocks, stop_reason=stop_reason,
                 stop_sequence=stop_sequence, usage=draft.usage(gen),
             ),
             headers=headers,

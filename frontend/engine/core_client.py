@@ -119,6 +119,7 @@ def _merge(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
         a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
         b.pooled if b.pooled is not None else a.pooled,
         routed,
+        b.lora_version if b.lora_version is not None else a.lora_version,
     )
 
 

@@ -91,7 +91,7 @@ class ChatServing:
             )
         first = group.gens[0]
         response = ChatCompletionResponse(
-            request_id, "chat.completion", created, s.model_name, choices, group.usage(),
+            request_id, "chat.completion", created, group.model_name, choices, group.usage(),
             group.weight_version, view.prompt_logprobs(first), view.prompt_token_ids(first),
             group.lora_version,
         )  # fmt: skip
@@ -161,7 +161,6 @@ class ChatServing:
         parsers: list[ChoiceParser],
         created: int,
     ) -> AsyncIterator[bytes]:
-        s = self.serving
         request_id = group.keys[0]
         include_usage, continuous_usage = usage_options(req)
         wants_tokens = req.num_logprobs is not None or bool(req.return_token_ids)
@@ -184,7 +183,7 @@ class ChatServing:
             )
             return sse(
                 ChatCompletionStreamResponse(
-                    request_id, "chat.completion.chunk", created, s.model_name, [choice],
+                    request_id, "chat.completion.chunk", created, group.model_name, [choice],
                     gen.usage() if continuous_usage else None,
                     gen.weight_version if finish else None, prompt_token_ids,
                     gen.lora_version if finish and gen.lora_version else UNSET,
@@ -220,7 +219,12 @@ class ChatServing:
         if include_usage:
             yield sse(
                 ChatCompletionStreamResponse(
-                    request_id, "chat.completion.chunk", created, s.model_name, [], group.usage()
+                    request_id,
+                    "chat.completion.chunk",
+                    created,
+                    group.model_name,
+                    [],
+                    group.usage(),
                 )
             )
 

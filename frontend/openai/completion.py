@@ -74,7 +74,7 @@ class CompletionServing:
             choice.token_ids = gen.output_token_ids if req.return_token_ids else None
             choice.routed_experts = s.routed_experts_of(gen)
         response = CompletionResponse(
-            request_id, "text_completion", created, s.model_name, choices, group.usage(),
+            request_id, "text_completion", created, group.model_name, choices, group.usage(),
             group.weight_version, group.lora_version,
         )  # fmt: skip
         return json_response(response, headers=headers)
@@ -103,7 +103,7 @@ class CompletionServing:
             num_chars[i] += len(text)
             yield sse(
                 CompletionStreamResponse(
-                    request_id, "text_completion", created, s.model_name, [choice],
+                    request_id, "text_completion", created, group.model_name, [choice],
                     gen.usage() if continuous_usage else None,
                     gen.weight_version if gen.is_finished else None,
                     gen.lora_version if gen.is_finished and gen.lora_version else UNSET,
@@ -112,7 +112,7 @@ class CompletionServing:
         if include_usage:
             yield sse(
                 CompletionStreamResponse(
-                    request_id, "text_completion", created, s.model_name, [], group.usage()
+                    request_id, "text_completion", created, group.model_name, [], group.usage()
                 )
             )
 

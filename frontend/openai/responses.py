@@ -107,7 +107,7 @@ class ResponsesServing:
             structured_output=constraint, lora=lora,
         )  # fmt: skip
         params = group.gens[0].params
-        draft = _Draft(req, response_id, s.model_name, params.temperature, params.top_p)
+        draft = _Draft(req, response_id, group.model_name, params.temperature, params.top_p)
         parser = self.chat.choice_parser(plan, opens)
         if req.stream:
             events = self._events(group, parser, draft, messages)

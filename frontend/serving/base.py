@@ -218,7 +218,9 @@ class OpenAIServing:
                     gens.append(gen)
         except EngineDeadError as e:
             raise engine_dead_error(str(e)) from e
-        return RequestGroup(keys, gens, self.inflight, session_id, n)
+        group = RequestGroup(keys, gens, self.inflight, session_id, n)
+        group.model_name = lora if isinstance(lora, str) else self.model_name
+        return group
 
     def sampling_params(
         self, sampling: RequestSampling, prompt_ids: list[int], prompt_param: str

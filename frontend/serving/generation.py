@@ -223,6 +223,7 @@ class RequestGroup:
     ) -> None:
         self.keys = keys  # keys[0] is the response id
         self.gens = gens  # n per prompt, prompt by prompt
+        self.model_name = ""  # what responses call the model: the served name, or the adapter's
         self.n = n
         self.registry = registry
         self.session_id = session_id  # LMDeploy's /generate session

@@ -82,6 +82,7 @@ def test_adapters_are_listed_and_chosen_by_model_name(server: Any, adapter_dirs:
         texts[model] = out.choices[0].text
         version = (out.model_extra or {}).get("lora_version")
         assert version == (None if model == "base" else "1")
+        assert out.model == model.removeprefix("base:")  # the adapter's name, as vLLM answers
     assert texts["a1"] == texts["base:a1"]
     assert len({texts["base"], texts["a0"], texts["a1"]}) == 3
     chat = client.chat.completions.create(
@@ -106,6 +107,12 @@ def test_sglang_and_lmdeploy_name_adapters_per_prompt(server: Any) -> None:
     assert r.json()["text"] == refs["a0"]
     r = post(server, "/generate", {"text": PROMPT, "lora_path": "missing"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "lora_path"
+    # Routers forward SGLang's lora_path in OpenAI bodies too.
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    r = post(server, "/v1/completions", {**body, "lora_path": "a1"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == refs["a1"], r.text
+    r = post(server, "/v1/completions", {**body, "model": "a0", "lora_path": "a1"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
 
 
 def test_load_use_unload_reload_under_32_concurrent_requests(

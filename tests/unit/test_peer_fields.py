@@ -85,7 +85,6 @@ def test_two_constraints_are_a_400() -> None:
         ("stream_reasoning", False),
         ("return_hidden_states", True),
         ("return_hidden_states", 0),  # not False: type-checked
-        ("lora_path", "adapter"),
         ("session_params", {"id": "s"}),
     ],
 )
