@@ -219,7 +219,9 @@ class LoraRegistry:
             victim = min(idle, key=lambda a: (not a.retired, a.requests > 0, a.last_used))
             slot = victim.slot
             self._evict(victim)
-        self._run(msgspec.structs.replace(adapter.source, slot=slot))  # NOTE: a slot a failed load left half-written is free: nothing reads it
+        self._run(
+            msgspec.structs.replace(adapter.source, slot=slot)
+        )  # NOTE: a slot a failed load left half-written is free: nothing reads it
         adapter.slot = slot
         adapter.last_used = time.monotonic()
         self.slots[slot] = adapter

@@ -269,6 +269,10 @@ class SchedulerStats(msgspec.Struct):
     # flat (layers x experts, layer-major), and the experts per layer.
     expert_tokens_total: list[int] = []
     num_experts: int = 0
+    # --enable-lora: --max-loras, and the adapters the running and the waiting requests are on.
+    max_lora: int = 0
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

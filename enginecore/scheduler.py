@@ -57,7 +57,7 @@ class Scheduler:
         routing_shape: record every request's routing (--enable-return-routed-experts,
         enginecore/routing.py). num_experts: per MoE layer (the tokens each takes are counted)."""
         self.max_num_seqs = config.scheduler.max_num_seqs
-        self.max_loras = config.lora.max_loras
+        self.max_loras = config.lora.max_loras if config.lora.enabled else 0
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
@@ -418,4 +418,7 @@ class Scheduler:
             num_used_state_checkpoints=self.kv.checkpoints.num_used if self.kv.checkpoints else 0,
             expert_tokens_total=list(self.expert_tokens_total),
             num_experts=self.num_experts,
+            max_lora=self.max_loras,
+            running_lora_adapters=sorted({a.name for a in self.running_adapters()}),
+            waiting_lora_adapters=sorted({r.lora.name for r in self.waiting if r.lora}),
         )

@@ -20,6 +20,7 @@ Each server has its own registries: nothing is global, so several apps can live 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -77,6 +78,7 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "tern:num_preemptions": ("vllm:num_preemptions",),
     "tern:prefix_cache_queries": ("vllm:prefix_cache_queries",),
     "tern:prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "tern:lora_requests_info": ("vllm:lora_requests_info",),
 }
 # Families measured per engine core: vLLM labels them with `engine`.
 _ENGINE_STATE = frozenset(
@@ -228,6 +230,16 @@ class _EngineStatsCollector(Collector):
                     "Tokens routed to each expert of each mixture-of-experts layer (layer: its "
                     "index among the MoE layers); a token counts once per expert of its top-k.",
                     labels=[*label_names, "layer", "expert"])  # fmt: skip
+        loras = G("tern:lora_requests_info",
+                  "LoRA adapters in use (vLLM's): --max-loras and the adapters of the running "
+                  "and the waiting requests, comma-separated; the value is the scrape time.",
+                  labels=[*label_names, "max_lora", "running_lora_adapters",
+                          "waiting_lora_adapters"])  # fmt: skip
+        for labels, s, _ in rows:
+            if s is not None and s.max_lora:
+                adapters = [",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters)]
+                loras.add_metric([*labels, str(s.max_lora), *adapters], time.time())
+        yield loras
         for labels, s, _ in rows:
             if s is not None and s.num_experts:
                 for i, n in enumerate(s.expert_tokens_total):

@@ -19,7 +19,8 @@ def samples(m: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def test_every_vllm_twin_carries_the_tern_samples() -> None:
-    stats = SchedulerStats(2, 3, 1, 30, 40, 16, 100, 60, 500, 70)
+    stats = SchedulerStats(2, 3, 1, 30, 40, 16, 100, 60, 500, 70, max_lora=4,
+                           running_lora_adapters=["a", "b"], waiting_lora_adapters=["c"])  # fmt: skip
     m = Metrics("tiny", lambda: stats)
     m.on_first_token(0.2, 11)
     m.on_new_tokens(5)
@@ -41,6 +42,9 @@ def test_every_vllm_twin_carries_the_tern_samples() -> None:
             "vllm:time_to_first_token_seconds_count", "vllm:prefix_cache_hits_total",
             "vllm:request_success_total"} <= names  # fmt: skip
     assert got[("vllm:kv_cache_usage_perc", (("engine", "0"), ("model_name", "tiny")))] == 0.25
+    lora = (("max_lora", "4"), ("model_name", "tiny"), ("running_lora_adapters", "a,b"),
+            ("waiting_lora_adapters", "c"))  # fmt: skip
+    assert ("vllm:lora_requests_info", lora) in got
 
 
 def test_replicas_get_a_sample_each() -> None:
