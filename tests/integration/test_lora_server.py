@@ -127,7 +127,7 @@ def test_load_use_unload_reload_under_32_concurrent_requests(
     refs = {m: complete(server, m)["choices"][0]["text"] for m in names}
     assert len(set(refs.values())) == 4
     metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    assert 'vllm:lora_requests_info{' in metrics and 'max_lora="4"' in metrics
+    assert "vllm:lora_requests_info{" in metrics and 'max_lora="4"' in metrics
 
     async def one(client: openai.AsyncOpenAI, model: str) -> tuple[str, str]:
         out = await client.completions.create(
