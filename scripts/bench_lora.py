@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_models  # noqa: E402
+from bench_models import run  # noqa: E402
 from safetensors.torch import load_file, save  # noqa: E402
 
 from enginecore.config import (  # noqa: E402
@@ -49,9 +50,7 @@ from enginecore.core import EngineCore  # noqa: E402
 from enginecore.executor import InProcExecutor  # noqa: E402
 from enginecore.lora import adapter_spec  # noqa: E402
 from enginecore.messages import (  # noqa: E402
-    EngineCoreRequest,
     LoadLora,
-    SamplingParams,
     UpdateWeights,
     UpdateWeightsFromTensors,
 )
@@ -79,27 +78,6 @@ def make_core(
     return EngineCore(config, InProcExecutor(config))
 
 
-def run(
-    core: EngineCore, prompts: list[list[int]], loras: list[str | None], output_len: int, tag: str
-) -> tuple[float, float]:
-    """-> (median seconds of a decode-only step, output tokens per second over the whole run)."""
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    for i, (p, lora) in enumerate(zip(prompts, loras)):
-        assert core.add_request(EngineCoreRequest(f"{tag}{i}", p, params, lora_name=lora)) == []
-    decode_steps, produced = [], 0
-    start = time.perf_counter()
-    while core.scheduler.has_requests:
-        decoding = not core.scheduler.waiting and all(
-            r.num_computed_tokens >= len(r.prompt_token_ids) for r in core.scheduler.running
-        )
-        t0 = time.perf_counter()
-        outs = core.step()
-        if decoding and core.scheduler.running:
-            decode_steps.append(time.perf_counter() - t0)
-        produced += sum(len(o.new_token_ids) for o in outs)
-    return statistics.median(decode_steps), produced / (time.perf_counter() - start)
-
-
 def serving(args: argparse.Namespace, model: Path, adapters: dict[str, Path]) -> dict:
     rng = random.Random(0)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
@@ -112,13 +90,13 @@ def serving(args: argparse.Namespace, model: Path, adapters: dict[str, Path]) ->
         "lora": (lora, [names[0]], mixed),
     }
     for core, one, _ in cases.values():
-        run(core, prompts[:1], one, 8, "warm")
+        run(core, prompts[:1], 8, "warm", one)
     tpots: dict[str, list[float]] = {k: [] for k in cases}
     rates: dict[str, list[float]] = {k: [] for k in cases}
     for r in range(ROUNDS):
         for name, (core, one, many) in cases.items():
-            tpots[name].append(run(core, prompts[:1], one, args.output_len, f"{name}1-{r}-")[0])
-            rates[name].append(run(core, prompts, many, args.output_len, f"{name}N-{r}-")[1])
+            tpots[name].append(run(core, prompts[:1], args.output_len, f"{name}1-{r}-", one)[0])
+            rates[name].append(run(core, prompts, args.output_len, f"{name}N-{r}-", many)[1])
     kernels = lora.executor.runner.kernel_report()
     return {
         "kernels": kernels,

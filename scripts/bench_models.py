@@ -193,12 +193,18 @@ def serve_llamacpp(gguf: Path, server: Path, prompts: list[list[int]], output_le
 
 
 def run(
-    core: EngineCore, prompts: list[list[int]], output_len: int, tag: str
+    core: EngineCore,
+    prompts: list[list[int]],
+    output_len: int,
+    tag: str,
+    loras: list[str | None] | None = None,
 ) -> tuple[float, float]:
-    """-> (median seconds of a decode-only step, output tokens per second over the whole run)."""
+    """-> (median seconds of a decode-only step, output tokens per second over the whole run);
+    `loras`: each prompt's LoRA adapter."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        assert core.add_request(EngineCoreRequest(f"{tag}{i}", p, params)) == []
+    for i, (p, lora) in enumerate(zip(prompts, loras or [None] * len(prompts))):
+        req = EngineCoreRequest(f"{tag}{i}", p, params, lora_name=lora)
+        assert core.add_request(req) == []
     decode_steps, produced = [], 0
     start = time.perf_counter()
     while core.scheduler.has_requests:

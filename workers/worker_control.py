@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -185,33 +185,47 @@ class WorkerControl:
         )
 
     def on_update_from_distributed(self, call: UpdateWeightsFromDistributed) -> None:
-        group = self._groups.get(call.group_name)
-        if group is None:
-            raise ValueError(f"no weight-update group {call.group_name!r}: call init first")
-        if not len(call.names) == len(call.dtypes) == len(call.shapes):
-            raise ValueError("names, dtypes and shapes must have the same length")
-        dtypes = [parse_dtype(d) for d in call.dtypes]
+        received = self._receive(call.group_name, call.names, call.dtypes, call.shapes,
+                                 call.flattened)  # fmt: skip
         self._begin()
-        device = self.runner.device
-
-        def received():
-            if call.flattened:
-                yield from receive_flattened(call.names, dtypes, call.shapes, group, device)
-                return
-            for name, dtype, shape in zip(call.names, dtypes, call.shapes):
-                tensor = torch.empty(shape, dtype=dtype, device=device)
-                dist.broadcast(tensor, src=0, group=group)
-                yield name, tensor
-
         # Every tensor must be received even if one does not fit, or the trainer would block.
         errors: list[str] = []
-        for name, tensor in received():
+        for name, tensor in received:
             try:
                 load_weights(self.model, [(name, tensor)])
             except ValueError as e:
                 errors.append(str(e))
         if errors:
             raise ValueError("; ".join(errors[:4]))
+
+    def _receive(
+        self,
+        group_name: str,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        flattened: bool,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The trainer's broadcast of these tensors (checked before the first one arrives): one
+        flattened bucket, or one broadcast each."""
+        group = self._groups.get(group_name)
+        if group is None:
+            raise ValueError(f"no weight-update group {group_name!r}: call init first")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError("names, dtypes and shapes must have the same length")
+        torch_dtypes = [parse_dtype(d) for d in dtypes]
+        device = self.runner.device
+
+        def received() -> Iterator[tuple[str, torch.Tensor]]:
+            if flattened:
+                yield from receive_flattened(names, torch_dtypes, shapes, group, device)
+                return
+            for name, dtype, shape in zip(names, torch_dtypes, shapes):
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                dist.broadcast(tensor, src=0, group=group)
+                yield name, tensor
+
+        return received()
 
     def on_destroy_update_group(self, call: DestroyWeightsUpdateGroup) -> None:
         group_name = call.group_name
@@ -222,24 +236,9 @@ class WorkerControl:
 
     def on_load_lora(self, call: LoadLora) -> None:
         tensors = None
-        if call.broadcast is not None:
-            b = call.broadcast
-            group = self._groups.get(b.group_name)
-            if group is None:
-                raise ValueError(f"no weight-update group {b.group_name!r}: call init first")
-            if not len(b.names) == len(b.dtypes) == len(b.shapes):
-                raise ValueError("names, dtypes and shapes must have the same length")
-            dtypes = [parse_dtype(d) for d in b.dtypes]
-            device = self.runner.device
-            if b.flattened:
-                received = receive_flattened(b.names, dtypes, b.shapes, group, device)
-                tensors = {name: t.cpu() for name, t in received}
-            else:
-                tensors = {}
-                for name, dtype, shape in zip(b.names, dtypes, b.shapes):
-                    tensor = torch.empty(shape, dtype=dtype, device=device)
-                    dist.broadcast(tensor, src=0, group=group)  # every one, even if one is wrong
-                    tensors[name] = tensor.cpu()
+        if (b := call.broadcast) is not None:  # every tensor received before any is checked
+            received = self._receive(b.group_name, b.names, b.dtypes, b.shapes, b.flattened)
+            tensors = {name: tensor.cpu() for name, tensor in received}
         load_adapter(self.model, call, self.runner.parallel.tp_rank, tensors)
 
     # ------------------------------------------------------------------ sleep and wake-up
