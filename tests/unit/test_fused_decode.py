@@ -66,6 +66,20 @@ CASES = [
 ]
 
 
+def count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
+    """Each fused layer call from now on: its rows when it ran fused, None when it declined."""
+    calls: list[int | None] = []
+    original = FusedDecodeLayer.__call__
+
+    def counting(self, x, residual, meta):
+        out = original(self, x, residual, meta)
+        calls.append(None if out is None else x.size(0))
+        return out
+
+    monkeypatch.setattr(FusedDecodeLayer, "__call__", counting)
+    return calls
+
+
 @pytest.mark.parametrize(("arch", "quantization", "dtype", "kv_cache_dtype"), CASES)
 def test_fused_layer_is_bit_identical_to_the_modules(
     arch: str,
@@ -89,15 +103,7 @@ def test_fused_layer_is_bit_identical_to_the_modules(
     # steps of one to five sequences as requests join and finish.
     arrivals = (0, 0, 2, 9, 20)
 
-    fused_calls = []
-    original = FusedDecodeLayer.__call__
-
-    def counting(self, x, residual, meta):
-        out = original(self, x, residual, meta)
-        fused_calls.append(None if out is None else x.size(0))
-        return out
-
-    monkeypatch.setattr(FusedDecodeLayer, "__call__", counting)
+    fused_calls = count_fused_calls(monkeypatch)
     fused = run(make_runner(), prompts, params, arrival_steps=arrivals, chunk_size=5)
     sizes = set(fused_calls) - {None}
     assert {1, 2} <= sizes, "decode steps of one and two sequences took the fused path"
@@ -202,15 +208,7 @@ def test_fused_layer_with_lora_adapters_is_bit_identical_to_the_modules(
         params = SamplingParams(temperature=0.0, seed=1, max_tokens=16)
         return run(runner, prompts, params, arrival_steps=(0, 0, 2, 9, 20), chunk_size=5)
 
-    fused_calls = []
-    original = FusedDecodeLayer.__call__
-
-    def counting(self, x, residual, meta):
-        out = original(self, x, residual, meta)
-        fused_calls.append(None if out is None else x.size(0))
-        return out
-
-    monkeypatch.setattr(FusedDecodeLayer, "__call__", counting)
+    fused_calls = count_fused_calls(monkeypatch)
     fused = serve(lora=True)
     assert {1, 2} <= set(fused_calls), "decode steps with adapters took the fused path"
     base = serve(lora=False)
