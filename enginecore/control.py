@@ -30,6 +30,7 @@ from enginecore.messages import (
     DestroyWeightsUpdateGroup,
     EngineControlOp,
     EngineCoreOutput,
+    FinishLoraLoad,
     FinishWeightsUpdate,
     GetControlState,
     GetStats,
@@ -142,6 +143,7 @@ class EngineControl:
             ReleaseMemory: self._sleep,
             ResumeMemory: self._wake_up,
             LoadLoraAdapter: self._load_lora_adapter,
+            FinishLoraLoad: self._finish_lora_load,
             UnloadLoraAdapter: self._unload_lora_adapter,
         }
 
@@ -240,10 +242,23 @@ class EngineControl:
             raise ControlError("the server is asleep: wake it up before loading an adapter")
         loras = self.core.adapters()
         running = self.core.scheduler.running_adapters()
-        adapter = loras.load(op.name, op.source, op.version, running, op.replace, op.pinned)
+        adapter = loras.load(
+            op.name, op.source, op.version, running, op.replace, op.pinned, op.stage
+        )
+        what = "staged" if op.stage else "loaded"
         return {
             "success": True,
-            "message": f"LoRA adapter {op.name!r} loaded (version {adapter.version})",
+            "message": f"LoRA adapter {op.name!r} {what} (version {adapter.version})",
+            "name": op.name,
+            "version": adapter.version,
+        }
+
+    def _finish_lora_load(self, op: FinishLoraLoad, aborted: list) -> object:
+        adapter = self.core.adapters().finish_staged(op.name, op.commit)
+        what = "loaded" if op.commit else "dropped"
+        return {
+            "success": True,
+            "message": f"LoRA adapter {op.name!r} {what} (version {adapter.version})",
             "name": op.name,
             "version": adapter.version,
         }

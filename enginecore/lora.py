@@ -119,6 +119,7 @@ class LoraRegistry:
         self.config = config
         self._run = run
         self.current: dict[str, Adapter] = {}
+        self.staged: dict[str, Adapter] = {}  # loaded, not yet served (load with stage=True)
         self.slots: list[Adapter | None] = [None] * config.num_slots
         self._uids = itertools.count(1)
         self._versions: dict[str, int] = {}
@@ -133,9 +134,12 @@ class LoraRegistry:
         busy: Iterable[Adapter],
         replace: bool = True,
         pinned: bool = False,
+        stage: bool = False,
     ) -> Adapter:
         """Serves `source` as `name` (a new version when the name is served already and
-        `replace`), loaded into a slot now so that a bad adapter fails here, not in a request."""
+        `replace`), loaded into a slot now so that a bad adapter fails here, not in a request.
+        `stage`: loaded but not served until finish_staged (--dp: every replica loads, then all
+        serve it, or none)."""
         if name in self.current and not replace:
             raise LoraError(
                 f"the LoRA adapter {name!r} has already been loaded (load_inplace=true replaces it)"
@@ -151,12 +155,33 @@ class LoraRegistry:
         adapter = Adapter(name, version or str(number), next(self._uids), source, pinned=pinned)
         self._place(adapter, set(busy))
         self._versions[name] = number
-        old = self.current.get(name)
-        self.current[name] = adapter
+        if stage:
+            if (earlier := self.staged.pop(name, None)) is not None:
+                self._retire(earlier)
+            self.staged[name] = adapter
+        else:
+            self._serve(adapter)
+        return adapter
+
+    def finish_staged(self, name: str, commit: bool) -> Adapter:
+        """Serves the adapter staged as `name` (commit), or drops it."""
+        adapter = self.staged.pop(name, None)
+        if adapter is None:
+            raise LoraError(f"no load of LoRA adapter {name!r} is staged")
+        if commit:
+            self._serve(adapter)
+        else:
+            self._retire(adapter)
+        return adapter
+
+    def _serve(self, adapter: Adapter) -> None:
+        old = self.current.get(adapter.name)
+        self.current[adapter.name] = adapter
         if old is not None:
             self._retire(old)
-        logger.info("LoRA adapter %r version %s in slot %d", name, adapter.version, adapter.slot)
-        return adapter
+        logger.info(
+            "LoRA adapter %r version %s in slot %d", adapter.name, adapter.version, adapter.slot
+        )
 
     def unload(self, name: str) -> None:
         adapter = self.current.pop(name, None)

@@ -549,6 +549,14 @@ class LoadLoraAdapter(msgspec.Struct, tag="load_lora_adapter", omit_defaults=Tru
     version: str | None = None
     replace: bool = True  # False: a served name is refused (vLLM's load_inplace=false)
     pinned: bool = False  # never evicted from the workers (SGLang's pinned)
+    stage: bool = False  # loaded, served only after FinishLoraLoad (--dp: all replicas or none)
+
+
+class FinishLoraLoad(msgspec.Struct, tag="finish_lora_load"):
+    """Serves the adapter staged as `name` (commit), or drops it."""
+
+    name: str
+    commit: bool
 
 
 class UnloadLoraAdapter(msgspec.Struct, tag="unload_lora_adapter"):
@@ -568,6 +576,7 @@ EngineControlOp = (
     | ReleaseMemory
     | ResumeMemory
     | LoadLoraAdapter
+    | FinishLoraLoad
     | UnloadLoraAdapter
 )
 

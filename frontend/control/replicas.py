@@ -15,6 +15,7 @@ stays open on all until its last bucket or /finish_weights_update; a failed buck
 init_weights_update_group: the trainer's group spans 1 + dp x tp x pp ranks; the i-th living replica
 joins with rank_offset + i x tp x pp (all at once: the rendezvous waits for every rank). If one
 fails, the others leave the group again.
+a LoRA adapter's load is staged on every replica, then served by all (or dropped by all);
 pause fails as a whole (the paused ones resume); resume, reset_prefix_cache, sleep, wake_up and
 destroy_weights_update_group go to every replica and report the first error. get_control_state and
 get_stats merge the replicas' answers.
@@ -35,10 +36,12 @@ from msgspec.structs import replace
 from enginecore.messages import (
     DestroyWeightsUpdateGroup,
     EngineControlOp,
+    FinishLoraLoad,
     FinishWeightsUpdate,
     GetControlState,
     GetStats,
     InitWeightsUpdateGroup,
+    LoadLoraAdapter,
     PauseGeneration,
     ResumeGeneration,
     UpdateWeights,
@@ -85,6 +88,8 @@ class ReplicaControl:
                 return await self._init_group(op, timeout)
             if isinstance(op, PauseGeneration):
                 return await self._pause(op, timeout)
+            if isinstance(op, LoadLoraAdapter):
+                return await self._load_lora(op, timeout)
             results = await self._on_all(self.living(), timeout, lambda i: op)
             return _first_result_or_raise(results)
 
@@ -175,6 +180,19 @@ class ReplicaControl:
                 await self._on_all(joined, 60.0, lambda i: leave)
             raise _error_of(failed)
         return results[0][1]
+
+    async def _load_lora(self, op: LoadLoraAdapter, timeout: float) -> Any:
+        """Every replica loads the adapter (staged), then all serve it; if one fails, none."""
+        replicas = self.living()
+        staged = replace(op, stage=True)
+        results = await self._on_all(replicas, timeout, lambda i: staged)
+        failed = [(r, res) for r, res in results if isinstance(res, Exception)]
+        loaded = [r for r, res in results if not isinstance(res, Exception)]
+        finish = FinishLoraLoad(op.name, commit=not failed)
+        done = await self._on_all(loaded, timeout, lambda i: finish) if loaded else []
+        if failed:
+            raise _error_of(failed)
+        return _first_result_or_raise(done)
 
     async def _pause(self, op: PauseGeneration, timeout: float) -> Any:
         results = await self._on_all(self.living(), timeout, lambda i: op)

@@ -38,10 +38,10 @@ def prompts(num: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1, 500) for _ in range(rng.randrange(3, 12))] for _ in range(num)]
 
 
-def complete(server: Any, prompt: list[int], max_tokens: int = N) -> dict:
+def complete(server: Any, prompt: list[int], max_tokens: int = N, model: str = "m") -> dict:
     r = httpx.post(
         f"{server.base_url}/v1/completions",
-        json={"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
               "ignore_eos": True, "return_token_ids": True},
         timeout=120,
     )  # fmt: skip
@@ -74,7 +74,7 @@ def routed(server: Any) -> list[float]:
 @pytest.fixture(scope="module")
 def server(module_server: Any, tiny_llama: Path) -> Any:
     return module_server("--model", str(tiny_llama), "--served-model-name", "m", "--dp", "2",
-                         *COMMON)  # fmt: skip
+                         *COMMON, "--enable-lora")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -299,3 +299,36 @@ def test_load_routes_report_each_replica(server: Any) -> None:
         assert e["num_reqs"] >= e["num_waiting_reqs"] >= 0 and e["num_tokens"] >= 0
     r = httpx.get(f"{server.base_url}/load", timeout=30)
     assert r.status_code == 200 and r.json() == {"server_load": 0}
+
+
+def test_a_lora_adapter_serves_on_both_replicas(
+    server: Any, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Loaded once through the frontend, the adapter is staged on both replicas and then served by
+    both: requests on it, balanced over the replicas, all equal Hugging Face PEFT's answers; a
+    load both refuse changes nothing."""
+    from scripts.make_tiny_model import make_lora_adapter
+    from tests.unit.test_lora import hf_reference
+
+    adapter = make_lora_adapter(tiny_llama, tmp_path / "adapter", rank=8, seed=7)
+    r = httpx.post(f"{server.base_url}/v1/load_lora_adapter",
+                   json={"lora_name": "ad", "lora_path": str(adapter)}, timeout=120)  # fmt: skip
+    assert r.status_code == 200, r.text
+    batch = prompts(8)
+    before = routed(server)
+    with ThreadPoolExecutor(len(batch)) as pool:
+        replies = list(pool.map(lambda p: complete(server, p, model="ad"), batch))
+    shares = [a - b for a, b in zip(routed(server), before, strict=True)]
+    assert min(shares) >= 1, shares  # both replicas served the adapter
+    for p, reply in zip(batch, replies, strict=True):
+        assert reply["choices"][0]["token_ids"] == hf_reference(tiny_llama, adapter, p, N)[0]
+        assert reply["lora_version"] == "1"
+    bad = {"lora_name": "ad", "lora_path": str(tmp_path / "missing")}
+    assert (
+        httpx.post(f"{server.base_url}/load_lora_adapter", json=bad, timeout=120).status_code == 400
+    )
+    assert complete(server, batch[0], model="ad")["lora_version"] == "1"
+    r = httpx.post(
+        f"{server.base_url}/v1/unload_lora_adapter", json={"lora_name": "ad"}, timeout=60
+    )
+    assert r.status_code == 200, r.text

@@ -208,6 +208,14 @@ def test_versions_live_side_by_side_and_unload_lets_requests_finish(
     assert registry.slots == [None] * len(registry.slots)  # both versions gave their slot back
     out = core.add_request(EngineCoreRequest("gone", prompt, params, lora_name="x"))
     assert out[0].finish_reason == FinishReason.ERROR and "no LoRA adapter" in out[0].error
+    # A staged load (--dp: every replica loads before any serves) is served only on commit.
+    registry.load("x", source, None, (), stage=True)
+    assert "x" not in registry.current
+    registry.finish_staged("x", commit=False)
+    assert "x" not in registry.current and registry.slots == [None] * len(registry.slots)
+    registry.load("x", source, "v9", (), stage=True)
+    registry.finish_staged("x", commit=True)
+    assert registry.current["x"].version == "v9"
 
 
 def test_more_adapters_than_slots_are_evicted_and_reloaded(

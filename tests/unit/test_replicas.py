@@ -12,8 +12,11 @@ import pytest
 
 from enginecore.messages import (
     EngineControlOp,
+    FinishLoraLoad,
     FinishWeightsUpdate,
     InitWeightsUpdateGroup,
+    LoadLora,
+    LoadLoraAdapter,
     PauseGeneration,
     ResumeGeneration,
     UpdateOptions,
@@ -176,3 +179,17 @@ def test_dp_flags_and_each_replicas_config(tmp_path: Path, flag: str) -> None:
     assert second.ipc_dir.startswith(config.ipc_dir) and second.ipc_dir != config.ipc_dir
     with pytest.raises(ValueError):
         config_from_args(make_parser().parse_args(["launch", str(tmp_path), flag, "0"]))
+
+
+def test_a_lora_load_is_served_by_every_replica_or_by_none() -> None:
+    source = LoadLora(-1, 8, 2.0, path="/adapters/a")
+    good, bad = FakeReplica(0), FakeReplica(1, fail=(LoadLoraAdapter,))
+    control = ReplicaControl([good, bad], ranks_per_replica=1)
+    with pytest.raises(UtilityError, match="bad tensor shape"):
+        run(control, LoadLoraAdapter("a", source))
+    assert good.calls[0] == LoadLoraAdapter("a", source, stage=True)
+    assert good.calls[-1] == FinishLoraLoad("a", commit=False)
+    assert not any(isinstance(op, FinishLoraLoad) for op in bad.calls)
+    bad.fail = ()
+    run(control, LoadLoraAdapter("a", source))
+    assert [r.calls[-1] for r in (good, bad)] == [FinishLoraLoad("a", commit=True)] * 2
