@@ -253,3 +253,27 @@ def test_trainer_client_pushes_only_the_adapter_over_http_and_a_process_group(
     out = complete(server, "policy")
     assert (out["choices"][0]["text"], out["lora_version"]) == (refs[1], "s2")
     client.unload_lora("policy")
+
+
+def test_streams_samples_and_grammars_run_on_the_adapter(server: Any) -> None:
+    """A stream names the adapter's version on its last chunk; n samples and a json_schema
+    constraint run on the adapter too (the stream's text equals the non-streamed answer)."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    ref = complete(server, "a0")["choices"][0]["text"]
+    chunks = list(client.completions.create(
+        model="a0", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    ))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref
+    assert chunks[-1].model == "a0"
+    assert [c.model_extra.get("lora_version") for c in chunks if c.choices][-1] == "1"
+    two = client.completions.create(model="a0", prompt=PROMPT, max_tokens=4, n=2, temperature=0)
+    assert len(two.choices) == 2 and two.choices[0].text == two.choices[1].text
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+              "additionalProperties": False}  # fmt: skip
+    chat = client.chat.completions.create(
+        model="a1", messages=[{"role": "user", "content": "x?"}], max_tokens=96, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+    )  # fmt: skip
+    assert isinstance(json.loads(chat.choices[0].message.content)["x"], int)
+    assert chat.model == "a1"
