@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from enginecore.core import EngineCore
-from enginecore.lora import LoraError
+from enginecore.lora import Adapter, LoraError
 from enginecore.messages import (
     CommitWeights,
     ControlCall,
@@ -73,6 +73,22 @@ class EngineControl:
         self.weight_version = "default"
         self._num_updates = 0
         self._deferred_pauses: list[int] = []  # call ids of "wait" pauses not answered yet
+        self.handlers: dict[type, Callable[[Any, list[EngineCoreOutput]], object]] = {
+            GetStats: lambda op, aborted: msgspec.to_builtins(self.core.stats()),
+            GetControlState: lambda op, aborted: self.state(),
+            PauseGeneration: self._pause,
+            ResumeGeneration: self._resume,
+            ResetPrefixCache: self._reset_prefix_cache,
+            UpdateWeights: self._update_weights,
+            FinishWeightsUpdate: self._finish_weights_update,
+            InitWeightsUpdateGroup: self._init_weights_update_group,
+            DestroyWeightsUpdateGroup: self._destroy_weights_update_group,
+            ReleaseMemory: self._sleep,
+            ResumeMemory: self._wake_up,
+            LoadLoraAdapter: self._load_lora_adapter,
+            FinishLoraLoad: self._finish_lora_load,
+            UnloadLoraAdapter: self._unload_lora_adapter,
+        }
 
     # ------------------------------------------------------------------ what the loop may do
 
@@ -127,25 +143,6 @@ class EngineControl:
             self._deferred_pauses.append(call_id)
             return None
         return UtilityResult(call_id, result)
-
-    @property
-    def handlers(self) -> dict[type, Callable[[Any, list[EngineCoreOutput]], object]]:
-        return {
-            GetStats: lambda op, aborted: msgspec.to_builtins(self.core.stats()),
-            GetControlState: lambda op, aborted: self.state(),
-            PauseGeneration: self._pause,
-            ResumeGeneration: self._resume,
-            ResetPrefixCache: self._reset_prefix_cache,
-            UpdateWeights: self._update_weights,
-            FinishWeightsUpdate: self._finish_weights_update,
-            InitWeightsUpdateGroup: self._init_weights_update_group,
-            DestroyWeightsUpdateGroup: self._destroy_weights_update_group,
-            ReleaseMemory: self._sleep,
-            ResumeMemory: self._wake_up,
-            LoadLoraAdapter: self._load_lora_adapter,
-            FinishLoraLoad: self._finish_lora_load,
-            UnloadLoraAdapter: self._unload_lora_adapter,
-        }
 
     def _abort_all(self, aborted: list[EngineCoreOutput]) -> None:
         s = self.core.scheduler
@@ -245,23 +242,11 @@ class EngineControl:
         adapter = loras.load(
             op.name, op.source, op.version, running, op.replace, op.pinned, op.stage
         )
-        what = "staged" if op.stage else "loaded"
-        return {
-            "success": True,
-            "message": f"LoRA adapter {op.name!r} {what} (version {adapter.version})",
-            "name": op.name,
-            "version": adapter.version,
-        }
+        return _adapter_answer(adapter, "staged" if op.stage else "loaded")
 
     def _finish_lora_load(self, op: FinishLoraLoad, aborted: list) -> object:
         adapter = self.core.adapters().finish_staged(op.name, op.commit)
-        what = "loaded" if op.commit else "dropped"
-        return {
-            "success": True,
-            "message": f"LoRA adapter {op.name!r} {what} (version {adapter.version})",
-            "name": op.name,
-            "version": adapter.version,
-        }
+        return _adapter_answer(adapter, "loaded" if op.commit else "dropped")
 
     def _unload_lora_adapter(self, op: UnloadLoraAdapter, aborted: list) -> object:
         self.core.adapters().unload(op.name)
@@ -289,6 +274,15 @@ class EngineControl:
         self._run(WakeUp(tags=[t for t in tags if t != "cuda_graph"]))
         self.asleep_tags -= set(tags)
         return {"success": True, "message": f"resumed {sorted(set(tags))}", **self.state()}
+
+
+def _adapter_answer(adapter: Adapter, what: str) -> dict:
+    return {
+        "success": True,
+        "message": f"LoRA adapter {adapter.name!r} {what} (version {adapter.version})",
+        "name": adapter.name,
+        "version": adapter.version,
+    }
 
 
 def _memory_tags(tags: object) -> list[str]:

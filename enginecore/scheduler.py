@@ -175,13 +175,14 @@ class Scheduler:
 
         # A step that had to preempt admits nobody new: the pool is the bottleneck.
         not_ready: list[Request] = []  # grammars compiling, adapters not in: they keep their place
+        adapters = self.running_adapters() if self.max_loras else set()
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
             if not admit_waiting and request.status != RequestStatus.PREEMPTED:
                 break  # a pause resumes only started requests (preempted ones lead the queue)
-            if request.is_waiting_for_grammar or not self._adapter_fits(request):
+            if request.is_waiting_for_grammar or not self._adapter_fits(request, adapters):
                 not_ready.append(self.waiting.popleft())
                 continue
             cached_blocks, num_cached = None, 0
@@ -206,6 +207,8 @@ class Scheduler:
             if self.routing_shape is not None:
                 self._start_routing(request, num_cached)
             self.running.append(request)
+            if request.lora is not None:
+                adapters.add(request.lora)
             # NOTE: before the chunk reserves checkpoints of its own, which may evict this one.
             restore = self.kv.restore_checkpoint(request, num_cached)
             chunk = self._schedule_chunk(request, num_new, new_block_ids)
@@ -217,16 +220,13 @@ class Scheduler:
         finished, self._finished_req_ids = self._finished_req_ids, []
         return SchedulerOutput(self._step_id, scheduled, finished)
 
-    def _adapter_fits(self, request: Request) -> bool:
+    def _adapter_fits(self, request: Request, running: set[Adapter]) -> bool:
         """Whether a request's LoRA adapter is loaded and one more distinct adapter (if it is
-        one) keeps the step within --max-loras."""
+        one) keeps the step within --max-loras; `running`: the running requests' adapters."""
         adapter = request.lora
         if adapter is None:
             return True
-        if adapter.slot < 0:
-            return False
-        running = self.running_adapters()
-        return adapter in running or len(running) < self.max_loras
+        return adapter.slot >= 0 and (adapter in running or len(running) < self.max_loras)
 
     def running_adapters(self) -> set[Adapter]:
         return {r.lora for r in self.running if r.lora is not None}

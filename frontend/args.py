@@ -504,22 +504,23 @@ def lora_config_from_args(args: argparse.Namespace) -> LoraConfig:
 
 
 def _lora_module(spec: str) -> tuple[str, str]:
-    """(name, path) of one --lora-modules entry: name=path, vLLM's JSON object, or a path."""
+    """(name, absolute path) of one --lora-modules entry: name=path, vLLM's JSON object, or a
+    path (named after its directory)."""
     if spec.lstrip().startswith("{"):
         try:
             entry = json.loads(spec)
-            return str(entry["name"]), str(entry["path"])
+            name, path = str(entry["name"]), str(entry["path"])
         except (ValueError, KeyError, TypeError):
             raise ValueError(
                 f'--lora-modules {spec!r}: JSON entries are {{"name": ..., "path": ...}}'
             ) from None
-    name, sep, path = spec.partition("=")
-    if not sep:
-        path = spec
-        name = Path(spec.rstrip("/")).name
+    else:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            path, name = spec, Path(spec.rstrip("/")).name
     if not name or not path:
         raise ValueError(f"--lora-modules {spec!r}: give name=path")
-    return name, path
+    return name, str(Path(path).resolve())
 
 
 def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:

@@ -22,7 +22,7 @@ from enginecore.lora import SERVED_MODULES, LoraError
 from enginecore.messages import LoadLora
 from workers.layers.linear import LinearBase
 from workers.layers.lora import LoraBatch, LoraStack
-from workers.weight_loader import _local_param, _unfused
+from workers.weight_loader import _local_param, _shard_order, _unfused
 
 # The tern modules adapters apply to, by the end of their names.
 _SERVED_SUFFIXES = (
@@ -31,7 +31,6 @@ _SERVED_SUFFIXES = (
     ".mlp.gate_up_proj",
     ".mlp.down_proj",
 )
-_SEGMENT = {"q": 0, "k": 1, "v": 2, None: 0}
 _PREFIX = "base_model.model."
 
 
@@ -130,7 +129,7 @@ def _place(model: nn.Module, hf_name: str, a: torch.Tensor, b: torch.Tensor, slo
         raise LoraError(f"adapter module {hf_name!r} matches no layer of the model") from None
     if not isinstance(layer, LinearBase) or layer.lora is None:
         raise LoraError(f"adapter module {hf_name!r} is not a layer tern serves LoRA on")
-    segment = _SEGMENT[shard_id] if shard_id in _SEGMENT else int(shard_id)
+    segment = _shard_order((shard_id, hf_name))
     rows = layer.shard_rows()[segment]
     r = a.size(0)
     try:

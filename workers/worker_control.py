@@ -96,14 +96,7 @@ class WorkerControl:
         self._weight_shapes: dict[str, torch.Size] | None = None  # set while weights are discarded
         self._offloaded: dict[str, torch.Tensor] | None = None  # GPU level-1 sleep
         self._kv_asleep = False
-
-    @property
-    def model(self) -> torch.nn.Module:
-        assert self.runner.model is not None
-        return self.runner.model
-
-    def handle(self, call: ControlCall) -> None:
-        handlers: dict[type, Callable[[Any], None]] = {
+        self._handlers: dict[type, Callable[[Any], None]] = {
             UpdateWeightsFromDisk: self.on_update_from_disk,
             UpdateWeightsFromTensors: self.on_update_from_tensors,
             InitWeightsUpdateGroup: self.on_init_update_group,
@@ -114,7 +107,14 @@ class WorkerControl:
             Sleep: self.on_sleep,
             WakeUp: self.on_wake_up,
         }
-        handlers[type(call)](call)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        assert self.runner.model is not None
+        return self.runner.model
+
+    def handle(self, call: ControlCall) -> None:
+        self._handlers[type(call)](call)
 
     # ------------------------------------------------------------------ weight updates
 

@@ -111,9 +111,6 @@ class ControlServing:
         await self._refresh()
         return result
 
-    async def refresh(self) -> None:
-        await self._refresh()
-
     async def _refresh(self) -> None:
         try:
             state = await self.engine.call_utility(GetControlState(), 10.0)

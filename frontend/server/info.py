@@ -74,12 +74,10 @@ class InfoServing:
 
     async def models(self, request: Request) -> Response:
         cards = [self._card(name) for name in self.serving.model_names]
-        if self.serving.adapters is not None:
-            await self.control.refresh()
-            for name, adapter in (self.serving.adapters or {}).items():
-                card = self._card(name)
-                card.root, card.parent = adapter.get("path") or name, self.serving.model_name
-                cards.append(card)
+        for name, adapter in (self.serving.adapters or {}).items():
+            card = self._card(name)
+            card.root, card.parent = adapter.get("path") or name, self.serving.model_name
+            cards.append(card)
         return json_response(ModelList(cards))
 
     async def model(self, request: Request) -> Response:

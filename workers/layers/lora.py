@@ -48,10 +48,6 @@ class LoraStack:
         self.b = torch.zeros(num_slots, sum(segment_rows), rank, device=device)
         self.seg_rows = torch.tensor(segment_rows, dtype=torch.int32)
 
-    @property
-    def num_slots(self) -> int:
-        return self.a.size(0)
-
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
