@@ -240,6 +240,51 @@ class LoraConfig:
         return self.max_cpu_loras or self.max_loras
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (--speculative-config, vLLM's keys; enginecore/speculative.py).
+    Off when `method` is None."""
+
+    method: str | None = None  # ngram | suffix
+    num_speculative_tokens: int = 0  # the most drafts a sequence verifies in one step
+    prompt_lookup_min: int = 2  # ngram: the shortest suffix matched
+    prompt_lookup_max: int = 5  # ngram: the longest suffix matched
+    # No drafts in a step that runs more sequences than this (None: SPEC_MAX_BATCH_DEFAULT).
+    disable_by_batch_size: int | None = None
+    suffix_decoding_max_tree_depth: int = 24  # suffix: the longest pattern + continuation
+    suffix_decoding_max_cached_requests: int = 256  # suffix: finished requests' outputs kept
+    suffix_decoding_max_spec_factor: float = 1.0  # suffix: drafts <= factor x match length
+    suffix_decoding_min_token_prob: float = 0.1  # suffix: stop drafting below this estimate
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            return
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method {self.method!r} is not served; tern has "
+                f"{', '.join(SPECULATIVE_METHODS)}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError("num_speculative_tokens must be in [1, 64]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be at least 1")
+        if self.suffix_decoding_max_tree_depth < 2 or self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("suffix decoding needs a tree depth >= 2 and a cache size >= 0")
+        if self.suffix_decoding_max_spec_factor <= 0:
+            raise ValueError("suffix_decoding_max_spec_factor must be positive")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("suffix_decoding_min_token_prob must be in [0, 1]")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -255,6 +300,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # Directory of this instance's IPC sockets: unique per server so that instances never collide.
     ipc_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="tern-"))
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])

@@ -61,6 +61,14 @@ class EngineCore:
                     config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False)
                 )
                 self.config = config
+        if config.speculative.enabled and hybrid:
+            raise ValueError(
+                f"speculative decoding is not served on {self.model_task.architecture}: its "
+                "linear-attention states cannot take back rejected drafts"
+            )
+        if config.speculative.enabled and config.model.enable_return_routed_experts:
+            raise ValueError("speculative decoding and --enable-return-routed-experts exclude "
+                             "each other: drafts' routing is not recorded")  # fmt: skip
         self.max_model_len = executor.max_model_len
         self.scheduler = Scheduler(
             config,
@@ -195,15 +203,18 @@ class EngineCore:
                 futures = [future for _, future in self._compiling.values()]
                 wait(futures, GRAMMAR_WAIT_S, FIRST_COMPLETED)
             return failed
-        constrained = []
+        constrained = []  # (request id, its grammar, its drafts)
         for scheduled in step.requests:
             grammar = self.scheduler.requests[scheduled.req_id].grammar
             if grammar is not None and grammar.is_active and scheduled.sample_index >= 0:
-                constrained.append((scheduled.req_id, grammar))
+                drafts = scheduled.token_ids[
+                    len(scheduled.token_ids) - scheduled.num_draft_tokens :
+                ]
+                constrained.append((scheduled.req_id, grammar, drafts))
         step.grammar_bitmasks_follow = bool(constrained)
 
         def bitmasks() -> dict[str, bytes]:
-            return {req_id: grammar.bitmask() for req_id, grammar in constrained}
+            return {req_id: g.bitmasks_along(drafts) for req_id, g, drafts in constrained}
 
         output = self.executor.execute_model(step, bitmasks if constrained else None)
         return failed + self.scheduler.update_from_output(step, output)

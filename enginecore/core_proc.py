@@ -258,6 +258,15 @@ class StatsLogger:
             f"KV cache usage: {100 * usage:.1f}%, "
             f"prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
         )
+        drafts = stats.spec_num_draft_tokens - last.spec_num_draft_tokens
+        if drafts:
+            accepted = stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens
+            steps = stats.spec_num_drafts - last.spec_num_drafts
+            # mean acceptance length: tokens a verifying step yields (accepted drafts + 1)
+            line += (
+                f", spec decode: draft acceptance rate {100 * accepted / drafts:.1f}%, "
+                f"mean acceptance length {1 + accepted / steps:.2f}"
+            )
         logger.info(line)
         return line
 

@@ -273,6 +273,12 @@ class SchedulerStats(msgspec.Struct):
     max_lora: int = 0
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []
+    # Speculative decoding (enginecore/speculative.py), totals: sequence-steps that verified
+    # drafts, drafts verified, drafts accepted, and accepted at each draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
@@ -344,6 +350,10 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # this step's chunk, checkpoint] where its states after that many tokens are to be kept.
     restore_checkpoint: int = -1
     save_checkpoints: list[list[int]] = []
+    # Speculative decoding: the last num_draft_tokens of token_ids are drafts. The request samples
+    # at each of its last num_draft_tokens + 1 positions (output tokens sample_index, +1, ...) and
+    # keeps the drafts up to the first that differs from the token sampled before it.
+    num_draft_tokens: int = 0
 
 
 class SchedulerOutput(msgspec.Struct, omit_defaults=True):
@@ -366,7 +376,9 @@ class ExecuteModel(msgspec.Struct, tag="execute"):
 class GrammarBitmasks(msgspec.Struct, tag="grammar_bitmasks"):
     """The tokens each constrained request may sample this step, as xgrammar packs them: one bit
     per vocabulary id in little-endian int32 words (ceil(vocab / 32) of them), by request id.
-    Read by the sampling rank just before it samples; the other ranks skip it."""
+    Read by the sampling rank just before it samples; the other ranks skip it. A request with
+    drafts has one bitmask per position it samples at, concatenated: the grammar's state after
+    each draft (the engine core sends only drafts the grammar accepts)."""
 
     step_id: int
     bitmasks: dict[str, bytes]
@@ -587,8 +599,9 @@ EngineControlOp = (
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
     step_id: int
     req_ids: list[str]  # the requests that sampled this step, in batch order
-    sampled_token_ids: list[int]
-    # For the requests that asked, by request id: the sampled token's logprobs (SamplingParams.
+    # Each one's new tokens: one, or with drafts the accepted drafts and the token after them.
+    sampled_token_ids: list[list[int]]
+    # For the requests that asked, by request id: the new tokens' logprobs (SamplingParams.
     # logprobs), and those of the prompt tokens this step's chunk predicts (prompt_logprobs).
     logprobs: dict[str, Logprobs] = {}
     prompt_logprobs: dict[str, PromptLogprobs] = {}

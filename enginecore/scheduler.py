@@ -33,6 +33,7 @@ from enginecore.messages import (
 )
 from enginecore.request import Request, RequestStatus
 from enginecore.routing import RequestRouting, RoutingCache
+from enginecore.speculative import Drafter
 from enginecore.state_checkpoints import StateCheckpoints
 
 
@@ -91,6 +92,8 @@ class Scheduler:
         self.num_preempted_total = 0
         self.num_prefill_tokens_total = 0  # tokens computed by prefill chunks (recompute included)
         self.num_generated_tokens_total = 0
+        # Speculative decoding: drafts for decoding sequences (enginecore/speculative.py).
+        self.drafter = Drafter(config.speculative) if config.speculative.enabled else None
 
     # ----------------------------------------------------------------------------- requests in and out
 
@@ -156,21 +159,29 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted = False
 
+        drafting = self.drafter is not None and len(self.running) <= self.drafter.max_batch
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, request.request_id
-            while (new_block_ids := self.kv.allocate_slots(request, num_new)) is None:
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
+            drafts = self._drafts(request, budget) if drafting else []
+            # Drafts never preempt anybody: without room for them the sequence decodes plainly.
+            new_block_ids = None
+            if drafts:
+                new_block_ids = self.kv.allocate_slots(request, num_new + len(drafts))
+            if new_block_ids is None:
+                drafts = []
+                while (new_block_ids := self.kv.allocate_slots(request, num_new)) is None:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is request:
+                        break
             if new_block_ids is None:
                 break  # request preempted itself: everything after it is gone too
-            scheduled.append(self._schedule_chunk(request, num_new, new_block_ids))
-            budget -= num_new
+            scheduled.append(self._schedule_chunk(request, num_new, new_block_ids, drafts))
+            budget -= num_new + len(drafts)
             i += 1
 
         # A step that had to preempt admits nobody new: the pool is the bottleneck.
@@ -220,6 +231,27 @@ class Scheduler:
         finished, self._finished_req_ids = self._finished_req_ids, []
         return SchedulerOutput(self._step_id, scheduled, finished)
 
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Drafts for a decoding sequence, as many as its output, the context and the step's
+        token budget leave room for; under a grammar, only those it accepts."""
+        assert self.drafter is not None
+        if request.num_output_tokens == 0 or request.num_computed_tokens != request.num_tokens - 1:
+            return []  # still in its prompt
+        grammar = request.grammar
+        if grammar is not None and not grammar.is_active:
+            return []  # its reasoning runs unconstrained; the grammar starts at its end token
+        limit = min(
+            budget - 1,
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens,
+        )
+        if limit <= 0:
+            return []
+        drafts = self.drafter.draft(request.request_id, request.all_token_ids, limit)
+        if grammar is not None and drafts:
+            drafts = drafts[: grammar.valid_prefix(drafts)]
+        return drafts
+
     def _adapter_fits(self, request: Request, running: set[Adapter]) -> bool:
         """Whether a request's LoRA adapter is loaded and one more distinct adapter (if it is
         one) keeps the step within --max-loras; `running`: the running requests' adapters."""
@@ -242,7 +274,11 @@ class Scheduler:
         routing.num_cached_blocks = max(routing.num_cached_blocks, num_cached // self.block_size)
 
     def _schedule_chunk(
-        self, request: Request, num_new: int, new_block_ids: list[list[int]]
+        self,
+        request: Request,
+        num_new: int,
+        new_block_ids: list[list[int]],
+        drafts: Sequence[int] = (),
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
@@ -254,7 +290,7 @@ class Scheduler:
             self.num_prefill_tokens_total += num_new
         scheduled = ScheduledRequest(
             req_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=[*request.all_token_ids[start:end], *drafts],
             start_pos=start,
             new_block_ids=new_block_ids[0],
             other_group_block_ids=new_block_ids[1:],
@@ -263,6 +299,7 @@ class Scheduler:
             state_slot=request.state_slot if is_new else -1,
             lora_slot=request.lora.slot if is_new and request.lora is not None else -1,
             save_checkpoints=self.kv.checkpoints_to_save(request, start, end),
+            num_draft_tokens=len(drafts),
         )
         if is_new and request.sampling_params.needs_history:
             scheduled.history_token_ids = list(request.all_token_ids)
@@ -306,24 +343,39 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
                 request.add_prompt_logprobs(chunk)
-        for request_id, token_id in zip(output.req_ids, output.sampled_token_ids):
+        drafted = {r.req_id: r.num_draft_tokens for r in step.requests if r.num_draft_tokens}
+        for request_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            request.append_output_token(token_id)
-            self.num_generated_tokens_total += 1
-            error = None
-            if request.grammar is not None and not request.grammar.accept(token_id):
-                error = f"token {token_id} was sampled against the request's grammar"
-            finish_reason = FinishReason.ERROR if error else self._check_stop(request, token_id)
+            num_drafts = drafted.get(request_id, 0)
+            if num_drafts:
+                assert self.drafter is not None and len(token_ids) <= num_drafts + 1
+                self.drafter.record(request_id, num_drafts, len(token_ids) - 1)
+                # The accepted drafts' KV is valid; the rejected ones' is written over later.
+                request.num_computed_tokens += len(token_ids) - 1
+            new_token_ids: list[int] = []
+            error, finish_reason = None, None
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                self.num_generated_tokens_total += 1
+                if request.grammar is not None and not request.grammar.accept(token_id):
+                    error = f"token {token_id} was sampled against the request's grammar"
+                finish_reason = FinishReason.ERROR if error else self._check_stop(request, token_id)
+                if finish_reason is not None:
+                    break  # what follows a stop is dropped
             out = EngineCoreOutput(
                 request_id,
-                [token_id],
+                new_token_ids,
                 finish_reason,
                 num_cached_tokens=request.num_cached_tokens,
                 error=error,
             )
-            out.new_logprobs = output.logprobs.get(request_id)
+            logprobs = output.logprobs.get(request_id)
+            if logprobs is not None and logprobs.num_positions > len(new_token_ids):
+                logprobs = logprobs.slice(0, len(new_token_ids))
+            out.new_logprobs = logprobs
             if request.routing is not None:
                 out.routed_experts = request.routing.take_new()
             if request.num_output_tokens == 1:
@@ -385,6 +437,8 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        if self.drafter is not None:
+            self.drafter.finish(request.request_id, request.output_token_ids)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv.free(request)
@@ -421,4 +475,16 @@ class Scheduler:
             max_lora=self.max_loras,
             running_lora_adapters=sorted({a.name for a in self.running_adapters()}),
             waiting_lora_adapters=sorted({r.lora.name for r in self.waiting if r.lora}),
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, int | list[int]]:
+        if self.drafter is None:
+            return {}
+        s = self.drafter.stats
+        return {
+            "spec_num_drafts": s.num_drafts,
+            "spec_num_draft_tokens": s.num_draft_tokens,
+            "spec_num_accepted_tokens": s.num_accepted_tokens,
+            "spec_accepted_per_pos": list(s.accepted_per_pos),
+        }

@@ -167,6 +167,35 @@ class RequestGrammar:
         assert self.is_active, "no constraint during the reasoning"
         return self.compiler.fill_bitmask(self.matcher)
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading drafts the grammar accepts without completing (the matcher is left
+        as it was): a draft that would end the output is left for the sampler to choose."""
+        if not self.is_active:
+            return 0
+        accepted = 0
+        for t in token_ids:
+            if not self.matcher.accept_token(t):
+                break
+            accepted += 1
+            if self.matcher.is_terminated():
+                break
+        ending = accepted > 0 and self.matcher.is_terminated()
+        if accepted:
+            self.matcher.rollback(accepted)
+        return accepted - int(ending)
+
+    def bitmasks_along(self, token_ids: list[int]) -> bytes:
+        """The bitmask now and after each of `token_ids` (valid drafts: valid_prefix of them all),
+        concatenated."""
+        parts = [self.bitmask()]
+        for t in token_ids:
+            accepted = self.matcher.accept_token(t)
+            assert accepted, "drafts are checked with valid_prefix when they are scheduled"
+            parts.append(self.bitmask())
+        if token_ids:
+            self.matcher.rollback(len(token_ids))
+        return b"".join(parts)
+
     def accept(self, token_id: int) -> bool:
         """Advances the matcher by a sampled token; False if the grammar does not allow it."""
         if self.is_active:

@@ -8,12 +8,14 @@ TERN_ADMIN_API_KEY are read here, once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
+import msgspec
 
 from enginecore.config import (
     LOGPROBS_MODES,
@@ -26,6 +28,7 @@ from enginecore.config import (
     ParallelConfig,
     SchedulerConfig,
     ServerConfig,
+    SpeculativeConfig,
     StructuredOutputConfig,
 )
 from frontend.chat_options import ChatOptions
@@ -384,6 +387,24 @@ def make_parser() -> argparse.ArgumentParser:
         default=None,
         help="adapters kept loaded (least recently used evicted beyond; default --max-loras)",
     )
+    spec = launch.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\': method '
+        "ngram (prompt lookup: prompt_lookup_min/max) or suffix (suffix decoding: "
+        "suffix_decoding_max_tree_depth, _max_cached_requests, _max_spec_factor, "
+        "_min_token_prob); disable_by_batch_size: no drafts in larger steps (default 8)",
+    )
+    spec.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        help="SGLang's: NGRAM (= method ngram) or SUFFIX; with the flags below",
+    )
+    spec.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    spec.add_argument("--speculative-ngram-min-match-window-size", type=int, default=None)
+    spec.add_argument("--speculative-ngram-max-match-window-size", type=int, default=None)
     parallel = launch.add_argument_group("parallelism")
     parallel.add_argument("--tensor-parallel-size", "--tp", "-tp", type=int, default=1, dest="tp")
     parallel.add_argument("--pipeline-parallel-size", "--pp", "-pp", type=int, default=1, dest="pp")
@@ -486,7 +507,57 @@ def config_from_args(args: argparse.Namespace) -> Config:
         server=ServerConfig(host=args.host, port=args.port),
         structured_output=StructuredOutputConfig(bound_json_numbers=args.json_number_bound),
         lora=lora_config_from_args(args),
+        speculative=speculative_config_from_args(args),
     )
+
+
+_SPEC_KEYS = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+
+
+def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
+    """--speculative-config (vLLM's JSON), or SGLang's --speculative-* flags."""
+    if args.speculative_config is not None and args.speculative_algorithm is not None:
+        raise ValueError("give --speculative-config or --speculative-algorithm, not both")
+    if args.speculative_config is not None:
+        try:
+            spec = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not JSON: {e}") from None
+        if not isinstance(spec, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+    elif args.speculative_algorithm is not None:
+        spec = {"method": args.speculative_algorithm.lower()}
+        sglang = {
+            "num_speculative_tokens": args.speculative_num_draft_tokens,
+            "prompt_lookup_min": args.speculative_ngram_min_match_window_size,
+            "prompt_lookup_max": args.speculative_ngram_max_match_window_size,
+        }
+        spec.update({k: v for k, v in sglang.items() if v is not None})
+    else:
+        return SpeculativeConfig()
+    method = spec.get("method")
+    if method in ("draft_model", "eagle", "eagle3", "mtp", "standalone", "nextn", "medusa"):
+        raise ValueError(
+            f"speculative method {method!r} is not served yet: tern drafts with ngram or suffix"
+        )
+    if "model" in spec and spec["model"] not in (None, "[ngram]"):
+        raise ValueError("a draft model is not served yet: tern drafts with ngram or suffix")
+    spec.pop("model", None)
+    unknown = sorted(set(spec) - _SPEC_KEYS)
+    if unknown:
+        raise ValueError(f"--speculative-config: unknown keys {unknown}")
+    if method == "suffix":
+        spec.setdefault("num_speculative_tokens", spec.get("suffix_decoding_max_tree_depth", 24))
+    spec.setdefault("num_speculative_tokens", 5)
+    lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+    if lo is None and hi is not None:
+        spec["prompt_lookup_min"] = min(2, hi)
+    if hi is None and lo is not None:
+        spec["prompt_lookup_max"] = max(lo, 5)
+    try:
+        return msgspec.convert(spec, SpeculativeConfig)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"--speculative-config: {e}") from None
 
 
 def lora_config_from_args(args: argparse.Namespace) -> LoraConfig:

@@ -117,7 +117,7 @@ class StepTimer:
                 detok.take_new_text(final=o.finish_reason is not None)
         t["detokenize"] = time.perf_counter() - c5
         is_decode = all(len(r.token_ids) == 1 for r in step.requests)
-        return t, is_decode, len(out.sampled_token_ids), outputs
+        return t, is_decode, sum(map(len, out.sampled_token_ids)), outputs
 
 
 def run_point(timer: StepTimer, prompts: list[list[int]], output_len: int, tag: str) -> dict:

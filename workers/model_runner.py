@@ -37,6 +37,7 @@ import torch
 from enginecore.config import Config, ParallelConfig
 from enginecore.messages import (
     BitmaskSource,
+    Logprobs,
     ModelRunnerOutput,
     RoutingShape,
     SamplingParams,
@@ -56,7 +57,7 @@ from workers.layers.logprobs import (
     logprob_rows,
     prompt_logprobs,
     prompt_logprobs_jobs,
-    sampled_logprobs_by_request,
+    sampled_logprobs_rows,
 )
 from workers.layers.lora import LoraBatch
 from workers.layers.moe import SparseMoE
@@ -67,6 +68,7 @@ from workers.lora_adapters import attach_lora_stacks
 from workers.models.decoder import mlp_shard_of
 from workers.models.registry import ModelArgs, build_model, load_model_args
 from workers.quantized_checkpoints import checkpoint_quantization
+from workers.speculative import SampleRows
 from workers.weight_loader import keep_blocks_everywhere, load_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -459,7 +461,8 @@ class ModelRunner:
                 )
             history = self.requests[r.req_id].history
             if history is not None:
-                history.extend(r.start_pos, r.token_ids)
+                num_computed = len(r.token_ids) - r.num_draft_tokens
+                history.extend(r.start_pos, r.token_ids[:num_computed], r.token_ids[num_computed:])
 
     def _token_lora_slots(self, reqs: list[ScheduledRequest]) -> torch.Tensor | None:
         """Each token's adapter slot this step, or None when no request runs on one."""
@@ -620,8 +623,11 @@ class ModelRunner:
                 step.step_id, [], [], prompt_logprobs=prompt_lps, routed_experts=routed,
                 expert_tokens=expert_tokens,
             ), None  # fmt: skip
-        last_rows = meta.query_start_loc[1:][sampling] - 1
-        logits = self.model.compute_logits(hidden[last_rows]).float()  # (N, vocab)
+        # Each sampling request's rows: its last position, or with drafts its last k + 1.
+        rows = SampleRows.of(
+            [reqs[i] for i in sampling], meta.query_start_loc[1:][sampling].tolist()
+        )
+        logits = self.model.compute_logits(hidden[rows.positions(self.device)]).float()  # (R, V)
         t3 = time.perf_counter()
         timings["lm_head"] = t3 - t2
         if not p.is_driver:  # the logits were a collective; the driver samples
@@ -632,24 +638,32 @@ class ModelRunner:
             if bitmasks is None:
                 raise ValueError(f"step {step.step_id} needs grammar bitmasks; none were given")
             masks = bitmasks()
+        row_params = rows.per_row(params)
         tensors = SamplingTensors.from_params(
-            params,
-            [reqs[i].sample_index for i in sampling],
+            row_params,
+            rows.sample_indices([reqs[i].sample_index for i in sampling]),
             logits.size(-1),
             self.device,
-            [states[i].history for i in sampling],
-            [masks.get(reqs[i].req_id) for i in sampling],
+            rows.histories([states[i].history for i in sampling]),
+            rows.bitmasks([masks.get(reqs[i].req_id) for i in sampling]),
         )
-        num_tops = [q.logprobs for q in params]
+        num_tops = [q.logprobs for q in row_params]
         # processed_logprobs: the sampler also returns the distributions it drew the rows from.
         processed_rows = logprob_rows(num_tops) if self._processed_logprobs else None
         sampled, processed = self.sampler.sample(logits, tensors, processed_rows)
+        sampled_rows = sampled.tolist()
         req_ids = [reqs[i].req_id for i in sampling]
+        emitted = rows.accepted(sampled_rows)  # per request: the rows it keeps
+        row_logprobs = sampled_logprobs_rows(logits, sampled, num_tops, processed)
         output = ModelRunnerOutput(
             step.step_id,
             req_ids,
-            sampled.tolist(),
-            sampled_logprobs_by_request(logits, sampled, req_ids, num_tops, processed),
+            [sampled_rows[lo:hi] for lo, hi in emitted],
+            {
+                req_id: Logprobs.concat(row_logprobs[lo:hi])
+                for req_id, (lo, hi) in zip(req_ids, emitted)
+                if row_logprobs[lo] is not None
+            },
             prompt_lps,
             routed_experts=routed,
             expert_tokens=expert_tokens,

@@ -79,6 +79,12 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "tern:prefix_cache_queries": ("vllm:prefix_cache_queries",),
     "tern:prefix_cache_hits": ("vllm:prefix_cache_hits",),
     "tern:lora_requests_info": ("vllm:lora_requests_info",),
+    "tern:spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "tern:spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "tern:spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "tern:spec_decode_num_accepted_tokens_per_pos": (
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+    ),
 }
 # Families measured per engine core: vLLM labels them with `engine`.
 _ENGINE_STATE = frozenset(
@@ -89,6 +95,10 @@ _ENGINE_STATE = frozenset(
         "tern:num_preemptions",
         "tern:prefix_cache_queries",
         "tern:prefix_cache_hits",
+        "tern:spec_decode_num_drafts",
+        "tern:spec_decode_num_draft_tokens",
+        "tern:spec_decode_num_accepted_tokens",
+        "tern:spec_decode_num_accepted_tokens_per_pos",
     }
 )
 
@@ -226,6 +236,21 @@ class _EngineStatsCollector(Collector):
                      lambda s, up: s.prefix_cache_queries)  # fmt: skip
         yield family(C, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                      lambda s, up: s.prefix_cache_hits)  # fmt: skip
+        yield family(C, "spec_decode_num_drafts",
+                     "Speculative decoding: sequence-steps that verified drafts.",
+                     lambda s, up: s.spec_num_drafts)  # fmt: skip
+        yield family(C, "spec_decode_num_draft_tokens", "Speculative decoding: drafts verified.",
+                     lambda s, up: s.spec_num_draft_tokens)  # fmt: skip
+        yield family(C, "spec_decode_num_accepted_tokens",
+                     "Speculative decoding: drafts accepted.",
+                     lambda s, up: s.spec_num_accepted_tokens)  # fmt: skip
+        per_pos = C("tern:spec_decode_num_accepted_tokens_per_pos",
+                    "Speculative decoding: drafts accepted at each draft position (0: first).",
+                    labels=[*label_names, "position"])  # fmt: skip
+        for labels, s, _ in rows:
+            for pos, n in enumerate(s.spec_accepted_per_pos if s is not None else []):
+                per_pos.add_metric([*labels, str(pos)], n)
+        yield per_pos
         experts = C("tern:moe_expert_tokens",
                     "Tokens routed to each expert of each mixture-of-experts layer (layer: its "
                     "index among the MoE layers); a token counts once per expert of its top-k.",

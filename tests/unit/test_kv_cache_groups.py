@@ -62,7 +62,7 @@ class WindowedToyModel:
             digest = hashlib.sha256(repr(seen).encode()).digest()
             req_ids.append(r.req_id)
             sampled.append(int.from_bytes(digest[:4], "little") % VOCAB)
-        return ModelRunnerOutput(step.step_id, req_ids, sampled)
+        return ModelRunnerOutput(step.step_id, req_ids, [[t] for t in sampled])
 
 
 def run(

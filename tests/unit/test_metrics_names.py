@@ -20,7 +20,9 @@ def samples(m: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def test_every_vllm_twin_carries_the_tern_samples() -> None:
     stats = SchedulerStats(2, 3, 1, 30, 40, 16, 100, 60, 500, 70, max_lora=4,
-                           running_lora_adapters=["a", "b"], waiting_lora_adapters=["c"])  # fmt: skip
+                           running_lora_adapters=["a", "b"], waiting_lora_adapters=["c"],
+                           spec_num_drafts=9, spec_num_draft_tokens=30, spec_num_accepted_tokens=12,
+                           spec_accepted_per_pos=[7, 4, 1])  # fmt: skip
     m = Metrics("tiny", lambda: stats)
     m.on_first_token(0.2, 11)
     m.on_new_tokens(5)
@@ -34,7 +36,8 @@ def test_every_vllm_twin_carries_the_tern_samples() -> None:
             assert tern_samples, tern
             for (name, labels), value in tern_samples.items():
                 twin_labels = dict(labels)
-                if twin.endswith(("running", "waiting", "perc", "preemptions", "queries", "hits")):
+                per_engine = ("running", "waiting", "perc", "preemptions", "queries", "hits")
+                if twin.endswith(per_engine) or "spec_decode" in twin:
                     twin_labels["engine"] = "0"
                 key = (twin + name[len(tern) :], tuple(sorted(twin_labels.items())))
                 assert got[key] == value, key
@@ -45,6 +48,12 @@ def test_every_vllm_twin_carries_the_tern_samples() -> None:
     lora = (("max_lora", "4"), ("model_name", "tiny"), ("running_lora_adapters", "a,b"),
             ("waiting_lora_adapters", "c"))  # fmt: skip
     assert ("vllm:lora_requests_info", lora) in got
+    pos1 = (("engine", "0"), ("model_name", "tiny"), ("position", "1"))
+    assert got[("vllm:spec_decode_num_accepted_tokens_per_pos_total", pos1)] == 4
+    assert (
+        got[("vllm:spec_decode_num_draft_tokens_total", (("engine", "0"), ("model_name", "tiny")))]
+        == 30
+    )
 
 
 def test_replicas_get_a_sample_each() -> None:

@@ -117,7 +117,7 @@ def run(
         by_id = {r.req_id: r for r in running}
         sampled = [s.req_id for s in scheduled if s.sample_index >= 0]
         assert out.step_id == step and out.req_ids == sampled  # batch order
-        for i, (req_id, token) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
+        for i, (req_id, (token,)) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
             by_id[req_id].output.append(token)
             by_id[req_id].logprobs.append(logprobs[i])
         finished = [r.req_id for r in running if len(r.output) == MAX_TOKENS]

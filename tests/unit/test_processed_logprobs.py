@@ -17,7 +17,7 @@ from enginecore.config import ModelConfig
 from enginecore.messages import Logprobs, SamplingParams
 from frontend.args import config_from_args, make_parser
 from workers.layers.logits_processors import TokenHistory
-from workers.layers.logprobs import logprob_rows, sampled_logprobs_by_request
+from workers.layers.logprobs import logprob_rows, sampled_logprobs_rows
 from workers.layers.sampler import Sampler, SamplingTensors
 
 torch.set_num_threads(1)
@@ -39,8 +39,8 @@ def run(
     t = SamplingTensors.from_params(params, indices, logits.size(-1), CPU, histories, bitmasks)
     num_tops = [p.logprobs for p in params]
     sampled, processed = SAMPLER.sample(logits, t, logprob_rows(num_tops))
-    req_ids = [str(i) for i in range(len(params))]
-    by_row = sampled_logprobs_by_request(logits, sampled, req_ids, num_tops, processed)
+    rows = sampled_logprobs_rows(logits, sampled, num_tops, processed)
+    by_row = {str(i): lp for i, lp in enumerate(rows) if lp is not None}
     return sampled.tolist(), processed, by_row
 
 
@@ -223,12 +223,10 @@ def test_mixed_batch_rows_match_their_own_and_raw_mode_is_untouched() -> None:
     t = SamplingTensors.from_params(params, [0] * 5, 800, CPU)
     raw_sampled, none = SAMPLER.sample(logits, t)
     assert none is None and raw_sampled.tolist() == sampled == SAMPLER(logits, t).tolist()
-    raw = sampled_logprobs_by_request(
-        logits, raw_sampled, [str(i) for i in range(5)], [p.logprobs for p in params]
-    )
+    raw = sampled_logprobs_rows(logits, raw_sampled, [p.logprobs for p in params])
     raw_ref = logits.log_softmax(-1)
     for i in (0, 2, 3, 4):
-        assert raw[str(i)].logprobs[0] == pytest.approx(float(raw_ref[i, sampled[i]]), abs=1e-6)
+        assert raw[i].logprobs[0] == pytest.approx(float(raw_ref[i, sampled[i]]), abs=1e-6)
 
 
 def test_sampled_frequencies_are_the_processed_probabilities() -> None:

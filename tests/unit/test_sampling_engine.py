@@ -326,7 +326,7 @@ def test_new_fields_survive_the_wire() -> None:
     call = Codec(WorkerCall)
     assert call.decode(call.encode(ExecuteModel(step))).step == step
     result = WorkerResult(
-        0, ModelRunnerOutput(3, ["r"], [5], {"r": lp.slice(0, 1)}, {"r": PromptLogprobs(1, lp)})
+        0, ModelRunnerOutput(3, ["r"], [[5]], {"r": lp.slice(0, 1)}, {"r": PromptLogprobs(1, lp)})
     )
     reply = Codec(WorkerReply)
     assert reply.decode(reply.encode(result)) == result

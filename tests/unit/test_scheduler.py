@@ -57,7 +57,7 @@ class PagedToyModel:
             digest = hashlib.sha256(repr(context).encode()).digest()
             req_ids.append(r.req_id)
             sampled.append(int.from_bytes(digest[:4], "little") % VOCAB)
-        return ModelRunnerOutput(step.step_id, req_ids, sampled)
+        return ModelRunnerOutput(step.step_id, req_ids, [[t] for t in sampled])
 
 
 def make_config(**sched: int) -> tuple[Config, int]:

@@ -40,10 +40,18 @@ class TokenHistory:
         self._prompt_mask: torch.Tensor | None = None  # (V,) bool: occurs in the prompt
         self._output_counts: torch.Tensor | None = None  # (V,) float32: occurrences in the output
         self._num_counted = 0
+        self._drafts: list[int] = []  # the last step's drafts, of which a prefix was accepted
 
-    def extend(self, start_pos: int, token_ids: list[int]) -> None:
-        """Records the tokens computed this step, at positions start_pos, start_pos + 1, ..."""
+    def extend(self, start_pos: int, token_ids: list[int], drafts: list[int] | None = None) -> None:
+        """Records the tokens computed this step, at positions start_pos, start_pos + 1, ...;
+        `drafts` (speculative decoding) follow them: those accepted show up as the gap before
+        the next step's start_pos."""
         num_known = len(self.token_ids)
+        gap = start_pos - num_known
+        if 0 < gap <= len(self._drafts):
+            self.token_ids.extend(self._drafts[:gap])
+            num_known = start_pos
+        self._drafts = list(drafts or [])
         if start_pos > num_known:
             raise ValueError(f"tokens at {start_pos} arrive before those from {num_known}")
         end = start_pos + len(token_ids)
@@ -69,6 +77,23 @@ class TokenHistory:
                                                accumulate=True)  # fmt: skip
             self._num_counted = end
         return self._prompt_mask, self._output_counts
+
+
+class DraftedHistory:
+    """A request's history followed by drafts it has not computed: what the penalties of the
+    position after them see (speculative decoding samples every drafted position)."""
+
+    def __init__(self, base: TokenHistory, drafts: list[int]) -> None:
+        self.base = base
+        self.drafts = drafts
+
+    def counters(self, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        prompt_mask, output_counts = self.base.counters(vocab_size, device)
+        if not self.drafts:
+            return prompt_mask, output_counts
+        ids = torch.tensor(self.drafts, device=device)
+        ones = torch.ones_like(ids, dtype=torch.float32)
+        return prompt_mask, output_counts.clone().index_put_((ids,), ones, accumulate=True)
 
 
 @dataclass

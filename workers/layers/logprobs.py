@@ -55,18 +55,19 @@ def logprob_rows(num_tops: list[int | None]) -> list[int]:
     return [i for i, k in enumerate(num_tops) if k is not None]
 
 
-def sampled_logprobs_by_request(
+def sampled_logprobs_rows(
     logits: torch.Tensor,
     sampled: torch.Tensor,
-    req_ids: list[str],
     num_tops: list[int | None],
     processed: torch.Tensor | None = None,
-) -> dict[str, Logprobs]:
-    """The sampled tokens' logprobs of the rows whose request asked (logprob_rows): raw, from
-    `logits` (N, V), or `processed` (R, V), the sampler's logprobs of exactly those rows."""
+) -> list[Logprobs | None]:
+    """Each row's sampled token's logprobs, None for the rows whose request did not ask
+    (logprob_rows): raw, from `logits` (N, V), or `processed` (R, V), the sampler's logprobs of
+    exactly the asking rows."""
+    out: list[Logprobs | None] = [None] * len(num_tops)
     rows = logprob_rows(num_tops)
     if not rows:
-        return {}
+        return out
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
     if processed is None:
         # NOTE: the asking rows only: the others never pay a full-vocab pass.
@@ -75,7 +76,9 @@ def sampled_logprobs_by_request(
         assert processed.size(0) == len(rows), "processed logprobs are the asking rows'"
         logprobs = processed
     chosen = sampled_logprobs(logprobs, sampled[index], [num_tops[i] or 0 for i in rows])
-    return dict(zip([req_ids[i] for i in rows], chosen))
+    for i, row in zip(rows, chosen):
+        out[i] = row
+    return out
 
 
 @dataclass

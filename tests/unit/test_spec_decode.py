@@ -1,0 +1,393 @@
+"""Speculative decoding in one process (EngineCore + InProcExecutor, tiny random models).
+
+A verified step keeps exactly the tokens plain decoding samples (workers/speculative.py), so every
+check compares a speculative run with a plain one: greedy and seeded sampled tokens equal token
+for token (and greedy equal to Hugging Face's), logprobs within 1e-5, with chunked prefill, prefix
+caching, preemption, penalties, min_tokens, logit bias, stop tokens and grammars. Random tiny models
+do not repeat themselves, so besides the real drafters (whose proposals are checked on token lists
+here and on the default model in tests/integration/test_spec_server.py) an oracle drafter proposes
+plain decoding's own continuation with corrupted positions: every step then verifies drafts that
+are accepted whole, in part, or not at all.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from enginecore.config import (
+    CacheConfig,
+    Config,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from enginecore.core import EngineCore
+from enginecore.executor import InProcExecutor
+from enginecore.messages import (
+    EngineCoreRequest,
+    FinishReason,
+    SamplingParams,
+    StructuredOutputKind,
+    StructuredOutputSpec,
+)
+from enginecore.speculative import Drafter, NgramIndex, SuffixTrie
+from tests.unit.test_engine_inproc import hf_greedy, vocab_of
+
+NGRAM = SpeculativeConfig("ngram", 5, disable_by_batch_size=64)
+SUFFIX = SpeculativeConfig("suffix", 8, disable_by_batch_size=64)
+
+
+def make_core(model_dir: Path, spec: SpeculativeConfig | None = None, **kw) -> EngineCore:
+    config = Config(
+        model=ModelConfig(
+            path=str(model_dir),
+            dtype="float32",
+            logprobs_mode=kw.pop("logprobs_mode", "raw_logprobs"),
+        ),
+        cache=CacheConfig(
+            block_size=kw.pop("block_size", 16),
+            enable_prefix_caching=kw.pop("prefix_caching", True),
+            num_gpu_blocks_override=kw.pop("num_blocks", None),
+        ),
+        scheduler=SchedulerConfig(**kw),
+        speculative=spec or SpeculativeConfig(),
+    )
+    return EngineCore(config, InProcExecutor(config))
+
+
+class Oracle:
+    """Drafts plain decoding's continuation (`plain`: each request's output), each draft
+    corrupted with probability `noise`; installed as the drafter's proposer."""
+
+    def __init__(self, core: EngineCore, plain: dict[str, list[int]], noise: float, vocab: int):
+        self.plain, self.noise, self.vocab = plain, noise, vocab
+        self.rng = random.Random(0)
+        self.prompt_lens: dict[str, int] = {}
+        drafter = core.scheduler.drafter
+        assert drafter is not None
+        drafter.draft = self.draft  # type: ignore[method-assign]
+
+    def draft(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
+        base = request_id.split("#")[0]  # the second round of a prompt reuses its name
+        done = len(tokens) - self.prompt_lens[request_id]
+        k = min(limit, self.rng.randrange(1, 7))
+        drafts = list(self.plain[base][done : done + k])
+        for i in range(len(drafts)):
+            if self.rng.random() < self.noise:
+                drafts[i] = (drafts[i] + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+        return drafts
+
+
+def run(
+    core: EngineCore,
+    requests: dict[str, tuple[list[int], SamplingParams]],
+    oracle: Oracle | None = None,
+    structured: StructuredOutputSpec | None = None,
+) -> tuple[dict[str, list[int]], dict[str, list[float]], dict[str, FinishReason]]:
+    """Steps to the end: each request's tokens, sampled logprobs and finish reason."""
+    for req_id, (prompt, params) in requests.items():
+        if oracle is not None:
+            oracle.prompt_lens[req_id] = len(prompt)
+        req = EngineCoreRequest(req_id, prompt, params, structured_output=structured)
+        assert core.add_request(req) == []
+    outs: dict[str, list[int]] = collections.defaultdict(list)
+    lps: dict[str, list[float]] = collections.defaultdict(list)
+    reasons: dict[str, FinishReason] = {}
+    for _ in range(20_000):
+        if not core.scheduler.has_requests:
+            break
+        for out in core.step():
+            outs[out.request_id] += out.new_token_ids
+            if out.new_logprobs is not None:
+                assert out.new_logprobs.num_positions == len(out.new_token_ids)
+                lps[out.request_id] += out.new_logprobs.logprobs
+            if out.finish_reason is not None:
+                reasons[out.request_id] = out.finish_reason
+    assert not core.scheduler.has_requests
+    assert core.scheduler.kv.num_free_blocks == core.scheduler.kv.num_total_blocks
+    return dict(outs), dict(lps), reasons
+
+
+def prompts_of(vocab: int, n: int = 16, seed: int = 0) -> list[list[int]]:
+    """Prompts of 4 to 60 tokens, half of them repeating a short pattern (lookup finds it)."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        length = rng.randrange(4, 61)
+        if i % 2:
+            pattern = [rng.randrange(3, vocab) for _ in range(rng.randrange(2, 7))]
+            prompts.append((pattern * 61)[:length])
+        else:
+            prompts.append([rng.randrange(3, vocab) for _ in range(length)])
+    return prompts
+
+
+def spec_stats(core: EngineCore) -> tuple[int, int]:
+    s = core.stats()
+    return s.spec_num_draft_tokens, s.spec_num_accepted_tokens
+
+
+# ------------------------------------------------------------------------------------ greedy
+
+
+@pytest.mark.parametrize("chunk", [2048, 7])
+def test_greedy_equals_plain_and_hf(tiny_llama: Path, chunk: int) -> None:
+    """16 prompts at once, then the same 16 again (prefix-cache hits), with every drafter: the
+    tokens of plain decoding and of Hugging Face, logprobs within 1e-5."""
+    vocab = vocab_of(tiny_llama)
+    prompts = prompts_of(vocab)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    requests = {f"r{i}": (p, params) for i, p in enumerate(prompts)}
+    again = {f"r{i}#2": (p, params) for i, p in enumerate(prompts)}
+    plain_core = make_core(tiny_llama, max_num_batched_tokens=chunk)
+    plain, plain_lps, _ = run(plain_core, requests)
+    assert [plain[f"r{i}"] for i in range(16)] == hf_greedy(tiny_llama, prompts, 24)
+    for spec in (NGRAM, SUFFIX, SpeculativeConfig("ngram", 6, disable_by_batch_size=64)):
+        core = make_core(tiny_llama, spec, max_num_batched_tokens=chunk)
+        oracle = Oracle(core, plain, 0.2, vocab) if spec.num_speculative_tokens == 6 else None
+        for reqs in (requests, again):
+            outs, lps, reasons = run(core, reqs, oracle)
+            assert set(reasons.values()) == {FinishReason.LENGTH}
+            for req_id in reqs:
+                base = req_id.split("#")[0]
+                assert outs[req_id] == plain[base], (spec.method, req_id)
+                assert lps[req_id] == pytest.approx(plain_lps[base], rel=1e-5, abs=1e-5)
+        assert core.stats().prefix_cache_hits > 0
+        drafted, accepted = spec_stats(core)
+        if oracle is not None:
+            assert accepted > 100  # most drafts were the right continuation
+        elif spec.method == "suffix":
+            assert accepted > 50  # the second round drafts from the first round's outputs
+        core.shutdown()
+    plain_core.shutdown()
+
+
+def test_preemption_keeps_outputs(tiny_llama: Path) -> None:
+    """A pool too small for the batch: requests are preempted mid-speculation and resume."""
+    vocab = vocab_of(tiny_llama)
+    prompts = prompts_of(vocab, 8, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    requests = {f"r{i}": (p, params) for i, p in enumerate(prompts)}
+    plain_core = make_core(tiny_llama)
+    plain, _, _ = run(plain_core, requests)
+    core = make_core(tiny_llama, SpeculativeConfig("ngram", 6, disable_by_batch_size=64),
+                     block_size=4, num_blocks=40)  # fmt: skip
+    oracle = Oracle(core, plain, 0.1, vocab)
+    outs, _, _ = run(core, requests, oracle)
+    assert core.scheduler.num_preempted_total > 0
+    assert outs == plain
+    assert spec_stats(core)[1] > 0
+    for c in (core, plain_core):
+        c.shutdown()
+
+
+# ------------------------------------------------------------------------------------ sampling
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_sampled_tokens_equal_plain_decoding(tiny_llama: Path, mode: str) -> None:
+    """Seeded sampling with every processor: the same tokens and logprobs as plain decoding."""
+    vocab = vocab_of(tiny_llama)
+    prompts = prompts_of(vocab, 12, seed=2)
+    kinds = [
+        dict(temperature=0.8, top_p=0.9),
+        dict(temperature=1.2, top_k=20, min_p=0.05),
+        dict(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3),
+        dict(temperature=0.9, min_tokens=12, logit_bias={7: 3.0, 9: -100.0}),
+        dict(temperature=1.0, stop_token_ids=[11, 12, 13, 14, 15]),
+        dict(temperature=0.0, repetition_penalty=1.5),
+    ]
+    requests = {}
+    for i, p in enumerate(prompts):
+        kw = kinds[i % len(kinds)]
+        params = SamplingParams(max_tokens=30, seed=100 + i, logprobs=2, eos_token_ids=[2], **kw)
+        requests[f"r{i}"] = (p, params)
+    plain_core = make_core(tiny_llama, logprobs_mode=mode)
+    plain, plain_lps, plain_reasons = run(plain_core, requests)
+    core = make_core(tiny_llama, SpeculativeConfig("ngram", 6, disable_by_batch_size=64),
+                     logprobs_mode=mode)  # fmt: skip
+    oracle = Oracle(core, plain, 0.25, vocab)
+    outs, lps, reasons = run(core, requests, oracle)
+    assert outs == plain
+    assert reasons == plain_reasons
+    for req_id in requests:
+        assert lps[req_id] == pytest.approx(plain_lps[req_id], rel=1e-5, abs=1e-5)
+    assert spec_stats(core)[1] > 50
+    for c in (core, plain_core):
+        c.shutdown()
+
+
+def _chi2_p_value(a: collections.Counter, b: collections.Counter) -> float:
+    """Two-sample chi-square test of equal distributions (categories with < 10 draws pooled)."""
+    keys = [k for k in a.keys() | b.keys() if a[k] + b[k] >= 10]
+    rest_a = sum(a.values()) - sum(a[k] for k in keys)
+    rest_b = sum(b.values()) - sum(b[k] for k in keys)
+    table = torch.tensor(
+        [[a[k] for k in keys] + [rest_a], [b[k] for k in keys] + [rest_b]], dtype=torch.float64
+    )
+    table = table[:, table.sum(0) > 0]
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = ((table - expected) ** 2 / expected).sum()
+    df = torch.tensor(table.size(1) - 1.0, dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))
+
+
+@pytest.fixture(scope="module")
+def small_vocab_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with a 512-token vocabulary: 20,000 draws stay quick."""
+    from tests.conftest import make_tiny_model
+
+    return make_tiny_model("llama", tmp_path_factory.mktemp("small_vocab_llama"), None)
+
+
+def test_sampled_distribution_is_the_targets(small_vocab_llama: Path) -> None:
+    """20,000 unseeded draws of 4 tokens at temperature 0.8 and top-p 0.9, speculative (drafts:
+    the greedy continuation, accepted in part) against plain: a chi-square test cannot tell the
+    4-token sequences apart; the same test tells plain at temperature 0.8 from 0.9."""
+    tiny_llama = small_vocab_llama
+    vocab = vocab_of(tiny_llama)
+    prompt = prompts_of(vocab, 2, seed=3)[1]
+    greedy_core = make_core(tiny_llama)
+    greedy, _, _ = run(greedy_core, {"g": (prompt, SamplingParams(temperature=0.0, max_tokens=4))})
+    greedy_core.shutdown()
+    n = 20_000
+
+    def draws(spec: SpeculativeConfig | None, temperature: float) -> collections.Counter:
+        core = make_core(tiny_llama, spec, max_num_seqs=512, max_num_batched_tokens=8192)
+        oracle = None
+        if spec is not None:
+            oracle = Oracle(core, {f"s{i}": greedy["g"] for i in range(n)}, 0.0, vocab)
+        # NOTE: one params object each: the engine core gives each request its own seed.
+        requests = {
+            f"s{i}": (prompt, SamplingParams(temperature=temperature, top_p=0.9, max_tokens=4,
+                                             ignore_eos=True))
+            for i in range(n)
+        }  # fmt: skip
+        outs, _, _ = run(core, requests, oracle)
+        if spec is not None:
+            drafted, accepted = spec_stats(core)
+            assert 0.02 * drafted < accepted < drafted  # drafts both kept and refused
+        core.shutdown()
+        return collections.Counter(tuple(t) for t in outs.values())
+
+    plain = draws(None, 0.8)
+    spec = draws(SpeculativeConfig("ngram", 3, disable_by_batch_size=1024), 0.8)
+    assert _chi2_p_value(plain, spec) > 1e-3
+    assert _chi2_p_value(plain, draws(None, 0.9)) < 1e-6  # the test has the power to fail
+
+
+# ------------------------------------------------------------------------------------ grammars
+
+
+def test_json_schema_with_drafts(tiny_llama_with_tokenizer: Path) -> None:
+    """Drafts the grammar refuses are cut before verification; the output is plain decoding's
+    and valid JSON of the schema."""
+    from transformers import AutoTokenizer
+
+    model_dir = tiny_llama_with_tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vocab = vocab_of(model_dir)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    spec = StructuredOutputSpec(StructuredOutputKind.JSON, json.dumps(schema), any_whitespace=False)
+    prompts = prompts_of(vocab, 6, seed=4)
+    params = SamplingParams(temperature=0.7, max_tokens=60, seed=5, eos_token_ids=[2])
+    requests = {f"j{i}": (p, params) for i, p in enumerate(prompts)}
+    plain_core = make_core(model_dir)
+    plain, _, plain_reasons = run(plain_core, requests, structured=spec)
+    core = make_core(model_dir, SpeculativeConfig("ngram", 6, disable_by_batch_size=64))
+    oracle = Oracle(core, plain, 0.3, vocab)
+    outs, _, reasons = run(core, requests, oracle, structured=spec)
+    assert outs == plain and reasons == plain_reasons
+    for req_id, tokens in outs.items():
+        if reasons[req_id] == FinishReason.STOP:
+            value = json.loads(tokenizer.decode(tokens, skip_special_tokens=True))
+            assert set(value) == {"name", "n"} and isinstance(value["n"], int)
+    assert spec_stats(core)[1] > 0
+    for c in (core, plain_core):
+        c.shutdown()
+
+
+# ------------------------------------------------------------------------------------ limits
+
+
+def test_drafts_respect_max_tokens_stops_and_batch_size(tiny_llama: Path) -> None:
+    vocab = vocab_of(tiny_llama)
+    prompt = prompts_of(vocab, 2, seed=5)[1]
+    plain_core = make_core(tiny_llama)
+    long_params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain, _, _ = run(plain_core, {"a": (prompt, long_params)})
+    stop = plain["a"][9]
+    cut = plain["a"][: plain["a"].index(stop) + 1]
+    core = make_core(tiny_llama, SpeculativeConfig("ngram", 8, disable_by_batch_size=2))
+    oracle = Oracle(core, {"a": plain["a"], "b": plain["a"]}, 0.0, vocab)
+    # a stop token inside accepted drafts ends the output there; max_tokens bounds the drafts
+    stop_params = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop])
+    outs, _, reasons = run(core, {"a": (prompt, stop_params)}, oracle)
+    assert outs["a"] == cut and reasons["a"] == FinishReason.STOP
+    outs, _, reasons = run(core, {"b": (prompt, SamplingParams(temperature=0.0, max_tokens=5))},
+                           oracle)  # fmt: skip
+    assert outs["b"] == plain["a"][:5] and reasons["b"] == FinishReason.LENGTH
+    # three sequences are above disable_by_batch_size 2: no drafts
+    before = spec_stats(core)
+    three = {f"c{i}": (prompt, long_params) for i in range(3)}
+    oracle.plain.update({f"c{i}": plain["a"] for i in range(3)})
+    outs, _, _ = run(core, three, oracle)
+    assert all(o == plain["a"] for o in outs.values())
+    assert spec_stats(core) == before
+    for c in (core, plain_core):
+        c.shutdown()
+
+
+# ------------------------------------------------------------------------------------ drafters
+
+
+def test_ngram_index_proposes_the_latest_continuation() -> None:
+    index = NgramIndex(2, 4)
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    assert index.propose(tokens, 3) == [7, 5, 1]  # the latest earlier 1 2 3 was followed by 7 5 1
+    tokens += [7, 5]
+    assert index.propose(tokens, 4) == [1, 2, 3, 7]  # "7 5" last seen before "1 2 3 7"
+    assert NgramIndex(2, 4).propose([4, 5, 6, 7], 3) == []  # nothing repeats
+    # a match running into the end repeats its period
+    assert NgramIndex(2, 3).propose([8, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
+    assert NgramIndex(3, 3).propose([1, 2, 5, 1, 2], 2) == []  # below prompt_lookup_min
+
+
+def test_suffix_trie_counts_and_proposals() -> None:
+    trie = SuffixTrie(depth=4)
+    trie.add([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4])
+    # after "1 2 3": 4 twice, 5 once -> 4 (2/3 >= min prob), then "1" after "2 3 4" (1 of 1)
+    draft, score = trie.propose([9, 1, 2, 3], 3, factor=2.0, min_prob=0.1)
+    assert draft[0] == 4 and score > 0.6
+    assert trie.propose([9, 1, 2, 3], 3, factor=2.0, min_prob=0.9)[0] == []  # 2/3 < 0.9
+    trie.remove([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4])
+    assert trie.root == [0, {}]
+
+
+def test_suffix_drafter_learns_from_finished_requests() -> None:
+    drafter = Drafter(SpeculativeConfig("suffix", 8, suffix_decoding_max_cached_requests=2))
+    output = [10, 11, 12, 13, 14, 15, 16, 17]
+    prompt = [1, 2, 3]
+    drafter.finish("a", prompt + output)  # an earlier rollout of the same prompt
+    assert drafter.draft("b", prompt + output[:3], 8) == output[3:]
+    drafter.record("b", 5, 2)
+    assert drafter.stats.num_accepted_tokens == 2 and drafter.stats.accepted_per_pos[:3] == [
+        1,
+        1,
+        0,
+    ]
+    drafter.finish("b", [])
+    for name in ("c", "d"):  # the cache keeps the last 2 outputs: "a"'s goes
+        drafter.finish(name, [50, 51, 52])
+    assert drafter.draft("e", prompt + output[:3], 8) == []
