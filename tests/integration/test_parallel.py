@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from enginecore.config import Config, ParallelConfig
+from enginecore.config import Config, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from enginecore.executor import MultiprocExecutor, WorkerFailed
 from enginecore.messages import (
     EngineReady,
@@ -86,6 +86,74 @@ def test_greedy_matches_hf_with_8_prompts(arch: str, layout: str, request) -> No
         _hf_cache[model_dir] = hf_greedy(model_dir, prompts, NUM_TOKENS)
     tp, pp = LAYOUTS[layout]
     assert generate(parallel_config(model_dir, tp, pp), prompts, NUM_TOKENS) == _hf_cache[model_dir]
+
+
+SENTENCES = (
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Pack my box with five dozen liquor jugs before the night ends.",
+    "A journey of a thousand miles begins with a single careful step.",
+    "Paris is the capital of France and sits on the river Seine.",
+    "Water boils at one hundred degrees Celsius at sea level pressure.",
+    "The library opens at nine in the morning and closes at six.",
+    "She sells sea shells by the sea shore every summer afternoon.",
+    "Our train leaves from platform four at a quarter past eight.",
+    "Mix the flour with two eggs, then add milk and a pinch of salt.",
+    "The committee will meet again next Tuesday to review the budget.",
+    "Bright stars filled the clear sky above the quiet mountain village.",
+    "Please send the signed contract back to us by Friday at noon.",
+    "The old lighthouse guided ships safely through the rocky strait.",
+    "Fresh bread from the corner bakery sells out before ten o'clock.",
+    "Turn left at the second light and the museum is on your right.",
+    "Every student must return their library books by the end of June.",
+)
+
+
+def copy_prompts(model_dir: Path) -> list[list[int]]:
+    """16 prompts asking to copy a line, the copy begun: the default model goes on copying."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [
+        tokenizer.encode(f"Copy the line.\nLine: {s}\nCopy: {s[: len(s) // 3]}") for s in SENTENCES
+    ]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_speculative_decoding_at_tp2_matches_hf(tiny_llama: Path, method: str) -> None:
+    """16 prompts twice, with 16-token prefill chunks at --tp 2 (the second round's prompts hit
+    the prefix cache): every drafter's greedy output is Hugging Face's, with drafts accepted.
+    ngram runs the default model on prompts it copies from; suffix the tiny Llama, whose second
+    round it drafts from the first round's outputs."""
+    from frontend.model_prep import default_model_dir, is_complete
+    from tests.unit.test_spec_decode import prompts_of
+
+    if method == "ngram":
+        model_dir = Path(default_model_dir())
+        if not is_complete(model_dir):
+            pytest.skip("the default model is not prepared (scripts/setup_env prepares it)")
+        prompts = copy_prompts(model_dir)
+    else:
+        model_dir = tiny_llama
+        prompts = prompts_of(vocab_of(tiny_llama))
+    config = parallel_config(model_dir, 2, 1).replace(
+        scheduler=SchedulerConfig(max_num_batched_tokens=16),
+        speculative=SpeculativeConfig(method, 6, disable_by_batch_size=64),
+    )
+    client = CoreClient(config)
+    try:
+        assert isinstance(client.startup(), EngineReady)
+        outs = []
+        for k in range(2):
+            ids = [f"r{k}.{i}" for i in range(len(prompts))]
+            got = client.run({r: greedy(r, p, 16) for r, p in zip(ids, prompts)})
+            outs.append([got[r][0] for r in ids])
+        stats = client.stats()
+    finally:
+        client.close()
+    ref = hf_greedy(model_dir, prompts, 16)
+    assert outs == [ref, ref]
+    assert stats["prefix_cache_hits"] > 0
+    assert stats["spec_num_accepted_tokens"] > 50
 
 
 # The zoo's families whose layers shard or split differently from Llama's (the rest only change
