@@ -555,6 +555,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             [[t[g] for t in tables] for g in range(1, len(self.kv_cache_groups))],
+            [r.num_draft_tokens > 0 for r in reqs],
         )
         if self.lora_batch is not None:
             self.lora_batch.slots = self._token_lora_slots(reqs)

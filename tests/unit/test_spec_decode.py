@@ -54,6 +54,7 @@ def make_core(model_dir: Path, spec: SpeculativeConfig | None = None, **kw) -> E
             block_size=kw.pop("block_size", 16),
             enable_prefix_caching=kw.pop("prefix_caching", True),
             num_gpu_blocks_override=kw.pop("num_blocks", None),
+            kv_cache_dtype=kw.pop("kv_cache_dtype", "auto"),
         ),
         scheduler=SchedulerConfig(**kw),
         speculative=spec or SpeculativeConfig(),
@@ -166,6 +167,33 @@ def test_greedy_equals_plain_and_hf(tiny_llama: Path, chunk: int) -> None:
             assert accepted > 50  # the second round drafts from the first round's outputs
         core.shutdown()
     plain_core.shutdown()
+
+
+@pytest.mark.parametrize(
+    "arch", ["tiny_gemma3", "tiny_mistral", "tiny_qwen3_moe", "tiny_gpt_oss", "int8_kv"]
+)
+def test_other_families_and_an_int8_kv_cache(arch: str, request: pytest.FixtureRequest) -> None:
+    """Sliding windows in their own KV-cache groups (Gemma 3, Mistral), experts, attention sinks
+    (gpt-oss) and an int8 KV cache: verified drafts give plain decoding's tokens."""
+    kw = {}
+    if arch == "int8_kv":
+        arch, kw = "tiny_llama", {"kv_cache_dtype": "int8"}
+    model_dir = request.getfixturevalue(arch)
+    vocab = vocab_of(model_dir)
+    prompts = prompts_of(vocab, 6, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    requests = {f"r{i}": ([*p, *p], params) for i, p in enumerate(prompts)}  # past the windows
+    plain_core = make_core(model_dir, **kw)
+    plain, plain_lps, _ = run(plain_core, requests)
+    core = make_core(model_dir, SpeculativeConfig("ngram", 6, disable_by_batch_size=64), **kw)
+    oracle = Oracle(core, plain, 0.2, vocab)
+    outs, lps, _ = run(core, requests, oracle)
+    assert outs == plain
+    for req_id in requests:
+        assert lps[req_id] == pytest.approx(plain_lps[req_id], rel=1e-5, abs=1e-5)
+    assert spec_stats(core)[1] > 20
+    for c in (core, plain_core):
+        c.shutdown()
 
 
 def test_preemption_keeps_outputs(tiny_llama: Path) -> None:

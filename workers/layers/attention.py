@@ -82,11 +82,13 @@ class AttentionGroup:
 
 @dataclass
 class DecodeGroup:
-    """Sequences that compute one token this step: one query each over its whole context."""
+    """Queries that each attend to their sequence's whole context up to themselves: the tokens
+    of sequences that compute one token this step, and every token of those that verify drafts
+    (a row per token, its context ending at it)."""
 
-    q_tokens: torch.Tensor  # (G,) flat token index of each sequence's query
-    block_tables: torch.Tensor  # (G, max_blocks) int32, padded with 0
-    context_lens: torch.Tensor  # (G,) int32, tokens in the cache after this step
+    q_tokens: torch.Tensor  # (G,) flat token index of each query
+    block_tables: torch.Tensor  # (G, max_blocks) int32, its sequence's, padded with 0
+    context_lens: torch.Tensor  # (G,) int32, its sequence's tokens up to and including it
     block_size: int
     is_whole_batch: bool  # the step's tokens are exactly these queries, in order
 
@@ -153,10 +155,13 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     other_group_tables: list[list[list[int]]] | None = None,
+    decode_rows: list[bool] | None = None,
 ) -> AttentionMetadata:
     """Positions, slots, and per-group gather indices and masks for one step; with
     `other_group_tables` (each further KV-cache group's tables, per sequence) also the step as
-    those groups' layers see it (`for_kv_group`)."""
+    those groups' layers see it (`for_kv_group`). `decode_rows`: the sequences whose tokens are
+    computed as decode queries, one row each (a few tokens verifying drafts: the decode kernels
+    take them, not the prefill path)."""
     num_seqs = len(query_lens)
     context_lens = [s + q for s, q in zip(start_pos, query_lens)]
     tables = _padded_tables(block_tables)  # (B, max_blocks)
@@ -174,18 +179,21 @@ def build_attention_metadata(
     def slots_through(tables: torch.Tensor) -> torch.Tensor:
         return _slots(tables[seq_of_token], positions.unsqueeze(-1), block_size).squeeze(-1)
 
-    decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
-    other_seqs = [i for i, n in enumerate(query_lens) if n != 1]
+    as_rows = decode_rows or [False] * num_seqs
+    decode_seqs = [i for i, n in enumerate(query_lens) if n == 1 or as_rows[i]]
+    other_seqs = [i for i, n in enumerate(query_lens) if not (n == 1 or as_rows[i])]
     decode = None
     if decode_seqs:
-        decode_idx = torch.tensor(decode_seqs, dtype=torch.int64)
-        decode_blocks = max(-(-context_lens[i] // block_size) for i in decode_seqs)
+        row_seqs = [i for i in decode_seqs for _ in range(query_lens[i])]
+        row_ctx = [start_pos[i] + j + 1 for i in decode_seqs for j in range(query_lens[i])]
+        decode_idx = torch.tensor(row_seqs, dtype=torch.int64)
+        decode_blocks = -(-max(row_ctx) // block_size)
+        firsts = query_start_loc[torch.tensor(decode_seqs, dtype=torch.int64)].tolist()
+        row_tokens = [f + j for f, i in zip(firsts, decode_seqs) for j in range(query_lens[i])]
         decode = DecodeGroup(
-            q_tokens=query_start_loc[decode_idx].to(device),
+            q_tokens=torch.tensor(row_tokens, dtype=torch.int64, device=device),
             block_tables=tables[decode_idx, :decode_blocks].to(device=device, dtype=torch.int32),
-            context_lens=torch.tensor(
-                [context_lens[i] for i in decode_seqs], dtype=torch.int32, device=device
-            ),
+            context_lens=torch.tensor(row_ctx, dtype=torch.int32, device=device),
             block_size=block_size,
             is_whole_batch=not other_seqs,
         )

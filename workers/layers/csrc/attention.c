@@ -433,17 +433,21 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
     int64_t slot_stride = (int64_t)Hkv * (kv_is_i8 ? D + 4 : D);
     for (int b = 0; slots != NULL && b < B; b++)
         if (slots[b] < 0 || slots[b] >= num_slots) return -2;
-    /* One work item per sequence (all its KV heads); with too few sequences to keep the threads
-     * busy, one per (sequence, KV head). */
+    /* One work item per query (all its KV heads); with too few queries to keep the threads
+     * busy, one per (query, KV head). */
     int nh = B >= 2 * omp_get_max_threads() ? Hkv : 1;
     int num_items = B * (Hkv / nh);
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int item = 0; item < num_items; item++) {
+#pragma omp parallel
+    {
+    /* Every new row is written before any query reads: several queries may be one sequence's
+     * consecutive tokens (speculative decoding verifies drafts as such rows), each attending to
+     * the rows of the tokens before it. */
+    int num_writes = slots != NULL ? num_items : 0;
+#pragma omp for schedule(static)
+    for (int item = 0; item < num_writes; item++) {
         int b = item / (Hkv / nh);
         int h0 = item % (Hkv / nh) * nh;
-        int64_t first = ((int64_t)b * H + (int64_t)h0 * G) * D;
-        int n = nh * G * D;
-        if (slots != NULL && kv_is_i8) {
+        if (kv_is_i8) {
             size_t io = io_is_bf16 ? 2 : 4;
             for (int h = h0; h < h0 + nh; h++) {
                 int64_t dst = slots[b] * slot_stride + (int64_t)h * (D + 4);
@@ -454,7 +458,7 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
                              (const char *)v_new + ((int64_t)b * v_new_stride + h * D) * io, D,
                              io_is_bf16);
             }
-        } else if (slots != NULL) {
+        } else {
             size_t elem = kv_is_bf16 ? 2 : 4, bytes = (size_t)nh * D * elem;
             int64_t dst = (slots[b] * slot_stride + (int64_t)h0 * D) * elem;
             int64_t k_src = ((int64_t)b * k_new_stride + (int64_t)h0 * D) * elem;
@@ -462,6 +466,13 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
             memcpy((char *)k_cache + dst, (const char *)k_new + k_src, bytes);
             memcpy((char *)v_cache + dst, (const char *)v_new + v_src, bytes);
         }
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int item = 0; item < num_items; item++) {
+        int b = item / (Hkv / nh);
+        int h0 = item % (Hkv / nh) * nh;
+        int64_t first = ((int64_t)b * H + (int64_t)h0 * G) * D;
+        int n = nh * G * D;
         float qs[n], os[n];
         for (int i = 0; i < n; i++)
             qs[i] = (io_is_bf16 ? bf16_to_f32(((const uint16_t *)q)[first + i])
@@ -495,6 +506,7 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
                              G, D, block_size, slot_stride, softcap, item_sinks, o);
         if (io_is_bf16)
             for (int i = 0; i < n; i++) ((uint16_t *)out)[first + i] = f32_to_bf16(os[i]);
+    }
     }
     return 0;
 }
