@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
@@ -216,7 +217,9 @@ class EngineCore:
         def bitmasks() -> dict[str, bytes]:
             return {req_id: g.bitmasks_along(drafts) for req_id, g, drafts in constrained}
 
+        start = time.perf_counter()
         output = self.executor.execute_model(step, bitmasks if constrained else None)
+        self.scheduler.record_step_time(step, time.perf_counter() - start)
         return failed + self.scheduler.update_from_output(step, output)
 
     def _take_compiled_grammars(self) -> list[EngineCoreOutput]:

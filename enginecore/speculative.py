@@ -13,8 +13,15 @@ differs from the token sampled before it (workers/speculative.py). The drafters 
   long as the estimated probability of the whole draft (the product of each step's count ratio)
   stays above suffix_decoding_min_token_prob. The trie whose draft scores higher is used.
 
-Each sequence adapts its k to what it gets accepted (`_adapt`), and no drafts are proposed in a
-step running more sequences than disable_by_batch_size: there verification costs more than it saves.
+How many of its drafts a sequence verifies is planned per step (`Drafter.plan`): each sequence
+keeps an estimate of the chance that its next draft is accepted (accepted drafts and first
+rejections, decayed, starting from the recent sequences'), so draft j is worth p^j expected
+tokens; a step's time by its tokens is learnt from the decode steps' measured times (`StepCost`);
+the drafts, most valuable first, are taken as far as maximises the step's expected tokens per
+second. Copy-heavy sequences
+then verify long drafts, sequences whose drafts fail verify none (one probe every PROBE_EVERY
+steps keeps their estimate current), and a large batch, whose extra rows cost more, drafts less.
+No drafts at all in a step running more sequences than disable_by_batch_size.
 """
 
 from __future__ import annotations
@@ -27,6 +34,15 @@ from enginecore.config import SpeculativeConfig
 # Sequences in a step above which drafts stop paying on a CPU (scripts/bench_spec.py measures it):
 # the verification rows of a batch this large cost as much as the decode steps they save.
 SPEC_MAX_BATCH_DEFAULT = 8
+# Per verification, what an acceptance estimate keeps of its past (a few steps' memory).
+ACCEPTANCE_DECAY = 0.9
+# The same over every sequence's verifications: where a new sequence's estimate starts.
+GLOBAL_DECAY = 0.98
+# A sequence none of whose drafts were worth verifying gets one every this many steps.
+PROBE_EVERY = 16
+# Before the first measured steps: one more token in a step costs this share of a 1-token step
+# (2-core CPUs, the default model: 0.06-0.09).
+PRIOR_TOKEN_COST = 0.08
 
 
 @dataclass
@@ -139,11 +155,48 @@ class SuffixTrie:
         return [], 0.0
 
 
+class StepCost:
+    """A step's time by its number of tokens: the recent mean of each size measured (the kernels'
+    paths change with the rows, so the cost is no line: on some CPUs 2 rows cost what 1 does and
+    3 half as much again), interpolated between sizes measured, and extrapolated past the largest
+    by PRIOR_TOKEN_COST per token (optimistic, so that longer drafts get tried and measured)."""
+
+    def __init__(self) -> None:
+        self._by_size: dict[int, tuple[float, float]] = {}  # tokens -> (weight, mean seconds)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        weight, mean = self._by_size.get(num_tokens, (0.0, 0.0))
+        weight = min(weight + 1, 8.0)  # the mean of about the last 8 steps of this size
+        self._by_size[num_tokens] = (weight, mean + (seconds - mean) / weight)
+
+    def seconds(self, num_tokens: int) -> float:
+        """The time of a step of `num_tokens` (relative units before any was measured)."""
+        known = self._by_size
+        if num_tokens in known:
+            return known[num_tokens][1]
+        if not known:
+            return 1 + PRIOR_TOKEN_COST * (num_tokens - 1)
+        below = max((n for n in known if n < num_tokens), default=None)
+        above = min((n for n in known if n > num_tokens), default=None)
+        if below is not None and above is not None:
+            lo, hi = known[below][1], known[above][1]
+            return lo + (hi - lo) * (num_tokens - below) / (above - below)
+        per_token = (
+            PRIOR_TOKEN_COST * known[min(known)][1] / (1 + PRIOR_TOKEN_COST * (min(known) - 1))
+        )
+        if below is not None:
+            return known[below][1] + per_token * (num_tokens - below)
+        assert above is not None
+        return max(known[above][1] - per_token * (above - num_tokens), per_token)
+
+
 class _Sequence:
     """A request's drafting state."""
 
-    def __init__(self, k: int) -> None:
-        self.k = k
+    def __init__(self) -> None:
+        self.hits = 0.0  # accepted drafts, decayed
+        self.misses = 0.0  # verifications that ended on a rejected draft, decayed
+        self.steps_without_drafts = 0
         self.ngrams: NgramIndex | None = None
         self.trie: SuffixTrie | None = None
         self.trie_nodes: list[list] = []
@@ -156,6 +209,8 @@ class Drafter:
         self.config = config
         self.max_k = config.num_speculative_tokens
         self.max_batch = config.disable_by_batch_size or SPEC_MAX_BATCH_DEFAULT
+        self.cost = StepCost()
+        self._hits = self._misses = 0.0  # over all sequences, decayed (new sequences' prior)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.max_k)
         self._sequences: dict[str, _Sequence] = {}
         depth = config.suffix_decoding_max_tree_depth
@@ -163,11 +218,11 @@ class Drafter:
         self._cached: OrderedDict[str, list[int]] = OrderedDict()  # outputs in the global trie
 
     def draft(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
-        """Up to min(limit, the sequence's k) drafts to follow `tokens` (prompt + outputs)."""
+        """Up to min(limit, num_speculative_tokens) drafts to follow `tokens` (prompt + outputs)."""
         seq = self._sequences.get(request_id)
         if seq is None:
-            seq = self._sequences[request_id] = _Sequence(self.max_k)
-        k = min(limit, seq.k)
+            seq = self._sequences[request_id] = _Sequence()
+        k = min(limit, self.max_k)
         if k <= 0:
             return []
         c = self.config
@@ -187,24 +242,58 @@ class Drafter:
         shared, shared_score = self._global.propose(context, *args)
         return own if own_score >= shared_score else shared
 
+    def acceptance(self, request_id: str) -> float:
+        """The estimated chance that the sequence's next draft is accepted: its own record on
+        top of the recent sequences' (what a new one starts from)."""
+        prior = (self._hits + 1) / (self._hits + self._misses + 2)
+        seq = self._sequences.get(request_id)
+        if seq is None:
+            return prior
+        return (seq.hits + 2 * prior) / (seq.hits + seq.misses + 2)
+
+    def plan(self, proposals: dict[str, list[int]], num_sequences: int) -> dict[str, int]:
+        """How many of its proposed drafts each sequence verifies this step, `num_sequences`
+        decoding in it: the drafts in order of their expected worth (p^j for a sequence's j-th),
+        as many of them as maximise the step's expected tokens per second."""
+        worth: list[tuple[float, str]] = []
+        for request_id, drafts in proposals.items():
+            p = self.acceptance(request_id)
+            worth += [(p**j, request_id) for j in range(1, len(drafts) + 1)]
+        worth.sort(key=lambda item: -item[0])
+        tokens = float(num_sequences)
+        best, best_rate = 0, tokens / self.cost.seconds(num_sequences)
+        for n, (value, _) in enumerate(worth, 1):
+            tokens += value
+            rate = tokens / self.cost.seconds(num_sequences + n)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        counts = dict.fromkeys(proposals, 0)
+        for _, request_id in worth[:best]:
+            counts[request_id] += 1
+        for request_id, n in counts.items():
+            seq = self._sequences.setdefault(request_id, _Sequence())
+            if n:
+                seq.steps_without_drafts = 0
+                continue
+            seq.steps_without_drafts += 1
+            if seq.steps_without_drafts >= PROBE_EVERY:  # keep the estimate current
+                counts[request_id], seq.steps_without_drafts = 1, 0
+        return counts
+
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
-        """A verified step: counts it and adapts the sequence's k."""
+        """A verified step: counts it and updates the sequence's acceptance estimate."""
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += num_drafts
         s.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             s.accepted_per_pos[i] += 1
-        seq = self._sequences.get(request_id)
-        if seq is not None:
-            seq.k = self._adapt(seq.k, num_drafts, num_accepted)
-
-    def _adapt(self, k: int, num_drafts: int, num_accepted: int) -> int:
-        """Doubles k after a fully accepted draft, else follows what was accepted (at least 1,
-        so a sequence keeps probing)."""
-        if num_accepted == num_drafts:
-            return min(self.max_k, max(2 * k, num_drafts + 1))
-        return max(1, num_accepted + 1)
+        missed = num_accepted < num_drafts
+        self._hits = GLOBAL_DECAY * self._hits + num_accepted
+        self._misses = GLOBAL_DECAY * self._misses + missed
+        seq = self._sequences.setdefault(request_id, _Sequence())
+        seq.hits = ACCEPTANCE_DECAY * seq.hits + num_accepted
+        seq.misses = ACCEPTANCE_DECAY * seq.misses + missed
 
     def finish(self, request_id: str, output_token_ids: list[int]) -> None:
         """The request ended: its state goes; suffix decoding keeps its output for later ones."""

@@ -64,7 +64,8 @@ def make_core(model_dir: Path, spec: SpeculativeConfig | None = None, **kw) -> E
 
 class Oracle:
     """Drafts plain decoding's continuation (`plain`: each request's output), each draft
-    corrupted with probability `noise`; installed as the drafter's proposer."""
+    corrupted with probability `noise`; installed as the drafter's proposer, and every draft it
+    proposes is verified (the drafter's plan is tested on its own below)."""
 
     def __init__(self, core: EngineCore, plain: dict[str, list[int]], noise: float, vocab: int):
         self.plain, self.noise, self.vocab = plain, noise, vocab
@@ -73,6 +74,7 @@ class Oracle:
         drafter = core.scheduler.drafter
         assert drafter is not None
         drafter.draft = self.draft  # type: ignore[method-assign]
+        drafter.plan = lambda proposals, _: {k: len(v) for k, v in proposals.items()}  # type: ignore[method-assign]
 
     def draft(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
         base = request_id.split("#")[0]  # the second round of a prompt reuses its name
@@ -419,3 +421,41 @@ def test_suffix_drafter_learns_from_finished_requests() -> None:
     for name in ("c", "d"):  # the cache keeps the last 2 outputs: "a"'s goes
         drafter.finish(name, [50, 51, 52])
     assert drafter.draft("e", prompt + output[:3], 8) == []
+
+
+def test_plan_follows_acceptance_and_measured_step_costs() -> None:
+    """Long drafts for a sequence whose drafts are accepted, none for one whose are not (but a
+    probe every PROBE_EVERY steps); a step size measured as expensive is avoided."""
+    from enginecore.speculative import PROBE_EVERY, StepCost
+
+    drafter = Drafter(SpeculativeConfig("ngram", 16))
+    for n, ms in [(1, 10.0), (2, 10.2), (3, 15.0), (9, 18.0), (17, 24.0)]:
+        for _ in range(3):
+            drafter.cost.observe(n, ms / 1000)
+    proposals = {"copy": list(range(16)), "noise": list(range(16))}
+    for _ in range(20):
+        drafter.record("copy", 16, 16)
+        drafter.record("noise", 4, 0)
+    plan = drafter.plan(proposals, 2)
+    assert plan["copy"] >= 8 and plan["noise"] == 0
+    # drafts that always fail, where each row costs: none, but a probe every PROBE_EVERY steps
+    failing = Drafter(SpeculativeConfig("ngram", 16))
+    for n, ms in [(1, 10.0), (2, 12.0), (3, 14.0)]:
+        failing.cost.observe(n, ms / 1000)
+    for _ in range(20):
+        failing.record("noise", 4, 0)
+    counts = [failing.plan({"noise": [1, 2, 3]}, 1)["noise"] for _ in range(PROBE_EVERY)]
+    assert counts.count(1) == 1 and set(counts) == {0, 1}
+    # a middling sequence: 2 rows cost what 1 does, 3 much more -> one draft
+    fresh = Drafter(SpeculativeConfig("ngram", 16))
+    fresh.cost = StepCost()
+    for n, ms in [(1, 10.0), (2, 10.2), (3, 15.0), (4, 15.5)]:
+        fresh.cost.observe(n, ms / 1000)
+    for _ in range(10):
+        fresh.record("mid", 3, 1)
+    assert fresh.plan({"mid": [1, 2, 3, 4]}, 1)["mid"] == 1
+    cost = StepCost()
+    cost.observe(1, 0.010)
+    cost.observe(5, 0.014)
+    assert cost.seconds(3) == pytest.approx(0.012)  # interpolated
+    assert 0.014 < cost.seconds(9) < 0.018  # extrapolated at the prior's slope
