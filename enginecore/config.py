@@ -51,6 +51,9 @@ class ModelConfig:
     # Mixture-of-experts models: the engine keeps the experts each token was routed to in each
     # layer (routing replay for RL), returned to the requests that ask (enginecore/routing.py).
     enable_return_routed_experts: bool = False
+    # Each request's logits independent of the rest of the batch, of prefill chunking and of the
+    # prefix cache (float32, kernels with one arithmetic per row; workers/model_runner.py).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -73,6 +76,10 @@ class ModelConfig:
             raise ValueError(f"--quantization must be int8 or int4, not {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be positive")
+        if self.batch_invariant and self.dtype not in ("auto", "float32"):
+            raise ValueError("--batch-invariant computes in float32: give --dtype float32")
+        if self.batch_invariant and self.quantization is not None:
+            raise ValueError("--batch-invariant serves unquantized float32 weights only")
 
 
 @dataclass(frozen=True)

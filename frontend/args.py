@@ -209,6 +209,14 @@ def make_parser() -> argparse.ArgumentParser:
         help="vLLM's spelling of the prefix-caching switch (on by default)",
     )
     launch.add_argument(
+        "--batch-invariant",
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="each request's logits and logprobs bitwise the same whatever else is in the batch, "
+        "however its prompt is chunked and whether its prefix comes from the cache (float32; "
+        "SGLang's --enable-deterministic-inference, vLLM's VLLM_BATCH_INVARIANT=1)",
+    )
+    launch.add_argument(
         "--enable-return-routed-experts",
         action="store_true",
         help="mixture-of-experts models: record the experts each token was routed to in each "
@@ -488,6 +496,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             seed=args.seed,
             logprobs_mode=args.logprobs_mode,
             enable_return_routed_experts=args.enable_return_routed_experts,
+            batch_invariant=args.batch_invariant,
             task=args.task,
             pooling_type=args.pooling_type,
         ),

@@ -47,7 +47,7 @@ from enginecore.messages import (
 from workers.distributed import ParallelContext, shard_heads, stage_layers
 from workers.gguf_weights import gguf_file_of
 from workers.kv_cache_groups import KVCacheGroup
-from workers.layers import kernel_library, kv_int8
+from workers.layers import kernel_library, kv_int8, native
 from workers.layers.attention import Attention, build_attention_metadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.gated_delta_net import CHUNK, GatedDeltaNet
@@ -180,7 +180,8 @@ class ModelRunner:
             or self.int4
         )
         auto = config.model.dtype == "auto"
-        dtype_name = "float32" if keeps_blocks and auto else config.model.dtype
+        float32 = (keeps_blocks or config.model.batch_invariant) and auto
+        dtype_name = "float32" if float32 else config.model.dtype
         self.quantize_x = keeps_blocks and config.model.dtype != "float32"
         self.dtype, self.weight_dtype = resolve_dtypes(dtype_name, self.device)
         self.block_size = config.cache.block_size
@@ -240,8 +241,37 @@ class ModelRunner:
                 "--enable-return-routed-experts needs a mixture-of-experts model; "
                 f"{self.args.architecture} has no expert layers"
             )
+        if self.config.model.batch_invariant:
+            self._make_batch_invariant()
         self.repack_weights()
         logger.info("loaded %s", self.model_summary)
+
+    def _make_batch_invariant(self) -> None:
+        """--batch-invariant: every linear (and the LM head) through the float32 kernel whose
+        arithmetic is the same for every row whatever the batch, every token's attention through
+        the paged decode kernel (one query at a time, its keys in order: the same sums whether its
+        prompt was chunked or cached), module by module (the fused decode layer's few-row
+        products sum differently). Norms, rotary and activations already work row by row; the
+        all-reduces of tensor parallelism add the ranks in rank order."""
+        assert self.model is not None
+        arch = self.args.architecture
+        if self.device.type != "cpu" or native.load() is None:
+            raise ValueError("--batch-invariant runs on tern's CPU kernels, which are not loaded")
+        if self.moe_layers or self.linear_layers:
+            raise ValueError(
+                f"--batch-invariant does not serve {arch}: its expert or linear-attention "
+                "layers have no batch-invariant kernels"
+            )
+        for module in self.model.modules():
+            if isinstance(module, (LinearBase, ParallelLMHead)):
+                if module.quant is not None or module.weight.dtype != torch.float32:
+                    raise ValueError(
+                        "--batch-invariant serves float32 weights only; this model keeps "
+                        f"{module.quant or module.weight.dtype} weights"
+                    )
+                module.batch_invariant = True
+            if getattr(module, "fused_decode", None) is not None:
+                module.fused_decode = None
 
     def repack_weights(self) -> None:
         """Re-derive the layers' packed copies of their weights (linear.pack_weight): after every
@@ -555,7 +585,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             [[t[g] for t in tables] for g in range(1, len(self.kv_cache_groups))],
-            [r.num_draft_tokens > 0 for r in reqs],
+            [self.config.model.batch_invariant or r.num_draft_tokens > 0 for r in reqs],
         )
         if self.lora_batch is not None:
             self.lora_batch.slots = self._token_lora_slots(reqs)

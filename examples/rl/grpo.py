@@ -7,6 +7,7 @@ policy-gradient step, and pushes the new weights into tern before the next rollo
     python examples/rl/grpo.py --colocate               # tern sleeps (level 2) while training
     python examples/rl/grpo.py --quantization int4      # tern serves int4 weights (pushed float)
     python examples/rl/grpo.py --lora 16                # trains and pushes only a LoRA adapter
+    python examples/rl/grpo.py --batch-invariant        # rollouts independent of their batch
     python examples/rl/grpo.py --base-url http://127.0.0.1:8000 --model DIR   # attach instead
 
 Step k: rollouts from the weights of step k (tern's weight_version says so), the trainer's own
@@ -71,6 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="train a LoRA adapter of this rank on every projection (the base frozen) "
                    "and push only the adapter; tern serves it as model 'policy'")  # fmt: skip
     p.add_argument("--lora-alpha", type=float, default=None, help="default 2 x --lora")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="tern's --batch-invariant: each rollout's tokens and logprobs the same "
+                   "whatever else it was batched with (float32 only)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=Path("rl-run"))
     p.add_argument("--plot", type=Path, default=None, help="default: OUT_DIR/rl.png")
@@ -261,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     try:
         if args.base_url is None:
-            server = launch(args.model, args.dtype, args.seed, args.quantization, args.lora)
+            server = launch(args.model, args.dtype, args.seed, args.quantization, args.lora,
+                            args.batch_invariant)  # fmt: skip
         # The policy loads while tern starts.
         policy = Policy(args.model, DTYPES[args.dtype], args.lr, args.lora, args.lora_alpha)
         if server is not None:
@@ -288,6 +293,7 @@ def summarize(args: argparse.Namespace, log: dict[str, Any]) -> None:
     trained = [s["mismatch"] for s in steps if "mismatch" in s]
     mismatch = sum(trained) / len(trained) if trained else math.nan
     served = f" (tern {args.quantization})" if args.quantization else ""
+    served += " (tern batch-invariant)" if args.batch_invariant else ""
     lora = f" LoRA r{args.lora}" if args.lora else ""
     title = (f"GRPO via tern, {Path(args.model).name}{lora} {args.dtype}{served}, "
              f"{args.prompts_per_step}x{args.samples_per_prompt} samples/step")  # fmt: skip

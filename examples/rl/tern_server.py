@@ -30,15 +30,19 @@ def launch(
     seed: int,
     quantization: str | None = None,
     max_lora_rank: int | None = None,
+    batch_invariant: bool = False,
 ) -> LaunchedServer:
     """A tern server for the rollouts, owned by this script (stop it with shut_down());
-    `max_lora_rank`: it serves LoRA adapters up to that rank."""
+    `max_lora_rank`: it serves LoRA adapters up to that rank; `batch_invariant`: each rollout's
+    logprobs independent of the rest of the batch (--batch-invariant)."""
     args = ["--model", model, "--dtype", dtype, "--seed", str(seed),
             "--kv-cache-memory", str(KV_CACHE_GIB)]  # fmt: skip
     if quantization is not None:
         args += ["--quantization", quantization]
     if max_lora_rank is not None:
         args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank)]
+    if batch_invariant:
+        args.append("--batch-invariant")
     return LaunchedServer(args, log_prefix="tern-rl-server-")
 
 

@@ -76,11 +76,14 @@ class CoreClient:
             self.send(RequestType.ADD, r)
         toks: dict[str, list[int]] = {k: [] for k in reqs}
         done: dict[str, FinishReason] = {}
+        self.logprobs = {k: [] for k in reqs}  # the sampled tokens' (requests that asked)
         for _ in range(10_000):
             if len(done) == len(reqs):
                 break
             for o in self.recv().outputs:
                 toks[o.request_id] += o.new_token_ids
+                if o.new_logprobs is not None:
+                    self.logprobs[o.request_id] += o.new_logprobs.logprobs
                 if o.finish_reason is not None:
                     done[o.request_id] = o.finish_reason
         return {k: (toks[k], done[k]) for k in reqs}

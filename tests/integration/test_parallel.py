@@ -31,6 +31,7 @@ import pytest
 from enginecore.config import Config, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from enginecore.executor import MultiprocExecutor, WorkerFailed
 from enginecore.messages import (
+    EngineCoreRequest,
     EngineReady,
     EngineStartupFailed,
     FinishReason,
@@ -154,6 +155,38 @@ def test_speculative_decoding_at_tp2_matches_hf(tiny_llama: Path, method: str) -
     assert outs == [ref, ref]
     assert stats["prefix_cache_hits"] > 0
     assert stats["spec_num_accepted_tokens"] > 50
+
+
+def test_batch_invariant_at_tp2(tiny_llama: Path) -> None:
+    """--batch-invariant at --tp 2 (the row-parallel layers' all-reduces included): a needle's
+    tokens and logprobs are bitwise the same alone, among 24 other requests with 16-token
+    prefill chunks, and from the prefix cache."""
+    vocab = vocab_of(tiny_llama)
+    rng = random.Random(5)
+    needle = [rng.randrange(3, vocab) for _ in range(40)]
+    config = parallel_config(tiny_llama, 2, 1)
+    config = config.replace(
+        model=dataclasses.replace(config.model, batch_invariant=True),
+        scheduler=SchedulerConfig(max_num_batched_tokens=16),
+    )
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+    client = CoreClient(config)
+    runs = []
+    try:
+        assert isinstance(client.startup(), EngineReady)
+        for k, others in enumerate([0, 24, 24]):
+            reqs = {
+                f"o{k}.{i}": greedy(f"o{k}.{i}", [rng.randrange(3, vocab) for _ in range(30)], 6)
+                for i in range(others)
+            }
+            reqs[f"n{k}"] = EngineCoreRequest(f"n{k}", needle, params)
+            got = client.run(reqs)
+            runs.append((got[f"n{k}"][0], client.logprobs[f"n{k}"]))
+        stats = client.stats()
+    finally:
+        client.close()
+    assert stats["prefix_cache_hits"] >= 32  # the third run's needle came from the cache
+    assert len(runs[0][1]) == 10 and runs[1] == runs[0] and runs[2] == runs[0]
 
 
 # The zoo's families whose layers shard or split differently from Llama's (the rest only change

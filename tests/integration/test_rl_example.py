@@ -2,7 +2,8 @@
 GRPO steps, pushes weights, and stops every process it started.
 
 Two runs cover both weight-sync paths and colocation: a broadcast from the trainer's process group
-(tern awake), and /dev/shm files with tern asleep (level 2) while the trainer steps. A third trains
+(tern awake, --batch-invariant), and /dev/shm files with tern asleep (level 2) while the trainer
+steps. A third trains
 a LoRA adapter (--lora 8) and pushes only it, over the same broadcast.
 """
 
@@ -91,8 +92,9 @@ def check_steps(steps: list[dict], timings: list[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    "mode", [["--weight-sync", "distributed"], ["--weight-sync", "shm", "--colocate"]],
-    ids=["distributed", "shm-colocate"],
+    "mode",
+    [["--weight-sync", "distributed", "--batch-invariant"], ["--weight-sync", "shm", "--colocate"]],
+    ids=["distributed-batch-invariant", "shm-colocate"],
 )  # fmt: skip
 def test_grpo_example_short(tiny_llama_with_tokenizer: Path, tmp_path: Path, mode: list[str]):
     log = run_short(tiny_llama_with_tokenizer, tmp_path, ["--lr", "1e-3", *mode])

@@ -49,6 +49,7 @@ def make_core(model_dir: Path, spec: SpeculativeConfig | None = None, **kw) -> E
             path=str(model_dir),
             dtype="float32",
             logprobs_mode=kw.pop("logprobs_mode", "raw_logprobs"),
+            batch_invariant=kw.pop("batch_invariant", False),
         ),
         cache=CacheConfig(
             block_size=kw.pop("block_size", 16),
@@ -194,6 +195,25 @@ def test_other_families_and_an_int8_kv_cache(arch: str, request: pytest.FixtureR
     for req_id in requests:
         assert lps[req_id] == pytest.approx(plain_lps[req_id], rel=1e-5, abs=1e-5)
     assert spec_stats(core)[1] > 20
+    for c in (core, plain_core):
+        c.shutdown()
+
+
+def test_batch_invariant_verification_is_bitwise_plain_decoding(tiny_llama: Path) -> None:
+    """Under --batch-invariant a verification row computes exactly what the decode step of plain
+    decoding does: the logprobs are equal bit for bit, not within a tolerance."""
+    vocab = vocab_of(tiny_llama)
+    prompts = prompts_of(vocab, 8, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
+    requests = {f"r{i}": (p, params) for i, p in enumerate(prompts)}
+    plain_core = make_core(tiny_llama, batch_invariant=True)
+    plain, plain_lps, _ = run(plain_core, requests)
+    core = make_core(tiny_llama, SpeculativeConfig("ngram", 6, disable_by_batch_size=64),
+                     batch_invariant=True)  # fmt: skip
+    oracle = Oracle(core, plain, 0.2, vocab)
+    outs, lps, _ = run(core, requests, oracle)
+    assert outs == plain and lps == plain_lps
+    assert spec_stats(core)[1] > 50
     for c in (core, plain_core):
         c.shutdown()
 

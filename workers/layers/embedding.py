@@ -114,6 +114,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, ctx=ctx, quant=quant)
         self.packed_weight: torch.Tensor | None = None
+        self.batch_invariant = False  # --batch-invariant (set by the model runner)
 
     def repack_weights(self) -> None:
         packs = self.quant is None and self.dtype == torch.bfloat16
@@ -133,7 +134,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, vocab)
         if self.quant is None:
-            logits = dense_linear(hidden_states, self.weight, None, self.packed_weight)
+            logits = dense_linear(
+                hidden_states, self.weight, None, self.packed_weight, self.batch_invariant
+            )
         elif self.quant == "gguf":
             logits = gguf_blocks.linear(
                 hidden_states, self.weight, self.block_type, self.embedding_dim, None,

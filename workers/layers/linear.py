@@ -56,10 +56,17 @@ def dense_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     packed: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias), through `packed` (pack_weight(weight)) when given; few-row
     bfloat16 (1-2 rows, and up to 32 with AMX) and float32 products on the CPU use tern's
-    kernels."""
+    kernels. `batch_invariant` (float32 on the CPU): every row through one arithmetic, so that a
+    row's result does not depend on the rows beside it."""
+    if batch_invariant:
+        x = x.contiguous()
+        return native.f32_linear(x.view(-1, x.size(-1)), weight, bias, invariant=True).view(
+            *x.shape[:-1], weight.size(0)
+        )
     if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.is_cpu:
         return _bf16_stored_linear(x, weight, bias)
     if packed is not None and x.dtype == torch.bfloat16 and x.is_cpu:
@@ -157,6 +164,8 @@ class LinearBase(nn.Module):
         # Kept blocks whose columns are the input's permuted (GPTQ act-order: gguf_blocks.py).
         self.input_perm: torch.Tensor | None = None
         self.lora: LoraStack | None = None  # the LoRA adapters it serves (--enable-lora)
+        # --batch-invariant: each row's product independent of the batch (set by the model runner)
+        self.batch_invariant = False
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -215,7 +224,7 @@ class LinearBase(nn.Module):
         if self.input_perm is not None:
             x = x.index_select(-1, self.input_perm)
         if self.quant is None:
-            return dense_linear(x, self.weight, bias, self.packed_weight)
+            return dense_linear(x, self.weight, bias, self.packed_weight, self.batch_invariant)
         if self.quant == "gguf" and self.gguf_segments is not None:
             return gguf_blocks.segmented_linear(
                 x, self.weight, self.gguf_segments, self.input_size, bias, self.gguf_quantize_x

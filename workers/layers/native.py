@@ -292,15 +292,17 @@ def _linear_shape(
     return m, n, k
 
 
-def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (M, K) @ weight (N, K).T + bias, all float32: the few-row GEMM of decode steps."""
+def f32_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool = False
+) -> torch.Tensor:
+    """x (M, K) @ weight (N, K).T + bias, all float32: the few-row GEMM of decode steps; with
+    `invariant`, any M, each row's result independent of the others (--batch-invariant)."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
     m, n, k = _linear_shape(x, weight, bias, torch.float32, "f32 linear")
     y = torch.empty(m, n, dtype=torch.float32)
-    rc = lib.tern_f32_linear(
-        _ptr(x), _ptr(weight), _ptr(bias) if bias is not None else None, _ptr(y), m, n, k
-    )
+    entry = lib.tern_f32_linear_invariant if invariant else lib.tern_f32_linear
+    rc = entry(_ptr(x), _ptr(weight), _ptr(bias) if bias is not None else None, _ptr(y), m, n, k)
     if rc != 0:
         raise MemoryError("f32 linear: no memory for a scratch tile")
     return y

@@ -50,6 +50,20 @@ int tern_f32_linear(const float *x, const float *w, const float *bias, float *y,
     return 0;
 }
 
+/* f32_blocked_rows for every M: each y[m, n] is the same sequence of operations on x[m] and w[n]
+ * (f32_block: one accumulator vector over K in order, its lanes summed, the tail, the bias) in
+ * whichever block its row falls and however many rows there are. Returns 0. */
+int tern_f32_linear_invariant(const float *x, const float *w, const float *bias, float *y, int M,
+                              int N, int K) {
+    int num_tiles = (N + GEMV_ROWS - 1) / GEMV_ROWS;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < num_tiles; t++) {
+        int n0 = t * GEMV_ROWS, nt = N - n0 < GEMV_ROWS ? N - n0 : GEMV_ROWS;
+        f32_blocked_rows(x, w + (int64_t)n0 * K, bias, y, M, N, K, n0, nt);
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------------- bfloat16-stored weights */
 
 /* One weight row (K bfloat16 values) dotted with one row of x, the weight widened to float32 in

@@ -137,6 +137,10 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache, con
 /* linear_f32.c: y (M, N) = x (M, K) @ w (N, K).T + bias, float32 arithmetic; w float32, or
  * bfloat16-stored (bf16w) widened to float32 in registers. */
 int tern_f32_linear(const float *x, const float *w, const float *bias, float *y, int M, int N, int K);
+/* The same product with one arithmetic for every row whatever M (the register-block tiles; each
+ * output a fixed-order sum over K): a row's result does not depend on the batch (--batch-invariant). */
+int tern_f32_linear_invariant(const float *x, const float *w, const float *bias, float *y, int M,
+                              int N, int K);
 /* linear_f32.c: a decode step's routed experts (token, expert, weight pairs) through SiLU-gated
  * expert MLPs w13 (E, 2I, H) / w2 (E, H, I), biases or NULL, summed into out (T, H). */
 void tern_f32_moe_experts(const float *x, int H, const int64_t *pair_token, const int64_t *pair_expert, const float *pair_weight, int P, const float *w13, const float *b13, const float *w2, const float *b2, int I, float *gate_up, float *act, float *y, float *out);
