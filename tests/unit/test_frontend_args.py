@@ -94,3 +94,44 @@ def test_chat_template_from_file_or_string(tmp_path: Path) -> None:
         load_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="syntax"):
         load_chat_template("{% for m in messages %}")
+
+
+def test_speculative_config_from_vllm_json_or_sglang_flags() -> None:
+    from frontend.args import speculative_config_from_args
+
+    def spec(*argv: str):
+        return speculative_config_from_args(make_parser().parse_args(["launch", *argv]))
+
+    assert not spec().enabled
+    s = spec("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 3}')  # fmt: skip
+    assert (s.method, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max) == (
+        "ngram", 4, 2, 3,
+    )  # fmt: skip
+    s = spec("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6",
+             "--speculative-ngram-min-match-window-size", "3")  # fmt: skip
+    assert (s.method, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max) == (
+        "ngram", 6, 3, 5,
+    )  # fmt: skip
+    s = spec("--speculative-config", '{"method": "suffix", "disable_by_batch_size": 4}')
+    assert s.num_speculative_tokens == 24 and s.disable_by_batch_size == 4
+    for bad, message in [
+        ('{"method": "ngram", "num_speculative_tokens": "x"}', "Expected `int`"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', r"\[1, 64\]"),
+        ('{"method": "ngram", "lookahead": 3}', "unknown keys"),
+        ('{"method": "medusa", "model": "x"}', "not served"),
+        ('{"method": "ngram", "prompt_lookup_min": 6, "prompt_lookup_max": 3}', "prompt_lookup"),
+        ("[1]", "JSON object"),
+        ("{", "not JSON"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            spec("--speculative-config", bad)
+    with pytest.raises(ValueError, match="not both"):
+        spec("--speculative-config", '{"method": "ngram"}', "--speculative-algorithm", "NGRAM")
+
+
+def test_batch_invariant_flag() -> None:
+    args = make_parser().parse_args(["launch", "--enable-deterministic-inference"])
+    assert args.batch_invariant
+    with pytest.raises(ValueError, match="float32"):
+        ModelConfig(path="x", dtype="bfloat16", batch_invariant=True)
