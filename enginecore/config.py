@@ -247,7 +247,7 @@ class LoraConfig:
         return self.max_cpu_loras or self.max_loras
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -255,8 +255,9 @@ class SpeculativeConfig:
     """Speculative decoding (--speculative-config, vLLM's keys; enginecore/speculative.py).
     Off when `method` is None."""
 
-    method: str | None = None  # ngram | suffix
+    method: str | None = None  # ngram | suffix | draft_model
     num_speculative_tokens: int = 0  # the most drafts a sequence verifies in one step
+    model: str | None = None  # draft_model: the draft model's directory (the same vocabulary)
     prompt_lookup_min: int = 2  # ngram: the shortest suffix matched
     prompt_lookup_max: int = 5  # ngram: the longest suffix matched
     # No drafts in a step that runs more sequences than this (None: SPEC_MAX_BATCH_DEFAULT).
@@ -274,6 +275,8 @@ class SpeculativeConfig:
                 f"speculative method {self.method!r} is not served; tern has "
                 f"{', '.join(SPECULATIVE_METHODS)}"
             )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError('a draft model ("model") goes with method draft_model, and only')
         if not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError("num_speculative_tokens must be in [1, 64]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -354,6 +354,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # at each of its last num_draft_tokens + 1 positions (output tokens sample_index, +1, ...) and
     # keeps the drafts up to the first that differs from the token sampled before it.
     num_draft_tokens: int = 0
+    # Speculative decoding with a draft model: the workers draft this many tokens after token_ids
+    # with it (workers/draft_model.py), then verify them as above.
+    num_model_drafts: int = 0
 
 
 class SchedulerOutput(msgspec.Struct, omit_defaults=True):

@@ -266,8 +266,10 @@ class Scheduler:
         if request.num_output_tokens == 0 or request.num_computed_tokens != request.num_tokens - 1:
             return []  # still in its prompt
         grammar = request.grammar
-        if grammar is not None and not grammar.is_active:
-            return []  # its reasoning runs unconstrained; the grammar starts at its end token
+        if grammar is not None and (not grammar.is_active or self.drafter.on_workers):
+            # during the reasoning the grammar is not active yet, and a draft model's drafts
+            # are not known here to be checked against it
+            return []
         limit = min(
             budget - 1,
             request.sampling_params.max_tokens - request.num_output_tokens - 1,
@@ -310,6 +312,8 @@ class Scheduler:
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
+        on_workers = self.drafter is not None and self.drafter.on_workers
+        drafts_sent = () if on_workers else drafts  # a draft model's are drafted on the workers
         request.num_computed_tokens = end
         is_new = request.needs_new_state
         request.needs_new_state = False
@@ -318,7 +322,7 @@ class Scheduler:
             self.num_prefill_tokens_total += num_new
         scheduled = ScheduledRequest(
             req_id=request.request_id,
-            token_ids=[*request.all_token_ids[start:end], *drafts],
+            token_ids=[*request.all_token_ids[start:end], *drafts_sent],
             start_pos=start,
             new_block_ids=new_block_ids[0],
             other_group_block_ids=new_block_ids[1:],
@@ -327,7 +331,8 @@ class Scheduler:
             state_slot=request.state_slot if is_new else -1,
             lora_slot=request.lora.slot if is_new and request.lora is not None else -1,
             save_checkpoints=self.kv.checkpoints_to_save(request, start, end),
-            num_draft_tokens=len(drafts),
+            num_draft_tokens=len(drafts_sent),
+            num_model_drafts=len(drafts) if on_workers else 0,
         )
         if is_new and request.sampling_params.needs_history:
             scheduled.history_token_ids = list(request.all_token_ids)
@@ -371,7 +376,11 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
                 request.add_prompt_logprobs(chunk)
-        drafted = {r.req_id: r.num_draft_tokens for r in step.requests if r.num_draft_tokens}
+        drafted = {
+            r.req_id: r.num_draft_tokens + r.num_model_drafts
+            for r in step.requests
+            if r.num_draft_tokens or r.num_model_drafts
+        }
         for request_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:

@@ -7,6 +7,8 @@ differs from the token sampled before it (workers/speculative.py). The drafters 
 - `ngram` (prompt lookup): the latest earlier occurrence of the sequence's last n tokens
   (prompt_lookup_max down to prompt_lookup_min) in its prompt and output, and what followed it; a
   match that runs into the end of the sequence repeats with its period.
+- `draft_model`: a small model on the workers drafts (workers/draft_model.py); here only how many
+  drafts each sequence gets is decided.
 - `suffix` (suffix decoding, arXiv 2411.04975): suffix tries of bounded depth, one over the
   sequence's own prompt and output and one over the outputs of recently finished requests. The
   longest suffix of the sequence found in a trie is extended by the most frequent continuation, as
@@ -208,6 +210,7 @@ class Drafter:
         assert config.enabled
         self.config = config
         self.max_k = config.num_speculative_tokens
+        self.on_workers = config.method == "draft_model"  # the workers draft with a model
         self.max_batch = config.disable_by_batch_size or SPEC_MAX_BATCH_DEFAULT
         self.cost = StepCost()
         self._hits = self._misses = 0.0  # over all sequences, decayed (new sequences' prior)
@@ -226,6 +229,8 @@ class Drafter:
         if k <= 0:
             return []
         c = self.config
+        if c.method == "draft_model":  # the workers draft: only how many is decided here
+            return [0] * k
         if c.method == "ngram":
             if seq.ngrams is None:
                 seq.ngrams = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)

@@ -403,14 +403,17 @@ def make_parser() -> argparse.ArgumentParser:
         help='vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\': method '
         "ngram (prompt lookup: prompt_lookup_min/max) or suffix (suffix decoding: "
         "suffix_decoding_max_tree_depth, _max_cached_requests, _max_spec_factor, "
-        "_min_token_prob); disable_by_batch_size: no drafts in larger steps (default 8)",
+        '_min_token_prob) or draft_model ("model": a small model with the same vocabulary); '
+        "disable_by_batch_size: no drafts in larger steps (default 8)",
     )
     spec.add_argument(
         "--speculative-algorithm",
         default=None,
-        help="SGLang's: NGRAM (= method ngram) or SUFFIX; with the flags below",
+        help="SGLang's: NGRAM (= method ngram), STANDALONE (= draft_model, with "
+        "--speculative-draft-model-path) or SUFFIX; with the flags below",
     )
     spec.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    spec.add_argument("--speculative-draft-model-path", default=None)
     spec.add_argument("--speculative-ngram-min-match-window-size", type=int, default=None)
     spec.add_argument("--speculative-ngram-max-match-window-size", type=int, default=None)
     parallel = launch.add_argument_group("parallelism")
@@ -535,8 +538,10 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
         if not isinstance(spec, dict):
             raise ValueError("--speculative-config must be a JSON object")
     elif args.speculative_algorithm is not None:
-        spec = {"method": args.speculative_algorithm.lower()}
+        algorithm = args.speculative_algorithm.lower()
+        spec = {"method": "draft_model" if algorithm == "standalone" else algorithm}
         sglang = {
+            "model": args.speculative_draft_model_path,
             "num_speculative_tokens": args.speculative_num_draft_tokens,
             "prompt_lookup_min": args.speculative_ngram_min_match_window_size,
             "prompt_lookup_max": args.speculative_ngram_max_match_window_size,
@@ -544,14 +549,21 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
         spec.update({k: v for k, v in sglang.items() if v is not None})
     else:
         return SpeculativeConfig()
+    if spec.get("model") == "[ngram]":  # vLLM's older spelling of method ngram
+        spec.pop("model")
+        spec.setdefault("method", "ngram")
+    if spec.get("model") is not None:
+        spec.setdefault("method", "draft_model")
+        model = Path(str(spec["model"])).expanduser()
+        if not (model / "config.json").is_file():
+            raise ValueError(f"the draft model {spec['model']}: not a model directory")
+        spec["model"] = str(model.resolve())
     method = spec.get("method")
-    if method in ("draft_model", "eagle", "eagle3", "mtp", "standalone", "nextn", "medusa"):
+    if method in ("eagle", "eagle3", "mtp", "nextn", "medusa", "mlp_speculator"):
         raise ValueError(
-            f"speculative method {method!r} is not served yet: tern drafts with ngram or suffix"
+            f"speculative method {method!r} is not served yet: tern drafts with ngram, suffix "
+            "or draft_model"
         )
-    if "model" in spec and spec["model"] not in (None, "[ngram]"):
-        raise ValueError("a draft model is not served yet: tern drafts with ngram or suffix")
-    spec.pop("model", None)
     unknown = sorted(set(spec) - _SPEC_KEYS)
     if unknown:
         raise ValueError(f"--speculative-config: unknown keys {unknown}")

@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+import msgspec
 import torch
 
 from enginecore.config import Config, ParallelConfig
@@ -45,6 +46,7 @@ from enginecore.messages import (
     SchedulerOutput,
 )
 from workers.distributed import ParallelContext, shard_heads, stage_layers
+from workers.draft_model import DraftModel
 from workers.gguf_weights import gguf_file_of
 from workers.kv_cache_groups import KVCacheGroup
 from workers.layers import kernel_library, kv_int8, native
@@ -210,6 +212,7 @@ class ModelRunner:
         self.requests: dict[str, _RequestState] = {}
         self.sampler = Sampler()
         self.lora_batch: LoraBatch | None = None  # with --enable-lora: the step's adapter slots
+        self.draft: DraftModel | None = None  # speculative decoding's draft model, if any
         self._processed_logprobs = config.model.logprobs_mode == "processed_logprobs"
         # Seconds spent in each phase of the last step (scripts/bench_step.py reads it).
         self.last_step_timings: dict[str, float] = {}
@@ -243,6 +246,11 @@ class ModelRunner:
             )
         if self.config.model.batch_invariant:
             self._make_batch_invariant()
+        spec = self.config.speculative
+        if spec.method == "draft_model":
+            assert spec.model is not None
+            self.draft = DraftModel(spec.model, self.args, self.parallel, self.device,
+                                    self.dtype, self.block_size)  # fmt: skip
         self.repack_weights()
         logger.info("loaded %s", self.model_summary)
 
@@ -305,7 +313,8 @@ class ModelRunner:
         row, dtype = self._kv_row()
         elem = torch.empty((), dtype=dtype).element_size()
         per_layer = 2 * self.block_size * self._kv_heads_per_rank() * row * elem
-        return per_layer * self._kv_cache_slots()
+        draft = self.draft.bytes_per_block() if self.draft is not None else 0
+        return per_layer * self._kv_cache_slots() + draft
 
     def routing_shape(self) -> RoutingShape | None:
         """What one token's routing row holds (mixture-of-experts models), over the whole model."""
@@ -365,6 +374,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         for layer in self.attn_layers:
             layer.kv_cache = self.kv_cache[layer.kv_slot]
+        if self.draft is not None:
+            self.draft.init_kv_cache(num_blocks)
         rows = self.config.scheduler.max_num_seqs + num_state_checkpoints
         for layer in self.linear_layers:
             conv, recurrent = layer.state_shapes()
@@ -407,6 +418,8 @@ class ModelRunner:
             layer.kv_cache = torch.empty(0)
         for layer in self.linear_layers:
             layer.conv_states = layer.recurrent_states = torch.empty(0)
+        if self.draft is not None:
+            self.draft.release_kv_cache()
         self.kv_cache = None
         self.requests.clear()
 
@@ -467,6 +480,8 @@ class ModelRunner:
     def _update_states(self, step: SchedulerOutput) -> None:
         for req_id in step.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.draft is not None:
+                self.draft.forget(req_id)
         for r in step.requests:
             if r.sampling_params is not None:  # first schedule, or resumed after preemption
                 self.requests.pop(r.req_id, None)
@@ -532,12 +547,34 @@ class ModelRunner:
         for layer in self.linear_layers:
             layer.copy_states([row], [r.state_slot])
 
-    def _validate(self, step: SchedulerOutput) -> None:
-        for r in step.requests:
+    def _add_model_drafts(self, reqs: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """The step's requests with the draft model's drafts appended to those that asked for
+        them (ScheduledRequest.num_model_drafts), as the engine core sends model-free drafts."""
+        assert self.draft is not None
+        states = [self.requests[r.req_id] for r in reqs]
+        drafts = self.draft.propose(
+            reqs, [s.block_tables[0] for s in states], [s.sampling_params for s in states]
+        )
+        out = []
+        for r, state in zip(reqs, states):
+            d = drafts.get(r.req_id)
+            if d:
+                r = msgspec.structs.replace(
+                    r, token_ids=[*r.token_ids, *d], num_draft_tokens=len(d), num_model_drafts=0
+                )
+                if state.history is not None:
+                    state.history.set_drafts(d)
+            out.append(r)
+        return out
+
+    def _validate(self, reqs: list[ScheduledRequest]) -> None:
+        for r in reqs:
             tables = self.requests[r.req_id].block_tables
-            end = r.start_pos + len(r.token_ids)
+            end = r.start_pos + len(r.token_ids) + r.num_model_drafts
             if not r.token_ids:
                 raise ValueError(f"request {r.req_id!r} scheduled with no tokens")
+            if r.num_model_drafts and self.draft is None:
+                raise ValueError(f"request {r.req_id!r} asks for drafts; no draft model is loaded")
             if end > self.max_model_len:
                 raise ValueError(
                     f"request {r.req_id!r} reaches {end} tokens, beyond "
@@ -572,7 +609,9 @@ class ModelRunner:
         reqs = step.requests
         if not reqs:
             return ModelRunnerOutput(step.step_id, [], []), None
-        self._validate(step)
+        self._validate(reqs)
+        if self.draft is not None:
+            reqs = self._add_model_drafts(reqs)
 
         input_ids = torch.tensor(
             [t for r in reqs for t in r.token_ids], dtype=torch.int64, device=self.device

@@ -119,12 +119,13 @@ def copy_prompts(model_dir: Path) -> list[list[int]]:
     ]
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 def test_speculative_decoding_at_tp2_matches_hf(tiny_llama: Path, method: str) -> None:
     """16 prompts twice, with 16-token prefill chunks at --tp 2 (the second round's prompts hit
     the prefix cache): every drafter's greedy output is Hugging Face's, with drafts accepted.
     ngram runs the default model on prompts it copies from; suffix the tiny Llama, whose second
-    round it drafts from the first round's outputs."""
+    round it drafts from the first round's outputs; draft_model the tiny Llama drafting for
+    itself (sharded as it is, its own KV cache)."""
     from frontend.model_prep import default_model_dir, is_complete
     from tests.unit.test_spec_decode import prompts_of
 
@@ -138,8 +139,11 @@ def test_speculative_decoding_at_tp2_matches_hf(tiny_llama: Path, method: str) -
         prompts = prompts_of(vocab_of(tiny_llama))
     config = parallel_config(model_dir, 2, 1).replace(
         scheduler=SchedulerConfig(max_num_batched_tokens=16),
-        speculative=SpeculativeConfig(method, 6, disable_by_batch_size=64),
-    )
+        speculative=SpeculativeConfig(
+            method, 6, disable_by_batch_size=64,
+            model=str(tiny_llama) if method == "draft_model" else None,
+        ),
+    )  # fmt: skip
     client = CoreClient(config)
     try:
         assert isinstance(client.startup(), EngineReady)

@@ -218,6 +218,44 @@ def test_batch_invariant_verification_is_bitwise_plain_decoding(tiny_llama: Path
         c.shutdown()
 
 
+@pytest.mark.parametrize("draft", ["itself", "other weights"])
+def test_draft_model(tiny_llama: Path, tiny_llama_perturbed: Path, draft: str) -> None:
+    """method draft_model, the draft on the same worker with its own KV cache: greedy and seeded
+    sampled tokens (and logprobs) are plain decoding's with 7-token prefill chunks, a second
+    round from the prefix cache, and a pool small enough to preempt. The served model as its
+    own draft has its drafts accepted (the draft samples with the request's noise); another
+    model's much less."""
+    draft_dir = tiny_llama if draft == "itself" else tiny_llama_perturbed
+    vocab = vocab_of(tiny_llama)
+    prompts = prompts_of(vocab, 8, seed=8)
+    requests = {}
+    for i, p in enumerate(prompts):
+        params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1, seed=i,
+                                temperature=0.0 if i % 2 else 0.9, top_p=0.9)  # fmt: skip
+        requests[f"r{i}"] = (p, params)
+    again = {f"{k}#2": v for k, v in requests.items()}
+    plain_core = make_core(tiny_llama, max_num_batched_tokens=7)
+    plain, plain_lps, _ = run(plain_core, requests)
+    spec = SpeculativeConfig("draft_model", 4, model=str(draft_dir), disable_by_batch_size=64)
+    for kw in ({"max_num_batched_tokens": 7}, {"block_size": 4, "num_blocks": 48}):
+        core = make_core(tiny_llama, spec, **kw)
+        for reqs in (requests, again):
+            outs, lps, _ = run(core, reqs)
+            for req_id in reqs:
+                base = req_id.split("#")[0]
+                assert outs[req_id] == plain[base], (kw, req_id)
+                assert lps[req_id] == pytest.approx(plain_lps[base], rel=1e-5, abs=1e-5)
+        drafted, accepted = spec_stats(core)
+        if draft == "itself":
+            assert accepted > 0.9 * drafted > 0
+        else:
+            assert drafted > 0 and accepted < 0.9 * drafted
+        if "num_blocks" in kw:
+            assert core.scheduler.num_preempted_total > 0
+        core.shutdown()
+    plain_core.shutdown()
+
+
 def test_preemption_keeps_outputs(tiny_llama: Path) -> None:
     """A pool too small for the batch: requests are preempted mid-speculation and resume."""
     vocab = vocab_of(tiny_llama)

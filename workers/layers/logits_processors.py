@@ -59,6 +59,11 @@ class TokenHistory:
             self.token_ids.extend(token_ids[num_known - start_pos :])
         self.num_computed = end
 
+    def set_drafts(self, drafts: list[int]) -> None:
+        """The drafts that follow this step's tokens, when they are known only after extend()
+        (a draft model proposes them on the workers)."""
+        self._drafts = list(drafts)
+
     def counters(self, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompt mask (V,) bool, output counts (V,) float32) over the tokens computed so far."""
         if self._prompt_mask is None or self._output_counts is None:
