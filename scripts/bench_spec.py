@@ -1,8 +1,9 @@
 """Speculative decoding against plain decode, beside llama.cpp's llama-server with its own drafters,
-on the same model: decode time per output token at c=1 and c=8 on three workloads.
+on the same model: decode time per output token at c=1 and c=8 on three workloads; and the cost of
+--batch-invariant.
 
-    python scripts/bench_spec.py [--llama-server BIN --gguf-dir DIR] [--out FILE.json]
-                                 [--configs plain,ngram,suffix,llama,llama-ngram-simple,...]
+    python scripts/bench_spec.py [--llama-server BIN --gguf-dir DIR] [--rounds 2] [--out FILE.json]
+                                 [--configs plain,ngram,suffix,f32,f32-invariant,llama,...]
 
 Workloads (chat completions, streamed):
 - edit: fix the typos of a given paragraph and return it (the output copies the prompt);
@@ -10,13 +11,17 @@ Workloads (chat completions, streamed):
 - random: a prompt of random words, 128 tokens forced (ignore_eos), temperature 0 (little to draft:
   the worst case);
 - rl: the RL example's prompts (examples/rl/task.py), 8 samples each at temperature 1.0 and up to
-  64 tokens, as GRPO rollouts sample them (c=1: one after the other; c=8: a group at once).
+  64 tokens, as GRPO rollouts sample them (c=1: one after the other; c=8: a group at once);
+- prefill (the --batch-invariant configs only): a 1,000-token prompt, its TTFT.
 Per request, decode time per token = (end - first token) / (tokens - 1); the table gives its
-median over the workload's requests, the ratio to the same server's plain decode, TTFT, output
-tokens/s over the run and, for tern, the share of drafts accepted (its /metrics).
+median over the workload's requests (the median over rounds), the ratio to tern's plain decode,
+and for tern the share of drafts accepted (its /metrics).
 
+Every server starts first and idles while another runs; each round runs every workload on every
+server in turn, so that the machine's drift (tens of percent over minutes here) hits them alike.
 tern runs the default model (`tern launch`, default dtype: bfloat16 where the CPU has AVX512-BF16,
-else float32); llama-server the GGUF of the same weights in the same dtype (smollm2-BF16.gguf or
+else float32; "f32" and "f32-invariant" at --dtype float32 without and with --batch-invariant);
+llama-server the GGUF of the same weights in the same dtype (smollm2-BF16.gguf or
 smollm2-F32.gguf from ../shared/tools/build-llama-server), with 2 threads and 8 slots, plain and
 with each of its model-free drafters (--spec-type), whose best is reported as "llama.cpp best".
 The CPU's name and flags are printed first: every table must say which CPU it ran on.
@@ -82,6 +87,11 @@ TERN_SPEC = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 16},
     "suffix": {"method": "suffix", "num_speculative_tokens": 16},
 }
+# --batch-invariant's cost: float32 with and without it, on the random and prefill workloads.
+TERN_F32 = {
+    "f32": ["--dtype", "float32"],
+    "f32-invariant": ["--dtype", "float32", "--batch-invariant"],
+}
 
 
 def cpu_summary() -> str:
@@ -110,13 +120,23 @@ def workloads(concurrency: int) -> dict[str, list[dict[str, Any]]]:
          "max_tokens": 128, "temperature": 0, "ignore_eos": True}
         for _ in range(n)
     ]  # fmt: skip
-    prompts = sample_prompts(random.Random(7), 2 if concurrency == 1 else 2)
+    prompts = sample_prompts(random.Random(7), 2)
     rl = [
         {"messages": p.messages, "max_tokens": 64, "temperature": 1.0, "seed": 1000 * i + j}
         for i, p in enumerate(prompts)
         for j in range(8)
     ]
-    return {"edit": edit, "random": rand, "rl": rl}
+    # a long prompt (about 1,000 tokens), 2 tokens out: the prefill's time (TTFT)
+    long = [
+        {"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(900))}],
+         "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        for _ in range(max(2, n // 4))
+    ]  # fmt: skip
+    return {"edit": edit, "random": rand, "rl": rl, "prefill": long}
+
+
+def workloads_of(name: str) -> list[str]:
+    return ["random", "prefill"] if name in TERN_F32 else ["edit", "random", "rl"]
 
 
 async def one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, float]:
@@ -140,6 +160,7 @@ async def one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict
     tokens = tokens or chunks
     if first is None or tokens < 2:
         raise RuntimeError(f"a request produced {tokens} tokens")
+    assert end is not None
     return {"ttft": first - start, "tpot": (end - first) / (tokens - 1), "tokens": tokens}
 
 
@@ -214,6 +235,8 @@ def tern_dtype() -> str:
 
 
 def command(name: str, port: int, args: argparse.Namespace) -> list[str]:
+    if name in TERN_F32:
+        return [str(ROOT / ".venv/bin/tern"), "launch", "--port", str(port), *TERN_F32[name]]
     if name.startswith("llama"):
         gguf = args.gguf_dir / (
             "smollm2-BF16.gguf" if tern_dtype() == "bfloat16" else "smollm2-F32.gguf"
@@ -227,24 +250,54 @@ def command(name: str, port: int, args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-def run_config(name: str, args: argparse.Namespace, port: int) -> dict:
-    proc = launch(command(name, port, args), port, args.log_dir / f"{name}.log")
-    out: dict[str, Any] = {}
+def measure(name: str, port: int, workload: str, c: int) -> dict:
+    before = spec_counters(port) if not name.startswith("llama") else (0.0, 0.0)
+    result = asyncio.run(run_workload(port, workloads(c)[workload], c))
+    if not name.startswith("llama"):
+        after = spec_counters(port)
+        drafted = after[0] - before[0]
+        result["acceptance"] = (after[1] - before[1]) / drafted if drafted else None
+    return result
+
+
+def run_all(names: list[str], args: argparse.Namespace) -> dict[str, dict[str, dict]]:
+    """Every server started at once (idle ones cost nothing); each round runs every workload on
+    every server in turn, so that a drift of the machine hits them alike; medians over rounds."""
+    procs, ports = {}, {}
     try:
-        warm = workloads(1)["edit"][0]
-        asyncio.run(run_workload(port, [warm], 1))
-        for c in args.concurrency:
-            for workload, bodies in workloads(c).items():
-                before = spec_counters(port) if not name.startswith("llama") else (0.0, 0.0)
-                result = asyncio.run(run_workload(port, bodies, c))
-                if not name.startswith("llama"):
-                    after = spec_counters(port)
-                    drafted = after[0] - before[0]
-                    result["acceptance"] = (after[1] - before[1]) / drafted if drafted else None
-                out[f"{workload}/c{c}"] = result
-                print(f"  {name:20s} {workload:7s} c={c}: " + json.dumps(result), flush=True)
+        for i, name in enumerate(list(names)):
+            ports[name] = args.port + i
+            try:
+                procs[name] = launch(command(name, ports[name], args), ports[name],
+                                     args.log_dir / f"{name}.log")  # fmt: skip
+                asyncio.run(run_workload(ports[name], [workloads(1)["edit"][0]], 1))  # warm up
+            except (RuntimeError, httpx.HTTPError) as e:  # a peer's drafter may not start
+                print(f"== {name}: skipped ({e})", flush=True)
+                names.remove(name)
+        runs: dict[str, dict[str, list[dict]]] = {n: {} for n in names}
+        for r in range(args.rounds):
+            for c in args.concurrency:
+                for workload in ("edit", "random", "rl", "prefill"):
+                    order = names[r % len(names) :] + names[: r % len(names)]
+                    for name in order:
+                        if workload not in workloads_of(name):
+                            continue
+                        result = measure(name, ports[name], workload, c)
+                        runs[name].setdefault(f"{workload}/c{c}", []).append(result)
+                        print(f"  round {r} {name:20s} {workload:7s} c={c}: "
+                              + json.dumps(result), flush=True)  # fmt: skip
     finally:
-        stop(proc)
+        for proc in procs.values():
+            stop(proc)
+    out: dict[str, dict[str, dict]] = {}
+    for name, by_key in runs.items():
+        out[name] = {}
+        for key, results in by_key.items():
+            merged = {k: statistics.median(r[k] for r in results) for k in
+                      ("tpot_ms", "ttft_ms", "output_tok_s")}  # fmt: skip
+            acc = [r["acceptance"] for r in results if r.get("acceptance") is not None]
+            merged["acceptance"] = statistics.median(acc) if acc else None
+            out[name][key] = merged
     return out
 
 
@@ -256,6 +309,8 @@ def print_table(results: dict[str, dict], cpu: str) -> None:
     print("|---|---|---|---|---|---|---|")
     for key in results.get("plain", {}):
         workload, c = key.split("/")
+        if workload == "prefill":
+            continue
         plain = results["plain"][key]["tpot_ms"]
         cells = [f"{plain:.2f} ms"]
         for name in ("ngram", "suffix"):
@@ -270,6 +325,15 @@ def print_table(results: dict[str, dict], cpu: str) -> None:
             "-" if best is None else f"{best[0]:.2f} ms ({best[1].removeprefix('llama-')})"
         )
         print(f"| {workload} | {c.removeprefix('c')} | " + " | ".join(cells) + " |")
+    if "f32" in results and "f32-invariant" in results:
+        print("\n| --batch-invariant (float32) | off | on | ratio |\n|---|---|---|---|")
+        for key, off in results["f32"].items():
+            on = results["f32-invariant"].get(key)
+            if on is None:
+                continue
+            metric = "ttft_ms" if key.startswith("prefill") else "tpot_ms"
+            print(f"| {key} {metric} | {off[metric]:.2f} | {on[metric]:.2f} | "
+                  f"{on[metric] / off[metric]:.2f}x |")  # fmt: skip
 
 
 def main() -> None:
@@ -283,19 +347,17 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/tern-bench-spec"))
     p.add_argument("--port", type=int, default=8391)
+    p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    names = ["plain", *TERN_SPEC]
+    names = ["plain", *TERN_SPEC, *TERN_F32]
     if args.llama_server and args.gguf_dir:
         names += ["llama", *LLAMA_SPEC]
     if args.configs:
         names = [n for n in args.configs.split(",") if n]
     cpu = cpu_summary()
     print(f"CPU: {cpu}", flush=True)
-    results = {}
-    for name in names:
-        print(f"== {name}", flush=True)
-        results[name] = run_config(name, args, args.port)
+    results = run_all(names, args)
     print_table(results, cpu)
     if args.out:
         args.out.write_text(

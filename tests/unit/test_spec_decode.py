@@ -75,7 +75,7 @@ class Oracle:
         drafter = core.scheduler.drafter
         assert drafter is not None
         drafter.draft = self.draft  # type: ignore[method-assign]
-        drafter.plan = lambda proposals, _: {k: len(v) for k, v in proposals.items()}  # type: ignore[method-assign]
+        verify_every_draft(core)
 
     def draft(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
         base = request_id.split("#")[0]  # the second round of a prompt reuses its name
@@ -86,6 +86,13 @@ class Oracle:
             if self.rng.random() < self.noise:
                 drafts[i] = (drafts[i] + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
         return drafts
+
+
+def verify_every_draft(core: EngineCore) -> None:
+    """Every proposed draft is verified (the drafter's plan is tested on its own below)."""
+    drafter = core.scheduler.drafter
+    assert drafter is not None
+    drafter.plan = lambda proposals, _: {k: len(v) for k, v in proposals.items()}  # type: ignore[method-assign]
 
 
 def run(
@@ -334,10 +341,12 @@ def small_vocab_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("small_vocab_llama"), None)
 
 
-def test_sampled_distribution_is_the_targets(small_vocab_llama: Path) -> None:
-    """20,000 unseeded draws of 4 tokens at temperature 0.8 and top-p 0.9, speculative (drafts:
-    the greedy continuation, accepted in part) against plain: a chi-square test cannot tell the
-    4-token sequences apart; the same test tells plain at temperature 0.8 from 0.9."""
+@pytest.mark.parametrize("drafter", ["oracle", "draft_model"])
+def test_sampled_distribution_is_the_targets(small_vocab_llama: Path, drafter: str) -> None:
+    """20,000 unseeded draws of 4 tokens at temperature 0.8 and top-p 0.9, speculative against
+    plain: a chi-square test cannot tell the 4-token sequences apart; the same test tells plain
+    at temperature 0.8 from 0.9. Drafts: the greedy continuation (accepted in part), or the
+    served model as its own draft model (sampled with each request's noise: mostly accepted)."""
     tiny_llama = small_vocab_llama
     vocab = vocab_of(tiny_llama)
     prompt = prompts_of(vocab, 2, seed=3)[1]
@@ -349,8 +358,10 @@ def test_sampled_distribution_is_the_targets(small_vocab_llama: Path) -> None:
     def draws(spec: SpeculativeConfig | None, temperature: float) -> collections.Counter:
         core = make_core(tiny_llama, spec, max_num_seqs=512, max_num_batched_tokens=8192)
         oracle = None
-        if spec is not None:
+        if spec is not None and spec.method == "ngram":
             oracle = Oracle(core, {f"s{i}": greedy["g"] for i in range(n)}, 0.0, vocab)
+        elif spec is not None:
+            verify_every_draft(core)
         # NOTE: one params object each: the engine core gives each request its own seed.
         requests = {
             f"s{i}": (prompt, SamplingParams(temperature=temperature, top_p=0.9, max_tokens=4,
@@ -360,14 +371,23 @@ def test_sampled_distribution_is_the_targets(small_vocab_llama: Path) -> None:
         outs, _, _ = run(core, requests, oracle)
         if spec is not None:
             drafted, accepted = spec_stats(core)
-            assert 0.02 * drafted < accepted < drafted  # drafts both kept and refused
+            if spec.method == "draft_model":
+                assert accepted > 0.8 * drafted > 0
+            else:
+                assert 0.02 * drafted < accepted < drafted  # drafts both kept and refused
         core.shutdown()
         return collections.Counter(tuple(t) for t in outs.values())
 
     plain = draws(None, 0.8)
-    spec = draws(SpeculativeConfig("ngram", 3, disable_by_batch_size=1024), 0.8)
+    if drafter == "oracle":
+        config = SpeculativeConfig("ngram", 3, disable_by_batch_size=1024)
+    else:
+        config = SpeculativeConfig("draft_model", 3, model=str(tiny_llama),
+                                   disable_by_batch_size=1024)  # fmt: skip
+    spec = draws(config, 0.8)
     assert _chi2_p_value(plain, spec) > 1e-3
-    assert _chi2_p_value(plain, draws(None, 0.9)) < 1e-6  # the test has the power to fail
+    if drafter == "oracle":
+        assert _chi2_p_value(plain, draws(None, 0.9)) < 1e-6  # the test has the power to fail
 
 
 # ------------------------------------------------------------------------------------ grammars
