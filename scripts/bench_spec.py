@@ -167,7 +167,9 @@ async def one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict
 async def run_workload(port: int, bodies: list[dict[str, Any]], concurrency: int) -> dict:
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     limit = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=600) as client:
+    # NOTE: no keep-alive: llama-server may close a connection the pool would reuse.
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
         async def bounded(body: dict[str, Any]) -> dict[str, float]:
             async with limit:
