@@ -167,7 +167,7 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, request.request_id
-            drafts = drafts_of.get(request.request_id, [])
+            drafts = drafts_of.get(request.request_id, [])[: max(budget - num_new, 0)]
             is_decode = request.num_output_tokens > 0 and num_new == 1
             # Drafts never preempt anybody: without room for them the sequence decodes plainly.
             new_block_ids = None

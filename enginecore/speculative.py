@@ -20,9 +20,9 @@ keeps an estimate of the chance that its next draft is accepted (accepted drafts
 rejections, decayed, starting from the recent sequences'), so draft j is worth p^j expected
 tokens; a step's time by its tokens is learnt from the decode steps' measured times (`StepCost`);
 the drafts, most valuable first, are taken as far as maximises the step's expected tokens per
-second. Copy-heavy sequences
-then verify long drafts, sequences whose drafts fail verify none (one probe every PROBE_EVERY
-steps keeps their estimate current), and a large batch, whose extra rows cost more, drafts less.
+second. Copy-heavy sequences then verify long drafts, sequences whose drafts fail verify none (one
+probe every PROBE_EVERY steps keeps their estimate current), and a large batch, whose extra rows
+cost more, drafts less.
 No drafts at all in a step running more sequences than disable_by_batch_size.
 """
 

@@ -12,7 +12,10 @@ Each step, before the served model's forward, `propose`:
 Drafts are sampled as the served model samples (the request's seed, temperature, top-k/p, min-p,
 logit bias and min_tokens at the output index the draft stands for; penalties left out), so that
 where the two models agree the coupled noise picks the same token; greedy requests take the
-argmax. Whatever the draft proposes, the served model's verification keeps only what plain
+argmax. A request whose prefix came from the cache starts its draft KV after it: those blocks'
+draft rows were written when the blocks were first computed (one left stale, the last draft of a
+request that ended, costs acceptance only). Whatever the draft proposes, the served model's
+verification keeps only what plain
 decoding would have produced (workers/speculative.py): a stale or poor draft costs speed, never
 correctness. Every rank runs the same draft steps and gets the same logits (the LM head's
 all-gather), so the ranks agree on the drafts without a word exchanged.

@@ -122,7 +122,7 @@ def copy_prompts(model_dir: Path) -> list[list[int]]:
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 def test_speculative_decoding_at_tp2_matches_hf(tiny_llama: Path, method: str) -> None:
     """16 prompts twice, with 16-token prefill chunks at --tp 2 (the second round's prompts hit
-    the prefix cache): every drafter's greedy output is Hugging Face's, with drafts accepted.
+    the prefix cache): every drafter's greedy output is Hugging Face's, drafts accepted.
     ngram runs the default model on prompts it copies from; suffix the tiny Llama, whose second
     round it drafts from the first round's outputs; draft_model the tiny Llama drafting for
     itself (sharded as it is, its own KV cache)."""
@@ -158,7 +158,9 @@ def test_speculative_decoding_at_tp2_matches_hf(tiny_llama: Path, method: str) -
     ref = hf_greedy(model_dir, prompts, 16)
     assert outs == [ref, ref]
     assert stats["prefix_cache_hits"] > 0
-    assert stats["spec_num_accepted_tokens"] > 50
+    # NOTE: how many drafts pays is planned from measured step times (a loaded machine drafts
+    # less); tests/unit/test_spec_decode.py verifies every draft of an oracle drafter.
+    assert stats["spec_num_draft_tokens"] >= stats["spec_num_accepted_tokens"] > 0
 
 
 def test_batch_invariant_at_tp2(tiny_llama: Path) -> None:
