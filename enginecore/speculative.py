@@ -42,6 +42,11 @@ ACCEPTANCE_DECAY = 0.9
 GLOBAL_DECAY = 0.98
 # A sequence none of whose drafts were worth verifying gets one every this many steps.
 PROBE_EVERY = 16
+# Suffix decoding's tries hold up to depth nodes per token (Python objects, ~0.2 KB each): a
+# sequence's own trie indexes its first SUFFIX_SEQUENCE_TOKENS tokens, the shared trie at most
+# SUFFIX_CACHE_TOKENS tokens of finished outputs (the oldest outputs go first).
+SUFFIX_SEQUENCE_TOKENS = 8192
+SUFFIX_CACHE_TOKENS = 65536
 # Before the first measured steps: one more token in a step costs this share of a 1-token step
 # (2-core CPUs, the default model: 0.06-0.09).
 PRIOR_TOKEN_COST = 0.08
@@ -219,6 +224,7 @@ class Drafter:
         depth = config.suffix_decoding_max_tree_depth
         self._global = SuffixTrie(depth) if config.method == "suffix" else None
         self._cached: OrderedDict[str, list[int]] = OrderedDict()  # outputs in the global trie
+        self._num_cached_tokens = 0
 
     def draft(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
         """Up to min(limit, num_speculative_tokens) drafts to follow `tokens` (prompt + outputs)."""
@@ -237,7 +243,9 @@ class Drafter:
             return seq.ngrams.propose(tokens, k)
         if seq.trie is None:
             seq.trie = SuffixTrie(c.suffix_decoding_max_tree_depth)
-        for t in tokens[seq.num_in_trie :]:
+        # NOTE: past SUFFIX_SEQUENCE_TOKENS a long sequence stops growing its trie; its latest
+        # tokens still make the pattern looked up.
+        for t in tokens[seq.num_in_trie : SUFFIX_SEQUENCE_TOKENS]:
             seq.trie_nodes = seq.trie.extend(seq.trie_nodes, t)
         seq.num_in_trie = len(tokens)
         context = tokens[-(c.suffix_decoding_max_tree_depth - 1) :]
@@ -308,8 +316,11 @@ class Drafter:
         limit = self.config.suffix_decoding_max_cached_requests
         if limit == 0:
             return
-        self._global.add(output_token_ids)
-        self._cached[request_id] = list(output_token_ids)
-        while len(self._cached) > limit:
+        output = list(output_token_ids[-SUFFIX_CACHE_TOKENS:])
+        self._global.add(output)
+        self._cached[request_id] = output
+        self._num_cached_tokens += len(output)
+        while len(self._cached) > limit or self._num_cached_tokens > SUFFIX_CACHE_TOKENS:
             _, old = self._cached.popitem(last=False)
             self._global.remove(old)
+            self._num_cached_tokens -= len(old)

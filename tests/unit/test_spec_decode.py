@@ -537,3 +537,15 @@ def test_plan_follows_acceptance_and_measured_step_costs() -> None:
     cost.observe(5, 0.014)
     assert cost.seconds(3) == pytest.approx(0.012)  # interpolated
     assert 0.014 < cost.seconds(9) < 0.018  # extrapolated at the prior's slope
+
+
+def test_suffix_cache_is_bounded_in_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    import enginecore.speculative as speculative
+
+    monkeypatch.setattr(speculative, "SUFFIX_CACHE_TOKENS", 10)
+    drafter = Drafter(SpeculativeConfig("suffix", 8))
+    drafter.finish("a", [1, 2, 3, 4, 5, 6, 7, 8])
+    assert drafter.draft("x", [9, 1, 2, 3], 8) == [4, 5, 6]  # up to the match's length
+    drafter.finish("b", [20, 21, 22, 23, 24, 25, 26, 27])  # 16 tokens > 10: "a" goes
+    assert drafter.draft("y", [9, 1, 2, 3], 8) == []
+    assert drafter.draft("z", [20, 21, 22], 8) == [23, 24, 25]
