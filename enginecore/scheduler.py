@@ -94,7 +94,6 @@ class Scheduler:
         self.num_generated_tokens_total = 0
         # Speculative decoding: drafts for decoding sequences (enginecore/speculative.py).
         self.drafter = Drafter(config.speculative) if config.speculative.enabled else None
-        self._timed_step: tuple[int, int] | None = None  # (step id, tokens) of a decode-only step
 
     # ----------------------------------------------------------------------------- requests in and out
 
@@ -161,14 +160,12 @@ class Scheduler:
         preempted = False
 
         drafts_of = self._plan_drafts(budget)
-        decode_tokens = prefill_tokens = 0
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, request.request_id
             drafts = drafts_of.get(request.request_id, [])[: max(budget - num_new, 0)]
-            is_decode = request.num_output_tokens > 0 and num_new == 1
             # Drafts never preempt anybody: without room for them the sequence decodes plainly.
             new_block_ids = None
             if drafts:
@@ -185,10 +182,6 @@ class Scheduler:
                 break  # request preempted itself: everything after it is gone too
             scheduled.append(self._schedule_chunk(request, num_new, new_block_ids, drafts))
             budget -= num_new + len(drafts)
-            if is_decode:
-                decode_tokens += num_new + len(drafts)
-            else:
-                prefill_tokens += num_new
             i += 1
 
         # A step that had to preempt admits nobody new: the pool is the bottleneck.
@@ -233,20 +226,21 @@ class Scheduler:
             chunk.restore_checkpoint = restore
             scheduled.append(chunk)
             budget -= num_new
-            prefill_tokens += num_new
 
         self.waiting.extendleft(reversed(not_ready))
         finished, self._finished_req_ids = self._finished_req_ids, []
-        self._timed_step = (self._step_id, decode_tokens) if not prefill_tokens else None
         return SchedulerOutput(self._step_id, scheduled, finished)
 
     def record_step_time(self, step: SchedulerOutput, seconds: float) -> None:
-        """The time the workers took for `step`: a step of running requests only feeds the
-        drafter's model of step times."""
-        if self.drafter is not None and self._timed_step is not None:
-            step_id, num_tokens = self._timed_step
-            if step_id == step.step_id:
-                self.drafter.cost.observe(num_tokens, seconds)
+        """The time the workers took for `step`: a step of decodes only (each request one
+        token after its outputs so far, and its drafts) feeds the drafter's model of step times."""
+        if self.drafter is None:
+            return
+        if all(
+            r.sample_index > 0 and len(r.token_ids) == 1 + r.num_draft_tokens for r in step.requests
+        ):
+            num_tokens = step.num_tokens + sum(r.num_model_drafts for r in step.requests)
+            self.drafter.cost.observe(num_tokens, seconds)
 
     def _plan_drafts(self, budget: int) -> dict[str, list[int]]:
         """The drafts each decoding sequence verifies this step (Drafter.plan)."""

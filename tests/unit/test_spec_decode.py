@@ -125,6 +125,20 @@ def run(
     return dict(outs), dict(lps), reasons
 
 
+def plain_and_oracle(model_dir: Path, requests: dict, noise: float, **kw) -> tuple:
+    """`requests` decoded plainly, then with the oracle drafter (drafts corrupted with
+    probability `noise`) on an ngram core of the same settings: (plain's run, the speculative
+    run, drafts accepted)."""
+    plain_core = make_core(model_dir, **kw)
+    plain = run(plain_core, requests)
+    core = make_core(model_dir, SpeculativeConfig("ngram", 6, disable_by_batch_size=64), **kw)
+    spec = run(core, requests, Oracle(core, plain[0], noise, vocab_of(model_dir)))
+    accepted = spec_stats(core)[1]
+    for c in (core, plain_core):
+        c.shutdown()
+    return plain, spec, accepted
+
+
 def prompts_of(vocab: int, n: int = 16, seed: int = 0) -> list[list[int]]:
     """Prompts of 4 to 60 tokens, half of them repeating a short pattern (lookup finds it)."""
     rng = random.Random(seed)
@@ -193,17 +207,13 @@ def test_other_families_and_an_int8_kv_cache(arch: str, request: pytest.FixtureR
     prompts = prompts_of(vocab, 6, seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
     requests = {f"r{i}": ([*p, *p], params) for i, p in enumerate(prompts)}  # past the windows
-    plain_core = make_core(model_dir, **kw)
-    plain, plain_lps, _ = run(plain_core, requests)
-    core = make_core(model_dir, SpeculativeConfig("ngram", 6, disable_by_batch_size=64), **kw)
-    oracle = Oracle(core, plain, 0.2, vocab)
-    outs, lps, _ = run(core, requests, oracle)
+    (plain, plain_lps, _), (outs, lps, _), accepted = plain_and_oracle(
+        model_dir, requests, 0.2, **kw
+    )
     assert outs == plain
     for req_id in requests:
         assert lps[req_id] == pytest.approx(plain_lps[req_id], rel=1e-5, abs=1e-5)
-    assert spec_stats(core)[1] > 20
-    for c in (core, plain_core):
-        c.shutdown()
+    assert accepted > 20
 
 
 def test_batch_invariant_verification_is_bitwise_plain_decoding(tiny_llama: Path) -> None:
@@ -213,16 +223,11 @@ def test_batch_invariant_verification_is_bitwise_plain_decoding(tiny_llama: Path
     prompts = prompts_of(vocab, 8, seed=7)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
     requests = {f"r{i}": (p, params) for i, p in enumerate(prompts)}
-    plain_core = make_core(tiny_llama, batch_invariant=True)
-    plain, plain_lps, _ = run(plain_core, requests)
-    core = make_core(tiny_llama, SpeculativeConfig("ngram", 6, disable_by_batch_size=64),
-                     batch_invariant=True)  # fmt: skip
-    oracle = Oracle(core, plain, 0.2, vocab)
-    outs, lps, _ = run(core, requests, oracle)
+    (plain, plain_lps, _), (outs, lps, _), accepted = plain_and_oracle(
+        tiny_llama, requests, 0.2, batch_invariant=True
+    )
     assert outs == plain and lps == plain_lps
-    assert spec_stats(core)[1] > 50
-    for c in (core, plain_core):
-        c.shutdown()
+    assert accepted > 50
 
 
 @pytest.mark.parametrize("draft", ["itself", "other weights"])
@@ -303,19 +308,14 @@ def test_sampled_tokens_equal_plain_decoding(tiny_llama: Path, mode: str) -> Non
         kw = kinds[i % len(kinds)]
         params = SamplingParams(max_tokens=30, seed=100 + i, logprobs=2, eos_token_ids=[2], **kw)
         requests[f"r{i}"] = (p, params)
-    plain_core = make_core(tiny_llama, logprobs_mode=mode)
-    plain, plain_lps, plain_reasons = run(plain_core, requests)
-    core = make_core(tiny_llama, SpeculativeConfig("ngram", 6, disable_by_batch_size=64),
-                     logprobs_mode=mode)  # fmt: skip
-    oracle = Oracle(core, plain, 0.25, vocab)
-    outs, lps, reasons = run(core, requests, oracle)
+    (plain, plain_lps, plain_reasons), (outs, lps, reasons), accepted = plain_and_oracle(
+        tiny_llama, requests, 0.25, logprobs_mode=mode
+    )
     assert outs == plain
     assert reasons == plain_reasons
     for req_id in requests:
         assert lps[req_id] == pytest.approx(plain_lps[req_id], rel=1e-5, abs=1e-5)
-    assert spec_stats(core)[1] > 50
-    for c in (core, plain_core):
-        c.shutdown()
+    assert accepted > 50
 
 
 def _chi2_p_value(a: collections.Counter, b: collections.Counter) -> float:
