@@ -188,7 +188,9 @@ def test_greedy_equals_plain_and_hf(tiny_llama: Path, chunk: int) -> None:
         if oracle is not None:
             assert accepted > 100  # most drafts were the right continuation
         elif spec.method == "suffix":
-            assert accepted > 50  # the second round drafts from the first round's outputs
+            # NOTE: how many it verifies is planned from measured step times (a loaded machine
+            # drafts less): that drafts were accepted is what holds everywhere
+            assert drafted >= accepted > 0  # the second round drafts from the first's outputs
         core.shutdown()
     plain_core.shutdown()
 
