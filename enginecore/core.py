@@ -62,11 +62,6 @@ class EngineCore:
                     config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False)
                 )
                 self.config = config
-        if config.speculative.enabled and hybrid:
-            raise ValueError(
-                f"speculative decoding is not served on {self.model_task.architecture}: its "
-                "linear-attention states cannot take back rejected drafts"
-            )
         if config.speculative.enabled and config.model.enable_return_routed_experts:
             raise ValueError("speculative decoding and --enable-return-routed-experts exclude "
                              "each other: drafts' routing is not recorded")  # fmt: skip

@@ -32,6 +32,7 @@ from enginecore.messages import SamplingParams, ScheduledRequest
 from workers.distributed import ParallelContext, shard_heads
 from workers.layers.attention import Attention, build_attention_metadata
 from workers.layers.embedding import ParallelLMHead
+from workers.layers.gated_delta_net import GatedDeltaNet
 from workers.layers.linear import LinearBase
 from workers.layers.norm import RMSNorm
 from workers.layers.sampler import Sampler, SamplingTensors
@@ -77,6 +78,11 @@ class DraftModel:
         load_checkpoint(model, path)
         self.model = model.eval()
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        if any(isinstance(m, GatedDeltaNet) for m in model.modules()):
+            raise ValueError(
+                f"the draft model {args.architecture} has linear-attention layers: a draft model "
+                "keeps only a KV cache"
+            )
         if len(model.model.kv_cache_groups) != 1:
             raise ValueError(
                 f"the draft model {args.architecture} has sliding-window layers: a draft model "

@@ -152,6 +152,9 @@ class _RequestState:
     pooling: PoolingState | None = None  # pooling models: the prompt's pooling so far
     state_slot: int = -1  # hybrid models: its row in the linear-attention state pools
     lora_slot: int = -1  # the LoRA adapter it runs on (workers/lora_adapters.py), -1: none
+    # Hybrid models, after a step that verified drafts: its first position and token count, and
+    # each linear-attention layer's states after each of its tokens (GatedDeltaNet._verify).
+    drafted: tuple[int, int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
 
 class ModelRunner:
@@ -496,6 +499,7 @@ class ModelRunner:
                 if r.restore_checkpoint >= 0:
                     self._restore_checkpoint(r)
             elif r.req_id in self.requests:
+                self._take_back_drafts(r)
                 tables = self.requests[r.req_id].block_tables
                 for table, new in zip(tables, [r.new_block_ids, *r.other_group_block_ids]):
                     table.extend(new)
@@ -508,6 +512,25 @@ class ModelRunner:
             if history is not None:
                 num_computed = len(r.token_ids) - r.num_draft_tokens
                 history.extend(r.start_pos, r.token_ids[:num_computed], r.token_ids[num_computed:])
+
+    def _take_back_drafts(self, r: ScheduledRequest) -> None:
+        """A hybrid model's request whose last step verified drafts: where this step starts says
+        how many of its tokens were kept; the linear-attention states return to theirs (a
+        rejected draft's KV is simply written over). Every pipeline stage reads it the same way."""
+        state = self.requests[r.req_id]
+        if state.drafted is None:
+            return
+        start, num_tokens, layer_states = state.drafted
+        state.drafted = None
+        kept = r.start_pos - start
+        if not 0 < kept <= num_tokens:
+            raise ValueError(
+                f"request {r.req_id!r} resumes at {r.start_pos} after verifying {num_tokens} "
+                f"tokens from {start}"
+            )
+        if kept < num_tokens:
+            for layer, states in zip(self.linear_layers, layer_states):
+                layer.take_back(state.state_slot, states, kept)
 
     def _token_lora_slots(self, reqs: list[ScheduledRequest]) -> torch.Tensor | None:
         """Each token's adapter slot this step, or None when no request runs on one."""
@@ -637,6 +660,7 @@ class ModelRunner:
                 for i, r in enumerate(reqs)
                 for offset, checkpoint in r.save_checkpoints
             ]
+            meta.draft_seqs = [i for i, r in enumerate(reqs) if r.num_draft_tokens]
         p = self.parallel
         t1 = time.perf_counter()
         timings["prepare"] = t1 - t0
@@ -654,6 +678,10 @@ class ModelRunner:
             layer.captured = [] if recording else None
         # (T, hidden) on the last stage; (2, T, hidden), hidden states and residual, on the others
         hidden = self.model(input_ids, meta, intermediate)
+        for i in meta.draft_seqs:
+            r, state = reqs[i], self.requests[reqs[i].req_id]
+            states = [layer.drafted_states.pop(state.state_slot) for layer in self.linear_layers]
+            state.drafted = (r.start_pos, len(r.token_ids), states)
         t2 = time.perf_counter()
         timings["forward"] = t2 - t1
         routes = self._routes(earlier_routes, num_tokens) if recording else None

@@ -119,25 +119,32 @@ def copy_prompts(model_dir: Path) -> list[list[int]]:
     ]
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
-def test_speculative_decoding_at_tp2_matches_hf(tiny_llama: Path, method: str) -> None:
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "suffix-qwen3_5-pp2"])
+def test_speculative_decoding_at_tp2_matches_hf(
+    tiny_llama: Path, method: str, request: pytest.FixtureRequest
+) -> None:
     """16 prompts twice, with 16-token prefill chunks at --tp 2 (the second round's prompts hit
     the prefix cache): every drafter's greedy output is Hugging Face's, drafts accepted.
     ngram runs the default model on prompts it copies from; suffix the tiny Llama, whose second
     round it drafts from the first round's outputs; draft_model the tiny Llama drafting for
-    itself (sharded as it is, its own KV cache)."""
+    itself (sharded as it is, its own KV cache). The tiny Qwen3.5 with suffix at --pp 2: each
+    stage takes back its own linear-attention states' rejected drafts."""
     from frontend.model_prep import default_model_dir, is_complete
     from tests.unit.test_spec_decode import prompts_of
 
+    tp, pp = 2, 1
     if method == "ngram":
         model_dir = Path(default_model_dir())
         if not is_complete(model_dir):
             pytest.skip("the default model is not prepared (scripts/setup_env prepares it)")
         prompts = copy_prompts(model_dir)
+    elif method == "suffix-qwen3_5-pp2":
+        method, model_dir, tp, pp = "suffix", request.getfixturevalue("tiny_qwen3_5"), 1, 2
+        prompts = prompts_of(vocab_of(model_dir))
     else:
         model_dir = tiny_llama
         prompts = prompts_of(vocab_of(tiny_llama))
-    config = parallel_config(model_dir, 2, 1).replace(
+    config = parallel_config(model_dir, tp, pp).replace(
         scheduler=SchedulerConfig(max_num_batched_tokens=16),
         speculative=SpeculativeConfig(
             method, 6, disable_by_batch_size=64,

@@ -56,6 +56,7 @@ def make_core(model_dir: Path, spec: SpeculativeConfig | None = None, **kw) -> E
             enable_prefix_caching=kw.pop("prefix_caching", True),
             num_gpu_blocks_override=kw.pop("num_blocks", None),
             kv_cache_dtype=kw.pop("kv_cache_dtype", "auto"),
+            state_checkpoint_interval=kw.pop("state_checkpoint_interval", None),
         ),
         scheduler=SchedulerConfig(**kw),
         speculative=spec or SpeculativeConfig(),
@@ -196,7 +197,8 @@ def test_greedy_equals_plain_and_hf(tiny_llama: Path, chunk: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "arch", ["tiny_gemma3", "tiny_mistral", "tiny_qwen3_moe", "tiny_gpt_oss", "int8_kv"]
+    "arch",
+    ["tiny_gemma3", "tiny_mistral", "tiny_qwen3_moe", "tiny_gpt_oss", "tiny_qwen3_5", "int8_kv"],
 )
 def test_other_families_and_an_int8_kv_cache(arch: str, request: pytest.FixtureRequest) -> None:
     """Sliding windows in their own KV-cache groups (Gemma 3, Mistral), experts, attention sinks
@@ -216,6 +218,39 @@ def test_other_families_and_an_int8_kv_cache(arch: str, request: pytest.FixtureR
     for req_id in requests:
         assert lps[req_id] == pytest.approx(plain_lps[req_id], rel=1e-5, abs=1e-5)
     assert accepted > 20
+
+
+def test_hybrid_linear_attention_takes_back_rejected_drafts(tiny_qwen3_5: Path) -> None:
+    """Qwen3.5's Gated DeltaNet layers carry a state from token to token: after a verification
+    step it must be the state after the last kept token. Chunked prompts, greedy and seeded
+    sampling, then a next turn (prompt + output + more) whose prefix-cache hit resumes from state
+    checkpoints that verification steps took: plain decoding's tokens and HF's."""
+    vocab = vocab_of(tiny_qwen3_5)
+    prompts = prompts_of(vocab, 8, seed=8)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True)
+    first = {f"r{i}": (p, greedy if i % 2 else seeded) for i, p in enumerate(prompts)}
+    kw = {"block_size": 4, "state_checkpoint_interval": 8, "max_num_batched_tokens": 7}
+    plain_core = make_core(tiny_qwen3_5, **kw)
+    plain, plain_lps, _ = run(plain_core, first)
+    greedy_ids = [i for i in range(8) if i % 2]
+    assert [plain[f"r{i}"] for i in greedy_ids] == hf_greedy(
+        tiny_qwen3_5, [prompts[i] for i in greedy_ids], 24
+    )
+    turns = {f"t{i}": ([*p, *plain[f"r{i}"], 5, 6, 7], greedy) for i, p in enumerate(prompts)}
+    plain_turns = run(plain_core, turns)
+    core = make_core(tiny_qwen3_5, SpeculativeConfig("ngram", 6, disable_by_batch_size=64), **kw)
+    oracle = Oracle(core, {**plain, **plain_turns[0]}, 0.3, vocab)
+    outs, lps, _ = run(core, first, oracle)
+    assert outs == plain
+    for req_id in first:
+        assert lps.get(req_id, []) == pytest.approx(plain_lps.get(req_id, []), rel=1e-5, abs=1e-5)
+    turn_outs, _, _ = run(core, turns, oracle)
+    assert turn_outs == plain_turns[0]
+    stats = core.stats()
+    assert stats.prefix_cache_hits > 0 and spec_stats(core)[1] > 20
+    for c in (core, plain_core):
+        c.shutdown()
 
 
 def test_batch_invariant_verification_is_bitwise_plain_decoding(tiny_llama: Path) -> None:

@@ -129,6 +129,9 @@ class AttentionMetadata:
     # (sequence index, tokens into its chunk, state-pool row): where the linear-attention layers
     # copy a sequence's states into a prefix-cache checkpoint (enginecore/state_checkpoints.py).
     state_saves: list[tuple[int, int, int]] = field(default_factory=list)
+    # The sequences verifying drafts (their tokens after the first); set by the model runner
+    # (hybrid models: their linear-attention states are kept per token, to take back rejections).
+    draft_seqs: list[int] = field(default_factory=list)
     # The same step through each further KV-cache group's block tables (workers/kv_cache_groups.py).
     other_kv_groups: list[AttentionMetadata] = field(default_factory=list)
 

@@ -8,6 +8,9 @@ sequence's slot (AttentionMetadata.state_slots); a sequence computed from its fi
 from zeros. For the prefix cache, the layer also copies a sequence's states as they stand a given
 number of tokens into its chunk into checkpoint rows of the same pools (AttentionMetadata.
 state_saves, enginecore/state_checkpoints.py): a prompt chunk is computed in pieces split there.
+A sequence verifying speculative drafts (AttentionMetadata.draft_seqs) steps through its tokens
+one at a time and keeps the states after each, which the model runner puts back once it knows
+how many were accepted.
 
 The maths is Hugging Face's (the oracle): in_proj_qkv -> causal conv1d -> SiLU -> q, k, v; q and k
 L2-normalised, q scaled by key_dim ** -0.5; beta = sigmoid(in_proj_b); the decay g = -exp(A_log) *
@@ -83,6 +86,8 @@ class GatedDeltaNet(nn.Module):
         # dtype and (num_slots, v_heads, head_k_dim, head_v_dim) float32.
         self.conv_states = torch.empty(0)
         self.recurrent_states = torch.empty(0)
+        # The last step's verifying sequences: pool row -> the states after each of its tokens.
+        self.drafted_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per-sequence shapes of (conv state, recurrent state)."""
@@ -129,7 +134,9 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x)
         b, a = self.in_proj_b(x), self.in_proj_a(x)  # (T, Hv)
         slots, starts, lens = meta.state_slots, meta.start_pos_list, meta.query_len_list
-        decode_only = meta.decode is not None and meta.decode.is_whole_batch
+        self.drafted_states = {}
+        drafting = set(meta.draft_seqs)
+        decode_only = meta.decode is not None and meta.decode.is_whole_batch and not drafting
         if decode_only and self._uses_kernel(mixed):
             heads = (self.k_heads, self.v_heads, self.head_k_dim, self.head_v_dim)
             o = native.gated_delta_decode(
@@ -149,8 +156,10 @@ class GatedDeltaNet(nn.Module):
             first = meta.query_start_list
             rows = torch.tensor([first[i] for i in decodes], device=x.device)
             self._decode(mixed[rows], beta[rows], g[rows], slots[decodes], fresh, out, rows)
+        if drafting:
+            self._verify(sorted(drafting), mixed, beta, g, meta, out)
         for i, n in enumerate(lens):
-            if n != 1:
+            if n != 1 and i not in drafting:
                 # Checkpoints inside the chunk split it: the states are taken there.
                 cuts = sorted((at, row) for seq, at, row in meta.state_saves if seq == i and at < n)
                 first, slot = meta.query_start_list[i], int(slots[i])
@@ -168,8 +177,12 @@ class GatedDeltaNet(nn.Module):
 
     def _save_chunk_ends(self, meta: AttentionMetadata, slots: torch.Tensor) -> None:
         """Checkpoints of the states at the end of sequences' chunks."""
-        lens = meta.query_len_list
-        ends = [(int(slots[seq]), row) for seq, at, row in meta.state_saves if at == lens[seq]]
+        lens, drafting = meta.query_len_list, meta.draft_seqs
+        ends = [
+            (int(slots[seq]), row)
+            for seq, at, row in meta.state_saves
+            if at == lens[seq] and seq not in drafting
+        ]
         if ends:
             self.copy_states([slot for slot, _ in ends], [row for _, row in ends])
 
@@ -215,6 +228,38 @@ class GatedDeltaNet(nn.Module):
         recurrent.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))
         self.recurrent_states[slots] = recurrent
         out[rows] = (q.unsqueeze(-2) @ recurrent).squeeze(-2).to(out.dtype)
+
+    def _verify(self, seqs, mixed, beta, g, meta: AttentionMetadata, out) -> None:
+        """The sequences verifying drafts (`seqs`): their tokens one recurrence step at a time,
+        keeping the states after each (`drafted_states`, by pool row) so that the model runner
+        can take back the rejected drafts' (ModelRunner._take_back_drafts); checkpoints inside
+        the known tokens are taken where they fall."""
+        first, starts, lens = meta.query_start_list, meta.start_pos_list, meta.query_len_list
+        slots = meta.state_slots
+        kept: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {i: ([], []) for i in seqs}
+        for j in range(max(lens[i] for i in seqs)):
+            now = [i for i in seqs if lens[i] > j]
+            rows = torch.tensor([first[i] + j for i in now], device=mixed.device)
+            rows_slots = slots[now]
+            fresh = [starts[i] == 0 and j == 0 for i in now]
+            self._decode(mixed[rows], beta[rows], g[rows], rows_slots, fresh, out, rows)
+            conv, recurrent = self.conv_states[rows_slots], self.recurrent_states[rows_slots]
+            for n, i in enumerate(now):
+                kept[i][0].append(conv[n])
+                kept[i][1].append(recurrent[n])
+            for seq, at, row in meta.state_saves:
+                if at == j + 1 and seq in now:
+                    self.copy_states([int(slots[seq])], [row])
+        self.drafted_states = {
+            int(slots[i]): (torch.stack(convs), torch.stack(recurrents))
+            for i, (convs, recurrents) in kept.items()
+        }
+
+    def take_back(self, slot: int, states: tuple[torch.Tensor, torch.Tensor], kept: int) -> None:
+        """Pool row `slot` back to its states after the first `kept` tokens of a verification
+        step (`states`: that step's drafted_states[slot])."""
+        self.conv_states[slot] = states[0][kept - 1]
+        self.recurrent_states[slot] = states[1][kept - 1]
 
     def _prefill(self, mixed, beta, g, slot, fresh, out, span) -> None:
         """Several tokens of one sequence, continuing its states."""
