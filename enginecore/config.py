@@ -247,7 +247,9 @@ class LoraConfig:
         return self.max_cpu_loras or self.max_loras
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "mtp")
+# The methods whose drafts the workers make with a model (workers/draft_model.py, mtp_drafter.py).
+MODEL_DRAFT_METHODS = ("draft_model", "mtp")
 
 
 @dataclass(frozen=True)
@@ -255,7 +257,7 @@ class SpeculativeConfig:
     """Speculative decoding (--speculative-config, vLLM's keys; enginecore/speculative.py).
     Off when `method` is None."""
 
-    method: str | None = None  # ngram | suffix | draft_model
+    method: str | None = None  # ngram | suffix | draft_model | mtp (the checkpoint's own head)
     num_speculative_tokens: int = 0  # the most drafts a sequence verifies in one step
     model: str | None = None  # draft_model: the draft model's directory (the same vocabulary)
     prompt_lookup_min: int = 2  # ngram: the shortest suffix matched

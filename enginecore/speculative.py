@@ -7,7 +7,8 @@ differs from the token sampled before it (workers/speculative.py). The drafters 
 - `ngram` (prompt lookup): the latest earlier occurrence of the sequence's last n tokens
   (prompt_lookup_max down to prompt_lookup_min) in its prompt and output, and what followed it; a
   match that runs into the end of the sequence repeats with its period.
-- `draft_model`: a small model on the workers drafts (workers/draft_model.py); here only how many
+- `draft_model` and `mtp`: a small model (workers/draft_model.py) or the served checkpoint's own
+  multi-token-prediction head (workers/mtp_drafter.py) drafts on the workers; here only how many
   drafts each sequence gets is decided.
 - `suffix` (suffix decoding, arXiv 2411.04975): suffix tries of bounded depth, one over the
   sequence's own prompt and output and one over the outputs of recently finished requests. The
@@ -31,7 +32,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from enginecore.config import SpeculativeConfig
+from enginecore.config import MODEL_DRAFT_METHODS, SpeculativeConfig
 
 # Sequences in a step above which drafts stop paying on a CPU (scripts/bench_spec.py measures it):
 # the verification rows of a batch this large cost as much as the decode steps they save.
@@ -215,7 +216,7 @@ class Drafter:
         assert config.enabled
         self.config = config
         self.max_k = config.num_speculative_tokens
-        self.on_workers = config.method == "draft_model"  # the workers draft with a model
+        self.on_workers = config.method in MODEL_DRAFT_METHODS  # the workers draft with a model
         self.max_batch = config.disable_by_batch_size or SPEC_MAX_BATCH_DEFAULT
         self.cost = StepCost()
         self._hits = self._misses = 0.0  # over all sequences, decayed (new sequences' prior)
@@ -235,7 +236,7 @@ class Drafter:
         if k <= 0:
             return []
         c = self.config
-        if c.method == "draft_model":  # the workers draft: only how many is decided here
+        if self.on_workers:  # the workers draft: only how many is decided here
             return [0] * k
         if c.method == "ngram":
             if seq.ngrams is None:

@@ -403,16 +403,25 @@ def make_parser() -> argparse.ArgumentParser:
         help='vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\': method '
         "ngram (prompt lookup: prompt_lookup_min/max) or suffix (suffix decoding: "
         "suffix_decoding_max_tree_depth, _max_cached_requests, _max_spec_factor, "
-        '_min_token_prob) or draft_model ("model": a small model with the same vocabulary); '
+        '_min_token_prob), draft_model ("model": a small model with the same vocabulary) or '
+        "mtp (the checkpoint's own multi-token-prediction layer: Qwen3.5, Qwen3-Next); "
         "disable_by_batch_size: no drafts in larger steps (default 8)",
     )
     spec.add_argument(
         "--speculative-algorithm",
         default=None,
         help="SGLang's: NGRAM (= method ngram), STANDALONE (= draft_model, with "
-        "--speculative-draft-model-path) or SUFFIX; with the flags below",
+        "--speculative-draft-model-path), SUFFIX, or NEXTN / EAGLE without a draft model path "
+        "(= mtp); with the flags below",
     )
     spec.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    spec.add_argument(
+        "--speculative-num-steps",
+        type=int,
+        default=None,
+        help="SGLang's draft steps (NEXTN / EAGLE): the drafts a sequence verifies at most",
+    )
+    spec.add_argument("--speculative-eagle-topk", type=int, default=None, help="1 only")
     spec.add_argument("--speculative-draft-model-path", default=None)
     spec.add_argument("--speculative-ngram-min-match-window-size", type=int, default=None)
     spec.add_argument("--speculative-ngram-max-match-window-size", type=int, default=None)
@@ -539,10 +548,17 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
             raise ValueError("--speculative-config must be a JSON object")
     elif args.speculative_algorithm is not None:
         algorithm = args.speculative_algorithm.lower()
+        if algorithm == "nextn" or (
+            algorithm == "eagle" and args.speculative_draft_model_path is None
+        ):  # SGLang drafts with the checkpoint's own MTP layers
+            algorithm = "mtp"
+        if (args.speculative_eagle_topk or 1) != 1:
+            raise ValueError("--speculative-eagle-topk above 1 (tree drafts) is not served")
+        steps = args.speculative_num_steps
         spec = {"method": "draft_model" if algorithm == "standalone" else algorithm}
         sglang = {
             "model": args.speculative_draft_model_path,
-            "num_speculative_tokens": args.speculative_num_draft_tokens,
+            "num_speculative_tokens": args.speculative_num_draft_tokens if steps is None else steps,
             "prompt_lookup_min": args.speculative_ngram_min_match_window_size,
             "prompt_lookup_max": args.speculative_ngram_max_match_window_size,
         }
@@ -559,10 +575,12 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
             raise ValueError(f"the draft model {spec['model']}: not a model directory")
         spec["model"] = str(model.resolve())
     method = spec.get("method")
-    if method in ("eagle", "eagle3", "mtp", "nextn", "medusa", "mlp_speculator"):
+    if isinstance(method, str) and method.endswith("_mtp"):  # vLLM's older per-family names
+        spec["method"] = method = "mtp"
+    if method in ("eagle", "eagle3", "medusa", "mlp_speculator"):
         raise ValueError(
-            f"speculative method {method!r} is not served yet: tern drafts with ngram, suffix "
-            "or draft_model"
+            f"speculative method {method!r} is not served yet: tern drafts with ngram, suffix, "
+            "draft_model or mtp (the checkpoint's own multi-token-prediction head)"
         )
     unknown = sorted(set(spec) - _SPEC_KEYS)
     if unknown:

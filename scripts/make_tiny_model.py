@@ -363,6 +363,43 @@ def make_tiny_model(
     return out_dir
 
 
+def add_mtp_head(model_dir: Path, out_dir: Path, seed: int = 0) -> Path:
+    """A copy of a tiny qwen3_5 / qwen3_5_moe checkpoint with a random multi-token-prediction head
+    as Qwen3.5 releases carry one (`mtp_num_hidden_layers: 1`; `mtp.fc` [hidden, 2 * hidden],
+    `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.norm` and `mtp.layers.0.*`
+    shaped as the last full-attention layer), which transformers neither builds nor saves."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out_dir = Path(out_dir)
+    shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
+    config = json.loads((out_dir / "config.json").read_text())
+    config["mtp_num_hidden_layers"] = 1
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    weights = load_file(out_dir / "model.safetensors")
+    last_full = max(i for i, t in enumerate(config["layer_types"]) if t == "full_attention")
+    prefix = f"model.layers.{last_full}."
+    gen = torch.Generator().manual_seed(seed)
+    hidden = config["hidden_size"]
+
+    def like(t: torch.Tensor, name: str) -> torch.Tensor:
+        if name.endswith("norm.weight"):  # 1 + weight norms: around 0
+            return torch.randn(t.shape, generator=gen) * 0.2
+        return torch.randn(t.shape, generator=gen) * max(float(t.float().std()), INIT_STD)
+
+    for name, t in list(weights.items()):
+        if name.startswith(prefix):
+            mtp_name = "mtp.layers.0." + name[len(prefix) :]
+            weights[mtp_name] = like(t, mtp_name).to(t.dtype)
+    weights["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * INIT_STD
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        weights[f"mtp.{norm}.weight"] = torch.randn(hidden, generator=gen) * 0.2
+    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return out_dir
+
+
 _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 

@@ -86,6 +86,22 @@ for _name in ZOO_FIXTURES + MOE_FIXTURES:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5_mtp(tiny_qwen3_5: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3.5 with a random multi-token-prediction head (`mtp.*`), as releases have."""
+    return _load_tiny_model_module().add_mtp_head(
+        tiny_qwen3_5, tmp_path_factory.mktemp("tiny_qwen3_5_mtp")
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_mtp(tiny_qwen3_5_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3.5-MoE with a random multi-token-prediction head (its layer has experts)."""
+    return _load_tiny_model_module().add_mtp_head(
+        tiny_qwen3_5_moe, tmp_path_factory.mktemp("tiny_qwen3_5_moe_mtp")
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_perturbed(
     tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None
 ) -> Path:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import msgspec
 import torch
 
 from enginecore.messages import SamplingParams, ScheduledRequest
@@ -35,8 +34,9 @@ from workers.layers.embedding import ParallelLMHead
 from workers.layers.gated_delta_net import GatedDeltaNet
 from workers.layers.linear import LinearBase
 from workers.layers.norm import RMSNorm
-from workers.layers.sampler import Sampler, SamplingTensors
+from workers.layers.sampler import Sampler
 from workers.models.registry import ModelArgs, build_model, load_model_args
+from workers.speculative import sample_drafts
 from workers.weight_loader import load_checkpoint
 
 
@@ -165,9 +165,7 @@ class DraftModel:
         ends = torch.tensor([len(c) for c in chunks]).cumsum(0)
         rows = ends[torch.tensor(drafting)] - 1
         out: dict[str, list[int]] = {reqs[i].req_id: [] for i in drafting}
-        tokens = self._sample(
-            hidden[rows], [reqs[i] for i in drafting], [params[i] for i in drafting], 0
-        )
+        tokens = self._sample(hidden[rows], drafting, reqs, params, 0)
         # 2. one decode step per further draft, the requests that want more
         for j in range(1, max(reqs[i].num_model_drafts for i in drafting) + 1):
             for i, t in zip(drafting, tokens):
@@ -179,9 +177,7 @@ class DraftModel:
             positions = [reqs[i].start_pos + len(reqs[i].token_ids) - 1 + j for i in drafting]
             hidden = self._forward(positions, [[prev[reqs[i].req_id]] for i in drafting],
                                    [tables[i] for i in drafting])  # fmt: skip
-            tokens = self._sample(
-                hidden, [reqs[i] for i in drafting], [params[i] for i in drafting], j
-            )
+            tokens = self._sample(hidden, drafting, reqs, params, j)
         for r in reqs:
             if r.req_id in out:
                 state = self._states[r.req_id]
@@ -203,19 +199,12 @@ class DraftModel:
     def _sample(
         self,
         hidden: torch.Tensor,
+        drafting: list[int],
         reqs: list[ScheduledRequest],
         params: list[SamplingParams],
         j: int,
     ) -> list[int]:
-        """The draft token at output index sample_index + j of each request: sampled as the
-        served model will sample that position (penalties aside)."""
         logits = self.model.compute_logits(hidden).float()
-        plain = [
-            msgspec.structs.replace(p, repetition_penalty=1.0, frequency_penalty=0.0,
-                                    presence_penalty=0.0)
-            for p in params
-        ]  # fmt: skip
-        tensors = SamplingTensors.from_params(
-            plain, [r.sample_index + j for r in reqs], logits.size(-1), self.device
+        return sample_drafts(
+            self.sampler, logits, [reqs[i] for i in drafting], [params[i] for i in drafting], j
         )
-        return self.sampler(logits, tensors).tolist()

@@ -69,6 +69,7 @@ from workers.layers.sampler import Sampler, SamplingTensors
 from workers.lora_adapters import attach_lora_stacks
 from workers.models.decoder import mlp_shard_of
 from workers.models.registry import ModelArgs, build_model, load_model_args
+from workers.mtp_drafter import MtpDrafter
 from workers.quantized_checkpoints import checkpoint_quantization
 from workers.speculative import SampleRows
 from workers.weight_loader import keep_blocks_everywhere, load_checkpoint
@@ -215,7 +216,11 @@ class ModelRunner:
         self.requests: dict[str, _RequestState] = {}
         self.sampler = Sampler()
         self.lora_batch: LoraBatch | None = None  # with --enable-lora: the step's adapter slots
-        self.draft: DraftModel | None = None  # speculative decoding's draft model, if any
+        # Speculative decoding's drafter on the workers, if any: a draft model, or the served
+        # checkpoint's multi-token-prediction head (`mtp`, which also needs each step's hidden
+        # states).
+        self.draft: DraftModel | MtpDrafter | None = None
+        self.mtp: MtpDrafter | None = None
         self._processed_logprobs = config.model.logprobs_mode == "processed_logprobs"
         # Seconds spent in each phase of the last step (scripts/bench_step.py reads it).
         self.last_step_timings: dict[str, float] = {}
@@ -223,8 +228,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ set-up
 
     def load_model(self) -> None:
+        speculative = self.config.speculative
         with _default_dtype(self.dtype), self.device:
             model = build_model(self.args, self.parallel)
+            if speculative.method == "mtp":
+                if self.config.lora.enabled:
+                    raise ValueError("speculative method mtp is not served with --enable-lora")
+                model.attach_mtp()
         if self.weight_dtype != self.dtype:
             store_weights_in_bfloat16(model)
         if self.int4:  # every linear layer keeps INT4_ZP blocks, quantized as the weights arrive
@@ -249,11 +259,12 @@ class ModelRunner:
             )
         if self.config.model.batch_invariant:
             self._make_batch_invariant()
-        spec = self.config.speculative
-        if spec.method == "draft_model":
-            assert spec.model is not None
-            self.draft = DraftModel(spec.model, self.args, self.parallel, self.device,
+        if speculative.method == "draft_model":
+            assert speculative.model is not None
+            self.draft = DraftModel(speculative.model, self.args, self.parallel, self.device,
                                     self.dtype, self.block_size)  # fmt: skip
+        elif speculative.method == "mtp":
+            self.draft = self.mtp = MtpDrafter(model, self.block_size, self.device)
         self.repack_weights()
         logger.info("loaded %s", self.model_summary)
 
@@ -682,6 +693,8 @@ class ModelRunner:
             r, state = reqs[i], self.requests[reqs[i].req_id]
             states = [layer.drafted_states.pop(state.state_slot) for layer in self.linear_layers]
             state.drafted = (r.start_pos, len(r.token_ids), states)
+        if self.mtp is not None:
+            self.mtp.record(reqs, hidden, meta.query_start_loc.tolist())
         t2 = time.perf_counter()
         timings["forward"] = t2 - t1
         routes = self._routes(earlier_routes, num_tokens) if recording else None

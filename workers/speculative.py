@@ -20,10 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import msgspec
 import torch
 
-from enginecore.messages import ScheduledRequest
+from enginecore.messages import SamplingParams, ScheduledRequest
 from workers.layers.logits_processors import DraftedHistory, TokenHistory
+from workers.layers.sampler import Sampler, SamplingTensors
 
 T = TypeVar("T")
 
@@ -90,3 +92,26 @@ class SampleRows:
             spans.append((lo, lo + a + 1))
             lo += len(drafts) + 1
         return spans
+
+
+def sample_drafts(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    reqs: Sequence[ScheduledRequest],
+    params: Sequence[SamplingParams],
+    j: int,
+) -> list[int]:
+    """A model draft (workers/draft_model.py, workers/mtp_drafter.py) for output index
+    sample_index + j of each request, from the draft's logits (N, vocab) float32: sampled as the
+    served model will sample that position (its seed's noise, temperature, top-k/p, min-p, logit
+    bias, min_tokens; penalties left out), so that where the two agree the same token is drawn
+    and the draft is kept; greedy requests take the argmax."""
+    plain = [
+        msgspec.structs.replace(p, repetition_penalty=1.0, frequency_penalty=0.0,
+                                presence_penalty=0.0)
+        for p in params
+    ]  # fmt: skip
+    tensors = SamplingTensors.from_params(
+        plain, [r.sample_index + j for r in reqs], logits.size(-1), logits.device
+    )
+    return sampler(logits, tensors).tolist()

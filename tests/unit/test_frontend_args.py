@@ -113,6 +113,13 @@ def test_speculative_config_from_vllm_json_or_sglang_flags() -> None:
     assert (s.method, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max) == (
         "ngram", 6, 3, 5,
     )  # fmt: skip
+    s = spec("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
+             "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4")  # fmt: skip
+    assert (s.method, s.num_speculative_tokens) == ("mtp", 3)
+    assert spec("--speculative-algorithm", "EAGLE").method == "mtp"
+    assert spec("--speculative-config", '{"method": "qwen3_next_mtp"}').method == "mtp"
+    with pytest.raises(ValueError, match="tree drafts"):
+        spec("--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "4")
     s = spec("--speculative-config", '{"method": "suffix", "disable_by_batch_size": 4}')
     assert s.num_speculative_tokens == 24 and s.disable_by_batch_size == 4
     for bad, message in [

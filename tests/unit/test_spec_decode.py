@@ -253,6 +253,118 @@ def test_hybrid_linear_attention_takes_back_rejected_drafts(tiny_qwen3_5: Path) 
         c.shutdown()
 
 
+@pytest.mark.parametrize("arch", ["tiny_qwen3_5_mtp", "tiny_qwen3_5_moe_mtp"])
+def test_mtp_head_drafts_from_the_served_models_hidden_states(
+    arch: str, request: pytest.FixtureRequest
+) -> None:
+    """Speculative method mtp: the checkpoint's own multi-token-prediction head (random here:
+    correctness does not depend on its quality) drafts from the served model's final hidden
+    states, every draft verified. Chunked prompts, greedy and seeded sampling, a next turn from
+    the prefix cache: plain decoding's tokens and logprobs. And the head itself: each step's
+    first greedy draft is the argmax of a Hugging Face-built reference head run over the
+    sequence so far (transformers' Qwen3.5 decoder layer with the mtp.* weights). Qwen3.5-MoE's
+    head has experts."""
+    model_dir = request.getfixturevalue(arch)
+    vocab = vocab_of(model_dir)
+    prompts = prompts_of(vocab, 8, seed=9)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True)
+    first = {f"r{i}": (p, greedy if i % 2 else seeded) for i, p in enumerate(prompts)}
+    kw = {"block_size": 4, "state_checkpoint_interval": 8, "max_num_batched_tokens": 9}
+    plain_core = make_core(model_dir, **kw)
+    plain, plain_lps, _ = run(plain_core, first)
+    turns = {f"t{i}": ([*p, *plain[f"r{i}"], 5, 6], greedy) for i, p in enumerate(prompts)}
+    plain_turns = run(plain_core, turns)
+    plain_core.shutdown()
+    core = make_core(model_dir, SpeculativeConfig("mtp", 3, disable_by_batch_size=64), **kw)
+    verify_every_draft(core)
+    runner = core.executor.runner
+    proposed: list[tuple[list[int], list[int]]] = []  # (sequence before the draft, drafts)
+    propose = runner.draft.propose
+
+    def spy(reqs, tables, params):
+        drafts = propose(reqs, tables, params)
+        for r in reqs:
+            if r.req_id in drafts and r.req_id.startswith("r") and int(r.req_id[1:]) % 2:
+                sequence = [*first[r.req_id][0], *plain[r.req_id]][: r.start_pos + 1]
+                proposed.append((sequence, drafts[r.req_id]))
+        return drafts
+
+    runner.draft.propose = spy
+    outs, lps, _ = run(core, first)
+    assert outs == plain
+    for req_id in first:
+        assert lps.get(req_id, []) == pytest.approx(plain_lps.get(req_id, []), rel=1e-5, abs=1e-5)
+    assert run(core, turns)[0] == plain_turns[0]
+    assert core.stats().prefix_cache_hits > 0 and spec_stats(core)[0] > 50
+    core.shutdown()
+    assert len(proposed) > 20
+    reference = reference_mtp_first_drafts(model_dir, [seq for seq, _ in proposed])
+    assert [drafts[0] for _, drafts in proposed] == reference
+
+
+def test_mtp_needs_a_checkpoint_with_its_head(tiny_llama: Path, tiny_qwen3_5: Path) -> None:
+    for model_dir in (tiny_llama, tiny_qwen3_5):
+        with pytest.raises(ValueError, match="mtp_num_hidden_layers"):
+            make_core(model_dir, SpeculativeConfig("mtp", 2))
+
+
+def reference_mtp_first_drafts(model_dir: Path, sequences: list[list[int]]) -> list[int]:
+    """Qwen3.5's MTP head as released checkpoints define it, from transformers' modules: at
+    each position i, fc([norm_e(embed(t_{i+1})), norm_h(h_i)]) -> the decoder layer (causal over
+    positions 0..i) -> norm -> LM head; the greedy guess at the token after each sequence's
+    last one (h: the served model's final hidden states)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+
+    config = AutoConfig.from_pretrained(model_dir)
+    moe = config.model_type.startswith("qwen3_5_moe")
+    q = modeling_qwen3_5_moe if moe else modeling_qwen3_5
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    weights = load_file(model_dir / "model.safetensors")
+    last_full = max(i for i, t in enumerate(config.layer_types) if t == "full_attention")
+    layer = (q.Qwen3_5MoeDecoderLayer if moe else q.Qwen3_5DecoderLayer)(config, last_full)
+    state = {k.removeprefix("mtp.layers.0."): v for k, v in weights.items() if "mtp.layers.0." in k}
+    if moe:  # saved per expert; the module holds them stacked, gate and up fused
+        n = config.num_experts
+        per = [
+            state.pop(f"mlp.experts.{e}.{w}_proj.weight")
+            for e in range(n)
+            for w in ("gate", "up", "down")
+        ]
+        state["mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat(per[3 * e : 3 * e + 2]) for e in range(n)]
+        )
+        state["mlp.experts.down_proj"] = torch.stack([per[3 * e + 2] for e in range(n)])
+    layer.load_state_dict(state)
+    norms = {}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[name] = (q.Qwen3_5MoeRMSNorm if moe else q.Qwen3_5RMSNorm)(
+            config.hidden_size, eps=config.rms_norm_eps
+        )
+        norms[name].weight.data.copy_(weights[f"mtp.{name}.weight"])
+    fc = weights["mtp.fc.weight"]
+    rotary = (q.Qwen3_5MoeTextRotaryEmbedding if moe else q.Qwen3_5TextRotaryEmbedding)(config)
+    guesses = []
+    with torch.no_grad():
+        for seq in sequences:
+            ids = torch.tensor([seq])
+            h = model(ids, output_hidden_states=True).hidden_states[-1][:, :-1]
+            e = model.model.embed_tokens(ids[:, 1:])
+            x = torch.cat((norms["pre_fc_norm_embedding"](e), norms["pre_fc_norm_hidden"](h)), -1)
+            x = x @ fc.t()
+            positions = torch.arange(x.size(1))[None]
+            mask = torch.full((x.size(1), x.size(1)), float("-inf")).triu(1)[None, None]
+            out = layer(x, position_embeddings=rotary(x, positions), attention_mask=mask,
+                        position_ids=positions)  # fmt: skip
+            out = out[0] if isinstance(out, tuple) else out
+            logits = model.lm_head(norms["norm"](out))
+            guesses.append(int(logits[0, -1].argmax()))
+    return guesses
+
+
 def test_batch_invariant_verification_is_bitwise_plain_decoding(tiny_llama: Path) -> None:
     """Under --batch-invariant a verification row computes exactly what the decode step of plain
     decoding does: the logprobs are equal bit for bit, not within a tolerance."""

@@ -472,7 +472,7 @@ _LANGUAGE_MODEL_PREFIXES = (
     ("language_model.lm_head.", "lm_head."),
 )
 # The vision tower and its projector (Gemma 3's, Qwen3.5's), and Qwen3.5's multi-token-prediction
-# head (speculative decoding's draft, not served).
+# head (loaded only when it drafts: DecoderForCausalLM.local_weight_name).
 _SKIPPED_PREFIXES = (
     "model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
     "multi_modal_projector.", "model.visual.", "visual.", "mtp.",
@@ -504,6 +504,7 @@ class DecoderForCausalLM(nn.Module):
         self.ctx = ctx
         self.spec = spec
         self.model = DecoderModel(args, ctx, spec)
+        self.mtp: nn.Module | None = None  # the multi-token-prediction head, when it drafts
         self.lm_head = None
         if ctx.is_last_stage:
             self.lm_head = ParallelLMHead(
@@ -528,9 +529,9 @@ class DecoderForCausalLM(nn.Module):
 
         With tied embeddings, a last stage without the embedding loads it as its LM head.
         """
+        if name.startswith("mtp."):  # Qwen3.5's multi-token-prediction head, if it drafts
+            return name if self.mtp is not None else None
         if self.args.multimodal and (name := language_model_name(name)) is None:
-            return None
-        if name.startswith("mtp."):  # Qwen3.5's multi-token-prediction head: not served
             return None
         parts = name.split(".")
         if parts[:2] == ["model", "embed_tokens"] and self.model.embed_tokens is None:
@@ -540,6 +541,16 @@ class DecoderForCausalLM(nn.Module):
         if parts[0] == "lm_head":
             return name if self.ctx.is_last_stage else None
         return name if self.model.holds(name) else None
+
+    def attach_mtp(self) -> None:
+        """Builds the checkpoint's multi-token-prediction head (workers/models/mtp.py) before the
+        weights load, its KV in the slot after this stage's others."""
+        from workers.models.mtp import MultiTokenPredictor
+
+        if not (self.ctx.is_first_stage and self.ctx.is_last_stage):
+            raise ValueError("speculative method mtp is not served with pipeline parallelism")
+        slots = [m.kv_slot for m in self.model.modules() if isinstance(m, Attention)]
+        self.mtp = MultiTokenPredictor(self.args, self.ctx, self.spec, max(slots, default=-1) + 1)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Hidden states of the rows that sample (N, hidden) -> logits (N, vocab); last stage only."""
