@@ -247,9 +247,9 @@ class LoraConfig:
         return self.max_cpu_loras or self.max_loras
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "mtp")
-# The methods whose drafts the workers make with a model (workers/draft_model.py, mtp_drafter.py).
-MODEL_DRAFT_METHODS = ("draft_model", "mtp")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "mtp", "eagle3")
+# The methods whose drafts the workers make with a model (workers/draft_model.py, head_drafter.py).
+MODEL_DRAFT_METHODS = ("draft_model", "mtp", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -257,9 +257,10 @@ class SpeculativeConfig:
     """Speculative decoding (--speculative-config, vLLM's keys; enginecore/speculative.py).
     Off when `method` is None."""
 
-    method: str | None = None  # ngram | suffix | draft_model | mtp (the checkpoint's own head)
+    # ngram | suffix | draft_model | mtp (the checkpoint's own head) | eagle3 (a head's checkpoint)
+    method: str | None = None
     num_speculative_tokens: int = 0  # the most drafts a sequence verifies in one step
-    model: str | None = None  # draft_model: the draft model's directory (the same vocabulary)
+    model: str | None = None  # draft_model / eagle3: the draft's directory (the same vocabulary)
     prompt_lookup_min: int = 2  # ngram: the shortest suffix matched
     prompt_lookup_max: int = 5  # ngram: the longest suffix matched
     # No drafts in a step that runs more sequences than this (None: SPEC_MAX_BATCH_DEFAULT).
@@ -277,8 +278,10 @@ class SpeculativeConfig:
                 f"speculative method {self.method!r} is not served; tern has "
                 f"{', '.join(SPECULATIVE_METHODS)}"
             )
-        if (self.method == "draft_model") != (self.model is not None):
-            raise ValueError('a draft model ("model") goes with method draft_model, and only')
+        if (self.method in ("draft_model", "eagle3")) != (self.model is not None):
+            raise ValueError(
+                'a draft model or head ("model") goes with methods draft_model and eagle3, and only'
+            )
         if not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError("num_speculative_tokens must be in [1, 64]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -8,7 +8,7 @@ differs from the token sampled before it (workers/speculative.py). The drafters 
   (prompt_lookup_max down to prompt_lookup_min) in its prompt and output, and what followed it; a
   match that runs into the end of the sequence repeats with its period.
 - `draft_model` and `mtp`: a small model (workers/draft_model.py) or the served checkpoint's own
-  multi-token-prediction head (workers/mtp_drafter.py) drafts on the workers; here only how many
+  multi-token-prediction head (workers/head_drafter.py) drafts on the workers; here only how many
   drafts each sequence gets is decided.
 - `suffix` (suffix decoding, arXiv 2411.04975): suffix tries of bounded depth, one over the
   sequence's own prompt and output and one over the outputs of recently finished requests. The

@@ -403,16 +403,18 @@ def make_parser() -> argparse.ArgumentParser:
         help='vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\': method '
         "ngram (prompt lookup: prompt_lookup_min/max) or suffix (suffix decoding: "
         "suffix_decoding_max_tree_depth, _max_cached_requests, _max_spec_factor, "
-        '_min_token_prob), draft_model ("model": a small model with the same vocabulary) or '
-        "mtp (the checkpoint's own multi-token-prediction layer: Qwen3.5, Qwen3-Next); "
+        '_min_token_prob), draft_model ("model": a small model with the same vocabulary), '
+        "mtp (the checkpoint's own multi-token-prediction layer: Qwen3.5, Qwen3-Next) or eagle3 "
+        '("model": an EAGLE-3 head trained for this model); '
         "disable_by_batch_size: no drafts in larger steps (default 8)",
     )
     spec.add_argument(
         "--speculative-algorithm",
         default=None,
         help="SGLang's: NGRAM (= method ngram), STANDALONE (= draft_model, with "
-        "--speculative-draft-model-path), SUFFIX, or NEXTN / EAGLE without a draft model path "
-        "(= mtp); with the flags below",
+        "--speculative-draft-model-path), SUFFIX, EAGLE3 (= eagle3, the head's path as "
+        "--speculative-draft-model-path), or NEXTN / EAGLE without a draft model path (= mtp); "
+        "with the flags below",
     )
     spec.add_argument("--speculative-num-draft-tokens", type=int, default=None)
     spec.add_argument(
@@ -577,10 +579,10 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
     method = spec.get("method")
     if isinstance(method, str) and method.endswith("_mtp"):  # vLLM's older per-family names
         spec["method"] = method = "mtp"
-    if method in ("eagle", "eagle3", "medusa", "mlp_speculator"):
+    if method in ("eagle", "medusa", "mlp_speculator"):
         raise ValueError(
             f"speculative method {method!r} is not served yet: tern drafts with ngram, suffix, "
-            "draft_model or mtp (the checkpoint's own multi-token-prediction head)"
+            "draft_model, mtp (the checkpoint's own multi-token-prediction head) or eagle3"
         )
     unknown = sorted(set(spec) - _SPEC_KEYS)
     if unknown:

@@ -400,6 +400,67 @@ def add_mtp_head(model_dir: Path, out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
+def make_eagle3_head(
+    target_dir: Path,
+    out_dir: Path,
+    feature_layers: list[int],
+    draft_vocab_size: int = 256,
+    seed: int = 0,
+) -> Path:
+    """A random EAGLE-3 head for the tiny checkpoint `target_dir`, in the layout EAGLE-3 releases
+    use (`LlamaForCausalLMEagle3`: `midlayer.*` whose q/k/v take [embedding, features], `fc`
+    [hidden, 3 * target hidden], `norm`, `lm_head` over a draft vocabulary of `draft_vocab_size`
+    target ids picked at random, `d2t` (target id - draft id) and `t2d`); no own embedding."""
+    import torch
+    from safetensors.torch import save_file
+
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hidden, heads, kv_heads, head_dim, inter = 64, 4, 2, 16, 96
+    vocab = target["vocab_size"]
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6, "vocab_size": vocab, "draft_vocab_size": draft_vocab_size,
+        "max_position_embeddings": 2048, "rope_theta": 10000.0, "hidden_act": "silu",
+        "target_hidden_size": target["hidden_size"],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": feature_layers},
+    }  # fmt: skip
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, std: float = INIT_STD) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std
+
+    ids = torch.randperm(vocab, generator=gen)[:draft_vocab_size].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    weights = {
+        "fc.weight": randn(hidden, 3 * target["hidden_size"]),
+        "norm.weight": 1 + randn(hidden, std=0.2),
+        "lm_head.weight": randn(draft_vocab_size, hidden, std=1.0),
+        "d2t": ids - torch.arange(draft_vocab_size),
+        "t2d": t2d,
+    }
+    layer = {
+        "input_layernorm.weight": 1 + randn(hidden, std=0.2),
+        "hidden_norm.weight": 1 + randn(hidden, std=0.2),
+        "post_attention_layernorm.weight": 1 + randn(hidden, std=0.2),
+        "self_attn.q_proj.weight": randn(heads * head_dim, 2 * hidden),
+        "self_attn.k_proj.weight": randn(kv_heads * head_dim, 2 * hidden),
+        "self_attn.v_proj.weight": randn(kv_heads * head_dim, 2 * hidden),
+        "self_attn.o_proj.weight": randn(hidden, heads * head_dim),
+        "mlp.gate_proj.weight": randn(inter, hidden),
+        "mlp.up_proj.weight": randn(inter, hidden),
+        "mlp.down_proj.weight": randn(hidden, inter),
+    }
+    weights.update({f"midlayer.{k}": v for k, v in layer.items()})
+    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return out_dir
+
+
 _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 

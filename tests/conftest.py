@@ -102,6 +102,14 @@ def tiny_qwen3_5_moe_mtp(tiny_qwen3_5_moe: Path, tmp_path_factory: pytest.TempPa
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_eagle3(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random EAGLE-3 head for the tiny Llama (features before its layers 0, 1 and 2)."""
+    return _load_tiny_model_module().make_eagle3_head(
+        tiny_llama, tmp_path_factory.mktemp("tiny_llama_eagle3"), [0, 1, 2]
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_perturbed(
     tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None
 ) -> Path:

@@ -48,6 +48,7 @@ from enginecore.messages import (
 from workers.distributed import ParallelContext, shard_heads, stage_layers
 from workers.draft_model import DraftModel
 from workers.gguf_weights import gguf_file_of
+from workers.head_drafter import HeadDrafter
 from workers.kv_cache_groups import KVCacheGroup
 from workers.layers import kernel_library, kv_int8, native
 from workers.layers.attention import Attention, build_attention_metadata
@@ -68,8 +69,8 @@ from workers.layers.pooler import Pooler, PoolingState
 from workers.layers.sampler import Sampler, SamplingTensors
 from workers.lora_adapters import attach_lora_stacks
 from workers.models.decoder import mlp_shard_of
+from workers.models.eagle3 import load_eagle3_head
 from workers.models.registry import ModelArgs, build_model, load_model_args
-from workers.mtp_drafter import MtpDrafter
 from workers.quantized_checkpoints import checkpoint_quantization
 from workers.speculative import SampleRows
 from workers.weight_loader import keep_blocks_everywhere, load_checkpoint
@@ -216,11 +217,10 @@ class ModelRunner:
         self.requests: dict[str, _RequestState] = {}
         self.sampler = Sampler()
         self.lora_batch: LoraBatch | None = None  # with --enable-lora: the step's adapter slots
-        # Speculative decoding's drafter on the workers, if any: a draft model, or the served
-        # checkpoint's multi-token-prediction head (`mtp`, which also needs each step's hidden
-        # states).
-        self.draft: DraftModel | MtpDrafter | None = None
-        self.mtp: MtpDrafter | None = None
+        # Speculative decoding's drafter on the workers, if any: a draft model, or a head fed
+        # each step's features (the final hidden states for `mtp`, three layers' for `eagle3`).
+        self.draft: DraftModel | HeadDrafter | None = None
+        self.head_drafter: HeadDrafter | None = None
         self._processed_logprobs = config.model.logprobs_mode == "processed_logprobs"
         # Seconds spent in each phase of the last step (scripts/bench_step.py reads it).
         self.last_step_timings: dict[str, float] = {}
@@ -264,7 +264,21 @@ class ModelRunner:
             self.draft = DraftModel(speculative.model, self.args, self.parallel, self.device,
                                     self.dtype, self.block_size)  # fmt: skip
         elif speculative.method == "mtp":
-            self.draft = self.mtp = MtpDrafter(model, self.block_size, self.device)
+            self.draft = self.head_drafter = HeadDrafter(
+                model.mtp, model.model.embed_tokens, model.compute_logits, self.block_size,
+                self.device, self.dtype,
+            )  # fmt: skip
+        elif speculative.method == "eagle3":
+            assert speculative.model is not None
+            if self.parallel.pp_size > 1:
+                raise ValueError("an EAGLE-3 head is not served with pipeline parallelism")
+            head, model.model.feature_layers = load_eagle3_head(
+                speculative.model, self.args, self.parallel, self.device, self.dtype
+            )
+            self.draft = self.head_drafter = HeadDrafter(
+                head, head.embed_tokens or model.model.embed_tokens, head.compute_logits,
+                self.block_size, self.device, self.dtype, head.midlayer.attn,
+            )  # fmt: skip
         self.repack_weights()
         logger.info("loaded %s", self.model_summary)
 
@@ -693,8 +707,9 @@ class ModelRunner:
             r, state = reqs[i], self.requests[reqs[i].req_id]
             states = [layer.drafted_states.pop(state.state_slot) for layer in self.linear_layers]
             state.drafted = (r.start_pos, len(r.token_ids), states)
-        if self.mtp is not None:
-            self.mtp.record(reqs, hidden, meta.query_start_loc.tolist())
+        if self.head_drafter is not None:
+            features = hidden if self.model.mtp is not None else self.model.model.features
+            self.head_drafter.record(reqs, features, meta.query_start_loc.tolist())
         t2 = time.perf_counter()
         timings["forward"] = t2 - t1
         routes = self._routes(earlier_routes, num_tokens) if recording else None

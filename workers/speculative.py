@@ -101,7 +101,7 @@ def sample_drafts(
     params: Sequence[SamplingParams],
     j: int,
 ) -> list[int]:
-    """A model draft (workers/draft_model.py, workers/mtp_drafter.py) for output index
+    """A model draft (workers/draft_model.py, workers/head_drafter.py) for output index
     sample_index + j of each request, from the draft's logits (N, vocab) float32: sampled as the
     served model will sample that position (its seed's noise, temperature, top-k/p, min-p, logit
     bias, min_tokens; penalties left out), so that where the two agree the same token is drawn

@@ -120,7 +120,7 @@ def copy_prompts(model_dir: Path) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "method", ["ngram", "suffix", "draft_model", "suffix-qwen3_5-pp2", "mtp-qwen3_5"]
+    "method", ["ngram", "suffix", "draft_model", "suffix-qwen3_5-pp2", "mtp-qwen3_5", "eagle3"]
 )
 def test_speculative_decoding_at_tp2_matches_hf(
     tiny_llama: Path, method: str, request: pytest.FixtureRequest
@@ -131,7 +131,8 @@ def test_speculative_decoding_at_tp2_matches_hf(
     round it drafts from the first round's outputs; draft_model the tiny Llama drafting for
     itself (sharded as it is, its own KV cache). The tiny Qwen3.5 with suffix at --pp 2: each
     stage takes back its own linear-attention states' rejected drafts; and with its own (random)
-    MTP head at --tp 2, the head sharded as the model's layers."""
+    MTP head at --tp 2, the head sharded as the model's layers; the tiny Llama with a (random)
+    EAGLE-3 head, sharded too."""
     from frontend.model_prep import default_model_dir, is_complete
     from tests.unit.test_spec_decode import prompts_of
 
@@ -154,7 +155,8 @@ def test_speculative_decoding_at_tp2_matches_hf(
         scheduler=SchedulerConfig(max_num_batched_tokens=16),
         speculative=SpeculativeConfig(
             method, 6, disable_by_batch_size=64,
-            model=str(tiny_llama) if method == "draft_model" else None,
+            model={"draft_model": str(tiny_llama),
+                   "eagle3": str(request.getfixturevalue("tiny_llama_eagle3"))}.get(method),
         ),
     )  # fmt: skip
     client = CoreClient(config)
@@ -173,7 +175,7 @@ def test_speculative_decoding_at_tp2_matches_hf(
     assert stats["prefix_cache_hits"] > 0
     # NOTE: how many drafts pays is planned from measured step times (a loaded machine drafts
     # less); tests/unit/test_spec_decode.py verifies every draft of an oracle drafter.
-    if method == "mtp":  # a random head: its drafts are verified, few are right
+    if method in ("mtp", "eagle3"):  # a random head: its drafts are verified, few are right
         assert stats["spec_num_draft_tokens"] > 0
     else:
         assert stats["spec_num_draft_tokens"] >= stats["spec_num_accepted_tokens"] > 0

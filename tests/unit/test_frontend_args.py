@@ -96,7 +96,7 @@ def test_chat_template_from_file_or_string(tmp_path: Path) -> None:
         load_chat_template("{% for m in messages %}")
 
 
-def test_speculative_config_from_vllm_json_or_sglang_flags() -> None:
+def test_speculative_config_from_vllm_json_or_sglang_flags(tmp_path: Path) -> None:
     from frontend.args import speculative_config_from_args
 
     def spec(*argv: str):
@@ -117,6 +117,9 @@ def test_speculative_config_from_vllm_json_or_sglang_flags() -> None:
              "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4")  # fmt: skip
     assert (s.method, s.num_speculative_tokens) == ("mtp", 3)
     assert spec("--speculative-algorithm", "EAGLE").method == "mtp"
+    (tmp_path / "config.json").write_text("{}")
+    s = spec("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(tmp_path))
+    assert (s.method, s.model) == ("eagle3", str(tmp_path))
     assert spec("--speculative-config", '{"method": "qwen3_next_mtp"}').method == "mtp"
     with pytest.raises(ValueError, match="tree drafts"):
         spec("--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "4")
@@ -127,6 +130,8 @@ def test_speculative_config_from_vllm_json_or_sglang_flags() -> None:
         ('{"method": "ngram", "num_speculative_tokens": 0}', r"\[1, 64\]"),
         ('{"method": "ngram", "lookahead": 3}', "unknown keys"),
         ('{"method": "medusa"}', "not served"),
+        ('{"method": "eagle"}', "not served"),
+        ('{"method": "eagle3"}', "draft model or head"),
         ('{"method": "draft_model", "model": "/nonexistent"}', "not a model directory"),
         ('{"method": "draft_model"}', "draft model"),
         ('{"method": "ngram", "prompt_lookup_min": 6, "prompt_lookup_max": 3}', "prompt_lookup"),

@@ -278,19 +278,8 @@ def test_mtp_head_drafts_from_the_served_models_hidden_states(
     plain_core.shutdown()
     core = make_core(model_dir, SpeculativeConfig("mtp", 3, disable_by_batch_size=64), **kw)
     verify_every_draft(core)
-    runner = core.executor.runner
-    proposed: list[tuple[list[int], list[int]]] = []  # (sequence before the draft, drafts)
-    propose = runner.draft.propose
-
-    def spy(reqs, tables, params):
-        drafts = propose(reqs, tables, params)
-        for r in reqs:
-            if r.req_id in drafts and r.req_id.startswith("r") and int(r.req_id[1:]) % 2:
-                sequence = [*first[r.req_id][0], *plain[r.req_id]][: r.start_pos + 1]
-                proposed.append((sequence, drafts[r.req_id]))
-        return drafts
-
-    runner.draft.propose = spy
+    proposed = spy_first_drafts(core, {r: [*p, *plain[r]] for r, (p, params) in first.items()
+                                       if params.temperature == 0})  # fmt: skip
     outs, lps, _ = run(core, first)
     assert outs == plain
     for req_id in first:
@@ -362,6 +351,118 @@ def reference_mtp_first_drafts(model_dir: Path, sequences: list[list[int]]) -> l
             out = out[0] if isinstance(out, tuple) else out
             logits = model.lm_head(norms["norm"](out))
             guesses.append(int(logits[0, -1].argmax()))
+    return guesses
+
+
+def test_eagle3_head_drafts_from_three_layers_features(
+    tiny_llama: Path, tiny_llama_eagle3: Path
+) -> None:
+    """Speculative method eagle3: a (random) EAGLE-3 head for the tiny Llama drafts from the
+    residual stream before its layers 0, 1 and 2, through its own draft vocabulary, every draft
+    verified: plain decoding's tokens and logprobs, chunked and cached. And the head itself: each
+    step's first greedy draft is the one a plain-torch reading of the EAGLE-3 layout gives over
+    the sequence so far, with the features from Hugging Face's forward."""
+    vocab = vocab_of(tiny_llama)
+    prompts = prompts_of(vocab, 8, seed=10)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
+    seeded = SamplingParams(temperature=0.8, top_k=40, seed=6, max_tokens=20, ignore_eos=True)
+    first = {f"r{i}": (p, greedy if i % 2 else seeded) for i, p in enumerate(prompts)}
+    again = {f"a{i}": ([*p, *p[:5]], greedy) for i, p in enumerate(prompts)}
+    kw = {"max_num_batched_tokens": 9}
+    plain_core = make_core(tiny_llama, **kw)
+    plain, plain_lps, _ = run(plain_core, first)
+    plain_again = run(plain_core, again)[0]
+    plain_core.shutdown()
+    spec = SpeculativeConfig("eagle3", 3, model=str(tiny_llama_eagle3), disable_by_batch_size=64)
+    core = make_core(tiny_llama, spec, **kw)
+    verify_every_draft(core)
+    proposed = spy_first_drafts(core, {r: [*p, *plain[r]] for r, (p, params) in first.items()
+                                       if params.temperature == 0})  # fmt: skip
+    outs, lps, _ = run(core, first)
+    assert outs == plain
+    for req_id in first:
+        assert lps.get(req_id, []) == pytest.approx(plain_lps.get(req_id, []), rel=1e-5, abs=1e-5)
+    assert run(core, again)[0] == plain_again
+    assert core.stats().prefix_cache_hits > 0 and spec_stats(core)[0] > 50
+    core.shutdown()
+    assert len(proposed) > 20
+    reference = reference_eagle3_first_drafts(
+        tiny_llama, tiny_llama_eagle3, [s for s, _ in proposed]
+    )
+    assert [drafts[0] for _, drafts in proposed] == reference
+
+
+def spy_first_drafts(
+    core: EngineCore, sequences: dict[str, list[int]]
+) -> list[tuple[list[int], list[int]]]:
+    """Records (the sequence up to the token a step computes, the drafts after it) for every
+    drafting step of the requests in `sequences` (each one's whole known sequence)."""
+    runner = core.executor.runner
+    propose = runner.draft.propose
+    proposed: list[tuple[list[int], list[int]]] = []
+
+    def spy(reqs, tables, params):
+        drafts = propose(reqs, tables, params)
+        for r in reqs:
+            if r.req_id in drafts and r.req_id in sequences:
+                proposed.append((sequences[r.req_id][: r.start_pos + 1], drafts[r.req_id]))
+        return drafts
+
+    runner.draft.propose = spy
+    return proposed
+
+
+def reference_eagle3_first_drafts(
+    target_dir: Path, head_dir: Path, sequences: list[list[int]]
+) -> list[int]:
+    """The EAGLE-3 layout read plainly: at position i, f = fc([s_0; s_1; s_2]) of the served
+    model's residual streams before its feature layers; x = [rms(embed(t_{i+1})); rms(f)];
+    causal GQA attention with rotary over positions 0..i, plus f; then the MLP branch; the final
+    norm; the draft vocabulary's argmax mapped by d2t: the guess at the token after each
+    sequence."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    config = json.loads((head_dir / "config.json").read_text())
+    w = load_file(head_dir / "model.safetensors")
+    layers = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    heads, kv_heads, d = config["num_attention_heads"], config["num_key_value_heads"], 16
+    eps = config["rms_norm_eps"]
+
+    def rms(x: torch.Tensor, name: str) -> torch.Tensor:
+        return w[name] * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def rotate(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # (n, h, d), halves
+        freq = 1.0 / config["rope_theta"] ** (torch.arange(0, d, 2).float() / d)
+        angle = torch.cat((pos[:, None] * freq, pos[:, None] * freq), -1)[:, None]
+        half = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), -1)
+        return x * angle.cos() + half * angle.sin()
+
+    guesses = []
+    with torch.no_grad():
+        for seq in sequences:
+            ids = torch.tensor([seq])
+            streams = target(ids, output_hidden_states=True).hidden_states
+            feats = torch.cat([streams[i][0, :-1] for i in layers], -1) @ w["fc.weight"].t()
+            e = target.model.embed_tokens(ids[0, 1:])
+            x = torch.cat((rms(e, "midlayer.input_layernorm.weight"),
+                           rms(feats, "midlayer.hidden_norm.weight")), -1)  # fmt: skip
+            n, pos = x.size(0), torch.arange(x.size(0)).float()
+            q = rotate((x @ w["midlayer.self_attn.q_proj.weight"].t()).view(n, heads, d), pos)
+            k = rotate((x @ w["midlayer.self_attn.k_proj.weight"].t()).view(n, kv_heads, d), pos)
+            v = (x @ w["midlayer.self_attn.v_proj.weight"].t()).view(n, kv_heads, d)
+            k, v = (t.repeat_interleave(heads // kv_heads, 1) for t in (k, v))
+            scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
+            scores = scores + torch.full((n, n), float("-inf")).triu(1)
+            o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, heads * d)
+            stream = o @ w["midlayer.self_attn.o_proj.weight"].t() + feats
+            h = rms(stream, "midlayer.post_attention_layernorm.weight")
+            gate = torch.nn.functional.silu(h @ w["midlayer.mlp.gate_proj.weight"].t())
+            up = h @ w["midlayer.mlp.up_proj.weight"].t()
+            stream = (gate * up) @ w["midlayer.mlp.down_proj.weight"].t() + stream
+            draft = int((rms(stream[-1], "norm.weight") @ w["lm_head.weight"].t()).argmax())
+            guesses.append(draft + int(w["d2t"][draft]))
     return guesses
 
 

@@ -427,6 +427,10 @@ class DecoderModel(nn.Module):
             if ctx.is_last_stage
             else None
         )
+        # An EAGLE-3 head's layers (workers/models/eagle3.py): the residual stream before each is
+        # kept, concatenated, as `features` (T, hidden * len(feature_layers)) by every forward.
+        self.feature_layers: tuple[int, ...] = ()
+        self.features: torch.Tensor | None = None
 
     def forward(
         self,
@@ -445,8 +449,13 @@ class DecoderModel(nn.Module):
                 "a later pipeline stage needs the previous one's output"
             )
             x, residual = intermediate[0], intermediate[1]
+        features = []
         for i in self.stage_layers:
+            if i in self.feature_layers:
+                features.append(x if residual is None else x + residual)
             x, residual = self.layers[i](x, residual, meta)
+        if features:
+            self.features = torch.cat(features, -1)
         if self.norm is None:
             return torch.stack((x, residual))  # (2, T, hidden)
         x, _ = self.norm(x, residual)

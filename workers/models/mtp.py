@@ -1,5 +1,5 @@
 """A checkpoint's own multi-token-prediction layer (Qwen3.5's and Qwen3-Next's `mtp.*`), the draft
-of speculative decoding's `mtp` method (workers/mtp_drafter.py).
+of speculative decoding's `mtp` method (workers/head_drafter.py).
 
 Position i of the head takes the served model's final hidden state there, h_i, and the token
 after it, t_{i+1}: both RMS-normed (`pre_fc_norm_hidden`, `pre_fc_norm_embedding`), concatenated
@@ -65,10 +65,10 @@ class MultiTokenPredictor(nn.Module):
 
     def forward(
         self, embeds: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Embeddings of t_{i+1} and the hidden states h_i (T, hidden) at the positions `meta`
-        gives -> the head's output (T, hidden), for the LM head and for the next draft."""
+        gives -> the head's output (T, hidden), both for the LM head and for the next draft."""
         x = torch.cat((self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)), -1)
         x, residual = self.layers[0](self.fc(x), None, meta)
         x, _ = self.norm(x, residual)
-        return x
+        return x, x

@@ -1,72 +1,102 @@
-"""Speculative decoding's `mtp` method: the served checkpoint's multi-token-prediction head
-(workers/models/mtp.py) drafts, fed the served model's own final hidden states.
+"""Speculative decoding with a draft head fed the served model's own hidden states: the
+checkpoint's multi-token-prediction layer (`mtp`, workers/models/mtp.py: the final hidden states)
+or an EAGLE-3 head (`eagle3`, workers/models/eagle3.py: the residual stream at three depths).
 
-The head at position i needs h_i and the token after it, t_{i+1}, which is known only once the
-next step starts (the sampled token, or the next chunk's first). So after each forward the
-drafter keeps every scheduled request's hidden rows (`record`), and at the next step, before the
-served model runs (`propose`):
+The head at position i needs the served model's features there and the token after it, t_{i+1},
+which is known only once the next step starts (the sampled token, or the next chunk's first). So
+after each forward the drafter keeps every scheduled request's feature rows (`record`), and at
+the next step, before the served model runs (`propose`):
 1. where the request resumes says how many of last step's tokens were kept (all of a prompt
    chunk; the last token and the accepted drafts of a verification); the head runs on those
    positions with their next tokens, which writes its KV cache there (over what drafting wrote);
 2. its output at the last of them guesses the token after the one this step computes: the first
    draft. Each further draft feeds the previous draft with the head's own output in place of the
-   served model's hidden state, one position on.
+   served model's features, one position on.
 Drafts are sampled as the served model samples (workers/speculative.py `sample_drafts`); every
-rank of a tensor-parallel group runs the same head steps on the same all-reduced hidden states
-and so drafts the same tokens. A request whose prefix came from the cache finds the head's KV
-there as the prefix's first request left it (the position before a block boundary may hold
-another continuation's): that costs acceptance, never correctness, as verification keeps only
-plain decoding's tokens.
+rank of a tensor-parallel group runs the same head steps on the same all-reduced features and so
+drafts the same tokens. A request whose prefix came from the cache finds the head's KV there as
+the prefix's first request left it (the position before a block boundary may hold another
+continuation's): that costs acceptance, never correctness, as verification keeps only plain
+decoding's tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from enginecore.messages import SamplingParams, ScheduledRequest
-from workers.layers.attention import build_attention_metadata
+from workers.layers.attention import Attention, build_attention_metadata
 from workers.layers.sampler import Sampler
 from workers.speculative import sample_drafts
 
 
 @dataclass
 class _Computed:
-    """A request's last step: its first position, its tokens and their hidden states."""
+    """A request's last step: its first position, its tokens and their features."""
 
     start: int
     token_ids: list[int]
-    hidden: torch.Tensor  # (len(token_ids), hidden)
+    features: torch.Tensor  # (len(token_ids), features)
 
 
-class MtpDrafter:
-    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device) -> None:
-        if model.mtp is None:
-            raise ValueError("the served model has no multi-token-prediction head attached")
-        self.model = model
+class HeadDrafter:
+    def __init__(
+        self,
+        head: nn.Module,
+        embed: nn.Module,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        own_kv: Attention | None = None,
+    ) -> None:
+        """`head(embeddings, features, meta)` -> (rows for `compute_logits`, rows that stand in
+        for the features one position on); `embed`: token ids -> embeddings; `own_kv`: the
+        head's attention when its KV lives apart from the served model's cache (EAGLE-3's)."""
+        self.head = head
+        self.embed = embed
+        self.compute_logits = compute_logits
         self.block_size = block_size
         self.device = device
+        self.dtype = dtype
+        self.own_kv = own_kv
         self.sampler = Sampler()
         self._computed: dict[str, _Computed] = {}
 
     def bytes_per_block(self) -> int:
-        return 0  # the head's KV is a slot of the served model's cache
+        """The head's own KV per block (0: its KV is a slot of the served model's cache)."""
+        if self.own_kv is None:
+            return 0
+        a = self.own_kv
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.block_size * a.num_kv_heads * a.head_dim * elem
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self._computed.clear()
+        if self.own_kv is not None:
+            a = self.own_kv
+            shape = (2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+            a.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def release_kv_cache(self) -> None:
         self._computed.clear()
+        if self.own_kv is not None:
+            self.own_kv.kv_cache = torch.empty(0)
 
     def forget(self, request_id: str) -> None:
         self._computed.pop(request_id, None)
 
-    def record(self, reqs: list[ScheduledRequest], hidden: torch.Tensor, starts: list[int]) -> None:
-        """The served model's final hidden states (T, hidden) of the step; `starts`: each
-        request's first row in them (query_start_loc)."""
+    def record(
+        self, reqs: list[ScheduledRequest], features: torch.Tensor, starts: list[int]
+    ) -> None:
+        """The served model's features (T, features) of the step; `starts`: each request's first
+        row in them (query_start_loc)."""
         for i, r in enumerate(reqs):
-            rows = hidden[starts[i] : starts[i + 1]]
+            rows = features[starts[i] : starts[i + 1]]
             self._computed[r.req_id] = _Computed(r.start_pos, list(r.token_ids), rows)
 
     @torch.inference_mode()
@@ -92,19 +122,19 @@ class MtpDrafter:
             fed.append(i)
             starts.append(last.start)
             chunks.append([*last.token_ids[1:kept], r.token_ids[0]])
-            rows.append(last.hidden[:kept])
+            rows.append(last.features[:kept])
         if not fed:
             return {}
-        out = self._forward(starts, chunks, torch.cat(rows), [tables[i] for i in fed])
+        out, stream = self._forward(starts, chunks, torch.cat(rows), [tables[i] for i in fed])
         ends = torch.tensor([len(c) for c in chunks]).cumsum(0) - 1
         drafting = [n for n, i in enumerate(fed) if reqs[i].num_model_drafts > 0]
         if not drafting:
             return {}
-        hidden = out[ends[drafting]]
+        out, stream = out[ends[drafting]], stream[ends[drafting]]
         drafting = [fed[n] for n in drafting]
         drafts: dict[str, list[int]] = {reqs[i].req_id: [] for i in drafting}
         for j in range(max(reqs[i].num_model_drafts for i in drafting)):
-            logits = self.model.compute_logits(hidden).float()
+            logits = self.compute_logits(out).float()
             tokens = sample_drafts(
                 self.sampler, logits, [reqs[i] for i in drafting], [params[i] for i in drafting], j
             )
@@ -114,10 +144,10 @@ class MtpDrafter:
             if not more:
                 break
             drafting = [drafting[n] for n in more]
-            hidden = self._forward(
+            out, stream = self._forward(
                 [reqs[i].start_pos + j for i in drafting],
                 [[drafts[reqs[i].req_id][-1]] for i in drafting],
-                hidden[more],
+                stream[more],
                 [tables[i] for i in drafting],
             )
         return drafts
@@ -126,14 +156,14 @@ class MtpDrafter:
         self,
         starts: list[int],
         chunks: list[list[int]],
-        hidden: torch.Tensor,
+        features: torch.Tensor,
         tables: list[list[int]],
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over `chunks` (each t_{i+1} at positions start, start + 1, ...) with the
-        hidden states h_i in the same order -> its output rows."""
+        features at i in the same order -> (rows for the LM head, rows for the next draft)."""
         meta = build_attention_metadata(
             starts, [len(c) for c in chunks], tables, self.block_size, self.device,
             decode_rows=[len(c) <= 16 for c in chunks],
         )  # fmt: skip
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=self.device)
-        return self.model.mtp(self.model.model.embed_tokens(ids), hidden, meta)
+        return self.head(self.embed(ids), features, meta)
