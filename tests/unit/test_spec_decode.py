@@ -292,6 +292,37 @@ def test_mtp_head_drafts_from_the_served_models_hidden_states(
     assert [drafts[0] for _, drafts in proposed] == reference
 
 
+def test_weight_updates_reach_the_mtp_head(tiny_qwen3_5_mtp: Path, tmp_path: Path) -> None:
+    """The MTP head is part of the policy's checkpoint: an update that carries mtp.* tensors
+    replaces it (here only the head changes), and the drafts that follow are the new head's."""
+    from safetensors.torch import load_file, save
+
+    from enginecore.control import EngineControl
+    from enginecore.messages import UpdateWeights, UpdateWeightsFromTensors
+    from tests.conftest import _load_tiny_model_module
+
+    other = _load_tiny_model_module().add_mtp_head(tiny_qwen3_5_mtp, tmp_path / "other", seed=1)
+    vocab = vocab_of(tiny_qwen3_5_mtp)
+    prompts = prompts_of(vocab, 4, seed=11)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    requests = {f"r{i}": (p, greedy) for i, p in enumerate(prompts)}
+    plain_core = make_core(tiny_qwen3_5_mtp)
+    plain = run(plain_core, requests)[0]
+    plain_core.shutdown()
+    core = make_core(tiny_qwen3_5_mtp, SpeculativeConfig("mtp", 2, disable_by_batch_size=64))
+    verify_every_draft(core)
+    control = EngineControl(core)
+    head = {k: v for k, v in load_file(other / "model.safetensors").items() if k.startswith("mtp.")}
+    result = control.handle(1, UpdateWeights(UpdateWeightsFromTensors(blobs=[save(head)])), [])
+    assert result is not None and not result.error
+    proposed = spy_first_drafts(core, {r: [*p, *plain[r]] for r, (p, _) in requests.items()})
+    assert run(core, requests)[0] == plain
+    core.shutdown()
+    firsts = [drafts[0] for _, drafts in proposed]
+    assert firsts == reference_mtp_first_drafts(other, [seq for seq, _ in proposed])
+    assert firsts != reference_mtp_first_drafts(tiny_qwen3_5_mtp, [seq for seq, _ in proposed])
+
+
 def test_mtp_needs_a_checkpoint_with_its_head(tiny_llama: Path, tiny_qwen3_5: Path) -> None:
     for model_dir in (tiny_llama, tiny_qwen3_5):
         with pytest.raises(ValueError, match="mtp_num_hidden_layers"):
