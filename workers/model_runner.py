@@ -29,8 +29,9 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import msgspec
 import torch
@@ -73,7 +74,7 @@ from workers.models.eagle3 import load_eagle3_head
 from workers.models.registry import ModelArgs, build_model, load_model_args
 from workers.quantized_checkpoints import checkpoint_quantization
 from workers.speculative import SampleRows
-from workers.weight_loader import keep_blocks_everywhere, load_checkpoint
+from workers.weight_loader import keep_blocks_everywhere, load_checkpoint, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,10 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+# Weight updates name a draft model's (or an EAGLE-3 head's) tensors with this prefix.
+DRAFT_WEIGHT_PREFIX = "draft."
 
 
 @dataclass
@@ -275,9 +280,10 @@ class ModelRunner:
             head, model.model.feature_layers = load_eagle3_head(
                 speculative.model, self.args, self.parallel, self.device, self.dtype
             )
+            embed = model.model.embed_tokens if head.embed_tokens is None else head.embed_tokens
             self.draft = self.head_drafter = HeadDrafter(
-                head, head.embed_tokens or model.model.embed_tokens, head.compute_logits,
-                self.block_size, self.device, self.dtype, head.midlayer.attn,
+                head, embed, head.compute_logits, self.block_size, self.device, self.dtype,
+                head.midlayer.attn,
             )  # fmt: skip
         self.repack_weights()
         logger.info("loaded %s", self.model_summary)
@@ -313,9 +319,55 @@ class ModelRunner:
         """Re-derive the layers' packed copies of their weights (linear.pack_weight): after every
         change of the weights (update, rollback) and when they are discarded or come back."""
         assert self.model is not None
-        for module in self.model.modules():
-            if isinstance(module, (LinearBase, ParallelLMHead, RMSNorm)):
-                module.repack_weights()
+        draft = self.draft_weights()
+        for model in (self.model,) if draft is None else (self.model, draft):
+            for module in model.modules():
+                if isinstance(module, (LinearBase, ParallelLMHead, RMSNorm)):
+                    module.repack_weights()
+
+    def draft_weights(self) -> torch.nn.Module | None:
+        """The speculative draft whose weights live apart from the served model's, which weight
+        updates replace under DRAFT_WEIGHT_PREFIX names: a draft model, an EAGLE-3 head (an MTP
+        head is part of the served checkpoint: `mtp.*`)."""
+        if isinstance(self.draft, DraftModel):
+            return self.draft.model
+        if self.head_drafter is not None and self.head_drafter.own_kv is not None:
+            return self.head_drafter.head
+        return None
+
+    def named_weights(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """Every parameter a weight update may replace: the served model's, then the draft's
+        (draft_weights) under DRAFT_WEIGHT_PREFIX."""
+        assert self.model is not None
+        yield from self.model.named_parameters()
+        draft = self.draft_weights()
+        if draft is not None:
+            for name, param in draft.named_parameters():
+                yield DRAFT_WEIGHT_PREFIX + name, param
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """(checkpoint name, tensor) pairs into the served model, those named DRAFT_WEIGHT_PREFIX
+        + name into the draft (draft_weights); returns the served model's names loaded."""
+        assert self.model is not None
+        drafted: list[tuple[str, Any]] = []
+
+        def served() -> Iterator[tuple[str, Any]]:  # streamed: a checkpoint is read as it loads
+            for name, tensor in weights:
+                if name.startswith(DRAFT_WEIGHT_PREFIX):
+                    drafted.append((name.removeprefix(DRAFT_WEIGHT_PREFIX), tensor))
+                else:
+                    yield name, tensor
+
+        loaded = load_weights(self.model, served())
+        if drafted:
+            draft = self.draft_weights()
+            if draft is None:
+                raise ValueError(
+                    f"weight {DRAFT_WEIGHT_PREFIX}{drafted[0][0]!r} names a draft; this server "
+                    "has no draft model or EAGLE-3 head"
+                )
+            load_weights(draft, drafted)
+        return loaded
 
     def _kv_heads_per_rank(self) -> int:
         p = self.parallel

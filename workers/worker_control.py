@@ -39,11 +39,7 @@ from enginecore.messages import (
 )
 from workers.lora_adapters import load_adapter
 from workers.model_runner import ModelRunner
-from workers.weight_loader import (
-    checkpoint_weights,
-    expected_weight_names,
-    load_weights,
-)
+from workers.weight_loader import checkpoint_weights, expected_weight_names
 from workers.weight_sync import (
     destroy_weights_update_group,
     init_weights_update_group,
@@ -123,14 +119,14 @@ class WorkerControl:
             raise RuntimeError("the weights are asleep: wake up the 'weights' tag before updating")
         if self._snapshot is None:
             self._snapshot = {
-                name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()
+                name: p.detach().to("cpu", copy=True) for name, p in self.runner.named_weights()
             }
 
     def on_commit_weights(self, call: CommitWeights) -> None:
         commit = call.commit
         if self._snapshot is not None and not commit:
             with torch.no_grad():
-                for name, p in self.model.named_parameters():
+                for name, p in self.runner.named_weights():
                     p.copy_(self._snapshot[name])
             logger.info("weight update rolled back on rank %d", self.rank)
         self._snapshot = None
@@ -146,7 +142,7 @@ class WorkerControl:
         if not path.is_dir():
             raise ValueError(f"model_path {model_path!r} is not a directory")
         self._begin()
-        loaded = load_weights(self.model, checkpoint_weights(self.model, path))
+        loaded = self.runner.load_weights(checkpoint_weights(self.model, path))
         missing = expected_weight_names(self.model) - loaded
         if missing:
             raise ValueError(f"checkpoint {model_path} lacks weights: {sorted(missing)[:8]}")
@@ -169,7 +165,7 @@ class WorkerControl:
                     raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, not a float type")
                 yield name, tensor
 
-        load_weights(self.model, checked())
+        self.runner.load_weights(checked())
 
     def on_init_update_group(self, call: InitWeightsUpdateGroup) -> None:
         if call.group_name in self._groups:
@@ -192,7 +188,7 @@ class WorkerControl:
         errors: list[str] = []
         for name, tensor in received:
             try:
-                load_weights(self.model, [(name, tensor)])
+                self.runner.load_weights([(name, tensor)])
             except ValueError as e:
                 errors.append(str(e))
         if errors:

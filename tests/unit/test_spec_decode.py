@@ -549,6 +549,54 @@ def test_draft_model(tiny_llama: Path, tiny_llama_perturbed: Path, draft: str) -
     plain_core.shutdown()
 
 
+def test_weight_updates_reach_a_draft_model(tiny_llama: Path, tiny_llama_perturbed: Path) -> None:
+    """A draft model's tensors travel in weight updates under `draft.` names (a trainer that
+    trains its draft beside the policy). The other weights' drafts are mostly rejected; updated
+    to the served model's own weights the draft's are accepted (>90%); an update that fails
+    (a wrong shape among them) rolls the draft back with the rest. Outputs stay plain's."""
+    from safetensors.torch import load_file, save
+
+    from enginecore.control import EngineControl
+    from enginecore.messages import UpdateWeights, UpdateWeightsFromTensors
+
+    prompts = prompts_of(vocab_of(tiny_llama), 6, seed=12)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain_core = make_core(tiny_llama)
+    plain = run(plain_core, {f"r{i}": (p, params) for i, p in enumerate(prompts)})[0]
+    plain_core.shutdown()
+    spec = SpeculativeConfig("draft_model", 4, model=str(tiny_llama_perturbed),
+                             disable_by_batch_size=64)  # fmt: skip
+    core = make_core(tiny_llama, spec)
+    verify_every_draft(core)
+    control = EngineControl(core)
+    draft = core.executor.runner.draft.model
+
+    def serve_round(tag: str) -> float:
+        before = spec_stats(core)
+        outs = run(core, {f"{tag}{i}": (p, params) for i, p in enumerate(prompts)})[0]
+        assert [outs[f"{tag}{i}"] for i in range(len(prompts))] == list(plain.values())
+        drafted, accepted = (a - b for a, b in zip(spec_stats(core), before))
+        return accepted / drafted
+
+    def update(tensors: dict) -> str | None:
+        blob = save({f"draft.{k}": v for k, v in tensors.items()})
+        result = control.handle(1, UpdateWeights(UpdateWeightsFromTensors(blobs=[blob])), [])
+        assert result is not None
+        return result.error
+
+    assert serve_round("a") < 0.9
+    own = load_file(next(tiny_llama.glob("*.safetensors")))
+    assert update(own) is None
+    assert serve_round("b") > 0.9
+    kept = {k: v.clone() for k, v in draft.state_dict().items()}
+    bad = {k: v for k, v in load_file(next(tiny_llama_perturbed.glob("*.safetensors"))).items()}
+    bad["model.norm.weight"] = torch.ones(3)
+    assert "model.norm.weight" in (update(bad) or "")
+    assert all(torch.equal(kept[k], v) for k, v in draft.state_dict().items())
+    assert serve_round("c") > 0.9
+    core.shutdown()
+
+
 def test_preemption_keeps_outputs(tiny_llama: Path) -> None:
     """A pool too small for the batch: requests are preempted mid-speculation and resume."""
     vocab = vocab_of(tiny_llama)
