@@ -261,8 +261,8 @@ class Scheduler:
             return []  # still in its prompt
         grammar = request.grammar
         if grammar is not None and (not grammar.is_active or self.drafter.on_workers):
-            # during the reasoning the grammar is not active yet, and a draft model's drafts
-            # are not known here to be checked against it
+            # during the reasoning the grammar is not active yet, and a model drafter's
+            # drafts (draft_model, mtp, eagle3) are not known here to be checked against it
             return []
         limit = min(
             budget - 1,

@@ -262,8 +262,8 @@ def test_mtp_head_drafts_from_the_served_models_hidden_states(
     states, every draft verified. Chunked prompts, greedy and seeded sampling, a next turn from
     the prefix cache: plain decoding's tokens and logprobs. And the head itself: each step's
     first greedy draft is the argmax of a Hugging Face-built reference head run over the
-    sequence so far (transformers' Qwen3.5 decoder layer with the mtp.* weights). Qwen3.5-MoE's
-    head has experts."""
+    sequence so far (transformers' Qwen3.5 decoder layer with the mtp.* weights). A pool small
+    enough to preempt requests mid-drafting: the same tokens. Qwen3.5-MoE's head has experts."""
     model_dir = request.getfixturevalue(arch)
     vocab = vocab_of(model_dir)
     prompts = prompts_of(vocab, 8, seed=9)
@@ -287,6 +287,12 @@ def test_mtp_head_drafts_from_the_served_models_hidden_states(
     assert run(core, turns)[0] == plain_turns[0]
     assert core.stats().prefix_cache_hits > 0 and spec_stats(core)[0] > 50
     core.shutdown()
+    spec = SpeculativeConfig("mtp", 3, disable_by_batch_size=64)
+    small_pool = make_core(model_dir, spec, block_size=4, num_blocks=40)  # preempts mid-drafting
+    verify_every_draft(small_pool)
+    assert run(small_pool, first)[0] == plain
+    assert small_pool.scheduler.num_preempted_total > 0
+    small_pool.shutdown()
     assert len(proposed) > 20
     reference = reference_mtp_first_drafts(model_dir, [seq for seq, _ in proposed])
     assert [drafts[0] for _, drafts in proposed] == reference
@@ -390,9 +396,9 @@ def test_eagle3_head_drafts_from_three_layers_features(
 ) -> None:
     """Speculative method eagle3: a (random) EAGLE-3 head for the tiny Llama drafts from the
     residual stream before its layers 0, 1 and 2, through its own draft vocabulary, every draft
-    verified: plain decoding's tokens and logprobs, chunked and cached. And the head itself: each
-    step's first greedy draft is the one a plain-torch reading of the EAGLE-3 layout gives over
-    the sequence so far, with the features from Hugging Face's forward."""
+    verified: plain decoding's tokens and logprobs, chunked, cached and preempted. And the head
+    itself: each step's first greedy draft is the one a plain-torch reading of the EAGLE-3 layout
+    gives over the sequence so far, with the features from Hugging Face's forward."""
     vocab = vocab_of(tiny_llama)
     prompts = prompts_of(vocab, 8, seed=10)
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
@@ -413,9 +419,14 @@ def test_eagle3_head_drafts_from_three_layers_features(
     assert outs == plain
     for req_id in first:
         assert lps.get(req_id, []) == pytest.approx(plain_lps.get(req_id, []), rel=1e-5, abs=1e-5)
-    assert run(core, again)[0] == plain_again
+    assert run(core, again)[0] == plain_again  # prefix-cache hits
     assert core.stats().prefix_cache_hits > 0 and spec_stats(core)[0] > 50
     core.shutdown()
+    small_pool = make_core(tiny_llama, spec, block_size=4, num_blocks=40)  # preempts mid-drafting
+    verify_every_draft(small_pool)
+    assert run(small_pool, first)[0] == plain
+    assert small_pool.scheduler.num_preempted_total > 0
+    small_pool.shutdown()
     assert len(proposed) > 20
     reference = reference_eagle3_first_drafts(
         tiny_llama, tiny_llama_eagle3, [s for s, _ in proposed]
