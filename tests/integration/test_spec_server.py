@@ -5,7 +5,8 @@ Two servers on the default model in float32, one plain and one with ngram drafts
 of the speculative server equals the plain one's: greedy and seeded sampled text, n > 1, streams,
 logprobs (within 1e-5), stop strings that fall inside accepted drafts, json_schema outputs; and
 it stays so across a retract pause (every running request preempted mid-stream) and a weight
-update mid-stream. The metrics count drafts under tern's and vLLM's names.
+update mid-stream. The metrics count drafts under tern's and vLLM's names. The MTP and EAGLE-3
+draft heads serve Hugging Face's greedy tokens from servers of their own.
 """
 
 from __future__ import annotations
@@ -168,3 +169,38 @@ def test_retract_pause_and_weight_update_mid_stream(servers: tuple[Any, Any]) ->
         assert r.status_code == 200 and r.json()["success"], r.text
 
     assert _stream_while(spec, update) == want_text
+
+
+def test_mtp_and_eagle3_heads_serve_hf_greedy_tokens(
+    module_server: Any,
+    tokenizer_dir: Any,
+    tiny_qwen3_5_mtp: Any,
+    tiny_llama: Any,
+    tiny_llama_eagle3: Any,
+) -> None:
+    """The draft heads in a real multi-process server, as users start them: the tiny Qwen3.5 with
+    its (random) MTP head through SGLang's flags (`--speculative-algorithm NEXTN
+    --speculative-num-steps 2`), the tiny Llama with an EAGLE-3 head through vLLM's JSON. The
+    openai client's completions (prompt token ids, greedy) carry Hugging Face's greedy tokens,
+    and the metrics count the verified drafts."""
+    from tests.unit.test_engine_inproc import hf_greedy, make_prompts, vocab_of
+
+    if tokenizer_dir is None:
+        pytest.skip("the tiny checkpoints need the default model's tokenizer to be served")
+    eagle = json.dumps({"method": "eagle3", "model": str(tiny_llama_eagle3),
+                        "num_speculative_tokens": 3})  # fmt: skip
+    setups = [
+        (tiny_qwen3_5_mtp, ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2")),
+        (tiny_llama, ("--speculative-config", eagle)),
+    ]
+    for model_dir, flags in setups:
+        server = module_server("--model", str(model_dir), "--dtype", "float32", *flags)
+        prompts = make_prompts(vocab_of(model_dir), n=4)
+        client = client_for(server)
+        for prompt, want in zip(prompts, hf_greedy(model_dir, prompts, 12)):
+            reply = client.completions.create(
+                model=str(model_dir), prompt=prompt, max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )  # fmt: skip
+            assert reply.choices[0].token_ids == want, flags
+        assert spec_counters(server)["tern:num_draft_tokens"] > 0
