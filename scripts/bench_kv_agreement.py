@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from bench_models import cpu_description  # noqa: E402
 
 from enginecore.config import CacheConfig, Config, ModelConfig, SchedulerConfig  # noqa: E402
 from enginecore.core import EngineCore  # noqa: E402
@@ -100,13 +100,6 @@ def compare(hf: torch.nn.Module, prompts: list[list[int]], run: dict) -> dict:
     }
 
 
-def cpu_flags() -> str:
-    flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    line = next((x for x in flags.splitlines() if x.startswith("Flags")), "")
-    keep = ("avx", "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
-    return " ".join(f for f in line.split() if f in keep)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the prepared default model")
@@ -117,7 +110,8 @@ def main() -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     prompts = text_prompts(tokenizer)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    results = {"cpu": f"{platform.processor() or 'cpu'}: {cpu_flags()}", "model": str(model_dir)}
+    results = {"cpu": cpu_description(), "model": str(model_dir)}
+    print(results["cpu"], flush=True)
     for kv in ("int8", "auto"):
         results[kv] = compare(hf, prompts, serve(model_dir, kv, prompts, args.output_len))
         r = results[kv]

@@ -20,7 +20,6 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_models import make_checkpoint  # noqa: E402
+from bench_models import cpu_description, make_checkpoint  # noqa: E402
 
 from enginecore.config import (  # noqa: E402
     CacheConfig,
@@ -96,14 +95,6 @@ def oracle(core: EngineCore, plain: dict, prompts: list[list[int]], noise: float
     drafter.plan = lambda proposals, _: {r: len(d) for r, d in proposals.items()}
 
 
-def cpu_flags() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    line = next((x for x in out.splitlines() if x.startswith("Flags")), "")
-    keep = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
-    name = next((x.split(":", 1)[1].strip() for x in out.splitlines() if "Model name" in x), "?")
-    return f"{name}: " + " ".join(f for f in line.split() if f in keep)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--families", nargs="+", default=["llama", "qwen3_5"])
@@ -116,8 +107,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    print(cpu_flags(), flush=True)
-    results: dict = {"cpu": cpu_flags(), "args": vars(args), "families": {}}
+    print(cpu_description(), flush=True)
+    results: dict = {"cpu": cpu_description(), "args": vars(args), "families": {}}
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 32000) for _ in range(args.input_len)]
                for _ in range(args.concurrency)]  # fmt: skip

@@ -154,6 +154,22 @@ def prompts_of(vocab: int, n: int = 16, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
+def half_greedy(prompts: list[list[int]], max_tokens: int, seed: int, **sampling) -> dict:
+    """Requests r0, r1, ...: the odd ones greedy (with their logprobs), the even ones sampled with
+    `sampling` (temperature, top-p/k) from `seed`."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    seeded = SamplingParams(seed=seed, max_tokens=max_tokens, ignore_eos=True, **sampling)
+    return {f"r{i}": (p, greedy if i % 2 else seeded) for i, p in enumerate(prompts)}
+
+
+def next_turns(first: dict, outputs: dict[str, list[int]]) -> dict:
+    """Each request's prompt + output + a few tokens, greedy: a next turn whose prefix is cached."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    return {
+        f"t{r[1:]}": ([*prompt, *outputs[r], 5, 6, 7], greedy) for r, (prompt, _) in first.items()
+    }
+
+
 def spec_stats(core: EngineCore) -> tuple[int, int]:
     s = core.stats()
     return s.spec_num_draft_tokens, s.spec_num_accepted_tokens
@@ -227,9 +243,7 @@ def test_hybrid_linear_attention_takes_back_rejected_drafts(tiny_qwen3_5: Path) 
     checkpoints that verification steps took: plain decoding's tokens and HF's."""
     vocab = vocab_of(tiny_qwen3_5)
     prompts = prompts_of(vocab, 8, seed=8)
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
-    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True)
-    first = {f"r{i}": (p, greedy if i % 2 else seeded) for i, p in enumerate(prompts)}
+    first = half_greedy(prompts, 24, 3, temperature=1.0, top_p=0.9)
     kw = {"block_size": 4, "state_checkpoint_interval": 8, "max_num_batched_tokens": 7}
     plain_core = make_core(tiny_qwen3_5, **kw)
     plain, plain_lps, _ = run(plain_core, first)
@@ -237,7 +251,7 @@ def test_hybrid_linear_attention_takes_back_rejected_drafts(tiny_qwen3_5: Path) 
     assert [plain[f"r{i}"] for i in greedy_ids] == hf_greedy(
         tiny_qwen3_5, [prompts[i] for i in greedy_ids], 24
     )
-    turns = {f"t{i}": ([*p, *plain[f"r{i}"], 5, 6, 7], greedy) for i, p in enumerate(prompts)}
+    turns = next_turns(first, plain)
     plain_turns = run(plain_core, turns)
     core = make_core(tiny_qwen3_5, SpeculativeConfig("ngram", 6, disable_by_batch_size=64), **kw)
     oracle = Oracle(core, {**plain, **plain_turns[0]}, 0.3, vocab)
@@ -267,13 +281,11 @@ def test_mtp_head_drafts_from_the_served_models_hidden_states(
     model_dir = request.getfixturevalue(arch)
     vocab = vocab_of(model_dir)
     prompts = prompts_of(vocab, 8, seed=9)
-    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True)
-    first = {f"r{i}": (p, greedy if i % 2 else seeded) for i, p in enumerate(prompts)}
+    first = half_greedy(prompts, 20, 5, temperature=0.8, top_p=0.9)
     kw = {"block_size": 4, "state_checkpoint_interval": 8, "max_num_batched_tokens": 9}
     plain_core = make_core(model_dir, **kw)
     plain, plain_lps, _ = run(plain_core, first)
-    turns = {f"t{i}": ([*p, *plain[f"r{i}"], 5, 6], greedy) for i, p in enumerate(prompts)}
+    turns = next_turns(first, plain)
     plain_turns = run(plain_core, turns)
     plain_core.shutdown()
     core = make_core(model_dir, SpeculativeConfig("mtp", 3, disable_by_batch_size=64), **kw)
@@ -401,13 +413,11 @@ def test_eagle3_head_drafts_from_three_layers_features(
     gives over the sequence so far, with the features from Hugging Face's forward."""
     vocab = vocab_of(tiny_llama)
     prompts = prompts_of(vocab, 8, seed=10)
-    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
-    seeded = SamplingParams(temperature=0.8, top_k=40, seed=6, max_tokens=20, ignore_eos=True)
-    first = {f"r{i}": (p, greedy if i % 2 else seeded) for i, p in enumerate(prompts)}
-    again = {f"a{i}": ([*p, *p[:5]], greedy) for i, p in enumerate(prompts)}
+    first = half_greedy(prompts, 20, 6, temperature=0.8, top_k=40)
     kw = {"max_num_batched_tokens": 9}
     plain_core = make_core(tiny_llama, **kw)
     plain, plain_lps, _ = run(plain_core, first)
+    again = next_turns(first, plain)
     plain_again = run(plain_core, again)[0]
     plain_core.shutdown()
     spec = SpeculativeConfig("eagle3", 3, model=str(tiny_llama_eagle3), disable_by_batch_size=64)
