@@ -279,33 +279,12 @@ def test_mtp_head_drafts_from_the_served_models_hidden_states(
     sequence so far (transformers' Qwen3.5 decoder layer with the mtp.* weights). A pool small
     enough to preempt requests mid-drafting: the same tokens. Qwen3.5-MoE's head has experts."""
     model_dir = request.getfixturevalue(arch)
-    vocab = vocab_of(model_dir)
-    prompts = prompts_of(vocab, 8, seed=9)
-    first = half_greedy(prompts, 20, 5, temperature=0.8, top_p=0.9)
-    kw = {"block_size": 4, "state_checkpoint_interval": 8, "max_num_batched_tokens": 9}
-    plain_core = make_core(model_dir, **kw)
-    plain, plain_lps, _ = run(plain_core, first)
-    turns = next_turns(first, plain)
-    plain_turns = run(plain_core, turns)
-    plain_core.shutdown()
-    core = make_core(model_dir, SpeculativeConfig("mtp", 3, disable_by_batch_size=64), **kw)
-    verify_every_draft(core)
-    proposed = spy_first_drafts(core, {r: [*p, *plain[r]] for r, (p, params) in first.items()
-                                       if params.temperature == 0})  # fmt: skip
-    outs, lps, _ = run(core, first)
-    assert outs == plain
-    for req_id in first:
-        assert lps.get(req_id, []) == pytest.approx(plain_lps.get(req_id, []), rel=1e-5, abs=1e-5)
-    assert run(core, turns)[0] == plain_turns[0]
-    assert core.stats().prefix_cache_hits > 0 and spec_stats(core)[0] > 50
-    core.shutdown()
+    first = half_greedy(prompts_of(vocab_of(model_dir), 8, seed=9), 20, 5, temperature=0.8,
+                        top_p=0.9)  # fmt: skip
     spec = SpeculativeConfig("mtp", 3, disable_by_batch_size=64)
-    small_pool = make_core(model_dir, spec, block_size=4, num_blocks=40)  # preempts mid-drafting
-    verify_every_draft(small_pool)
-    assert run(small_pool, first)[0] == plain
-    assert small_pool.scheduler.num_preempted_total > 0
-    small_pool.shutdown()
-    assert len(proposed) > 20
+    proposed = head_drafts_equal_plain(
+        model_dir, spec, first, block_size=4, state_checkpoint_interval=8, max_num_batched_tokens=9
+    )
     reference = reference_mtp_first_drafts(model_dir, [seq for seq, _ in proposed])
     assert [drafts[0] for _, drafts in proposed] == reference
 
@@ -411,17 +390,28 @@ def test_eagle3_head_drafts_from_three_layers_features(
     verified: plain decoding's tokens and logprobs, chunked, cached and preempted. And the head
     itself: each step's first greedy draft is the one a plain-torch reading of the EAGLE-3 layout
     gives over the sequence so far, with the features from Hugging Face's forward."""
-    vocab = vocab_of(tiny_llama)
-    prompts = prompts_of(vocab, 8, seed=10)
-    first = half_greedy(prompts, 20, 6, temperature=0.8, top_k=40)
-    kw = {"max_num_batched_tokens": 9}
-    plain_core = make_core(tiny_llama, **kw)
-    plain, plain_lps, _ = run(plain_core, first)
-    again = next_turns(first, plain)
-    plain_again = run(plain_core, again)[0]
-    plain_core.shutdown()
+    first = half_greedy(prompts_of(vocab_of(tiny_llama), 8, seed=10), 20, 6, temperature=0.8,
+                        top_k=40)  # fmt: skip
     spec = SpeculativeConfig("eagle3", 3, model=str(tiny_llama_eagle3), disable_by_batch_size=64)
-    core = make_core(tiny_llama, spec, **kw)
+    proposed = head_drafts_equal_plain(tiny_llama, spec, first, max_num_batched_tokens=9)
+    reference = reference_eagle3_first_drafts(
+        tiny_llama, tiny_llama_eagle3, [s for s, _ in proposed]
+    )
+    assert [drafts[0] for _, drafts in proposed] == reference
+
+
+def head_drafts_equal_plain(
+    model_dir: Path, spec: SpeculativeConfig, first: dict, **kw
+) -> list[tuple[list[int], list[int]]]:
+    """`first` and its next turns decoded plainly, then with a draft head (`spec`, every draft
+    verified), and on a pool small enough to preempt mid-drafting: the same tokens and logprobs,
+    prefix-cache hits, drafts made. Returns the greedy requests' drafting steps (spy_first_drafts)."""
+    plain_core = make_core(model_dir, **kw)
+    plain, plain_lps, _ = run(plain_core, first)
+    turns = next_turns(first, plain)
+    plain_turns = run(plain_core, turns)[0]
+    plain_core.shutdown()
+    core = make_core(model_dir, spec, **kw)
     verify_every_draft(core)
     proposed = spy_first_drafts(core, {r: [*p, *plain[r]] for r, (p, params) in first.items()
                                        if params.temperature == 0})  # fmt: skip
@@ -429,19 +419,16 @@ def test_eagle3_head_drafts_from_three_layers_features(
     assert outs == plain
     for req_id in first:
         assert lps.get(req_id, []) == pytest.approx(plain_lps.get(req_id, []), rel=1e-5, abs=1e-5)
-    assert run(core, again)[0] == plain_again  # prefix-cache hits
+    assert run(core, turns)[0] == plain_turns
     assert core.stats().prefix_cache_hits > 0 and spec_stats(core)[0] > 50
     core.shutdown()
-    small_pool = make_core(tiny_llama, spec, block_size=4, num_blocks=40)  # preempts mid-drafting
+    small_pool = make_core(model_dir, spec, block_size=4, num_blocks=40)
     verify_every_draft(small_pool)
     assert run(small_pool, first)[0] == plain
     assert small_pool.scheduler.num_preempted_total > 0
     small_pool.shutdown()
     assert len(proposed) > 20
-    reference = reference_eagle3_first_drafts(
-        tiny_llama, tiny_llama_eagle3, [s for s, _ in proposed]
-    )
-    assert [drafts[0] for _, drafts in proposed] == reference
+    return proposed
 
 
 def spy_first_drafts(
