@@ -156,8 +156,9 @@ class GatedDeltaNet(nn.Module):
             first = meta.query_start_list
             rows = torch.tensor([first[i] for i in decodes], device=x.device)
             self._decode(mixed[rows], beta[rows], g[rows], slots[decodes], fresh, out, rows)
+        verified = None
         if drafting:
-            self._verify(sorted(drafting), mixed, beta, g, meta, out)
+            verified = self._verify(sorted(drafting), (mixed, z, b, a, beta, g), meta, out)
         for i, n in enumerate(lens):
             if n != 1 and i not in drafting:
                 # Checkpoints inside the chunk split it: the states are taken there.
@@ -172,8 +173,11 @@ class GatedDeltaNet(nn.Module):
                         self.copy_states([slot], [row])
                     begin = end
         self._save_chunk_ends(meta, slots)
-        o = self._gated_norm(out, z.view(-1, self.v_heads, self.head_v_dim))
-        return self.out_proj(o.flatten(1))
+        o = self._gated_norm(out, z.view(-1, self.v_heads, self.head_v_dim)).flatten(1)
+        if verified is not None:  # the kernel's rows, gated and normed already
+            rows, normed = verified
+            o[rows] = normed
+        return self.out_proj(o)
 
     def _save_chunk_ends(self, meta: AttentionMetadata, slots: torch.Tensor) -> None:
         """Checkpoints of the states at the end of sequences' chunks."""
@@ -229,20 +233,36 @@ class GatedDeltaNet(nn.Module):
         self.recurrent_states[slots] = recurrent
         out[rows] = (q.unsqueeze(-2) @ recurrent).squeeze(-2).to(out.dtype)
 
-    def _verify(self, seqs, mixed, beta, g, meta: AttentionMetadata, out) -> None:
-        """The sequences verifying drafts (`seqs`): their tokens one recurrence step at a time,
-        keeping the states after each (`drafted_states`, by pool row) so that the model runner
-        can take back the rejected drafts' (ModelRunner._take_back_drafts); checkpoints inside
-        the known tokens are taken where they fall."""
+    def _verify(
+        self, seqs, inputs, meta: AttentionMetadata, out
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sequences verifying drafts (`seqs`): their tokens one recurrence step at a time, as
+        decode steps are (by the native kernel where it runs: then returns (rows, their gated
+        norm's output), else into `out`), keeping the states after each (`drafted_states`, by pool row) so that
+        the model runner can take back the rejected drafts' (ModelRunner._take_back_drafts);
+        checkpoints inside the known tokens are taken where they fall."""
         first, starts, lens = meta.query_start_list, meta.start_pos_list, meta.query_len_list
         slots = meta.state_slots
+        mixed, z, b, a, beta, g = inputs  # the input projections; beta and g derived from b, a
+        kernel = self._uses_kernel(mixed)
+        heads = (self.k_heads, self.v_heads, self.head_k_dim, self.head_v_dim)
+        all_rows, normed = [], []
         kept: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {i: ([], []) for i in seqs}
         for j in range(max(lens[i] for i in seqs)):
             now = [i for i in seqs if lens[i] > j]
             rows = torch.tensor([first[i] + j for i in now], device=mixed.device)
             rows_slots = slots[now]
             fresh = [starts[i] == 0 and j == 0 for i in now]
-            self._decode(mixed[rows], beta[rows], g[rows], rows_slots, fresh, out, rows)
+            if kernel:
+                fresh_u8 = torch.tensor(fresh, dtype=torch.uint8)
+                normed.append(native.gated_delta_decode(
+                    mixed[rows], z[rows], b[rows], a[rows], self.A_log, self.dt_bias,
+                    self.conv1d.weight, self.conv_states, self.recurrent_states, rows_slots,
+                    fresh_u8, self.norm.weight, self.eps, heads,
+                ))  # fmt: skip
+                all_rows.append(rows)
+            else:
+                self._decode(mixed[rows], beta[rows], g[rows], rows_slots, fresh, out, rows)
             conv, recurrent = self.conv_states[rows_slots], self.recurrent_states[rows_slots]
             for n, i in enumerate(now):
                 kept[i][0].append(conv[n])
@@ -254,6 +274,7 @@ class GatedDeltaNet(nn.Module):
             int(slots[i]): (torch.stack(convs), torch.stack(recurrents))
             for i, (convs, recurrents) in kept.items()
         }
+        return (torch.cat(all_rows), torch.cat(normed)) if kernel else None
 
     def take_back(self, slot: int, states: tuple[torch.Tensor, torch.Tensor], kept: int) -> None:
         """Pool row `slot` back to its states after the first `kept` tokens of a verification
