@@ -404,7 +404,7 @@ def make_parser() -> argparse.ArgumentParser:
         "ngram (prompt lookup: prompt_lookup_min/max) or suffix (suffix decoding: "
         "suffix_decoding_max_tree_depth, _max_cached_requests, _max_spec_factor, "
         '_min_token_prob), draft_model ("model": a small model with the same vocabulary), '
-        "mtp (the checkpoint's own multi-token-prediction layer: Qwen3.5, Qwen3-Next) or eagle3 "
+        "mtp (the checkpoint's own multi-token-prediction layer: Qwen3.5, Qwen3.5-MoE) or eagle3 "
         '("model": an EAGLE-3 head trained for this model); '
         "disable_by_batch_size: no drafts in larger steps (default 8)",
     )

@@ -1,4 +1,4 @@
-"""A checkpoint's own multi-token-prediction layer (Qwen3.5's and Qwen3-Next's `mtp.*`), the draft
+"""A checkpoint's own multi-token-prediction layer (Qwen3.5's and Qwen3.5-MoE's `mtp.*`), the draft
 of speculative decoding's `mtp` method (workers/head_drafter.py).
 
 Position i of the head takes the served model's final hidden state there, h_i, and the token
@@ -25,10 +25,8 @@ from workers.models.registry import ModelArgs
 
 
 def num_mtp_layers(args: ModelArgs) -> int:
-    """The multi-token-prediction layers config.json declares (Qwen3.5's `mtp_num_hidden_layers`,
-    Qwen3-Next's `num_nextn_predict_layers`)."""
-    hf = args.hf_config
-    return int(hf.get("mtp_num_hidden_layers") or hf.get("num_nextn_predict_layers") or 0)
+    """The multi-token-prediction layers config.json declares (`mtp_num_hidden_layers`)."""
+    return int(args.hf_config.get("mtp_num_hidden_layers") or 0)
 
 
 class MultiTokenPredictor(nn.Module):
