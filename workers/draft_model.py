@@ -15,9 +15,8 @@ where the two models agree the coupled noise picks the same token; greedy reques
 argmax. A request whose prefix came from the cache starts its draft KV after it: those blocks'
 draft rows were written when the blocks were first computed (one left stale, the last draft of a
 request that ended, costs acceptance only). Whatever the draft proposes, the served model's
-verification keeps only what plain
-decoding would have produced (workers/speculative.py): a stale or poor draft costs speed, never
-correctness. Every rank runs the same draft steps and gets the same logits (the LM head's
+verification keeps only what plain decoding would have produced (workers/speculative.py): a stale
+or poor draft costs speed, never correctness. Every rank runs the same draft steps and gets the same logits (the LM head's
 all-gather), so the ranks agree on the drafts without a word exchanged.
 """
 
@@ -29,14 +28,14 @@ import torch
 
 from enginecore.messages import SamplingParams, ScheduledRequest
 from workers.distributed import ParallelContext, shard_heads
-from workers.layers.attention import Attention, build_attention_metadata
+from workers.layers.attention import Attention
 from workers.layers.embedding import ParallelLMHead
 from workers.layers.gated_delta_net import GatedDeltaNet
 from workers.layers.linear import LinearBase
 from workers.layers.norm import RMSNorm
 from workers.layers.sampler import Sampler
 from workers.models.registry import ModelArgs, build_model, load_model_args
-from workers.speculative import sample_drafts
+from workers.speculative import draft_step_inputs, sample_drafts
 from workers.weight_loader import load_checkpoint
 
 
@@ -189,11 +188,7 @@ class DraftModel:
     def _forward(
         self, starts: list[int], chunks: list[list[int]], tables: list[list[int]]
     ) -> torch.Tensor:
-        meta = build_attention_metadata(
-            starts, [len(c) for c in chunks], tables, self.block_size, self.device,
-            decode_rows=[len(c) <= 16 for c in chunks],
-        )  # fmt: skip
-        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=self.device)
+        ids, meta = draft_step_inputs(starts, chunks, tables, self.block_size, self.device)
         return self.model(ids, meta, None)
 
     def _sample(

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from enginecore.messages import SamplingParams, ScheduledRequest
-from workers.layers.attention import Attention, build_attention_metadata
+from workers.layers.attention import Attention
 from workers.layers.sampler import Sampler
-from workers.speculative import sample_drafts
+from workers.speculative import draft_step_inputs, sample_drafts
 
 
 @dataclass
@@ -97,7 +97,7 @@ class HeadDrafter:
         row in them (query_start_loc)."""
         for i, r in enumerate(reqs):
             rows = features[starts[i] : starts[i + 1]]
-            self._computed[r.req_id] = _Computed(r.start_pos, list(r.token_ids), rows)
+            self._computed[r.req_id] = _Computed(r.start_pos, r.token_ids, rows)
 
     @torch.inference_mode()
     def propose(
@@ -161,9 +161,5 @@ class HeadDrafter:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over `chunks` (each t_{i+1} at positions start, start + 1, ...) with the
         features at i in the same order -> (rows for the LM head, rows for the next draft)."""
-        meta = build_attention_metadata(
-            starts, [len(c) for c in chunks], tables, self.block_size, self.device,
-            decode_rows=[len(c) <= 16 for c in chunks],
-        )  # fmt: skip
-        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=self.device)
+        ids, meta = draft_step_inputs(starts, chunks, tables, self.block_size, self.device)
         return self.head(self.embed(ids), features, meta)

@@ -24,6 +24,7 @@ import msgspec
 import torch
 
 from enginecore.messages import SamplingParams, ScheduledRequest
+from workers.layers.attention import AttentionMetadata, build_attention_metadata
 from workers.layers.logits_processors import DraftedHistory, TokenHistory
 from workers.layers.sampler import Sampler, SamplingTensors
 
@@ -115,3 +116,20 @@ def sample_drafts(
         plain, [r.sample_index + j for r in reqs], logits.size(-1), logits.device
     )
     return sampler(logits, tensors).tolist()
+
+
+def draft_step_inputs(
+    starts: list[int],
+    chunks: list[list[int]],
+    tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """A drafter's forward over `chunks` (token ids from positions `starts`, through the served
+    model's block tables) -> (ids, attention metadata); short chunks attend as decode rows."""
+    meta = build_attention_metadata(
+        starts, [len(c) for c in chunks], tables, block_size, device,
+        decode_rows=[len(c) <= 16 for c in chunks],
+    )  # fmt: skip
+    ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=device)
+    return ids, meta

@@ -241,7 +241,7 @@ class GatedDeltaNet(nn.Module):
         norm's output), else into `out`), keeping the states after each (`drafted_states`, by pool row) so that
         the model runner can take back the rejected drafts' (ModelRunner._take_back_drafts);
         checkpoints inside the known tokens are taken where they fall."""
-        first, starts, lens = meta.query_start_list, meta.start_pos_list, meta.query_len_list
+        first, lens = meta.query_start_list, meta.query_len_list
         slots = meta.state_slots
         mixed, z, b, a, beta, g = inputs  # the input projections; beta and g derived from b, a
         kernel = self._uses_kernel(mixed)
@@ -252,9 +252,9 @@ class GatedDeltaNet(nn.Module):
             now = [i for i in seqs if lens[i] > j]
             rows = torch.tensor([first[i] + j for i in now], device=mixed.device)
             rows_slots = slots[now]
-            fresh = [starts[i] == 0 and j == 0 for i in now]
+            fresh = [False] * len(now)  # a verifying sequence has computed its prompt
             if kernel:
-                fresh_u8 = torch.tensor(fresh, dtype=torch.uint8)
+                fresh_u8 = torch.zeros(len(now), dtype=torch.uint8)
                 normed.append(native.gated_delta_decode(
                     mixed[rows], z[rows], b[rows], a[rows], self.A_log, self.dt_bias,
                     self.conv1d.weight, self.conv_states, self.recurrent_states, rows_slots,
