@@ -92,7 +92,7 @@ class CacheConfig:
     # Hybrid models: tokens between linear-attention state checkpoints (None: the workers choose).
     state_checkpoint_interval: int | None = None
     # "auto": the activations' dtype; "int8": each token's K and V rows per head int8 with a
-    # float32 scale (workers/layers/kv_int8.py).
+    # float32 scale per 16 values (workers/layers/kv_int8.py).
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -317,7 +317,10 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # Directory of this instance's IPC sockets: unique per server so that instances never collide.
-    ipc_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="tern-"))
+    # Made by the first socket bound in it (ipc_path), not here: most Configs never bind one.
+    ipc_dir: str = field(
+        default_factory=lambda: os.path.join(tempfile.gettempdir(), f"tern-{uuid.uuid4().hex}")
+    )
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     # Seconds a child process has to acknowledge it is ready (model loading included).
     startup_timeout_s: float = float(os.environ.get("TERN_STARTUP_TIMEOUT", "300"))
@@ -326,6 +329,8 @@ class Config:
     engine_heartbeat_timeout_s: float = float(os.environ.get("TERN_ENGINE_HEARTBEAT_TIMEOUT", "20"))
 
     def ipc_path(self, name: str) -> str:
+        """The ZMQ address of socket `name` in ipc_dir (created, private, if it is not there)."""
+        os.makedirs(self.ipc_dir, mode=0o700, exist_ok=True)
         return f"ipc://{self.ipc_dir}/{name}"
 
     def replace(self, **changes: object) -> Config:

@@ -14,9 +14,11 @@ The engine core imports no torch: only workers use torch threads.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
+import os
 import socket
 import threading
 import time
@@ -175,6 +177,7 @@ class MultiprocExecutor:
         self._replies = self._ctx.socket(zmq.PULL)
         self._replies.setsockopt(zmq.LINGER, 0)
         reply_addr = config.ipc_path("worker_output")
+        self._ipc_dir = config.ipc_dir
         self._replies.bind(reply_addr)
         # With several nodes, everything other nodes reach listens on --dist-init-addr's host.
         host = "127.0.0.1"
@@ -182,7 +185,10 @@ class MultiprocExecutor:
             assert parallel.dist_init_addr is not None
             host = socket.gethostbyname(parallel.dist_init_addr.rpartition(":")[0])
         self._mq = MessageQueue(
-            n_reader=self.world_size, n_local_reader=parallel.ranks_per_node, connect_ip=host
+            n_reader=self.world_size,
+            n_local_reader=parallel.ranks_per_node,
+            connect_ip=host,
+            parent_dir=config.ipc_dir,
         )
         try:
             store_addr = parallel.dist_init_addr
@@ -342,6 +348,8 @@ class MultiprocExecutor:
         self._mq.close()
         self._replies.close(linger=0)
         self._ctx.term()
+        with contextlib.suppress(OSError):  # an in-process engine core's; a server's frontend
+            os.rmdir(self._ipc_dir)  # removes its own, which holds its sockets too
 
 
 class NodeMonitor:

@@ -211,7 +211,11 @@ class MessageQueue:
         max_chunk_bytes: int = 1 << 20,
         max_chunks: int = 8,
         connect_ip: str = "127.0.0.1",
+        parent_dir: str | None = None,
     ) -> None:
+        """parent_dir: where the local readers' sockets and wake-up pipes get their directory
+        (default: the system's temporary directory); whoever owns it removes what a killed
+        writer leaves there."""
         if not 0 <= n_local_reader <= n_reader or n_reader < 1:
             raise ValueError(
                 f"need 0 <= n_local_reader ({n_local_reader}) <= n_reader ({n_reader})"
@@ -225,7 +229,7 @@ class MessageQueue:
         self._data_sock = self._remote_sock = None
         if n_local_reader > 0:
             shm = _create_reserved(_segment_size(n_local_reader, max_chunk_bytes, max_chunks))
-            ipc_dir = tempfile.mkdtemp(prefix="tern-mq-")
+            ipc_dir = tempfile.mkdtemp(prefix="tern-mq-", dir=parent_dir)
             self._data_sock = self._xpub(ctx, addrs, "local_data_addr", f"ipc://{ipc_dir}/data")
             for slot in range(1 + n_local_reader):
                 os.mkfifo(f"{ipc_dir}/wake{slot}", 0o600)

@@ -1,12 +1,14 @@
-"""--kv-cache-dtype int8: each token's K and V rows per head stored as int8 with a float32 scale.
+"""--kv-cache-dtype int8: each token's K and V rows per head stored as int8 with a float32 scale
+per 16 values.
 
-The rows round-trip within half a step of their scale; the cache holds D + 4 bytes per row (about
-half of bfloat16's at D = 128). A tiny model serves 64 prompts of 1,000+ tokens, prefilled 256
-tokens a step (each chunk attends to the earlier chunks' int8 keys and values), then 16 greedy
-tokens each: against Hugging Face's float32 model teacher-forced on the same tokens, at least 98%
-of the tokens are its top-1 (measured 98.6%; the float cache: 100%), each other one a near-tie of
-the reference (its top two within 0.03 nats), and the chosen tokens' logprob difference is
-reported (0.004 on average).
+The rows round-trip within half a step of their group's scale; the cache holds D + D / 4 bytes per
+row. A tiny model serves 64 prompts of 1,000+ tokens, prefilled 256 tokens a step (each chunk
+attends to the earlier chunks' int8 keys and values), then 16 greedy tokens each: against Hugging
+Face's float32 model teacher-forced on the same tokens, at least 99% of the tokens are its top-1
+(measured 99.2% on every kernel tier and with the kernels off; one scale per row: 98.6%; the float
+cache: 100%), each other one a near-tie of the reference (its top two within 0.03 nats), and the
+chosen tokens' logprob difference is reported (0.0035 on average). The trained default model:
+scripts/bench_kv_agreement.py (99.4%).
 """
 
 from __future__ import annotations
@@ -28,14 +30,21 @@ from workers.model_runner import ModelRunner
 MODEL = {"hidden_size": 128, "intermediate_size": 256, "initializer_range": 0.08}
 
 
-def test_rows_round_trip_within_half_a_step() -> None:
+def test_rows_round_trip_within_half_a_step_of_their_group() -> None:
+    assert kv_int8.row_bytes(64) == 64 + 4 * 4  # 4 groups of 16, a float32 scale each
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kv_int8.row_bytes(72)
     cache = torch.zeros(4, 8, 2, kv_int8.row_bytes(64), dtype=torch.uint8)
+    # rows of 1e-3 to 1e2, and within a row groups 100x apart: a row-wide scale would leave the
+    # small groups a step larger than half their values
     x = torch.randn(10, 2, 64) * torch.logspace(-3, 2, 10)[:, None, None]
+    x = x * torch.tensor([1.0, 0.01, 0.1, 1.0]).repeat_interleave(16)
     slots = torch.tensor([0, 3, 5, 7, 11, 12, 20, 21, 30, 31])
     kv_int8.write(cache, slots, x)
-    back = kv_int8.read(cache.flatten(0, 1)[slots], torch.float32)
-    step = x.abs().amax(-1, keepdim=True) / 127
-    assert ((back - x).abs() <= step / 2 * (1 + 1e-5)).all()
+    back = kv_int8.read(cache.flatten(0, 1)[slots], torch.float32).unflatten(-1, (4, 16))
+    groups = x.unflatten(-1, (4, 16))
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    assert ((back - groups).abs() <= step / 2 * (1 + 1e-5)).all()
     assert kv_int8.read(cache.flatten(0, 1)[[1, 2]], torch.float32).eq(0).all()  # untouched rows
 
 
@@ -57,7 +66,7 @@ def test_long_prompts_agree_with_the_float_reference(tmp_path: Path, kv_cache_dt
     runner.load_model()
     runner.init_kv_cache(64 * 76)  # 64 prompts of up to 1,205 tokens in blocks of 16
     if kv_cache_dtype == "int8":
-        assert runner.kv_cache.dtype == torch.uint8 and runner.kv_cache.size(-1) == 32 + 4
+        assert runner.kv_cache.dtype == torch.uint8 and runner.kv_cache.size(-1) == 32 + 2 * 4
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(1000 + 3 * i)] for i in range(64)]
     reqs = run(runner, prompts, GREEDY, chunk_size=256, arrival_steps=(0,) * 64)
@@ -82,18 +91,19 @@ def test_long_prompts_agree_with_the_float_reference(tmp_path: Path, kv_cache_dt
         f"{mean_diff:.4f}, reference top-2 gaps where they differ: {sorted(gaps)}"
     )
     assert total == 64 * MAX_TOKENS
-    # Measured 1010/1024: every difference where the reference's top two tokens were within
-    # 0.014 nats of each other (near-ties of this random model, which the rounding tips over).
-    assert agree / total >= (0.98 if kv_cache_dtype == "int8" else 1.0)
+    # Measured 1016/1024: every difference where the reference's top two tokens were within
+    # 0.008 nats of each other (near-ties of this random model, which the rounding tips over).
+    assert agree / total >= (0.99 if kv_cache_dtype == "int8" else 1.0)
     assert all(gap < 0.03 for gap in gaps)
 
 
+@pytest.mark.parametrize("d", [64, 48])  # 64: four groups at a time; 48: group by group
 @pytest.mark.parametrize("tier", [t.name for t in runnable_tiers()])
-def test_the_decode_kernel_reads_int8_rows_as_their_values(tier: str) -> None:
+def test_the_decode_kernel_reads_int8_rows_as_their_values(tier: str, d: int) -> None:
     """tern's paged decode kernel on an int8 cache equals it on the same rows dequantized to
     float32 (grouped heads, scattered blocks, a sliding window, bfloat16 queries)."""
     torch.manual_seed(0)
-    blocks, block_size, hkv, h, d = 12, 16, 2, 8, 64
+    blocks, block_size, hkv, h = 12, 16, 2, 8
     cache = torch.zeros(2, blocks, block_size, hkv, kv_int8.row_bytes(d), dtype=torch.uint8)
     slots = torch.arange(blocks * block_size)
     for i in range(2):

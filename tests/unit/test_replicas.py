@@ -177,6 +177,8 @@ def test_dp_flags_and_each_replicas_config(tmp_path: Path, flag: str) -> None:
     second = replica_config(config, 1)
     assert second.parallel.data_parallel_rank == 1 and second.parallel.first_device_index == 1
     assert second.ipc_dir.startswith(config.ipc_dir) and second.ipc_dir != config.ipc_dir
+    # a Config makes no directory: the first socket bound in it does (and its server removes it)
+    assert not Path(config.ipc_dir).exists() and not Path(second.ipc_dir).exists()
     with pytest.raises(ValueError):
         config_from_args(make_parser().parse_args(["launch", str(tmp_path), flag, "0"]))
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from workers.layers import kv_int8
 from workers.layers.kernel_library import active_tier_name, load, load_tier
 
 
@@ -98,8 +99,8 @@ def paged_decode_attention(
     softcap * tanh(score / softcap) with `softcap`; `sinks` (H,) float32: each head's attention
     sink, a logit in the softmax with no value, as gpt-oss's).
 
-    k_cache, v_cache (num_blocks, block_size, Hkv, D) float32 or bfloat16, or (..., D + 4) uint8:
-    int8 rows with their scales (kv_int8.py); block_tables
+    k_cache, v_cache (num_blocks, block_size, Hkv, D) float32 or bfloat16, or (...,
+    kv_int8.row_bytes(D)) uint8: int8 rows with their group scales (kv_int8.py); block_tables
     (B, max_blocks) int32; context_lens (B,) int32, each at least 1. `new_kv` = (k, v, slots):
     this step's k and v (B, Hkv, D) in the cache's dtype (q's for int8 rows, quantized as
     kv_int8.quantize does; heads contiguous, any token stride), written to cache slots (B,)
@@ -119,7 +120,7 @@ def paged_decode_attention(
     _check(v_cache, k_cache.dtype, "v_cache")
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
-    row = head_dim + 4 if k_cache.dtype == torch.uint8 else head_dim
+    row = kv_int8.row_bytes(head_dim) if k_cache.dtype == torch.uint8 else head_dim
     if cache_dim != row or not block_tables.size(0) == context_lens.size(0) == num_seqs:
         raise ValueError("q, the KV cache, block tables and context lengths do not agree")
     k_new = v_new = slots = None

@@ -1,6 +1,6 @@
 /* Paged decode attention: one query token per sequence attends its whole context straight from
  * the paged KV cache (no gathered, padded copy of K and V), with an online softmax per block.
- * Float32, bfloat16 or int8 cache (kv_int8.py's rows: D int8 values and their float32 scale); the
+ * Float32, bfloat16 or int8 cache (kv_int8.py's rows: D int8 values and a float32 scale per 16); the
  * AVX2 loops, the AVX-512 P.V loop and the AVX512-BF16 16-token loop side by side, the scalar
  * loops for builds without them.
  */
@@ -22,32 +22,61 @@ static inline __m256 load8_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 #endif
-/* Elements from one head's row to the next in a token's slot: an int8 row carries its scale. */
+/* Elements from one head's row to the next in a token's slot: an int8 row carries its scales, one
+ * float32 per KV_GROUP values after the D values (kv_int8.py's layout). */
+#define KV_GROUP 16
 #define HEAD_f32(D) (D)
 #define HEAD_bf16(D) (D)
-#define HEAD_i8(D) ((D) + 4)
+#define HEAD_i8(D) ((D) + (D) / KV_GROUP * 4)
 
-/* One head's new K or V row (D float32 or bfloat16 values) as an int8 row and its scale, rounded
- * as kv_int8.quantize rounds it: scale = max |x| / 127, q = round-half-even(x / scale). */
+/* One head's new K or V row (D float32 or bfloat16 values) as an int8 row and its scales, rounded
+ * as kv_int8.quantize rounds it: per group of KV_GROUP values scale = max |x| / 127,
+ * q = round-half-even(x / scale). */
 static void write_i8_row(int8_t *dst, const void *src, int D, int src_bf16) {
-    float x[MAX_HEAD_DIM], amax = 0.f;
-    for (int d = 0; d < D; d++) {
+    float x[MAX_HEAD_DIM];
+    for (int d = 0; d < D; d++)
         x[d] = src_bf16 ? bf16_to_f32(((const uint16_t *)src)[d]) : ((const float *)src)[d];
-        amax = fmaxf(amax, fabsf(x[d]));
+    for (int g = 0; g < D / KV_GROUP; g++) {
+        const float *xg = x + g * KV_GROUP;
+        float amax = 0.f;
+        for (int i = 0; i < KV_GROUP; i++) amax = fmaxf(amax, fabsf(xg[i]));
+        float scale = amax / 127.f, div = scale > 0.f ? scale : 1.f;
+        for (int i = 0; i < KV_GROUP; i++) {
+            float r = nearbyintf(xg[i] / div);
+            dst[g * KV_GROUP + i] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+        }
+        memcpy(dst + D + 4 * g, &scale, sizeof scale);
     }
-    float scale = amax / 127.f, div = scale > 0.f ? scale : 1.f;
-    for (int d = 0; d < D; d++) {
-        float r = nearbyintf(x[d] / div);
-        dst[d] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
-    }
-    memcpy(dst + D, &scale, sizeof scale);
 }
 
-/* The float32 scale stored after an int8 row of D values. */
-static inline float row_scale(const int8_t *row, int D) {
+/* The float32 scale of group g of an int8 row of D values. */
+static inline float group_scale(const int8_t *row, int D, int g) {
     float s;
-    memcpy(&s, row + D, sizeof s);
+    memcpy(&s, row + D + 4 * g, sizeof s);
     return s;
+}
+
+/* q . row for an int8 row: each group's dot product times its scale. */
+static inline float dot_i8_grouped(const float *q, const int8_t *kp, int D) {
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    for (int g = 0; g < D / KV_GROUP; g++) {
+        const float *qg = q + g * KV_GROUP;
+        const int8_t *kg = kp + g * KV_GROUP;
+        __m256 part = _mm256_mul_ps(_mm256_loadu_ps(qg), load8_i8(kg));
+        part = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8), load8_i8(kg + 8), part);
+        acc = _mm256_fmadd_ps(part, _mm256_set1_ps(group_scale(kp, D, g)), acc);
+    }
+    return hsum(acc);
+#else
+    float s = 0.f;
+    for (int g = 0; g < D / KV_GROUP; g++) {
+        float part = 0.f;
+        for (int i = 0; i < KV_GROUP; i++) part += q[g * KV_GROUP + i] * kp[g * KV_GROUP + i];
+        s += part * group_scale(kp, D, g);
+    }
+    return s;
+#endif
 }
 
 /* dot_T(q, row, D): q . row; axpy_T(acc, p, row, D): acc += p * row (row: one cached K or V
@@ -93,7 +122,6 @@ static inline float row_scale(const int8_t *row, int D) {
 #endif
 DEFINE_ROW_OPS(f32, float)
 DEFINE_ROW_OPS(bf16, uint16_t)
-DEFINE_ROW_OPS(i8, int8_t)
 
 /* acc (D,) += sum over t < n of p[t] * row t, rows `stride` elements apart. With D % 64 == 0 the
  * accumulator stays in 8 registers per 64 features while the rows stream past. */
@@ -126,14 +154,38 @@ DEFINE_ROW_OPS(i8, int8_t)
 #endif
 DEFINE_ACCUMULATE(f32, float)
 DEFINE_ACCUMULATE(bf16, uint16_t)
-DEFINE_ACCUMULATE(i8, int8_t)
 
-/* The int8 cache's P.V: each row's probability times its scale, then the int8 values. */
-static inline void accumulate_i8_scaled(float *acc, const float *p, const int8_t *rows, int n,
-                                        int64_t stride, int D) {
-    float ps[MAX_BLOCK];
-    for (int t = 0; t < n; t++) ps[t] = p[t] * row_scale(rows + t * stride, D);
-    accumulate_i8(acc, ps, rows, n, stride, D);
+/* The int8 cache's P.V: acc (D,) += sum over t < n of p[t] * row t's values times their group's
+ * scale. With D % 64 == 0, 64 features (four groups) at a time, their accumulators in 8 registers
+ * while the rows stream past; else group by group. */
+static inline void accumulate_i8_grouped(float *acc, const float *p, const int8_t *rows, int n,
+                                         int64_t stride, int D) {
+#ifdef __AVX2__
+    if (D % 64 == 0) {
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            __m256 a[8];
+            for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + d0 + 8 * c);
+            for (int t = 0; t < n; t++) {
+                const int8_t *r = rows + t * stride;
+                for (int g = 0; g < 4; g++) {
+                    __m256 pv = _mm256_set1_ps(p[t] * group_scale(r, D, d0 / KV_GROUP + g));
+                    a[2 * g] = _mm256_fmadd_ps(pv, load8_i8(r + d0 + 16 * g), a[2 * g]);
+                    a[2 * g + 1] = _mm256_fmadd_ps(pv, load8_i8(r + d0 + 16 * g + 8), a[2 * g + 1]);
+                }
+            }
+            for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + d0 + 8 * c, a[c]);
+        }
+        return;
+    }
+#endif
+    for (int g = 0; g < D / KV_GROUP; g++) {
+        float *ag = acc + g * KV_GROUP;
+        for (int t = 0; t < n; t++) {
+            const int8_t *r = rows + t * stride;
+            float pg = p[t] * group_scale(r, D, g);
+            for (int i = 0; i < KV_GROUP; i++) ag[i] += pg * r[g * KV_GROUP + i];
+        }
+    }
 }
 
 /* The bfloat16 cache's hot loops on AVX-512: P.V with 16-wide FMAs, and with AVX512-BF16 the
@@ -164,7 +216,7 @@ static inline void accumulate_bf16_wide(float *acc, const float *p, const uint16
 #define ACCUMULATE_bf16 accumulate_bf16
 #endif
 #define ACCUMULATE_f32 accumulate_f32
-#define ACCUMULATE_i8 accumulate_i8_scaled
+#define ACCUMULATE_i8 accumulate_i8_grouped
 
 #ifdef __AVX512BF16__
 static inline float dot_bf16_pairs(const uint16_t *a, const uint16_t *b, int D) { /* D % 32 == 0 */
@@ -180,7 +232,7 @@ static inline float dot_bf16_pairs(const uint16_t *a, const uint16_t *b, int D) 
 #define SCORE_bf16(qs, qb, kp, D, scale) dot_bf16((qs), (kp), (D))
 #endif
 #define SCORE_f32(qs, qb, kp, D, scale) dot_f32((qs), (kp), (D))
-#define SCORE_i8(qs, qb, kp, D, scale) (dot_i8((qs), (kp), (D)) * row_scale((kp), (D)))
+#define SCORE_i8(qs, qb, kp, D, scale) dot_i8_grouped((qs), (kp), (D))
 
 /* s[t] = exp(s[t] - m) for t < n (every s[t] <= m); returns their sum. */
 static inline float exp_sub(float *s, int n, float m) {
@@ -405,8 +457,8 @@ static void decode_heads_bf16_x16(const uint16_t *qb, float scale, const uint16_
 #endif
 
 /* q, out: (B, H, D) float32 (io_is_bf16 = 0) or bfloat16 (1). k_cache, v_cache: (num_blocks *
- * block_size, Hkv, D) float32 (kv_format 0) or bfloat16 (1), or (..., Hkv, D + 4) bytes of int8
- * rows with their scales (2; no `slots`: the caller writes the rows). block_tables: (B, table_stride) int32. context_lens:
+ * block_size, Hkv, D) float32 (kv_format 0) or bfloat16 (1), or (..., Hkv, HEAD_i8(D)) bytes of int8
+ * rows with their group scales (2; no `slots`: the caller writes the rows). block_tables: (B, table_stride) int32. context_lens:
  * (B,) int32, each >= 1. With `slots` (B,) int64, this step's k_new and v_new (B, Hkv, D) in the
  * cache's dtype, token rows k_new_stride / v_new_stride elements apart, are first written to those
  * cache slots
@@ -429,8 +481,8 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
         H * D > MAX_QUERY_FLOATS)
         return -1;
     int kv_is_bf16 = kv_format == 1, kv_is_i8 = kv_format == 2;
-    if (kv_is_i8 && D % 4) return -1;
-    int64_t slot_stride = (int64_t)Hkv * (kv_is_i8 ? D + 4 : D);
+    if (kv_is_i8 && D % KV_GROUP) return -1;
+    int64_t slot_stride = (int64_t)Hkv * (kv_is_i8 ? HEAD_i8(D) : D);
     for (int b = 0; slots != NULL && b < B; b++)
         if (slots[b] < 0 || slots[b] >= num_slots) return -2;
     /* One work item per query (all its KV heads); with too few queries to keep the threads
@@ -450,7 +502,7 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
         if (kv_is_i8) {
             size_t io = io_is_bf16 ? 2 : 4;
             for (int h = h0; h < h0 + nh; h++) {
-                int64_t dst = slots[b] * slot_stride + (int64_t)h * (D + 4);
+                int64_t dst = slots[b] * slot_stride + (int64_t)h * HEAD_i8(D);
                 write_i8_row((int8_t *)k_cache + dst,
                              (const char *)k_new + ((int64_t)b * k_new_stride + h * D) * io, D,
                              io_is_bf16);
@@ -492,8 +544,8 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
         else
 #endif
         if (kv_is_i8)
-            decode_heads_i8(qs, NULL, scale, (const int8_t *)k_cache + (int64_t)h0 * (D + 4),
-                            (const int8_t *)v_cache + (int64_t)h0 * (D + 4), table, start,
+            decode_heads_i8(qs, NULL, scale, (const int8_t *)k_cache + (int64_t)h0 * HEAD_i8(D),
+                            (const int8_t *)v_cache + (int64_t)h0 * HEAD_i8(D), table, start,
                             context_lens[b], nh, G, D, block_size, slot_stride, softcap,
                             item_sinks, o);
         else if (kv_is_bf16)
