@@ -68,6 +68,23 @@ def module_server() -> Iterator[Callable[..., TernServer]]:
     _stop_all(servers)
 
 
+@pytest.fixture(scope="session")
+def shared_server() -> Iterator[Callable[..., TernServer]]:
+    """launch(*args) -> TernServer, one per argument list for the whole session: for modules that
+    start a server with the same arguments and only send it requests (no weight updates, pauses,
+    sleeps or faults), so each such server starts once. All are stopped and checked at the end."""
+    servers: dict[tuple[str, ...], TernServer] = {}
+
+    def launch(*args: str) -> TernServer:
+        if args not in servers:
+            servers[args] = TernServer(list(args))
+            servers[args].wait_ready()
+        return servers[args]
+
+    yield launch
+    _stop_all(list(servers.values()))
+
+
 _LENGTH = re.compile(r'^tern:request_success_total\{finished_reason="length"[^}]*\} (\S+)$', re.M)
 
 

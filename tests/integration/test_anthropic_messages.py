@@ -28,8 +28,8 @@ QUESTION = "What is the weather in Paris? Answer in one short sentence."
 
 
 @pytest.fixture(scope="module")
-def server(module_server: Any) -> Any:
-    return module_server("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+def server(shared_server: Any) -> Any:
+    return shared_server("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 
 @pytest.fixture

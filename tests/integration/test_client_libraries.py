@@ -59,8 +59,8 @@ pytestmark = pytest.mark.usefixtures("no_length_finish")
 
 
 @pytest.fixture(scope="module")
-def server(module_server: Any) -> Any:
-    return module_server("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+def server(shared_server: Any) -> Any:
+    return shared_server("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 
 @pytest.fixture(scope="module")

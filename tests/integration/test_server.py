@@ -634,8 +634,8 @@ def test_bad_arguments_exit_2(launch_server: Any, tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def default_server(module_server: Any) -> Any:
-    return module_server("--dtype", "float32")
+def default_server(shared_server: Any) -> Any:
+    return shared_server("--dtype", "float32")
 
 
 def test_default_model_knows_the_capital_of_france(default_server: Any) -> None:

@@ -34,11 +34,11 @@ def copy_messages(text: str = TEXT) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def servers(module_server: Any, tokenizer_dir: Any) -> tuple[Any, Any]:
+def servers(module_server: Any, shared_server: Any, tokenizer_dir: Any) -> tuple[Any, Any]:
     if tokenizer_dir is None:
         pytest.skip("the default model is not prepared (scripts/setup_env prepares it)")
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 8})
-    plain = module_server("--dtype", "float32")
+    plain = shared_server("--dtype", "float32")
     speculative = module_server("--dtype", "float32", "--speculative-config", spec)
     return plain, speculative
 

@@ -24,7 +24,7 @@ from enginecore.messages import SamplingParams
 from tests.unit.test_gguf import make_gguf_case
 from tests.unit.test_model_runner import make_prompts, run
 from workers.layers import native
-from workers.layers.fused_decode import FusedDecodeLayer
+from workers.layers.fused_decode import FusedDecodeLayer, FusedDecodeStack
 from workers.layers.linear import LinearBase
 from workers.layers.lora import LoraBatch, LoraStack
 from workers.model_runner import ModelRunner
@@ -66,18 +66,34 @@ CASES = [
 ]
 
 
-def count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
-    """Each fused layer call from now on: its rows when it ran fused, None when it declined."""
-    calls: list[int | None] = []
-    original = FusedDecodeLayer.__call__
+class FusedCalls(list):
+    """Rows of each fused call (None: declined); `stacked`: those of whole stacks of layers."""
 
-    def counting(self, x, residual, meta):
-        out = original(self, x, residual, meta)
-        calls.append(None if out is None else x.size(0))
-        return out
+    stacked: list[int | None]
 
-    monkeypatch.setattr(FusedDecodeLayer, "__call__", counting)
+
+def count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> FusedCalls:
+    """Each fused layer (or stack of layers) call from now on: its rows when it ran fused, None
+    when it declined."""
+    calls = FusedCalls()
+    calls.stacked = []
+    for cls in (FusedDecodeLayer, FusedDecodeStack):
+        original = cls.__call__
+
+        def counting(self, x, residual, meta, original=original, cls=cls):
+            out = original(self, x, residual, meta)
+            calls.append(None if out is None else x.size(0))
+            if cls is FusedDecodeStack:
+                calls.stacked.append(calls[-1])
+            return out
+
+        monkeypatch.setattr(cls, "__call__", counting)
     return calls
+
+
+def unfuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer from now on runs module by module."""
+    monkeypatch.setattr(FusedDecodeLayer, "prepare", lambda self, x, meta, residual: None)
 
 
 @pytest.mark.parametrize(("arch", "quantization", "dtype", "kv_cache_dtype"), CASES)
@@ -113,7 +129,17 @@ def test_fused_layer_is_bit_identical_to_the_modules(
     assert None in fused_calls  # prefill steps did not
     assert "fused decode layer: on" in make_runner().kernel_report()
 
-    monkeypatch.setattr(FusedDecodeLayer, "__call__", lambda self, x, residual, meta: None)
+    if arch == "tiny_llama" and kv_cache_dtype == "auto":  # and layer by layer, not stacked
+        assert {1, 2} <= set(fused_calls.stacked), "a dense model's layers ran as one stack"
+        monkeypatch.setattr(FusedDecodeStack, "__call__", lambda self, x, residual, meta: None)
+        start = len(fused_calls)
+        by_layer = run(make_runner(), prompts, params, arrival_steps=arrivals, chunk_size=5)
+        assert {1, 2} <= set(fused_calls[start:])
+        for req_id, r in by_layer.items():
+            assert fused[req_id].output == r.output
+            for a, b in zip(fused[req_id].logprobs, r.logprobs):
+                assert torch.equal(a, b)
+    unfuse(monkeypatch)
     unfused = run(make_runner(), prompts, params, arrival_steps=arrivals, chunk_size=5)
     for req_id, r in unfused.items():
         assert fused[req_id].output == r.output
@@ -212,7 +238,7 @@ def test_fused_layer_with_lora_adapters_is_bit_identical_to_the_modules(
     fused = serve(lora=True)
     assert {1, 2} <= set(fused_calls), "decode steps with adapters took the fused path"
     base = serve(lora=False)
-    monkeypatch.setattr(FusedDecodeLayer, "__call__", lambda self, x, residual, meta: None)
+    unfuse(monkeypatch)
     unfused = serve(lora=True)
     for req_id, r in unfused.items():
         assert fused[req_id].output == r.output

@@ -18,6 +18,10 @@ in the native call with the kernel the module path calls (csrc/lora.c), each tok
 slot for it (LoraBatch.slots). Everything else returns None and runs module by module;
 `off_reason` says why a layer does not qualify (the start-up log shows it).
 
+Where a pipeline stage's layers are all fused with their MLPs and read one KV-cache group (dense
+models without sliding windows), `FusedDecodeStack` runs them all in one native call
+(tern_decode_layers_*: the same per-layer body in a loop), which saves the Python between layers.
+
 The layer's fixed part (weights, norms, rotary tables, its KV cache) is one ctypes struct
 (kernel_library.TernDecodeLayer, checked against tern_kernels.h at load), rebuilt whenever one of
 those tensors moves (weight updates, sleep and wake-up replace storage); the step's part
@@ -137,6 +141,32 @@ class FusedDecodeLayer:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(MLP output, residual) as the layer's forward returns them (without an MLP: its input),
         or None: not fused."""
+        step = self.prepare(x, meta, residual)
+        if step is None:
+            return None
+        fixed = self._fixed
+        out, res_out = torch.empty_like(x), torch.empty_like(x)
+        shm = self.spec.qkv.ctx.tp_shm
+        # NOTE: exactly the all-reduces the layer runs: the shared segment's two buffers alternate
+        # by sequence number, so a number left unused would let a rank overwrite one being read.
+        num_reduces = 2 if self.spec.gate_up is not None else 1
+        seq = shm.take_sequence_numbers(num_reduces) if fixed.tp_size > 1 else 0
+        lib = native.load()
+        entry = (
+            lib.tern_decode_layer_bf16 if x.dtype == torch.bfloat16 else lib.tern_decode_layer_f32
+        )
+        rc = entry(
+            ctypes.byref(fixed), ctypes.byref(step.struct), x.data_ptr(),
+            residual.data_ptr() if residual is not None else None, out.data_ptr(),
+            res_out.data_ptr(), seq,
+        )  # fmt: skip
+        _raise_for(rc, shm)
+        return out, res_out
+
+    def prepare(
+        self, x: torch.Tensor, meta: AttentionMetadata, residual: torch.Tensor | None
+    ) -> StepBuffers | None:
+        """The step's native buffers (LoRA slots set) if this layer takes x fused, else None."""
         d = meta.decode
         if (
             d is None
@@ -157,31 +187,7 @@ class FusedDecodeLayer:
         if batch is not None and batch.slots is not step.lora_slots:
             if not step.use_lora_slots(batch.slots):
                 return None
-        out, res_out = torch.empty_like(x), torch.empty_like(x)
-        shm = self.spec.qkv.ctx.tp_shm
-        # NOTE: exactly the all-reduces the layer runs: the shared segment's two buffers alternate
-        # by sequence number, so a number left unused would let a rank overwrite one being read.
-        num_reduces = 2 if self.spec.gate_up is not None else 1
-        seq = shm.take_sequence_numbers(num_reduces) if fixed.tp_size > 1 else 0
-        lib = native.load()
-        entry = (
-            lib.tern_decode_layer_bf16 if x.dtype == torch.bfloat16 else lib.tern_decode_layer_f32
-        )
-        rc = entry(
-            ctypes.byref(fixed), ctypes.byref(step.struct), x.data_ptr(),
-            residual.data_ptr() if residual is not None else None, out.data_ptr(),
-            res_out.data_ptr(), seq,
-        )  # fmt: skip
-        if rc == -2:
-            raise ValueError("a position is past the rotary tables or a KV slot outside the cache")
-        if rc == -3:
-            raise RuntimeError(
-                f"tensor-parallel all-reduce: a peer rank did not arrive within "
-                f"{shm.timeout_s:.0f} s"
-            )
-        if rc != 0:
-            raise RuntimeError("the fused decode layer's kernels refused their inputs")
-        return out, res_out
+        return step
 
     def off_reason(self) -> str | None:
         """Why this layer runs module by module (None: it is fused)."""
@@ -210,6 +216,67 @@ class FusedDecodeLayer:
             self._dtype = spec.qkv.dtype
             self._widths = _scratch_widths(self._fixed) if self._fixed is not None else ()
         return self._fixed
+
+
+class FusedDecodeStack:
+    """A pipeline stage's fused layers in one native call (tern_decode_layers_*): for a model whose
+    every layer on the stage is fused with its MLP and reads the same KV-cache group's metadata.
+    Each layer still builds (and checks) its own fixed struct; a step that any layer would not
+    take runs layer by layer."""
+
+    def __init__(self, layers: list[FusedDecodeLayer]) -> None:
+        self.layers = layers
+        self._structs: tuple[TernDecodeLayer, ...] = ()
+        self._array: ctypes.Array | None = None  # the structs' addresses, in layer order
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the last layer's MLP output, its residual), as running the layers one by one returns
+        them, or None: not fused."""
+        first = self.layers[0]
+        step = first.prepare(x, meta, residual)
+        if step is None:
+            return None
+        structs = []
+        for layer in self.layers:
+            fixed = layer._fixed_struct()
+            if fixed is None or layer._dtype != x.dtype or layer._widths != first._widths:
+                return None
+            if layer._lora_batch is not first._lora_batch:
+                return None
+            structs.append(fixed)
+        if tuple(map(id, structs)) != tuple(map(id, self._structs)):
+            self._structs = tuple(structs)
+            self._array = (ctypes.c_void_p * len(structs))(*map(ctypes.addressof, structs))
+        out, res_out = torch.empty_like(x), torch.empty_like(x)
+        tmp_out, tmp_res = torch.empty_like(x), torch.empty_like(x)
+        shm = first.spec.qkv.ctx.tp_shm
+        n = len(structs)
+        seq = shm.take_sequence_numbers(2 * n) if structs[0].tp_size > 1 else 0
+        lib = native.load()
+        entry = (
+            lib.tern_decode_layers_bf16 if x.dtype == torch.bfloat16 else lib.tern_decode_layers_f32
+        )
+        rc = entry(
+            self._array, n, ctypes.byref(step.struct), x.data_ptr(),
+            residual.data_ptr() if residual is not None else None, out.data_ptr(),
+            res_out.data_ptr(), tmp_out.data_ptr(), tmp_res.data_ptr(), seq,
+        )  # fmt: skip
+        _raise_for(rc, shm)
+        return out, res_out
+
+
+def _raise_for(rc: int, shm: object) -> None:
+    """The error a fused layer's (or stack's) return code stands for, if any."""
+    if rc == -2:
+        raise ValueError("a position is past the rotary tables or a KV slot outside the cache")
+    if rc == -3:
+        raise RuntimeError(
+            f"tensor-parallel all-reduce: a peer rank did not arrive within {shm.timeout_s:.0f} s"
+        )
+    if rc != 0:
+        raise RuntimeError("the fused decode layer's kernels refused their inputs")
 
 
 def _lora_key(lin: LinearBase) -> tuple[int, ...] | None:

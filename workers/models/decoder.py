@@ -39,7 +39,7 @@ from workers.layers import native
 from workers.layers.activation import GATED_ACTIVATIONS, GeluTanhAndMul
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from workers.layers.fused_decode import DecodeLayerSpec, FusedDecodeLayer
+from workers.layers.fused_decode import DecodeLayerSpec, FusedDecodeLayer, FusedDecodeStack
 from workers.layers.gated_delta_net import GatedDeltaNet
 from workers.layers.linear import (
     MergedColumnParallelLinear,
@@ -431,6 +431,20 @@ class DecoderModel(nn.Module):
         # kept, concatenated, as `features` (T, hidden * len(feature_layers)) by every forward.
         self.feature_layers: tuple[int, ...] = ()
         self.features: torch.Tensor | None = None
+        # The stage's layers in one native call for small decode steps, where each is fused with
+        # its MLP and all read one KV-cache group (dense models without sliding windows).
+        stage = [self.layers[i] for i in self.stage_layers]
+        self.fused_stack = (
+            FusedDecodeStack([layer.fused_decode for layer in stage])
+            if stage
+            and all(
+                layer.fused_decode is not None
+                and isinstance(layer.mlp, DecoderMLP)
+                and layer.kv_group == stage[0].kv_group
+                for layer in stage
+            )
+            else None
+        )
 
     def forward(
         self,
@@ -450,7 +464,13 @@ class DecoderModel(nn.Module):
             )
             x, residual = intermediate[0], intermediate[1]
         features = []
-        for i in self.stage_layers:
+        stacked = None
+        if self.fused_stack is not None and not self.feature_layers:
+            group = self.layers[self.stage_layers[0]].kv_group
+            stacked = self.fused_stack(x, residual, meta.for_kv_group(group))
+        if stacked is not None:
+            x, residual = stacked
+        for i in self.stage_layers if stacked is None else ():
             if i in self.feature_layers:
                 features.append(x if residual is None else x + residual)
             x, residual = self.layers[i](x, residual, meta)

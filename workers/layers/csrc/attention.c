@@ -56,29 +56,6 @@ static inline float group_scale(const int8_t *row, int D, int g) {
     return s;
 }
 
-/* q . row for an int8 row: each group's dot product times its scale. */
-static inline float dot_i8_grouped(const float *q, const int8_t *kp, int D) {
-#ifdef __AVX2__
-    __m256 acc = _mm256_setzero_ps();
-    for (int g = 0; g < D / KV_GROUP; g++) {
-        const float *qg = q + g * KV_GROUP;
-        const int8_t *kg = kp + g * KV_GROUP;
-        __m256 part = _mm256_mul_ps(_mm256_loadu_ps(qg), load8_i8(kg));
-        part = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8), load8_i8(kg + 8), part);
-        acc = _mm256_fmadd_ps(part, _mm256_set1_ps(group_scale(kp, D, g)), acc);
-    }
-    return hsum(acc);
-#else
-    float s = 0.f;
-    for (int g = 0; g < D / KV_GROUP; g++) {
-        float part = 0.f;
-        for (int i = 0; i < KV_GROUP; i++) part += q[g * KV_GROUP + i] * kp[g * KV_GROUP + i];
-        s += part * group_scale(kp, D, g);
-    }
-    return s;
-#endif
-}
-
 /* dot_T(q, row, D): q . row; axpy_T(acc, p, row, D): acc += p * row (row: one cached K or V
  * vector of this KV head, float32 or bfloat16). Vectorised when D % 8 == 0. */
 #ifdef __AVX2__
@@ -232,7 +209,41 @@ static inline float dot_bf16_pairs(const uint16_t *a, const uint16_t *b, int D) 
 #define SCORE_bf16(qs, qb, kp, D, scale) dot_bf16((qs), (kp), (D))
 #endif
 #define SCORE_f32(qs, qb, kp, D, scale) dot_f32((qs), (kp), (D))
-#define SCORE_i8(qs, qb, kp, D, scale) dot_i8_grouped((qs), (kp), (D))
+
+/* One cached token's scores for the G query heads of its KV head: out[g * stride]. */
+#define DEFINE_SCORES(SUFFIX, KV_T)                                                             \
+    static inline void scores_##SUFFIX(const float *qh, const uint16_t *qbh, const KV_T *kp,    \
+                                       int D, float scale, int G, float *out, int stride) {     \
+        for (int g = 0; g < G; g++)                                                             \
+            out[g * stride] =                                                                   \
+                SCORE_##SUFFIX(qh + g * D, qbh != NULL ? qbh + g * D : NULL, kp, D, scale);     \
+    }
+DEFINE_SCORES(f32, float)
+DEFINE_SCORES(bf16, uint16_t)
+#define SCORES_f32 scores_f32
+#define SCORES_bf16 scores_bf16
+
+/* An int8 key row is widened and scaled once, into the float32 values a float32 cache would hold
+ * (the same products, so the same scores), then dotted with each of the G queries. */
+static inline void scores_i8(const float *qh, const uint16_t *qbh, const int8_t *kp, int D,
+                             float scale, int G, float *out, int stride) {
+    float kf[MAX_HEAD_DIM];
+    for (int g = 0; g < D / KV_GROUP; g++) {
+        float s = group_scale(kp, D, g);
+#ifdef __AVX2__
+        __m256 sv = _mm256_set1_ps(s);
+        for (int i = 0; i < KV_GROUP; i += 8)
+            _mm256_storeu_ps(kf + g * KV_GROUP + i,
+                             _mm256_mul_ps(load8_i8(kp + g * KV_GROUP + i), sv));
+#else
+        for (int i = 0; i < KV_GROUP; i++) kf[g * KV_GROUP + i] = (float)kp[g * KV_GROUP + i] * s;
+#endif
+    }
+    for (int g = 0; g < G; g++) out[g * stride] = dot_f32(qh + g * D, kf, D);
+    (void)qbh;
+    (void)scale;
+}
+#define SCORES_i8 scores_i8
 
 /* s[t] = exp(s[t] - m) for t < n (every s[t] <= m); returns their sum. */
 static inline float exp_sub(float *s, int n, float m) {
@@ -298,10 +309,8 @@ static inline void prefetch_rows(const char *p, int n, int64_t row_stride, int r
                 const float *qh = qs + (int64_t)h * G * D;                                       \
                 const uint16_t *qbh = qb != NULL ? qb + (int64_t)h * G * D : NULL;               \
                 for (int t = 0; t < n; t++) {                                                    \
-                    const KV_T *kp = k + (base + t) * slot_stride + h * HEAD_##SUFFIX(D);                       \
-                    for (int g = 0; g < G; g++)                                                  \
-                        scores[g * block_size + t] = SCORE_##SUFFIX(                             \
-                            qh + g * D, qbh != NULL ? qbh + g * D : NULL, kp, D, scale);         \
+                    const KV_T *kp = k + (base + t) * slot_stride + h * HEAD_##SUFFIX(D);       \
+                    SCORES_##SUFFIX(qh, qbh, kp, D, scale, G, scores + t, block_size);           \
                 }                                                                                \
                 for (int g = 0; g < G; g++) {                                                    \
                     int r = h * G + g;                                                           \

@@ -209,3 +209,40 @@ int tern_decode_layer_f32(const TernDecodeLayer *L, const TernDecodeStep *S, con
                           const float *residual, float *out, float *res_out, int64_t seq) {
     return decode_layer(L, S, x, residual, out, res_out, seq, 0);
 }
+
+/* A stack of num_layers such layers (every one with its MLP), each reading the one before's
+ * output: layer i takes all-reduce sequence numbers seq + 2 i and seq + 2 i + 1. The layers
+ * between write to tmp_out / tmp_res and out / res_out in turn, the last to out / res_out. One
+ * call for a pipeline stage's layers instead of one each (the Python around a layer's call is
+ * ~10 us, a tenth of a small model's layer at one sequence). Returns as decode_layer, at the
+ * first layer that fails. */
+static int decode_layers(const TernDecodeLayer *const *layers, int num_layers,
+                         const TernDecodeStep *S, const void *x, const void *residual, void *out,
+                         void *res_out, void *tmp_out, void *tmp_res, int64_t seq, int bf16) {
+    for (int i = 0; i < num_layers; i++) {
+        if (layers[i]->intermediate == 0) return -1;
+        int last_parity = (num_layers - 1 - i) % 2 == 0;
+        void *o = last_parity ? out : tmp_out, *r = last_parity ? res_out : tmp_res;
+        int rc = decode_layer(layers[i], S, x, residual, o, r, seq + 2 * (int64_t)i, bf16);
+        if (rc != 0) return rc;
+        x = o;
+        residual = r;
+    }
+    return 0;
+}
+
+int tern_decode_layers_bf16(const TernDecodeLayer *const *layers, int num_layers,
+                            const TernDecodeStep *S, const uint16_t *x, const uint16_t *residual,
+                            uint16_t *out, uint16_t *res_out, uint16_t *tmp_out,
+                            uint16_t *tmp_res, int64_t seq) {
+    return decode_layers(layers, num_layers, S, x, residual, out, res_out, tmp_out, tmp_res, seq,
+                         1);
+}
+
+int tern_decode_layers_f32(const TernDecodeLayer *const *layers, int num_layers,
+                           const TernDecodeStep *S, const float *x, const float *residual,
+                           float *out, float *res_out, float *tmp_out, float *tmp_res,
+                           int64_t seq) {
+    return decode_layers(layers, num_layers, S, x, residual, out, res_out, tmp_out, tmp_res, seq,
+                         0);
+}

@@ -192,6 +192,9 @@ int tern_gated_delta_decode(const void *mixed, int64_t mixed_stride, const void 
 /* decode_layer.c: one Llama-style decoder layer of a decode step, bfloat16 or float32. */
 int tern_decode_layer_bf16(const TernDecodeLayer *L, const TernDecodeStep *S, const uint16_t *x, const uint16_t *residual, uint16_t *out, uint16_t *res_out, int64_t seq);
 int tern_decode_layer_f32(const TernDecodeLayer *L, const TernDecodeStep *S, const float *x, const float *residual, float *out, float *res_out, int64_t seq);
+/* A stack of such layers (each with its MLP) in one call; see decode_layer.c. */
+int tern_decode_layers_bf16(const TernDecodeLayer *const *layers, int num_layers, const TernDecodeStep *S, const uint16_t *x, const uint16_t *residual, uint16_t *out, uint16_t *res_out, uint16_t *tmp_out, uint16_t *tmp_res, int64_t seq);
+int tern_decode_layers_f32(const TernDecodeLayer *const *layers, int num_layers, const TernDecodeStep *S, const float *x, const float *residual, float *out, float *res_out, float *tmp_out, float *tmp_res, int64_t seq);
 
 /* TERN_EXPORTS_END */
 #endif
