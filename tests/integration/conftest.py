@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -68,12 +69,16 @@ def module_server() -> Iterator[Callable[..., TernServer]]:
     _stop_all(servers)
 
 
+_SHARED = pytest.StashKey[dict]()
+
+
 @pytest.fixture(scope="session")
-def shared_server() -> Iterator[Callable[..., TernServer]]:
-    """launch(*args) -> TernServer, one per argument list for the whole session: for modules that
-    start a server with the same arguments and only send it requests (no weight updates, pauses,
-    sleeps or faults), so each such server starts once. All are stopped and checked at the end."""
-    servers: dict[tuple[str, ...], TernServer] = {}
+def shared_server(request: pytest.FixtureRequest) -> Iterator[Callable[..., TernServer]]:
+    """launch(*args) -> TernServer, one per argument list for the integration tests: for modules
+    that start a server with the same arguments and only send it requests (no weight updates,
+    pauses, sleeps or faults), so each such server starts once. All are stopped and checked when
+    the last integration test is done (pytest_runtest_teardown below)."""
+    servers: dict[tuple[str, ...], TernServer] = request.config.stash.setdefault(_SHARED, {})
 
     def launch(*args: str) -> TernServer:
         if args not in servers:
@@ -82,7 +87,24 @@ def shared_server() -> Iterator[Callable[..., TernServer]]:
         return servers[args]
 
     yield launch
-    _stop_all(list(servers.values()))
+    _stop_shared(request.config)
+
+
+def _stop_shared(config: pytest.Config) -> None:
+    servers = config.stash.get(_SHARED, {})
+    running = list(servers.values())
+    servers.clear()
+    if running:
+        _stop_all(running)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Stops the shared servers once no integration test follows (they would otherwise idle
+    through the unit tests), after the last test's own fixtures are torn down."""
+    yield
+    if nextitem is None or Path(__file__).parent not in Path(nextitem.path).parents:
+        _stop_shared(item.config)
 
 
 _LENGTH = re.compile(r'^tern:request_success_total\{finished_reason="length"[^}]*\} (\S+)$', re.M)

@@ -25,6 +25,8 @@ from tests.unit.test_engine_inproc import MAX_TOKENS, hf_greedy, make_prompts, r
 from tests.unit.test_model_runner import GREEDY, make_runner, run
 from tests.unit.test_model_runner import make_prompts as runner_prompts
 from tests.unit.test_model_zoo import assert_logprobs_match_hf, rerun_from_the_prefix_cache
+from workers.layers import gguf_blocks, native
+from workers.layers.kernel_library import runnable_tiers, use_tier
 from workers.layers.native import BLOCK_TYPES
 
 
@@ -191,6 +193,46 @@ def test_kept_blocks_multiply_as_the_dequantized_weight(block_type: str) -> None
     update.keep_gguf_blocks(block_type)
     update.weight_loader(update.weight, w)  # full precision: quantized on arrival
     assert torch.equal(update.weight.data, blocks)
+
+
+def _dequantized(blocks: torch.Tensor, block_type: str, k: int) -> torch.Tensor:
+    """The gguf package's dequantization of `blocks` (tern's own for INT4_ZP)."""
+    import gguf
+
+    from workers.layers import int4_blocks
+
+    if block_type == "INT4_ZP":
+        return torch.from_numpy(int4_blocks.dequantize(blocks.numpy(), k))
+    qtype = gguf.GGMLQuantizationType[block_type]
+    return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype).copy())
+
+
+@pytest.mark.parametrize("tier", [t.name for t in runnable_tiers()])
+@pytest.mark.parametrize("block_type", sorted(BLOCK_TYPES))
+def test_the_fast_paths_products_are_its_quantized_rows_times_the_weight(
+    block_type: str, tier: str
+) -> None:
+    """The fast path's few-row product (activations quantized to int8 per 32 values, products in
+    integers) on every tier equals the quantized rows, dequantized, times the dequantized weight:
+    1-3 rows, an odd number of 32-value chunks (the kernel takes chunks in pairs) and two
+    super-blocks for the K-quants."""
+    from workers.layers.gguf_blocks import quantize
+
+    torch.manual_seed(0)
+    k = 512 if gguf_blocks.block_values(block_type) == 256 else 288
+    w = torch.randn(40, k)
+    blocks = quantize(w, block_type)
+    dequantized = _dequantized(blocks, block_type, k).double()
+    bias = torch.randn(40)
+    for m in (1, 2, 3):
+        x = torch.randn(m, k) * torch.logspace(-2, 1, k // 32).repeat_interleave(32)
+        groups = x.unflatten(-1, (-1, 32))
+        dx = groups.abs().amax(-1, keepdim=True) / 127
+        xq = torch.round(groups * torch.where(dx > 0, 1 / dx, 0)) * dx
+        want = xq.flatten(-2).double() @ dequantized.T + bias.double()
+        with use_tier(tier):
+            got = native.gguf_linear(x, blocks, block_type, bias, quantize_x=True)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
 
 
 def test_the_fast_path_agrees_with_the_exact_one(gguf_case: tuple[Path, Path, Path]) -> None:
