@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from frontend.client.launched_server import LaunchedServer
@@ -105,6 +106,24 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     yield
     if nextitem is None or Path(__file__).parent not in Path(nextitem.path).parents:
         _stop_shared(item.config)
+
+
+@pytest.fixture
+def no_leftover_children() -> Iterator[None]:
+    """Fails the test if a process it started outlives it (multiprocessing's resource tracker and
+    the servers other modules share live on by design)."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    leftovers = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.pid in before or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if "resource_tracker" not in " ".join(p.cmdline()):
+                leftovers.append(p)
+        except psutil.NoSuchProcess:  # it ended while we looked
+            continue
+    assert not leftovers, leftovers
 
 
 _LENGTH = re.compile(r'^tern:request_success_total\{finished_reason="length"[^}]*\} (\S+)$', re.M)

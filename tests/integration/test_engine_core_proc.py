@@ -204,13 +204,5 @@ def test_killed_worker_fails_requests_and_core_exits(tiny_llama: Path):
 
 
 @pytest.fixture(autouse=True)
-def _no_leftover_children():
-    yield
-    leftovers = [p for p in psutil.Process().children(recursive=True) if p.is_running()]
-    # multiprocessing's resource tracker lives as long as this test process, by design.
-    leftovers = [
-        p
-        for p in leftovers
-        if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())
-    ]
-    assert not leftovers, leftovers
+def _no_leftover_children(no_leftover_children: None) -> None:
+    """Every test here: no process it started outlives it (conftest's no_leftover_children)."""

@@ -504,19 +504,8 @@ def test_error_on_a_non_driver_rank_fails_the_step(tiny_qwen3: Path) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _no_leftover_children():
-    """No process a test here started outlives it (servers other modules share live on)."""
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    yield
-    leftovers = [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if p.pid not in before
-        and p.is_running()
-        and p.status() != psutil.STATUS_ZOMBIE
-        and "resource_tracker" not in " ".join(p.cmdline())
-    ]
-    assert not leftovers, leftovers
+def _no_leftover_children(no_leftover_children: None) -> None:
+    """Every test here: no process it started outlives it (conftest's no_leftover_children)."""
 
 
 # --------------------------------------------------------------------------- several nodes
