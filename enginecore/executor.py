@@ -349,7 +349,8 @@ class MultiprocExecutor:
         self._replies.close(linger=0)
         self._ctx.term()
         with contextlib.suppress(OSError):  # an in-process engine core's; a server's frontend
-            os.rmdir(self._ipc_dir)  # removes its own, which holds its sockets too
+            os.unlink(os.path.join(self._ipc_dir, "worker_output"))  # removes its own, which
+            os.rmdir(self._ipc_dir)  # holds its sockets too
 
 
 class NodeMonitor:

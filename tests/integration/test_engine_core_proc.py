@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ TIMEOUT_S = 120
 
 class CoreClient:
     def __init__(self, config: Config) -> None:
+        self.ipc_dir = config.ipc_dir
         self.ctx = zmq.Context()
         self.inp = self.ctx.socket(zmq.PUSH)
         self.inp.bind(config.ipc_path("engine_input"))
@@ -102,6 +104,7 @@ class CoreClient:
         self.inp.close(0)
         self.out.close(0)
         self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
         assert not alive, f"orphans: {alive}"
 
 
