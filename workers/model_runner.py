@@ -314,8 +314,6 @@ class ModelRunner:
                 module.batch_invariant = True
             if getattr(module, "fused_decode", None) is not None:
                 module.fused_decode = None
-            if getattr(module, "fused_stack", None) is not None:  # the layers' stack, likewise
-                module.fused_stack = None
 
     def repack_weights(self) -> None:
         """Re-derive the layers' packed copies of their weights (linear.pack_weight): after every

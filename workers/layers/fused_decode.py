@@ -32,7 +32,9 @@ layers through the step's AttentionMetadata.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -145,23 +147,17 @@ class FusedDecodeLayer:
         if step is None:
             return None
         fixed = self._fixed
-        out, res_out = torch.empty_like(x), torch.empty_like(x)
-        shm = self.spec.qkv.ctx.tp_shm
         # NOTE: exactly the all-reduces the layer runs: the shared segment's two buffers alternate
         # by sequence number, so a number left unused would let a rank overwrite one being read.
         num_reduces = 2 if self.spec.gate_up is not None else 1
-        seq = shm.take_sequence_numbers(num_reduces) if fixed.tp_size > 1 else 0
-        lib = native.load()
-        entry = (
-            lib.tern_decode_layer_bf16 if x.dtype == torch.bfloat16 else lib.tern_decode_layer_f32
-        )
-        rc = entry(
-            ctypes.byref(fixed), ctypes.byref(step.struct), x.data_ptr(),
-            residual.data_ptr() if residual is not None else None, out.data_ptr(),
-            res_out.data_ptr(), seq,
+        entry = _entry("tern_decode_layer", x.dtype)
+        return _run_native(
+            x, self.spec, fixed.tp_size, num_reduces,
+            lambda out, res_out, seq: entry(
+                ctypes.byref(fixed), ctypes.byref(step.struct), x.data_ptr(), _ptr(residual),
+                out, res_out, seq,
+            ),
         )  # fmt: skip
-        _raise_for(rc, shm)
-        return out, res_out
 
     def prepare(
         self, x: torch.Tensor, meta: AttentionMetadata, residual: torch.Tensor | None
@@ -218,13 +214,19 @@ class FusedDecodeLayer:
         return self._fixed
 
 
+class FusableLayer(Protocol):
+    """A decoder layer with a fused path (None: it runs module by module, e.g. --batch-invariant)."""
+
+    fused_decode: FusedDecodeLayer | None
+
+
 class FusedDecodeStack:
     """A pipeline stage's fused layers in one native call (tern_decode_layers_*): for a model whose
     every layer on the stage is fused with its MLP and reads the same KV-cache group's metadata.
     Each layer still builds (and checks) its own fixed struct; a step that any layer would not
-    take runs layer by layer."""
+    take, or a layer whose fused path is off, runs layer by layer."""
 
-    def __init__(self, layers: list[FusedDecodeLayer]) -> None:
+    def __init__(self, layers: list[FusableLayer]) -> None:
         self.layers = layers
         self._structs: tuple[TernDecodeLayer, ...] = ()
         self._array: ctypes.Array | None = None  # the structs' addresses, in layer order
@@ -234,12 +236,15 @@ class FusedDecodeStack:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's MLP output, its residual), as running the layers one by one returns
         them, or None: not fused."""
-        first = self.layers[0]
-        step = first.prepare(x, meta, residual)
+        fused = [layer.fused_decode for layer in self.layers]
+        if None in fused:
+            return None
+        first = fused[0]
+        step = first.prepare(x, meta, residual)  # None, or first._fixed is current
         if step is None:
             return None
-        structs = []
-        for layer in self.layers:
+        structs = [first._fixed]
+        for layer in fused[1:]:
             fixed = layer._fixed_struct()
             if fixed is None or layer._dtype != x.dtype or layer._widths != first._widths:
                 return None
@@ -249,22 +254,41 @@ class FusedDecodeStack:
         if tuple(map(id, structs)) != tuple(map(id, self._structs)):
             self._structs = tuple(structs)
             self._array = (ctypes.c_void_p * len(structs))(*map(ctypes.addressof, structs))
-        out, res_out = torch.empty_like(x), torch.empty_like(x)
         tmp_out, tmp_res = torch.empty_like(x), torch.empty_like(x)
-        shm = first.spec.qkv.ctx.tp_shm
         n = len(structs)
-        seq = shm.take_sequence_numbers(2 * n) if structs[0].tp_size > 1 else 0
-        lib = native.load()
-        entry = (
-            lib.tern_decode_layers_bf16 if x.dtype == torch.bfloat16 else lib.tern_decode_layers_f32
-        )
-        rc = entry(
-            self._array, n, ctypes.byref(step.struct), x.data_ptr(),
-            residual.data_ptr() if residual is not None else None, out.data_ptr(),
-            res_out.data_ptr(), tmp_out.data_ptr(), tmp_res.data_ptr(), seq,
+        entry = _entry("tern_decode_layers", x.dtype)
+        return _run_native(
+            x, first.spec, structs[0].tp_size, 2 * n,
+            lambda out, res_out, seq: entry(
+                self._array, n, ctypes.byref(step.struct), x.data_ptr(), _ptr(residual), out,
+                res_out, tmp_out.data_ptr(), tmp_res.data_ptr(), seq,
+            ),
         )  # fmt: skip
-        _raise_for(rc, shm)
-        return out, res_out
+
+
+def _entry(name: str, dtype: torch.dtype) -> Callable[..., int]:
+    """The native entry `name` for activations of `dtype`."""
+    return getattr(native.load(), f"{name}_{'bf16' if dtype == torch.bfloat16 else 'f32'}")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _run_native(
+    x: torch.Tensor,
+    spec: DecodeLayerSpec,
+    tp_size: int,
+    num_reduces: int,
+    call: Callable[[int, int, int], int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, res_out) shaped as x, filled by call(out address, res_out address, the first of
+    num_reduces all-reduce sequence numbers)."""
+    out, res_out = torch.empty_like(x), torch.empty_like(x)
+    shm = spec.qkv.ctx.tp_shm
+    seq = shm.take_sequence_numbers(num_reduces) if tp_size > 1 else 0
+    _raise_for(call(out.data_ptr(), res_out.data_ptr(), seq), shm)
+    return out, res_out
 
 
 def _raise_for(rc: int, shm: object) -> None:

@@ -435,7 +435,7 @@ class DecoderModel(nn.Module):
         # its MLP and all read one KV-cache group (dense models without sliding windows).
         stage = [self.layers[i] for i in self.stage_layers]
         self.fused_stack = (
-            FusedDecodeStack([layer.fused_decode for layer in stage])
+            FusedDecodeStack(stage)
             if stage
             and all(
                 layer.fused_decode is not None
