@@ -26,7 +26,9 @@ from tests.unit.test_model_runner import GREEDY, make_runner, run
 from tests.unit.test_model_runner import make_prompts as runner_prompts
 from tests.unit.test_model_zoo import assert_logprobs_match_hf, rerun_from_the_prefix_cache
 from workers.layers import gguf_blocks, native
+from workers.layers.embedding import ParallelLMHead
 from workers.layers.kernel_library import runnable_tiers, use_tier
+from workers.layers.linear import LinearBase
 from workers.layers.native import BLOCK_TYPES
 
 
@@ -215,24 +217,30 @@ def test_the_fast_paths_products_are_its_quantized_rows_times_the_weight(
     """The fast path's few-row product (activations quantized to int8 per 32 values, products in
     integers) on every tier equals the quantized rows, dequantized, times the dequantized weight:
     1-3 rows, an odd number of 32-value chunks (the kernel takes chunks in pairs) and two
-    super-blocks for the K-quants."""
-    from workers.layers.gguf_blocks import quantize
+    super-blocks for the K-quants; from the blocks as stored and from their rows repacked in
+    groups of 8 (43 rows: the last group short)."""
+    from workers.layers.gguf_blocks import quantize, repack_x8
 
     torch.manual_seed(0)
     k = 512 if gguf_blocks.block_values(block_type) == 256 else 288
-    w = torch.randn(40, k)
+    w = torch.randn(43, k)
     blocks = quantize(w, block_type)
     dequantized = _dequantized(blocks, block_type, k).double()
-    bias = torch.randn(40)
+    bias = torch.randn(43)
+    with use_tier(tier):
+        packed = repack_x8(blocks, block_type, k)
+    assert packed is not None
     for m in (1, 2, 3):
         x = torch.randn(m, k) * torch.logspace(-2, 1, k // 32).repeat_interleave(32)
         groups = x.unflatten(-1, (-1, 32))
         dx = groups.abs().amax(-1, keepdim=True) / 127
         xq = torch.round(groups * torch.where(dx > 0, 1 / dx, 0)) * dx
         want = xq.flatten(-2).double() @ dequantized.T + bias.double()
-        with use_tier(tier):
-            got = native.gguf_linear(x, blocks, block_type, bias, quantize_x=True)
-        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
+        for rows in (None, packed):
+            with use_tier(tier):
+                got = native.gguf_linear(x, blocks, block_type, bias, quantize_x=True, packed=rows)
+            close = {"rtol": 1e-4, "atol": 1e-4 * want.abs().max()}
+            torch.testing.assert_close(got.double(), want, **close)
 
 
 def test_the_fast_path_agrees_with_the_exact_one(gguf_case: tuple[Path, Path, Path]) -> None:
@@ -244,6 +252,11 @@ def test_the_fast_path_agrees_with_the_exact_one(gguf_case: tuple[Path, Path, Pa
     prompts = runner_prompts(49152)
     runner = make_runner(prepared, block_size=16, dtype="auto")
     assert any(getattr(m, "gguf_quantize_x", False) for m in runner.model.modules())
+    assert all(  # and its decode steps read the rows repacked for them
+        m.gguf_packed is not None
+        for m in runner.model.modules()
+        if isinstance(m, (LinearBase, ParallelLMHead)) and getattr(m, "gguf_quantize_x", False)
+    )
     reqs = []
     for pair in range(0, len(prompts), 2):  # decode steps of 1-2 rows: the integer products
         reqs += run(runner, prompts[pair : pair + 2], GREEDY, arrival_steps=(0, 0)).values()

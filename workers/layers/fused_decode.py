@@ -202,6 +202,7 @@ class FusedDecodeLayer:
         key = (
             tuple(t.data_ptr() for t in tensors)
             + tuple(lin.packed_weight is None for lin in linears)
+            + tuple(_packed_key(lin) for lin in linears)
             + tuple(_lora_key(lin) for lin in linears)
         )
         if key != self._key:
@@ -303,6 +304,13 @@ def _raise_for(rc: int, shm: object) -> None:
         raise RuntimeError("the fused decode layer's kernels refused their inputs")
 
 
+def _packed_key(lin: LinearBase) -> tuple[int | None, ...] | None:
+    """The addresses a struct holds of lin's repacked GGUF rows (None: it has none)."""
+    if lin.gguf_packed is None:
+        return None
+    return tuple(None if p is None else p.data_ptr() for p in lin.gguf_packed)
+
+
 def _lora_key(lin: LinearBase) -> tuple[int, ...] | None:
     """The addresses a struct holds of lin's LoRA stack (None: it has none)."""
     if lin.lora is None:
@@ -337,7 +345,9 @@ def _linear(
     if lin.quant == "gguf" and dtype == torch.float32 and w.is_contiguous():
         base = WEIGHT_GGUF_Q8ACT if lin.gguf_quantize_x else WEIGHT_GGUF
         fmt = base + native.BLOCK_TYPES[lin.block_type][0]
-        return TernLinear(w.data_ptr(), None, bias_ptr, w.size(0), lin.input_size, fmt)
+        struct = TernLinear(w.data_ptr(), None, bias_ptr, w.size(0), lin.input_size, fmt)
+        struct.packed = _packed_ptr(lin, 0)
+        return struct
     if lin.quant is not None or not w.is_contiguous():
         return None
     if dtype == torch.float32 and w.dtype in (torch.float32, torch.bfloat16):
@@ -376,17 +386,24 @@ def _segmented(lin: LinearBase, bias: torch.Tensor | None) -> TernLinear:
     live on the head (`_segments`), which _build_fixed keeps on the layer's struct."""
     base = WEIGHT_GGUF_Q8ACT if lin.gguf_quantize_x else WEIGHT_GGUF
     segments = []
-    for seg in lin.gguf_segments:
+    for i, seg in enumerate(lin.gguf_segments):
         rows = gguf_blocks.segment_rows(lin.weight, seg, lin.input_size)
         seg_bias = bias[seg.row_start :].data_ptr() if bias is not None else None
         fmt = base + native.BLOCK_TYPES[seg.block_type][0]
         segments.append(TernLinear(rows.data_ptr(), None, seg_bias, seg.rows, lin.input_size, fmt))
+        segments[-1].packed = _packed_ptr(lin, i)
     for seg, nxt in zip(segments, segments[1:]):
         seg.rest = ctypes.pointer(nxt)
     head = TernLinear(None, None, None, lin.output_size, lin.input_size, 0)
     head.rest = ctypes.pointer(segments[0])
     head._segments = segments
     return head
+
+
+def _packed_ptr(lin: LinearBase, segment: int) -> int | None:
+    """The address of a GGUF linear's rows repacked for few-row products (segment `segment`'s)."""
+    packed = lin.gguf_packed[segment] if lin.gguf_packed is not None else None
+    return packed.data_ptr() if packed is not None else None
 
 
 def _linears(spec: DecodeLayerSpec) -> list[LinearBase]:

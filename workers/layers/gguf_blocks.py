@@ -143,11 +143,14 @@ def segmented_linear(
     cols: int,
     bias: torch.Tensor | None,
     quantize_x: bool = False,
+    packed: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """x @ W.T + bias with W's row segments in their own block types (`linear` on each)."""
+    """x @ W.T + bias with W's row segments in their own block types (`linear` on each; `packed`:
+    each segment's repack_x8)."""
+    packed = packed or [None] * len(segments)
     parts = [
-        linear(x, segment_rows(flat, s, cols), s.block_type, cols, None, quantize_x)
-        for s in segments
+        linear(x, segment_rows(flat, s, cols), s.block_type, cols, None, quantize_x, p)
+        for s, p in zip(segments, packed)
     ]
     y = torch.cat(parts, dim=-1)
     return y if bias is None else y + bias.to(y.dtype)
@@ -198,6 +201,15 @@ def rows_of(src: object, block_type: str, cols: int) -> torch.Tensor:
     return quantize(src, block_type)
 
 
+def repack_x8(blocks: torch.Tensor, block_type: str, cols: int) -> torch.Tensor | None:
+    """The blocks' rows repacked in groups of 8 for the quantized-activation products of a few
+    rows (csrc/linear_gguf.c: ~3x faster at one row), or None where the kernels cannot read them
+    (off, not on the CPU, or the weight discarded by sleep)."""
+    if not blocks.is_cpu or blocks.numel() == 0 or native.load() is None:
+        return None
+    return native.gguf_repack_x8(blocks, block_type, cols)
+
+
 def linear(
     x: torch.Tensor,
     blocks: torch.Tensor,
@@ -205,9 +217,11 @@ def linear(
     cols: int,
     bias: torch.Tensor | None,
     quantize_x: bool = False,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x (..., K) @ W.T + bias, W stored as `blocks`, the result in x's dtype: float32 arithmetic,
-    or (`quantize_x`, below 4 rows) x quantized to int8 per block and integer products."""
+    or (`quantize_x`, below 4 rows) x quantized to int8 per block and integer products, from
+    `packed` (repack_x8 of the blocks) where given."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cols)
     native_ok = x.is_cpu and native.load() is not None
@@ -216,5 +230,5 @@ def linear(
         y = F.linear(x2.float(), w, None if bias is None else bias.float())
     else:
         b = None if bias is None else bias.float().contiguous()
-        y = native.gguf_linear(x2.float().contiguous(), blocks, block_type, b, quantize_x)
+        y = native.gguf_linear(x2.float().contiguous(), blocks, block_type, b, quantize_x, packed)
     return y.to(x.dtype).view(*lead, -1)

@@ -67,11 +67,16 @@ def _x86_tiers() -> tuple[Tier, ...]:
         Tier("baseline", ("-march=x86-64",), frozenset()),
         Tier("avx2", ("-march=x86-64-v3",), v3),
         Tier("avx512", ("-march=x86-64-v4",), v4),
-        Tier("avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16"), v4 | {"avx512_bf16"}),
+        # Every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and 5) has AVX512-VNNI.
+        Tier(
+            "avx512_bf16",
+            ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+            v4 | {"avx512_bf16", "avx512_vnni"},
+        ),
         Tier(
             "amx",
-            ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
-            v4 | {"avx512_bf16", "amx_tile", "amx_bf16"},
+            ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
+            v4 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"},
         ),
     )
 
@@ -135,7 +140,7 @@ TernLinear._fields_ = [
     ("weight", _vp), ("scale", _vp), ("bias", _vp), ("n", _i32), ("k", _i32),
     ("weight_format", _i32), ("rest", ctypes.POINTER(TernLinear)), ("lora_a", _vp),
     ("lora_b", _vp), ("lora_seg_rows", _vp), ("lora_rank", _i32), ("lora_nseg", _i32),
-    ("lora_num_slots", _i32),
+    ("lora_num_slots", _i32), ("packed", _vp),
 ]  # fmt: skip
 
 

@@ -161,6 +161,9 @@ class LinearBase(nn.Module):
         else:
             self.store_int8()
         self.packed_weight: torch.Tensor | None = None
+        # GGUF blocks under quantized activations: their rows repacked for products of a few rows
+        # (gguf_blocks.repack_x8), one per segment.
+        self.gguf_packed: list[torch.Tensor | None] | None = None
         # Kept blocks whose columns are the input's permuted (GPTQ act-order: gguf_blocks.py).
         self.input_perm: torch.Tensor | None = None
         self.lora: LoraStack | None = None  # the LoRA adapters it serves (--enable-lora)
@@ -208,6 +211,18 @@ class LinearBase(nn.Module):
     def repack_weights(self) -> None:
         packs = self.quant is None and self.dtype == torch.bfloat16
         self.packed_weight = pack_weight(self.weight) if packs else None
+        self.gguf_packed = None
+        if self.quant == "gguf" and self.gguf_quantize_x:
+            k = self.input_size
+            if self.gguf_segments is None:
+                self.gguf_packed = [gguf_blocks.repack_x8(self.weight, self.block_type, k)]
+            else:
+                self.gguf_packed = [
+                    gguf_blocks.repack_x8(
+                        gguf_blocks.segment_rows(self.weight, s, k), s.block_type, k
+                    )
+                    for s in self.gguf_segments
+                ]
 
     def int8_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight (N, K) int8, scale (N,) float32) of an int8 layer."""
@@ -227,11 +242,13 @@ class LinearBase(nn.Module):
             return dense_linear(x, self.weight, bias, self.packed_weight, self.batch_invariant)
         if self.quant == "gguf" and self.gguf_segments is not None:
             return gguf_blocks.segmented_linear(
-                x, self.weight, self.gguf_segments, self.input_size, bias, self.gguf_quantize_x
-            )
+                x, self.weight, self.gguf_segments, self.input_size, bias, self.gguf_quantize_x,
+                self.gguf_packed,
+            )  # fmt: skip
         if self.quant == "gguf":
+            packed = self.gguf_packed[0] if self.gguf_packed is not None else None
             return gguf_blocks.linear(
-                x, self.weight, self.block_type, self.input_size, bias, self.gguf_quantize_x
+                x, self.weight, self.block_type, self.input_size, bias, self.gguf_quantize_x, packed
             )
         weight, scale = self.int8_views()
         backend = quantization.int8_backend(x)

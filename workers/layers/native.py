@@ -246,10 +246,12 @@ def gguf_linear(
     block_type: str,
     bias: torch.Tensor | None,
     quantize_x: bool = False,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x (M, K) float32 @ W.T + bias, W (N, K) stored as `blocks` (N, row bytes) uint8 of a GGUF
     block type, dequantized in registers; with `quantize_x`, x quantized to int8
-    per 32-value block and the products taken in integers (the fast path)."""
+    per 32-value block and the products taken in integers (the fast path), few rows of x read from
+    `packed` (gguf_repack_x8 of the blocks) where given."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
     _check(x, torch.float32, "x")
@@ -260,13 +262,31 @@ def gguf_linear(
         if bias.numel() != n:
             raise ValueError(f"gguf linear: {bias.numel()} biases for {n} rows")
     y = torch.empty(m, n, dtype=torch.float32)
-    fn = lib.tern_gguf_linear_q8act if quantize_x else lib.tern_gguf_linear
-    rc = fn(
-        _ptr(x), _ptr(blocks), type_id, _ptr(bias) if bias is not None else None, _ptr(y), m, n, k
-    )
+    b = _ptr(bias) if bias is not None else None
+    if quantize_x:
+        if packed is not None:
+            _check(packed, torch.uint8, "packed")
+            if packed.numel() != lib.tern_gguf_x8_bytes(type_id, n, k):
+                raise ValueError(f"gguf linear: {packed.numel()} packed bytes for {n} x {k}")
+        p = _ptr(packed) if packed is not None else None
+        rc = lib.tern_gguf_linear_q8act(_ptr(x), _ptr(blocks), p, type_id, b, _ptr(y), m, n, k)
+    else:
+        rc = lib.tern_gguf_linear(_ptr(x), _ptr(blocks), type_id, b, _ptr(y), m, n, k)
     if rc != 0:
         raise MemoryError("gguf linear: no memory for a scratch tile")
     return y
+
+
+def gguf_repack_x8(blocks: torch.Tensor, block_type: str, k: int) -> torch.Tensor:
+    """(N, row bytes) uint8 blocks -> their rows repacked in groups of 8 (csrc/linear_gguf.c),
+    which gguf_linear's products of few quantized rows read."""
+    lib = load()
+    assert lib is not None, "the CPU kernels are not available"
+    type_id = _gguf_type(blocks, block_type, k, "gguf repack")
+    n = blocks.size(0)
+    out = torch.empty(lib.tern_gguf_x8_bytes(type_id, n, k), dtype=torch.uint8)
+    lib.tern_gguf_repack_x8(_ptr(blocks), type_id, n, k, _ptr(out))
+    return out
 
 
 def gguf_dequantize(blocks: torch.Tensor, block_type: str, k: int) -> torch.Tensor:

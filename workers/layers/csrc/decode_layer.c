@@ -19,8 +19,9 @@ static int linear_one(const TernLinear *l, const void *x, void *y, int m, int bf
         return bf16 ? tern_int8_linear_bf16(x, l->weight, l->scale, l->bias, y, m, l->n, l->k)
                     : tern_int8_linear(x, l->weight, l->scale, l->bias, y, m, l->n, l->k);
     if (!bf16 && l->weight_format >= TERN_WEIGHT_GGUF_Q8ACT)
-        return tern_gguf_linear_q8act(x, l->weight, l->weight_format - TERN_WEIGHT_GGUF_Q8ACT,
-                                      l->bias, y, m, l->n, l->k);
+        return tern_gguf_linear_q8act(x, l->weight, l->packed,
+                                      l->weight_format - TERN_WEIGHT_GGUF_Q8ACT, l->bias, y, m,
+                                      l->n, l->k);
     if (!bf16 && l->weight_format >= TERN_WEIGHT_GGUF)
         return tern_gguf_linear(x, l->weight, l->weight_format - TERN_WEIGHT_GGUF, l->bias, y, m,
                                 l->n, l->k);

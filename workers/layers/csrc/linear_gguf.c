@@ -340,12 +340,40 @@ typedef struct {
     int8_t *q;    /* (M, K) */
     float *scale; /* (M, K / 32) */
     int32_t *sum; /* (M, K / 32): sum of each block's q */
+    float *dxsum; /* (M, K / 32): scale * sum (rows repacked in groups of 8 read it), or NULL */
 } QuantizedRows;
 
 static void quantize_rows_q8(const float *x, int M, int K, QuantizedRows *out) {
     int nb = K / QK;
     for (int64_t i = 0; i < (int64_t)M * nb; i++) {
         const float *xb = x + i * QK;
+#ifdef __AVX2__
+        /* The scalar loop's operations in vectors (cvtps rounds to nearest even, as lrintf). */
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 v[4], amax8 = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 a4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+        a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
+        float amax = _mm_cvtss_f32(_mm_max_ss(a4, _mm_shuffle_ps(a4, a4, 1)));
+        float dx = amax / 127.f, inv = dx > 0.f ? 1.f / dx : 0.f;
+        __m256i q[4], total = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
+            total = _mm256_add_epi32(total, q[j]);
+        }
+        /* packs interleave the 128-bit lanes: dwords 0 4 1 5 2 6 3 7 back in order */
+        __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                         _mm256_packs_epi32(q[2], q[3]));
+        q16 = _mm256_permutevar8x32_epi32(q16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(out->q + i * QK), q16);
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total),
+                                   _mm256_extracti128_si256(total, 1));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+        int32_t s = _mm_cvtsi128_si32(_mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1)));
+#else
         float amax = 0.f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
         float dx = amax / 127.f, inv = dx > 0.f ? 1.f / dx : 0.f;
@@ -355,8 +383,10 @@ static void quantize_rows_q8(const float *x, int M, int K, QuantizedRows *out) {
             out->q[i * QK + j] = (int8_t)q;
             s += q;
         }
+#endif
         out->scale[i] = dx;
         out->sum[i] = s;
+        if (out->dxsum != NULL) out->dxsum[i] = dx * (float)s;
     }
 }
 
@@ -419,6 +449,168 @@ INLINE void q8act_rows(const uint8_t *wr, int type, int nc, const QuantizedRows 
     (void)is_signed;
 }
 
+/* ---------------------------------------------------------------- rows repacked in groups of 8 */
+
+/* The same quantized-activation products, 8 weight rows at a time from a layout repacked at load
+ * (tern_gguf_repack_x8; llama.cpp repacks Q4_0 likewise): per group of 8 rows and 32-value chunk
+ * one record of
+ *   d[8] float32           each row's chunk scale (Q6_K: d[16], the first 16 values' then the last's)
+ *   m[8] float32           each row's term added to every value (unsigned integers only)
+ *   values                 interleaved so that 32-bit lane r of a 256-bit vector holds 4 values of
+ *                          row r: vector j of 4-bit types holds values 4j..4j+3 in low nibbles and
+ *                          16+4j..16+4j+3 in high nibbles (4 vectors); others one byte per value,
+ *                          vector j values 4j..4j+3 (8 vectors).
+ * A chunk's value is d * u + m with u the unsigned integer (4-bit types Q4_0, Q4_1, Q4_K, INT4_ZP;
+ * 5-bit Q5_0, Q5_1, Q5_K; the offset folded into m = min - offset * d), or d * s with s signed
+ * (Q8_0's; Q6_K's q - 32). Each vector is multiplied by 4 activation values broadcast to every
+ * lane, so a lane sums its row's products and a chunk needs no horizontal sum: ~5 instructions per
+ * row and chunk against ~20 unpacking each row's block on its own. */
+#define X8 8
+
+enum { X8_NIBBLES, X8_UNSIGNED, X8_SIGNED };
+
+INLINE int x8_kind(int type) {
+    switch (type) {
+    case TERN_GGUF_Q4_0:
+    case TERN_GGUF_Q4_1:
+    case TERN_GGUF_Q4_K:
+    case TERN_BLOCK_INT4_ZP: return X8_NIBBLES;
+    case TERN_GGUF_Q8_0:
+    case TERN_GGUF_Q6_K: return X8_SIGNED;
+    }
+    return X8_UNSIGNED;
+}
+
+INLINE int x8_scales(int type) { return type == TERN_GGUF_Q6_K ? 2 : 1; }
+
+static inline int64_t x8_record_bytes(int type) {
+    int kind = x8_kind(type);
+    return 4 * X8 * x8_scales(type) + (kind == X8_SIGNED ? 0 : 4 * X8) +
+           (kind == X8_NIBBLES ? 4 * 32 : 8 * 32);
+}
+
+/* Writes row r's chunk `sub` of block b into its group's record. */
+INLINE void x8_pack_chunk(const uint8_t *b, int type, int sub, int r, uint8_t *record) {
+    ChunkScale s = chunk_scale(b, type, sub);
+    uint8_t q[QK];
+    chunk_ints(b, type, sub, q);
+    int kind = x8_kind(type), ns = x8_scales(type);
+    float *d = (float *)record;
+    for (int h = 0; h < ns; h++) d[h * X8 + r] = s.d[h];
+    uint8_t *values = record + 4 * X8 * ns;
+    if (kind != X8_SIGNED) {
+        d[ns * X8 + r] = s.m - (float)s.offset * s.d[0];
+        values += 4 * X8;
+    }
+    for (int i = 0; i < QK; i++) {
+        int j = (i % 16) / 4, lane = 4 * r + i % 4;
+        if (kind == X8_NIBBLES)
+            values[32 * j + lane] |= (uint8_t)(i < 16 ? q[i] : q[i] << 4);
+        else if (kind == X8_UNSIGNED)
+            values[32 * (i / 4) + lane] = q[i];
+        else
+            values[32 * (i / 4) + lane] =
+                (uint8_t)(int8_t)(type == TERN_GGUF_Q8_0 ? (int)(int8_t)q[i] : (int)q[i] - s.offset);
+    }
+}
+
+#ifdef __AVX2__
+static inline int32_t load_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* acc + the sums of 4 products of unsigned u and signed s bytes in each 32-bit lane (u * s pairs
+ * stay within int16: u <= 31 or |u| <= 128 against |s| <= 127). */
+INLINE __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+#endif
+
+/* out[r] = row r of the group at `g` times row m of x (its quantized blocks). */
+INLINE void x8_group(const uint8_t *g, int type, int nc, const QuantizedRows *xq, int m,
+                     float *out) {
+    const int kind = x8_kind(type), ns = x8_scales(type);
+    const int64_t rec = x8_record_bytes(type);
+    const int values_at = 4 * X8 * ns + (kind == X8_SIGNED ? 0 : 4 * X8);
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps(), corr = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    for (int c = 0; c < nc; c++) {
+        const uint8_t *record = g + c * rec, *v = record + values_at;
+        const float *d = (const float *)record;
+        int64_t i = (int64_t)m * nc + c;
+        const int8_t *xc = xq->q + i * QK;
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        if (kind == X8_NIBBLES) {
+            for (int j = 0; j < 4; j++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(v + 32 * j));
+                __m256i xlo = _mm256_set1_epi32(load_i32(xc + 4 * j));
+                __m256i xhi = _mm256_set1_epi32(load_i32(xc + 16 + 4 * j));
+                s0 = dot_u8s8(s0, _mm256_and_si256(raw, low4), xlo);
+                s0 = dot_u8s8(s0, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), xhi);
+            }
+        } else {
+            for (int j = 0; j < 8; j++) {
+                __m256i u = _mm256_loadu_si256((const __m256i *)(v + 32 * j));
+                __m256i xs = _mm256_set1_epi32(load_i32(xc + 4 * j));
+                if (kind == X8_SIGNED) {
+                    xs = _mm256_sign_epi8(xs, u);
+                    u = _mm256_abs_epi8(u);
+                }
+                if (ns == 2 && j >= 4)
+                    s1 = dot_u8s8(s1, u, xs);
+                else
+                    s0 = dot_u8s8(s0, u, xs);
+            }
+        }
+        __m256 dx = _mm256_set1_ps(xq->scale[i]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(_mm256_loadu_ps(d), dx), acc);
+        if (ns == 2)
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1),
+                                  _mm256_mul_ps(_mm256_loadu_ps(d + X8), dx), acc);
+        if (kind != X8_SIGNED)
+            corr = _mm256_fmadd_ps(_mm256_loadu_ps(d + ns * X8), _mm256_set1_ps(xq->dxsum[i]),
+                                   corr);
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(acc, corr));
+#else
+    float acc[X8] = {0}, corr[X8] = {0};
+    for (int c = 0; c < nc; c++) {
+        const uint8_t *record = g + c * rec, *v = record + values_at;
+        const float *d = (const float *)record;
+        int64_t i = (int64_t)m * nc + c;
+        const int8_t *xc = xq->q + i * QK;
+        for (int r = 0; r < X8; r++) {
+            int32_t dot[2] = {0, 0};
+            for (int k = 0; k < QK; k++) {
+                int lane = 4 * r + k % 4, u;
+                if (kind == X8_NIBBLES) {
+                    uint8_t byte = v[32 * ((k % 16) / 4) + lane];
+                    u = k < 16 ? byte & 0x0f : byte >> 4;
+                } else if (kind == X8_UNSIGNED) {
+                    u = v[32 * (k / 4) + lane];
+                } else {
+                    u = (int8_t)v[32 * (k / 4) + lane];
+                }
+                dot[ns == 2 ? k / 16 : 0] += u * xc[k];
+            }
+            float dx = xq->scale[i];
+            acc[r] += (float)dot[0] * (d[r] * dx);
+            if (ns == 2) acc[r] += (float)dot[1] * (d[X8 + r] * dx);
+            if (kind != X8_SIGNED) corr[r] += d[ns * X8 + r] * xq->dxsum[i];
+        }
+    }
+    for (int r = 0; r < X8; r++) out[r] = acc[r] + corr[r];
+#endif
+}
+
 /* ---------------------------------------------------------------- per block type */
 
 /* The row loops compiled once per block type, each a function of its own with `type` a constant:
@@ -434,6 +626,7 @@ typedef struct {
     DequantRow dequant;
     Q8ActRows q8act;
 } TypeRows;
+typedef void (*X8Rows)(const uint8_t *g, int nc, const QuantizedRows *xq, int m, float *out);
 
 #define DEFINE_TYPE_ROWS(name, T)                                                              \
     static void gemv_rows_##name(const float *x, const uint8_t *w, const float *bias, float *y, \
@@ -446,6 +639,10 @@ typedef struct {
     static void q8act_rows_##name(const uint8_t *wr, int nc, const QuantizedRows *xq, int m0,  \
                                   int mb, float *out) {                                        \
         q8act_rows(wr, T, nc, xq, m0, mb, out);                                                \
+    }                                                                                          \
+    static void x8_rows_##name(const uint8_t *g, int nc, const QuantizedRows *xq, int m,       \
+                               float *out) {                                                   \
+        x8_group(g, T, nc, xq, m, out);                                                        \
     }
 EACH_BLOCK_TYPE(DEFINE_TYPE_ROWS)
 
@@ -456,6 +653,15 @@ static TypeRows rows_of(int type) {
     switch (type) { EACH_BLOCK_TYPE(TYPE_ROWS_CASE) }
 #undef TYPE_ROWS_CASE
     return (TypeRows){NULL, NULL, NULL};
+}
+
+/* The group loop of `type` (a type block_shape takes). */
+static X8Rows x8_rows_of(int type) {
+#define X8_ROWS_CASE(name, T) \
+    case T: return x8_rows_##name;
+    switch (type) { EACH_BLOCK_TYPE(X8_ROWS_CASE) }
+#undef X8_ROWS_CASE
+    return NULL;
 }
 
 /* ---------------------------------------------------------------- float32 products */
@@ -507,9 +713,11 @@ int tern_gguf_dequantize(const uint8_t *w, int type, float *out, int N, int K) {
 /* ---------------------------------------------------------------- quantized-activation products */
 
 /* y (M, N) = x (M, K) @ W.T + bias with x quantized per block (above); float32 x, bias, y.
- * Returns 0, -2 for a type or K it does not take, -1 without memory for the quantized rows. */
-int tern_gguf_linear_q8act(const float *x, const uint8_t *w, int type, const float *bias,
-                           float *y, int M, int N, int K) {
+ * `packed`: W's rows repacked in groups of 8 (tern_gguf_repack_x8), which products of fewer than
+ * Q8ACT_MAX_ROWS rows read instead of w, or NULL. Returns 0, -2 for a type or K it does not take,
+ * -1 without memory for the quantized rows. */
+int tern_gguf_linear_q8act(const float *x, const uint8_t *w, const uint8_t *packed, int type,
+                           const float *bias, float *y, int M, int N, int K) {
     int64_t rb = row_bytes(type, K);
     int nc = K / QK;
     if (rb == 0) return -2;
@@ -517,20 +725,37 @@ int tern_gguf_linear_q8act(const float *x, const uint8_t *w, int type, const flo
      * Q8_0 at par at 4 rows, Q4_K 1.8x faster at 4). */
     if (M >= Q8ACT_MAX_ROWS) return tern_gguf_linear(x, w, type, bias, y, M, N, K);
     QuantizedRows xq = {malloc((size_t)M * K), malloc(sizeof(float) * (size_t)M * nc),
-                        malloc(sizeof(int32_t) * (size_t)M * nc)};
+                        malloc(sizeof(int32_t) * (size_t)M * nc),
+                        packed ? malloc(sizeof(float) * (size_t)M * nc) : NULL};
     int rc = -1;
-    if (xq.q != NULL && xq.scale != NULL && xq.sum != NULL) {
-        Q8ActRows q8act = rows_of(type).q8act;
+    if (xq.q != NULL && xq.scale != NULL && xq.sum != NULL && (packed == NULL || xq.dxsum)) {
         quantize_rows_q8(x, M, K, &xq);
+        if (packed != NULL) {
+            X8Rows x8 = x8_rows_of(type);
+            int64_t gb = (int64_t)nc * x8_record_bytes(type);
 #pragma omp parallel for schedule(static)
-        for (int n = 0; n < N; n++) {
-            const uint8_t *wr = w + (int64_t)n * rb;
-            for (int m0 = 0; m0 < M; m0 += 4) {
-                int mb = M - m0 < 4 ? M - m0 : 4;
-                float out[4];
-                q8act(wr, nc, &xq, m0, mb, out);
-                for (int m = 0; m < mb; m++)
-                    y[(int64_t)(m0 + m) * N + n] = out[m] + (bias ? bias[n] : 0.f);
+            for (int g = 0; g < (N + X8 - 1) / X8; g++) {
+                int rows = N - g * X8 < X8 ? N - g * X8 : X8;
+                for (int m = 0; m < M; m++) {
+                    float out[X8];
+                    x8(packed + g * gb, nc, &xq, m, out);
+                    for (int r = 0; r < rows; r++)
+                        y[(int64_t)m * N + g * X8 + r] =
+                            out[r] + (bias ? bias[g * X8 + r] : 0.f);
+                }
+            }
+        } else {
+            Q8ActRows q8act = rows_of(type).q8act;
+#pragma omp parallel for schedule(static)
+            for (int n = 0; n < N; n++) {
+                const uint8_t *wr = w + (int64_t)n * rb;
+                for (int m0 = 0; m0 < M; m0 += 4) {
+                    int mb = M - m0 < 4 ? M - m0 : 4;
+                    float out[4];
+                    q8act(wr, nc, &xq, m0, mb, out);
+                    for (int m = 0; m < mb; m++)
+                        y[(int64_t)(m0 + m) * N + n] = out[m] + (bias ? bias[n] : 0.f);
+                }
             }
         }
         rc = 0;
@@ -538,5 +763,32 @@ int tern_gguf_linear_q8act(const float *x, const uint8_t *w, int type, const flo
     free(xq.q);
     free(xq.scale);
     free(xq.sum);
+    free(xq.dxsum);
     return rc;
+}
+
+/* Bytes of tern_gguf_repack_x8's layout of N rows of K values of `type`, or -2 for a type or K
+ * it does not take. */
+int64_t tern_gguf_x8_bytes(int type, int N, int K) {
+    if (row_bytes(type, K) == 0 || N < 0) return -2;
+    return (int64_t)((N + X8 - 1) / X8) * (K / QK) * x8_record_bytes(type);
+}
+
+/* out (tern_gguf_x8_bytes) = rows w (N, row bytes of K) of `type` repacked in groups of 8 (above);
+ * the last group's missing rows zero. Returns 0, or -2 for a type or K it does not take. */
+int tern_gguf_repack_x8(const uint8_t *w, int type, int N, int K, uint8_t *out) {
+    int64_t rb = row_bytes(type, K), rec = x8_record_bytes(type);
+    int nc = K / QK;
+    if (rb == 0) return -2;
+    int64_t total = tern_gguf_x8_bytes(type, N, K);
+    memset(out, 0, (size_t)total);
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        int g = n / X8, r = n % X8;
+        const uint8_t *wr = w + (int64_t)n * rb;
+        FOR_EACH_CHUNK(wr, type, nc)
+            x8_pack_chunk(b, type, sub, r, out + ((int64_t)g * nc + c) * rec);
+        END_CHUNKS
+    }
+    return 0;
 }

@@ -41,6 +41,9 @@ typedef struct TernLinear {
     const float *lora_a, *lora_b;
     const int32_t *lora_seg_rows;
     int lora_rank, lora_nseg, lora_num_slots;
+    /* TERN_WEIGHT_GGUF_Q8ACT: the rows repacked in groups of 8 (tern_gguf_repack_x8), which
+     * products of few rows read, or NULL. */
+    const void *packed;
 } TernLinear;
 #define TERN_WEIGHT_BF16 1
 #define TERN_WEIGHT_GGUF 256
@@ -154,7 +157,9 @@ void tern_int8_dequantize(const int8_t *w, const float *scale, float *out, int N
 /* linear_gguf.c: GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and INT4_ZP dequantized in registers, float32 arithmetic. */
 int tern_gguf_linear(const float *x, const uint8_t *w, int type, const float *bias, float *y, int M, int N, int K);
 int tern_gguf_dequantize(const uint8_t *w, int type, float *out, int N, int K);
-int tern_gguf_linear_q8act(const float *x, const uint8_t *w, int type, const float *bias, float *y, int M, int N, int K);
+int tern_gguf_linear_q8act(const float *x, const uint8_t *w, const uint8_t *packed, int type, const float *bias, float *y, int M, int N, int K);
+int64_t tern_gguf_x8_bytes(int type, int N, int K);
+int tern_gguf_repack_x8(const uint8_t *w, int type, int N, int K, uint8_t *out);
 
 /* linear_bf16.c: bfloat16 activations and weights, float32 accumulation. */
 int tern_bf16_gemv_available(void);
