@@ -131,7 +131,9 @@ class FusedDecodeLayer:
 
     def __init__(self, spec: DecodeLayerSpec) -> None:
         self.spec = spec
-        self._key: tuple | None = None
+        self._linears = _linears(spec)
+        self._norms = _norms(spec)
+        self._key: list | None = None
         self._fixed: TernDecodeLayer | None = None
         self._off_reason = "not built yet"
         self._lora_batch: LoraBatch | None = None  # the adapters' step slots, if it serves any
@@ -191,20 +193,25 @@ class FusedDecodeLayer:
 
     def _fixed_struct(self) -> TernDecodeLayer | None:
         spec = self.spec
-        linears = _linears(spec)
-        tensors = [lin.weight for lin in linears] + [_norm_weight(n) for n in _norms(spec)] + [
-            spec.attention.kv_cache,
-            *([spec.rotary.cos_cache] if spec.rotary is not None else []),
-            *([spec.attention.sinks] if spec.attention.sinks is not None else []),
-        ]  # fmt: skip
-        # NOTE: whether each bf16 linear is packed decides whether the unfused path would take the
-        # few-row kernel, so it is part of the key.
-        key = (
-            tuple(t.data_ptr() for t in tensors)
-            + tuple(lin.packed_weight is None for lin in linears)
-            + tuple(_packed_key(lin) for lin in linears)
-            + tuple(_lora_key(lin) for lin in linears)
-        )
+        linears = self._linears
+        # NOTE: this runs for every layer on every step: modules' parameters are read from their
+        # _parameters dicts (nn.Module.__getattr__ costs ~0.5 us each), and the key is flat.
+        key = [spec.attention.kv_cache.data_ptr()]
+        key += [lin._parameters["weight"].data_ptr() for lin in linears]
+        key += [_norm_weight(n).data_ptr() for n in self._norms]
+        if spec.rotary is not None:
+            key.append(spec.rotary._buffers["cos_cache"].data_ptr())
+        sinks = spec.attention._parameters.get("sinks")
+        key.append(0 if sinks is None else sinks.data_ptr())
+        for lin in linears:
+            # NOTE: whether each bf16 linear is packed decides whether the unfused path would
+            # take the few-row kernel, so it is part of the key.
+            key.append(lin.packed_weight is None)
+            if lin.gguf_packed is not None:
+                key += [0 if p is None else p.data_ptr() for p in lin.gguf_packed]
+            if lin.lora is not None:
+                key += [t.data_ptr() for t in (lin.lora.a, lin.lora.b, lin.lora.seg_rows)]
+            key.append(-1)  # each linear's part ends here
         if key != self._key:
             (self._fixed, self._off_reason), self._key = _build_fixed(spec), key
             self._lora_batch = next(
@@ -302,20 +309,6 @@ def _raise_for(rc: int, shm: object) -> None:
         )
     if rc != 0:
         raise RuntimeError("the fused decode layer's kernels refused their inputs")
-
-
-def _packed_key(lin: LinearBase) -> tuple[int | None, ...] | None:
-    """The addresses a struct holds of lin's repacked GGUF rows (None: it has none)."""
-    if lin.gguf_packed is None:
-        return None
-    return tuple(None if p is None else p.data_ptr() for p in lin.gguf_packed)
-
-
-def _lora_key(lin: LinearBase) -> tuple[int, ...] | None:
-    """The addresses a struct holds of lin's LoRA stack (None: it has none)."""
-    if lin.lora is None:
-        return None
-    return tuple(t.data_ptr() for t in (lin.lora.a, lin.lora.b, lin.lora.seg_rows))
 
 
 def _linear(
@@ -418,7 +411,9 @@ def _norms(spec: DecodeLayerSpec) -> list[RMSNorm | ShardedRMSNorm]:
 
 def _norm_weight(norm: RMSNorm | ShardedRMSNorm) -> torch.Tensor:
     """The weight the unfused path's kernel multiplies by."""
-    return norm.kernel_weight() if isinstance(norm, RMSNorm) else norm.weight
+    if isinstance(norm, RMSNorm) and not norm.is_plain:
+        return norm.kernel_weight()
+    return norm._parameters["weight"]
 
 
 def _ptr_or_none(norm: RMSNorm | ShardedRMSNorm | None) -> int | None:

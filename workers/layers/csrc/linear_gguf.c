@@ -457,17 +457,21 @@ INLINE void q8act_rows(const uint8_t *wr, int type, int nc, const QuantizedRows 
  *   d[8] float32           each row's chunk scale (Q6_K: d[16], the first 16 values' then the last's)
  *   m[8] float32           each row's term added to every value (unsigned integers only)
  *   values                 interleaved so that 32-bit lane r of a 256-bit vector holds 4 values of
- *                          row r: vector j of 4-bit types holds values 4j..4j+3 in low nibbles and
- *                          16+4j..16+4j+3 in high nibbles (4 vectors); others one byte per value,
- *                          vector j values 4j..4j+3 (8 vectors).
+ *                          row r: vector j of 4- and 5-bit types holds values 4j..4j+3 in low
+ *                          nibbles and 16+4j..16+4j+3 in high nibbles (4 vectors), 5-bit types
+ *                          then the fifth bits (a vector: bit 2j + h of byte b is the fifth bit
+ *                          of vector j's byte b, low nibble h = 0, high h = 1); signed types one
+ *                          byte per value, vector j values 4j..4j+3 (8 vectors).
  * A chunk's value is d * u + m with u the unsigned integer (4-bit types Q4_0, Q4_1, Q4_K, INT4_ZP;
  * 5-bit Q5_0, Q5_1, Q5_K; the offset folded into m = min - offset * d), or d * s with s signed
  * (Q8_0's; Q6_K's q - 32). Each vector is multiplied by 4 activation values broadcast to every
  * lane, so a lane sums its row's products and a chunk needs no horizontal sum: ~5 instructions per
- * row and chunk against ~20 unpacking each row's block on its own. */
+ * row and chunk against ~20 unpacking each row's block on its own. At one row of x the products
+ * then stream the weights at about the machine's read bandwidth, so the 5-bit types keep their
+ * fifth bits in a plane (28 bytes per row and chunk) rather than one byte per value (40). */
 #define X8 8
 
-enum { X8_NIBBLES, X8_UNSIGNED, X8_SIGNED };
+enum { X8_NIBBLES, X8_FIVE_BITS, X8_SIGNED };
 
 INLINE int x8_kind(int type) {
     switch (type) {
@@ -478,7 +482,7 @@ INLINE int x8_kind(int type) {
     case TERN_GGUF_Q8_0:
     case TERN_GGUF_Q6_K: return X8_SIGNED;
     }
-    return X8_UNSIGNED;
+    return X8_FIVE_BITS;
 }
 
 INLINE int x8_scales(int type) { return type == TERN_GGUF_Q6_K ? 2 : 1; }
@@ -486,7 +490,7 @@ INLINE int x8_scales(int type) { return type == TERN_GGUF_Q6_K ? 2 : 1; }
 static inline int64_t x8_record_bytes(int type) {
     int kind = x8_kind(type);
     return 4 * X8 * x8_scales(type) + (kind == X8_SIGNED ? 0 : 4 * X8) +
-           (kind == X8_NIBBLES ? 4 * 32 : 8 * 32);
+           (kind == X8_SIGNED ? 8 * 32 : kind == X8_FIVE_BITS ? 5 * 32 : 4 * 32);
 }
 
 /* Writes row r's chunk `sub` of block b into its group's record. */
@@ -503,14 +507,14 @@ INLINE void x8_pack_chunk(const uint8_t *b, int type, int sub, int r, uint8_t *r
         values += 4 * X8;
     }
     for (int i = 0; i < QK; i++) {
-        int j = (i % 16) / 4, lane = 4 * r + i % 4;
-        if (kind == X8_NIBBLES)
-            values[32 * j + lane] |= (uint8_t)(i < 16 ? q[i] : q[i] << 4);
-        else if (kind == X8_UNSIGNED)
-            values[32 * (i / 4) + lane] = q[i];
-        else
-            values[32 * (i / 4) + lane] =
-                (uint8_t)(int8_t)(type == TERN_GGUF_Q8_0 ? (int)(int8_t)q[i] : (int)q[i] - s.offset);
+        int j = (i % 16) / 4, h = i / 16, lane = 4 * r + i % 4;
+        if (kind == X8_SIGNED) {
+            int v = type == TERN_GGUF_Q8_0 ? (int)(int8_t)q[i] : (int)q[i] - s.offset;
+            values[32 * (i / 4) + lane] = (uint8_t)(int8_t)v;
+            continue;
+        }
+        values[32 * j + lane] |= (uint8_t)((q[i] & 0x0f) << (4 * h));
+        if (kind == X8_FIVE_BITS && (q[i] & 0x10)) values[128 + lane] |= (uint8_t)(1 << (2 * j + h));
     }
 }
 
@@ -519,6 +523,11 @@ static inline int32_t load_i32(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return v;
+}
+
+/* The 16-bit lanes of v shifted left by n (right by -n), |n| <= 4. */
+INLINE __m256i shift_bits(__m256i v, int n) {
+    return n >= 0 ? _mm256_slli_epi16(v, n) : _mm256_srli_epi16(v, -n);
 }
 
 /* acc + the sums of 4 products of unsigned u and signed s bytes in each 32-bit lane (u * s pairs
@@ -548,22 +557,31 @@ INLINE void x8_group(const uint8_t *g, int type, int nc, const QuantizedRows *xq
         int64_t i = (int64_t)m * nc + c;
         const int8_t *xc = xq->q + i * QK;
         __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        if (kind == X8_NIBBLES) {
+        if (kind != X8_SIGNED) {
+            const __m256i bit4 = _mm256_set1_epi8(0x10);
+            __m256i fifth = kind == X8_FIVE_BITS ? _mm256_loadu_si256((const __m256i *)(v + 128))
+                                                 : _mm256_setzero_si256();
             for (int j = 0; j < 4; j++) {
                 __m256i raw = _mm256_loadu_si256((const __m256i *)(v + 32 * j));
+                __m256i lo = _mm256_and_si256(raw, low4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                if (kind == X8_FIVE_BITS) {
+                    /* bit 2j (+1) to bit 4 of each byte: 16-bit shifts of at most 4 bring no
+                     * neighbouring byte's bit there */
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(shift_bits(fifth, 4 - 2 * j), bit4));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(shift_bits(fifth, 3 - 2 * j), bit4));
+                }
                 __m256i xlo = _mm256_set1_epi32(load_i32(xc + 4 * j));
                 __m256i xhi = _mm256_set1_epi32(load_i32(xc + 16 + 4 * j));
-                s0 = dot_u8s8(s0, _mm256_and_si256(raw, low4), xlo);
-                s0 = dot_u8s8(s0, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), xhi);
+                s0 = dot_u8s8(s0, lo, xlo);
+                s0 = dot_u8s8(s0, hi, xhi);
             }
         } else {
             for (int j = 0; j < 8; j++) {
                 __m256i u = _mm256_loadu_si256((const __m256i *)(v + 32 * j));
                 __m256i xs = _mm256_set1_epi32(load_i32(xc + 4 * j));
-                if (kind == X8_SIGNED) {
-                    xs = _mm256_sign_epi8(xs, u);
-                    u = _mm256_abs_epi8(u);
-                }
+                xs = _mm256_sign_epi8(xs, u);
+                u = _mm256_abs_epi8(u);
                 if (ns == 2 && j >= 4)
                     s1 = dot_u8s8(s1, u, xs);
                 else
@@ -591,13 +609,12 @@ INLINE void x8_group(const uint8_t *g, int type, int nc, const QuantizedRows *xq
             int32_t dot[2] = {0, 0};
             for (int k = 0; k < QK; k++) {
                 int lane = 4 * r + k % 4, u;
-                if (kind == X8_NIBBLES) {
-                    uint8_t byte = v[32 * ((k % 16) / 4) + lane];
-                    u = k < 16 ? byte & 0x0f : byte >> 4;
-                } else if (kind == X8_UNSIGNED) {
-                    u = v[32 * (k / 4) + lane];
-                } else {
+                if (kind == X8_SIGNED) {
                     u = (int8_t)v[32 * (k / 4) + lane];
+                } else {
+                    int j = (k % 16) / 4, h = k / 16;
+                    u = (v[32 * j + lane] >> (4 * h)) & 0x0f;
+                    if (kind == X8_FIVE_BITS) u |= ((v[128 + lane] >> (2 * j + h)) & 1) << 4;
                 }
                 dot[ns == 2 ? k / 16 : 0] += u * xc[k];
             }
