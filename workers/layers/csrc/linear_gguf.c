@@ -454,21 +454,22 @@ INLINE void q8act_rows(const uint8_t *wr, int type, int nc, const QuantizedRows 
 /* The same quantized-activation products, 8 weight rows at a time from a layout repacked at load
  * (tern_gguf_repack_x8; llama.cpp repacks Q4_0 likewise): per group of 8 rows and 32-value chunk
  * one record of
- *   d[8] float32           each row's chunk scale (Q6_K: d[16], the first 16 values' then the last's)
- *   m[8] float32           each row's term added to every value (unsigned integers only)
- *   values                 interleaved so that 32-bit lane r of a 256-bit vector holds 4 values of
- *                          row r: vector j of 4- and 5-bit types holds values 4j..4j+3 in low
- *                          nibbles and 16+4j..16+4j+3 in high nibbles (4 vectors), 5-bit types
- *                          then the fifth bits (a vector: bit 2j + h of byte b is the fifth bit
- *                          of vector j's byte b, low nibble h = 0, high h = 1); signed types one
- *                          byte per value, vector j values 4j..4j+3 (8 vectors).
- * A chunk's value is d * u + m with u the unsigned integer (4-bit types Q4_0, Q4_1, Q4_K, INT4_ZP;
- * 5-bit Q5_0, Q5_1, Q5_K; the offset folded into m = min - offset * d), or d * s with s signed
- * (Q8_0's; Q6_K's q - 32). Each vector is multiplied by 4 activation values broadcast to every
- * lane, so a lane sums its row's products and a chunk needs no horizontal sum: ~5 instructions per
- * row and chunk against ~20 unpacking each row's block on its own. At one row of x the products
- * then stream the weights at about the machine's read bandwidth, so the 5-bit types keep their
- * fifth bits in a plane (28 bytes per row and chunk) rather than one byte per value (40). */
+ *   d[8]     each row's chunk scale (Q6_K: d[16], the first 16 values' then the last's)
+ *   m[8]     each row's minimum, added to every value (Q4_1, Q5_1, the K-quants' -dmin * min,
+ *            INT4_ZP's -zero point * d)
+ *   values   interleaved so that 32-bit lane r of a 256-bit vector holds 4 values of row r:
+ *            vector j of 4- and 5-bit types holds values 4j..4j+3 in low nibbles and
+ *            16+4j..16+4j+3 in high nibbles (4 vectors), 5-bit types then their fifth bits (a
+ *            vector: bit 2j + h of byte b is the fifth bit of vector j's byte b, low nibble h = 0,
+ *            high h = 1); Q8_0 and Q6_K one signed byte per value (Q6_K's q - 32), vector j
+ *            values 4j..4j+3 (8 vectors).
+ * d and m are the blocks' own float16 for the types that store them so (Q4_0, Q4_1, Q5_0, Q5_1,
+ * Q8_0: records as large as the blocks), else float32. Q4_0's and Q5_0's offset (8, 16) is
+ * subtracted from the integer sums (offset * the activations' block sum). Each vector is
+ * multiplied by 4 activation values broadcast to every lane, so a lane sums its row's products
+ * and a chunk needs no horizontal sum: ~5 instructions per row and chunk against ~20 unpacking
+ * each row's block on its own. At one row of x the products then stream the weights at about the
+ * machine's read bandwidth, hence the compact records. */
 #define X8 8
 
 enum { X8_NIBBLES, X8_FIVE_BITS, X8_SIGNED };
@@ -487,10 +488,30 @@ INLINE int x8_kind(int type) {
 
 INLINE int x8_scales(int type) { return type == TERN_GGUF_Q6_K ? 2 : 1; }
 
+/* Whether d and m are float16 (the blocks' own), else float32. */
+INLINE int x8_half(int type) {
+    return type == TERN_GGUF_Q4_0 || type == TERN_GGUF_Q4_1 || type == TERN_GGUF_Q5_0 ||
+           type == TERN_GGUF_Q5_1 || type == TERN_GGUF_Q8_0;
+}
+
+INLINE int x8_has_min(int type) {
+    return type == TERN_GGUF_Q4_1 || type == TERN_GGUF_Q5_1 || type == TERN_GGUF_Q4_K ||
+           type == TERN_GGUF_Q5_K || type == TERN_BLOCK_INT4_ZP;
+}
+
+/* The offset subtracted from the integer sums (Q4_0, Q5_0). */
+INLINE int x8_int_offset(int type) {
+    return type == TERN_GGUF_Q4_0 ? 8 : type == TERN_GGUF_Q5_0 ? 16 : 0;
+}
+
+/* Bytes of the scales (d, then m) at the start of a record. */
+INLINE int x8_scale_bytes(int type) {
+    return X8 * (x8_half(type) ? 2 : 4) * (x8_scales(type) + x8_has_min(type));
+}
+
 static inline int64_t x8_record_bytes(int type) {
     int kind = x8_kind(type);
-    return 4 * X8 * x8_scales(type) + (kind == X8_SIGNED ? 0 : 4 * X8) +
-           (kind == X8_SIGNED ? 8 * 32 : kind == X8_FIVE_BITS ? 5 * 32 : 4 * 32);
+    return x8_scale_bytes(type) + (kind == X8_SIGNED ? 8 * 32 : kind == X8_FIVE_BITS ? 5 * 32 : 4 * 32);
 }
 
 /* Writes row r's chunk `sub` of block b into its group's record. */
@@ -499,13 +520,15 @@ INLINE void x8_pack_chunk(const uint8_t *b, int type, int sub, int r, uint8_t *r
     uint8_t q[QK];
     chunk_ints(b, type, sub, q);
     int kind = x8_kind(type), ns = x8_scales(type);
-    float *d = (float *)record;
-    for (int h = 0; h < ns; h++) d[h * X8 + r] = s.d[h];
-    uint8_t *values = record + 4 * X8 * ns;
-    if (kind != X8_SIGNED) {
-        d[ns * X8 + r] = s.m - (float)s.offset * s.d[0];
-        values += 4 * X8;
+    if (x8_half(type)) { /* d at the block's start, Q4_1's and Q5_1's m after it */
+        memcpy(record + 2 * r, b, 2);
+        if (x8_has_min(type)) memcpy(record + 2 * X8 + 2 * r, b + 2, 2);
+    } else {
+        float *d = (float *)record;
+        for (int h = 0; h < ns; h++) d[h * X8 + r] = s.d[h];
+        if (x8_has_min(type)) d[ns * X8 + r] = s.m - (float)s.offset * s.d[0];
     }
+    uint8_t *values = record + x8_scale_bytes(type);
     for (int i = 0; i < QK; i++) {
         int j = (i % 16) / 4, h = i / 16, lane = 4 * r + i % 4;
         if (kind == X8_SIGNED) {
@@ -525,6 +548,12 @@ static inline int32_t load_i32(const int8_t *p) {
     return v;
 }
 
+/* 8 scales, float16 or float32. */
+INLINE __m256 load_scales8(const uint8_t *p, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p))
+                : _mm256_loadu_ps((const float *)p);
+}
+
 /* The 16-bit lanes of v shifted left by n (right by -n), |n| <= 4. */
 INLINE __m256i shift_bits(__m256i v, int n) {
     return n >= 0 ? _mm256_slli_epi16(v, n) : _mm256_srli_epi16(v, -n);
@@ -542,18 +571,26 @@ INLINE __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 }
 #endif
 
+/* Scale k (0..15 for d, then m) of a record, float16 or float32. */
+INLINE float record_scale(const uint8_t *record, int half, int k) {
+    if (half) return half_at(record + 2 * k);
+    float f;
+    memcpy(&f, record + 4 * k, 4);
+    return f;
+}
+
 /* out[r] = row r of the group at `g` times row m of x (its quantized blocks). */
 INLINE void x8_group(const uint8_t *g, int type, int nc, const QuantizedRows *xq, int m,
                      float *out) {
-    const int kind = x8_kind(type), ns = x8_scales(type);
+    const int kind = x8_kind(type), ns = x8_scales(type), half = x8_half(type);
+    const int has_min = x8_has_min(type), offset = x8_int_offset(type);
     const int64_t rec = x8_record_bytes(type);
-    const int values_at = 4 * X8 * ns + (kind == X8_SIGNED ? 0 : 4 * X8);
+    const int values_at = x8_scale_bytes(type), sb = X8 * (half ? 2 : 4);
 #ifdef __AVX2__
     __m256 acc = _mm256_setzero_ps(), corr = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     for (int c = 0; c < nc; c++) {
         const uint8_t *record = g + c * rec, *v = record + values_at;
-        const float *d = (const float *)record;
         int64_t i = (int64_t)m * nc + c;
         const int8_t *xc = xq->q + i * QK;
         __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
@@ -576,6 +613,7 @@ INLINE void x8_group(const uint8_t *g, int type, int nc, const QuantizedRows *xq
                 s0 = dot_u8s8(s0, lo, xlo);
                 s0 = dot_u8s8(s0, hi, xhi);
             }
+            if (offset) s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(offset * xq->sum[i]));
         } else {
             for (int j = 0; j < 8; j++) {
                 __m256i u = _mm256_loadu_si256((const __m256i *)(v + 32 * j));
@@ -589,20 +627,20 @@ INLINE void x8_group(const uint8_t *g, int type, int nc, const QuantizedRows *xq
             }
         }
         __m256 dx = _mm256_set1_ps(xq->scale[i]);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(_mm256_loadu_ps(d), dx), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(load_scales8(record, half), dx),
+                              acc);
         if (ns == 2)
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1),
-                                  _mm256_mul_ps(_mm256_loadu_ps(d + X8), dx), acc);
-        if (kind != X8_SIGNED)
-            corr = _mm256_fmadd_ps(_mm256_loadu_ps(d + ns * X8), _mm256_set1_ps(xq->dxsum[i]),
-                                   corr);
+                                  _mm256_mul_ps(load_scales8(record + sb, half), dx), acc);
+        if (has_min)
+            corr = _mm256_fmadd_ps(load_scales8(record + ns * sb, half),
+                                   _mm256_set1_ps(xq->dxsum[i]), corr);
     }
     _mm256_storeu_ps(out, _mm256_add_ps(acc, corr));
 #else
     float acc[X8] = {0}, corr[X8] = {0};
     for (int c = 0; c < nc; c++) {
         const uint8_t *record = g + c * rec, *v = record + values_at;
-        const float *d = (const float *)record;
         int64_t i = (int64_t)m * nc + c;
         const int8_t *xc = xq->q + i * QK;
         for (int r = 0; r < X8; r++) {
@@ -618,10 +656,11 @@ INLINE void x8_group(const uint8_t *g, int type, int nc, const QuantizedRows *xq
                 }
                 dot[ns == 2 ? k / 16 : 0] += u * xc[k];
             }
+            dot[0] -= offset * xq->sum[i];
             float dx = xq->scale[i];
-            acc[r] += (float)dot[0] * (d[r] * dx);
-            if (ns == 2) acc[r] += (float)dot[1] * (d[X8 + r] * dx);
-            if (kind != X8_SIGNED) corr[r] += d[ns * X8 + r] * xq->dxsum[i];
+            acc[r] += (float)dot[0] * (record_scale(record, half, r) * dx);
+            if (ns == 2) acc[r] += (float)dot[1] * (record_scale(record, half, X8 + r) * dx);
+            if (has_min) corr[r] += record_scale(record, half, ns * X8 + r) * xq->dxsum[i];
         }
     }
     for (int r = 0; r < X8; r++) out[r] = acc[r] + corr[r];
