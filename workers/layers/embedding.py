@@ -114,18 +114,17 @@ class ParallelLMHead(VocabParallelEmbedding):
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, ctx=ctx, quant=quant)
         self.packed_weight: torch.Tensor | None = None
-        self.gguf_packed: torch.Tensor | None = None  # as LinearBase's (one segment)
+        self.gguf_packed: list[torch.Tensor | None] | None = None  # as LinearBase's
         self.batch_invariant = False  # --batch-invariant (set by the model runner)
 
     def repack_weights(self) -> None:
         packs = self.quant is None and self.dtype == torch.bfloat16
         self.packed_weight = pack_weight(self.weight) if packs else None
-        fast_gguf = self.quant == "gguf" and self.gguf_quantize_x
-        self.gguf_packed = (
-            gguf_blocks.repack_x8(self.weight, self.block_type, self.embedding_dim)
-            if fast_gguf
-            else None
-        )
+        self.gguf_packed = None
+        if self.quant == "gguf" and self.gguf_quantize_x:
+            self.gguf_packed = gguf_blocks.repack_layer(
+                self.weight, self.block_type, None, self.embedding_dim
+            )
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tie_word_embeddings): the checkpoint has no lm_head."""
@@ -147,7 +146,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         elif self.quant == "gguf":
             logits = gguf_blocks.linear(
                 hidden_states, self.weight, self.block_type, self.embedding_dim, None,
-                self.gguf_quantize_x, self.gguf_packed,
+                self.gguf_quantize_x, self.gguf_packed[0] if self.gguf_packed else None,
             )  # fmt: skip
         else:
             weight, scale = self._int8.views(self.weight)

@@ -11,7 +11,10 @@ each block in registers exactly as the gguf package does and multiplies in float
 --dtype float32 server does: it computes with the file's dequantized weights). The fast path (any
 other --dtype): decode steps of fewer than 4 rows quantize each 32-value block of the activations
 to int8 with its own scale and take the products in integers, as llama.cpp does
-(csrc/linear_gguf.c). From dequant_min_rows() rows (long prefills) the weight is dequantized once
+(csrc/linear_gguf.c), reading a copy of the rows repacked at load in groups of 8 (`repack_x8`,
+kept beside the blocks and re-derived by `repack_weights` whenever they change: the legacy
+types' records are as large as their blocks, the K-quants' and INT4_ZP's 1.3-1.5x). From
+dequant_min_rows() rows (long prefills) the weight is dequantized once
 per call and the GEMM is torch's.
 """
 
@@ -208,6 +211,16 @@ def repack_x8(blocks: torch.Tensor, block_type: str, cols: int) -> torch.Tensor 
     if not blocks.is_cpu or blocks.numel() == 0 or native.load() is None:
         return None
     return native.gguf_repack_x8(blocks, block_type, cols)
+
+
+def repack_layer(
+    weight: torch.Tensor, block_type: str | None, segments: list[Segment] | None, cols: int
+) -> list[torch.Tensor | None]:
+    """A layer's kept blocks repacked (repack_x8): one entry, or one per segment."""
+    if segments is None:
+        assert block_type is not None
+        return [repack_x8(weight, block_type, cols)]
+    return [repack_x8(segment_rows(weight, s, cols), s.block_type, cols) for s in segments]
 
 
 def linear(

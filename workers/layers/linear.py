@@ -213,16 +213,9 @@ class LinearBase(nn.Module):
         self.packed_weight = pack_weight(self.weight) if packs else None
         self.gguf_packed = None
         if self.quant == "gguf" and self.gguf_quantize_x:
-            k = self.input_size
-            if self.gguf_segments is None:
-                self.gguf_packed = [gguf_blocks.repack_x8(self.weight, self.block_type, k)]
-            else:
-                self.gguf_packed = [
-                    gguf_blocks.repack_x8(
-                        gguf_blocks.segment_rows(self.weight, s, k), s.block_type, k
-                    )
-                    for s in self.gguf_segments
-                ]
+            self.gguf_packed = gguf_blocks.repack_layer(
+                self.weight, self.block_type, self.gguf_segments, self.input_size
+            )
 
     def int8_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight (N, K) int8, scale (N,) float32) of an int8 layer."""
