@@ -10,7 +10,8 @@ its Gated DeltaNet layers), Qwen3-MoE (attention fused before the experts, besid
 layer), gpt-oss (attention sinks), decode steps of
 one to five sequences (the few-row kernels, and AMX where the CPU has it), after prompts and
 chunked prefills; and with LoRA adapters on every linear (tokens on different adapters or none),
-unquantized, int8 and GGUF row segments."""
+unquantized, int8 and GGUF row segments; and GGUF blocks on the fast path (legacy types and
+K-quants in row segments, read from their repacked rows)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from tests.unit.test_gguf import make_gguf_case
 from tests.unit.test_model_runner import make_prompts, run
 from workers.layers import native
 from workers.layers.fused_decode import FusedDecodeLayer, FusedDecodeStack
+from workers.layers.kernel_library import runnable_tiers
 from workers.layers.linear import LinearBase
 from workers.layers.lora import LoraBatch, LoraStack
 from workers.model_runner import ModelRunner
@@ -54,16 +56,23 @@ FAMILIES = ("tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_mistral", "tiny_glm4
             "tiny_qwen3_5", "tiny_qwen3_moe", "tiny_gpt_oss")  # fmt: skip
 # int8 linears and bfloat16 storage are the same kernels in every family: the first families
 # cover them, the others (their norms, rotations, gates) run in float32.
-CASES = [
-    (arch, quantization, dtype, "auto")
-    for i, arch in enumerate(FAMILIES)
-    for quantization in ((None, "int8") if i < 3 else (None,))
-    for dtype in (("bfloat16", "float32") if i < 4 else ("float32",))
-] + [  # the int8 KV cache: the new rows quantized in the native call as kv_int8.py rounds them
-    ("tiny_llama", None, "float32", "int8"),
-    ("tiny_qwen3", None, "bfloat16", "int8"),
-    ("tiny_gpt_oss", None, "float32", "int8"),
-]
+CASES = (
+    [
+        (arch, quantization, dtype, "auto")
+        for i, arch in enumerate(FAMILIES)
+        for quantization in ((None, "int8") if i < 3 else (None,))
+        for dtype in (("bfloat16", "float32") if i < 4 else ("float32",))
+    ]
+    + [  # the int8 KV cache: the new rows quantized in the native call as kv_int8.py rounds them
+        ("tiny_llama", None, "float32", "int8"),
+        ("tiny_qwen3", None, "bfloat16", "int8"),
+        ("tiny_gpt_oss", None, "float32", "int8"),
+    ]
+    + [  # GGUF blocks on the fast path: the rows repacked for decode products (legacy and K-quants)
+        ("gguf_legacy", None, "auto", "auto"),
+        ("gguf_segmented", None, "auto", "auto"),
+    ]
+)
 
 
 class FusedCalls(list):
@@ -105,6 +114,9 @@ def test_fused_layer_is_bit_identical_to_the_modules(
     request: pytest.FixtureRequest,
     monkeypatch,
 ) -> None:
+    tier = request.getfixturevalue("kernel_tier")
+    if arch.startswith("gguf") and tier not in ("avx2", runnable_tiers()[-1].name):
+        pytest.skip("GGUF fast path: AVX2 and this CPU's best tier (every tier: test_gguf.py)")
     model_dir = request.getfixturevalue(arch)
 
     def make_runner() -> ModelRunner:
@@ -194,6 +206,15 @@ def _serve_lora(runner: ModelRunner, seed: int = 0) -> list[LinearBase]:
 
     runner.model.register_forward_pre_hook(take_slots)
     return linears
+
+
+@pytest.fixture(scope="module")
+def gguf_legacy(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
+    """A GGUF model of Q8_0, Q5_1, Q4_1, Q5_0 and Q4_0 layers (test_gguf.py's llama)."""
+    if tokenizer_dir is None:
+        pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
+    work = tmp_path_factory.mktemp("gguf_legacy")
+    return make_gguf_case("llama", work, tokenizer_dir, work / "tern_home")[1]
 
 
 @pytest.fixture(scope="module")
