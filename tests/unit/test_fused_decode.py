@@ -208,22 +208,24 @@ def _serve_lora(runner: ModelRunner, seed: int = 0) -> list[LinearBase]:
     return linears
 
 
+def _gguf_model(case: str, factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
+    """test_gguf.py's GGUF case `case`, prepared."""
+    if tokenizer_dir is None:
+        pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
+    work = factory.mktemp(f"gguf_{case}")
+    return make_gguf_case(case, work, tokenizer_dir, work / "tern_home")[1]
+
+
 @pytest.fixture(scope="module")
 def gguf_legacy(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
     """A GGUF model of Q8_0, Q5_1, Q4_1, Q5_0 and Q4_0 layers (test_gguf.py's llama)."""
-    if tokenizer_dir is None:
-        pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
-    work = tmp_path_factory.mktemp("gguf_legacy")
-    return make_gguf_case("llama", work, tokenizer_dir, work / "tern_home")[1]
+    return _gguf_model("llama", tmp_path_factory, tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
 def gguf_segmented(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
     """A GGUF model whose qkv keeps row segments of two block types (test_gguf.py's qwen3_k)."""
-    if tokenizer_dir is None:
-        pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
-    work = tmp_path_factory.mktemp("gguf_lora")
-    return make_gguf_case("qwen3_k", work, tokenizer_dir, work / "tern_home")[1]
+    return _gguf_model("qwen3_k", tmp_path_factory, tokenizer_dir)
 
 
 LORA_CASES = [
