@@ -178,6 +178,7 @@ class MultiprocExecutor:
         self._replies.setsockopt(zmq.LINGER, 0)
         reply_addr = config.ipc_path("worker_output")
         self._ipc_dir = config.ipc_dir
+        self._reply_file = reply_addr.removeprefix("ipc://")  # removed at shutdown
         self._replies.bind(reply_addr)
         # With several nodes, everything other nodes reach listens on --dist-init-addr's host.
         host = "127.0.0.1"
@@ -349,8 +350,8 @@ class MultiprocExecutor:
         self._replies.close(linger=0)
         self._ctx.term()
         with contextlib.suppress(OSError):  # an in-process engine core's; a server's frontend
-            os.unlink(os.path.join(self._ipc_dir, "worker_output"))  # removes its own, which
-            os.rmdir(self._ipc_dir)  # holds its sockets too
+            os.unlink(self._reply_file)  # removes its own, which holds its sockets too
+            os.rmdir(self._ipc_dir)
 
 
 class NodeMonitor:
