@@ -234,7 +234,7 @@ def linear(
 ) -> torch.Tensor:
     """x (..., K) @ W.T + bias, W stored as `blocks`, the result in x's dtype: float32 arithmetic,
     or (`quantize_x`, below 4 rows) x quantized to int8 per block and integer products, from
-    `packed` (repack_x8 of the blocks) where given."""
+    `packed` (repack_x8 of the blocks; without it, the float32 product)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cols)
     native_ok = x.is_cpu and native.load() is not None

@@ -249,9 +249,9 @@ def gguf_linear(
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x (M, K) float32 @ W.T + bias, W (N, K) stored as `blocks` (N, row bytes) uint8 of a GGUF
-    block type, dequantized in registers; with `quantize_x`, x quantized to int8
-    per 32-value block and the products taken in integers (the fast path), few rows of x read from
-    `packed` (gguf_repack_x8 of the blocks) where given."""
+    block type, dequantized in registers; with `quantize_x` and `packed` (gguf_repack_x8 of the
+    blocks), products of few rows of x quantized to int8 per 32-value block and taken in integers
+    from the repacked rows (the fast path)."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
     _check(x, torch.float32, "x")

@@ -329,18 +329,17 @@ INLINE void dequant_row_t(const uint8_t *row, int type, int K, float *out) {
 
 /* The fast path (llama.cpp's): each 32-value block of a row of x quantized to int8 with its own
  * scale dx = max|x| / 127, and each product of a weight chunk and an activation block taken in
- * integers (AVX2: vpmaddubsw, then vpmaddwd): per chunk
+ * integers: per chunk
  *   dx * sum_halves(d[h] * sum(q' xq)) + m dx sum(xq),   q' = q - offset
- * with q the stored integers (signed after the offset; vpmaddubsw takes unsigned x signed bytes,
- * so signed q' lend their signs to xq). The activations' rounding (below 0.4% of each block's
- * largest value) is the only difference from the exact path. */
+ * with q the stored integers. The activations' rounding (below 0.4% of each block's largest
+ * value) is the only difference from the exact path. */
 #define Q8ACT_MAX_ROWS 4
 
 typedef struct {
     int8_t *q;    /* (M, K) */
     float *scale; /* (M, K / 32) */
     int32_t *sum; /* (M, K / 32): sum of each block's q */
-    float *dxsum; /* (M, K / 32): scale * sum (rows repacked in groups of 8 read it), or NULL */
+    float *dxsum; /* (M, K / 32): scale * sum */
 } QuantizedRows;
 
 static void quantize_rows_q8(const float *x, int M, int K, QuantizedRows *out) {
@@ -386,67 +385,8 @@ static void quantize_rows_q8(const float *x, int M, int K, QuantizedRows *out) {
 #endif
         out->scale[i] = dx;
         out->sum[i] = s;
-        if (out->dxsum != NULL) out->dxsum[i] = dx * (float)s;
+        out->dxsum[i] = dx * (float)s;
     }
-}
-
-/* Q8_0's integers and every offset type's are signed; the rest unsigned with a minimum. */
-INLINE int signed_ints(int type) {
-    return type == TERN_GGUF_Q8_0 || type == TERN_GGUF_Q4_0 || type == TERN_GGUF_Q5_0 ||
-           type == TERN_GGUF_Q6_K || type == TERN_BLOCK_INT4_ZP;
-}
-
-/* Rows m0 .. m0 + mb - 1 (mb <= 4) of x against weight row wr. */
-INLINE void q8act_rows(const uint8_t *wr, int type, int nc, const QuantizedRows *xq,
-                              int m0, int mb, float *out) {
-    float corr[4] = {0};
-    int is_signed = signed_ints(type);
-#ifdef __AVX2__
-    __m256 acc[4];
-    for (int m = 0; m < 4; m++) acc[m] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-#else
-    float acc[4] = {0};
-#endif
-    FOR_EACH_CHUNK(wr, type, nc)
-        ChunkScale s = chunk_scale(b, type, sub);
-#ifdef __AVX2__
-        __m256i q = chunk_ints8(b, type, sub);
-        if (s.offset) q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)s.offset));
-        __m256i qabs = is_signed ? _mm256_abs_epi8(q) : q;
-        __m256 d = _mm256_set_m128(_mm_set1_ps(s.d[1]), _mm_set1_ps(s.d[0]));
-#else
-        uint8_t qu[QK];
-        chunk_ints(b, type, sub, qu);
-#endif
-        for (int m = 0; m < mb; m++) {
-            int64_t i = (int64_t)(m0 + m) * nc + c;
-            float dx = xq->scale[i];
-            const int8_t *xc = xq->q + i * QK;
-#ifdef __AVX2__
-            __m256i x = _mm256_loadu_si256((const __m256i *)xc);
-            if (is_signed) x = _mm256_sign_epi8(x, q);
-            __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(qabs, x), ones);
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32),
-                                     _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[m]);
-#else
-            int32_t dot[2] = {0, 0};
-            for (int j = 0; j < QK; j++) {
-                int v = type == TERN_GGUF_Q8_0 ? (int)(int8_t)qu[j] : (int)qu[j] - s.offset;
-                dot[j / 16] += v * xc[j];
-            }
-            acc[m] += dx * (s.d[0] * (float)dot[0] + s.d[1] * (float)dot[1]);
-#endif
-            if (s.m != 0.f) corr[m] += s.m * dx * (float)xq->sum[i];
-        }
-    END_CHUNKS
-    for (int m = 0; m < mb; m++)
-#ifdef __AVX2__
-        out[m] = hsum(acc[m]) + corr[m];
-#else
-        out[m] = acc[m] + corr[m];
-#endif
-    (void)is_signed;
 }
 
 /* ---------------------------------------------------------------- rows repacked in groups of 8 */
@@ -675,12 +615,9 @@ INLINE void x8_group(const uint8_t *g, int type, int nc, const QuantizedRows *xq
 typedef void (*GemvRows)(const float *x, const uint8_t *w, const float *bias, float *y, int M,
                          int N, int K, int n0, int nt);
 typedef void (*DequantRow)(const uint8_t *row, int K, float *out);
-typedef void (*Q8ActRows)(const uint8_t *wr, int nc, const QuantizedRows *xq, int m0, int mb,
-                          float *out);
 typedef struct {
     GemvRows gemv;
     DequantRow dequant;
-    Q8ActRows q8act;
 } TypeRows;
 typedef void (*X8Rows)(const uint8_t *g, int nc, const QuantizedRows *xq, int m, float *out);
 
@@ -692,10 +629,6 @@ typedef void (*X8Rows)(const uint8_t *g, int nc, const QuantizedRows *xq, int m,
     static void dequant_row_##name(const uint8_t *row, int K, float *out) {                    \
         dequant_row_t(row, T, K, out);                                                         \
     }                                                                                          \
-    static void q8act_rows_##name(const uint8_t *wr, int nc, const QuantizedRows *xq, int m0,  \
-                                  int mb, float *out) {                                        \
-        q8act_rows(wr, T, nc, xq, m0, mb, out);                                                \
-    }                                                                                          \
     static void x8_rows_##name(const uint8_t *g, int nc, const QuantizedRows *xq, int m,       \
                                float *out) {                                                   \
         x8_group(g, T, nc, xq, m, out);                                                        \
@@ -705,10 +638,10 @@ EACH_BLOCK_TYPE(DEFINE_TYPE_ROWS)
 /* The row loops of `type` (a type block_shape takes). */
 static TypeRows rows_of(int type) {
 #define TYPE_ROWS_CASE(name, T) \
-    case T: return (TypeRows){gemv_rows_##name, dequant_row_##name, q8act_rows_##name};
+    case T: return (TypeRows){gemv_rows_##name, dequant_row_##name};
     switch (type) { EACH_BLOCK_TYPE(TYPE_ROWS_CASE) }
 #undef TYPE_ROWS_CASE
-    return (TypeRows){NULL, NULL, NULL};
+    return (TypeRows){NULL, NULL};
 }
 
 /* The group loop of `type` (a type block_shape takes). */
@@ -768,50 +701,33 @@ int tern_gguf_dequantize(const uint8_t *w, int type, float *out, int N, int K) {
 
 /* ---------------------------------------------------------------- quantized-activation products */
 
-/* y (M, N) = x (M, K) @ W.T + bias with x quantized per block (above); float32 x, bias, y.
- * `packed`: W's rows repacked in groups of 8 (tern_gguf_repack_x8), which products of fewer than
- * Q8ACT_MAX_ROWS rows read instead of w, or NULL. Returns 0, -2 for a type or K it does not take,
- * -1 without memory for the quantized rows. */
+/* y (M, N) = x (M, K) @ W.T + bias with x quantized per block (above) and W's rows read from
+ * `packed` (tern_gguf_repack_x8 of w); float32 x, bias, y. Without `packed`, and from
+ * Q8ACT_MAX_ROWS rows, the float32 product of w (tern_gguf_linear). Returns 0, -2 for a type or K
+ * it does not take, -1 without memory for the quantized rows. */
 int tern_gguf_linear_q8act(const float *x, const uint8_t *w, const uint8_t *packed, int type,
                            const float *bias, float *y, int M, int N, int K) {
-    int64_t rb = row_bytes(type, K);
     int nc = K / QK;
-    if (rb == 0) return -2;
+    if (row_bytes(type, K) == 0) return -2;
     /* From Q8ACT_MAX_ROWS rows the register-blocked float tiles win (measured on 2048 x 2048:
      * Q8_0 at par at 4 rows, Q4_K 1.8x faster at 4). */
-    if (M >= Q8ACT_MAX_ROWS) return tern_gguf_linear(x, w, type, bias, y, M, N, K);
+    if (packed == NULL || M >= Q8ACT_MAX_ROWS) return tern_gguf_linear(x, w, type, bias, y, M, N, K);
     QuantizedRows xq = {malloc((size_t)M * K), malloc(sizeof(float) * (size_t)M * nc),
                         malloc(sizeof(int32_t) * (size_t)M * nc),
-                        packed ? malloc(sizeof(float) * (size_t)M * nc) : NULL};
+                        malloc(sizeof(float) * (size_t)M * nc)};
     int rc = -1;
-    if (xq.q != NULL && xq.scale != NULL && xq.sum != NULL && (packed == NULL || xq.dxsum)) {
+    if (xq.q != NULL && xq.scale != NULL && xq.sum != NULL && xq.dxsum != NULL) {
         quantize_rows_q8(x, M, K, &xq);
-        if (packed != NULL) {
-            X8Rows x8 = x8_rows_of(type);
-            int64_t gb = (int64_t)nc * x8_record_bytes(type);
+        X8Rows x8 = x8_rows_of(type);
+        int64_t gb = (int64_t)nc * x8_record_bytes(type);
 #pragma omp parallel for schedule(static)
-            for (int g = 0; g < (N + X8 - 1) / X8; g++) {
-                int rows = N - g * X8 < X8 ? N - g * X8 : X8;
-                for (int m = 0; m < M; m++) {
-                    float out[X8];
-                    x8(packed + g * gb, nc, &xq, m, out);
-                    for (int r = 0; r < rows; r++)
-                        y[(int64_t)m * N + g * X8 + r] =
-                            out[r] + (bias ? bias[g * X8 + r] : 0.f);
-                }
-            }
-        } else {
-            Q8ActRows q8act = rows_of(type).q8act;
-#pragma omp parallel for schedule(static)
-            for (int n = 0; n < N; n++) {
-                const uint8_t *wr = w + (int64_t)n * rb;
-                for (int m0 = 0; m0 < M; m0 += 4) {
-                    int mb = M - m0 < 4 ? M - m0 : 4;
-                    float out[4];
-                    q8act(wr, nc, &xq, m0, mb, out);
-                    for (int m = 0; m < mb; m++)
-                        y[(int64_t)(m0 + m) * N + n] = out[m] + (bias ? bias[n] : 0.f);
-                }
+        for (int g = 0; g < (N + X8 - 1) / X8; g++) {
+            int rows = N - g * X8 < X8 ? N - g * X8 : X8;
+            for (int m = 0; m < M; m++) {
+                float out[X8];
+                x8(packed + g * gb, nc, &xq, m, out);
+                for (int r = 0; r < rows; r++)
+                    y[(int64_t)m * N + g * X8 + r] = out[r] + (bias ? bias[g * X8 + r] : 0.f);
             }
         }
         rc = 0;
