@@ -28,7 +28,7 @@ from enginecore.config import Config
 from frontend.args import FrontendConfig, config_from_args, frontend_config_from_args, make_parser
 from frontend.engine.client import EngineClient, EngineStartupError
 from frontend.server.app import build_app
-from frontend.server.http_protocol import KeepAliveSafeH11Protocol
+from frontend.server.http_protocol import KeepAliveSafeHttpProtocol
 from frontend.server.metrics import Metrics
 from frontend.server.middleware import access_warnings
 from frontend.serving.base import OpenAIServing
@@ -138,7 +138,7 @@ class Launcher:
             lifespan="off",
             timeout_graceful_shutdown=2,
             timeout_keep_alive=self.frontend_config.keep_alive_timeout_s,
-            http=KeepAliveSafeH11Protocol,
+            http=KeepAliveSafeHttpProtocol,
         )
         self.server = Server(uv_config, on_shutdown=self._fail_requests)
         self.engine.on_dead.append(self._on_engine_dead)

@@ -1,0 +1,164 @@
+"""GGUF files through HTTP: `tern serve FILE` beside llama.cpp's llama-server on the same files,
+both driven by the same client (scripts/bench_serving.py: streamed completions, ignore_eos).
+
+Per file and round, one server at a time (the other is stopped: they share 2 cores), the servers
+alternating: c=1 (8 prompts one after another) TPOT / TTFT, then c=32 (32 prompts at once) output
+tokens per second. Reported: per file the median over the rounds of each server's p50 TPOT, p50
+TTFT and c=32 tok/s, the ratios, and every failed request. Where `bench_gguf.py` times each
+server's own step, this times what a client sees: tern's three processes (frontend, engine core,
+worker) and the client share the machine with the model's threads.
+
+    python scripts/bench_gguf_http.py --llama-server PATH [--files A.gguf ...] [--out FILE.json]
+
+The default model's own Q4_1 file is always first. The CPU's name and flags are printed first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_models  # noqa: E402
+import bench_serving  # noqa: E402
+
+from frontend.client.launched_server import LaunchedServer  # noqa: E402
+
+ROUNDS = 2
+LOADS = {"c1": (1, 8), "c32": (32, 32)}  # name: (concurrency, prompts)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}) before it was healthy")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError("the server did not become healthy")
+
+
+def _load(base_url: str, args: argparse.Namespace, concurrency: int, prompts: int) -> dict:
+    with_args = [
+        "--base-url", base_url, "--concurrency", str(concurrency), "--num-prompts", str(prompts),
+        "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+    ]  # fmt: skip
+    if args.tokenizer is not None:
+        with_args += ["--tokenizer", str(args.tokenizer)]
+    out = Path(f"/tmp/bench-gguf-http-{time.monotonic_ns()}.json")
+    with contextlib.redirect_stdout(io.StringIO()):  # its table: the summary below has it
+        bench_serving.main([*with_args, "--result-file", str(out)])
+    summary = json.loads(out.read_text())
+    out.unlink()
+    return {
+        "completed": summary["completed"],
+        "failed": summary["failed"],
+        "errors": summary["errors"],
+        "tpot_p50_ms": summary["tpot_ms"]["p50"],
+        "itl_p50_ms": summary["itl_ms"]["p50"],
+        "ttft_p50_ms": summary["ttft_ms"]["p50"],
+        "output_tok_s": summary["output_throughput"],
+    }
+
+
+def _measure(base_url: str, args: argparse.Namespace) -> dict:
+    _load(base_url, args, 1, 1)  # warm-up
+    return {name: _load(base_url, args, c, n) for name, (c, n) in LOADS.items()}
+
+
+def run_tern(gguf: Path, args: argparse.Namespace) -> dict:
+    server = LaunchedServer(["--model", str(gguf)])
+    try:
+        server.wait_ready()
+        return _measure(server.base_url, args)
+    finally:
+        server.shut_down()
+
+
+def run_llamacpp(gguf: Path, args: argparse.Namespace) -> dict:
+    port = bench_models._free_port()
+    proc = subprocess.Popen(
+        [str(args.llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+         "-t", "2", "-tb", "2", "-np", "32", "-c", str(32 * 512)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        _wait_healthy(base_url, proc)
+        return _measure(base_url, args)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _median(rounds: list[dict], load: str, key: str) -> float:
+    return statistics.median(r[load][key] for r in rounds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", nargs="*", type=Path, default=[])
+    parser.add_argument("--llama-server", type=Path, required=True)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--tokenizer", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    cpu = bench_models.cpu_description()
+    print(f"CPU: {cpu}", flush=True)
+    from frontend.model_prep import find_gguf
+
+    files = [find_gguf(), *args.files]
+    results = []
+    for f in files:
+        runs: dict[str, list[dict]] = {"tern": [], "llama.cpp": []}
+        for _ in range(args.rounds):
+            runs["llama.cpp"].append(run_llamacpp(f, args))
+            runs["tern"].append(run_tern(f, args))
+        summary = {"file": f.name, "runs": runs}
+        for server, rounds in runs.items():
+            summary[server] = {
+                "c1_tpot_ms": _median(rounds, "c1", "tpot_p50_ms"),
+                "c1_ttft_ms": _median(rounds, "c1", "ttft_p50_ms"),
+                "c32_tok_s": _median(rounds, "c32", "output_tok_s"),
+                "failed": sum(r[load]["failed"] for r in rounds for load in LOADS),
+            }
+        results.append(summary)
+        print(json.dumps({k: v for k, v in summary.items() if k != "runs"}), flush=True)
+    print(
+        "\n| file | tern c=1 TPOT ms | llama.cpp | ratio | tern TTFT ms | llama.cpp "
+        "| tern c=32 tok/s | llama.cpp | ratio | failed |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    for r in results:
+        t, ll = r["tern"], r["llama.cpp"]
+        print(
+            f"| {r['file']} | {t['c1_tpot_ms']:.2f} | {ll['c1_tpot_ms']:.2f} "
+            f"| {t['c1_tpot_ms'] / ll['c1_tpot_ms']:.2f}x | {t['c1_ttft_ms']:.1f} "
+            f"| {ll['c1_ttft_ms']:.1f} | {t['c32_tok_s']:.0f} | {ll['c32_tok_s']:.0f} "
+            f"| {t['c32_tok_s'] / ll['c32_tok_s']:.2f}x | {t['failed'] + ll['failed']} |"
+        )
+    if args.out is not None:
+        args.out.write_text(json.dumps({"cpu": cpu, "results": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
