@@ -1,7 +1,8 @@
 """EngineCore: one scheduling step at a time, with no sockets (core_proc.py is the process around it).
 
 step() = schedule -> execute on the workers -> update request state. Used directly by tests and
-scripts/bench_step.py with an in-process executor.
+scripts/bench_step.py with an in-process executor. The engine core's loop takes it in two halves,
+launch_step() and finish_step(), and sends the outputs of one step after it has launched the next.
 
 The served model either generates or pools (`model_task`, from config.json and --task): requests of
 the other kind are refused with an error output, as are those that cannot be served at all.
@@ -26,6 +27,7 @@ from enginecore.messages import (
     FinishReason,
     LoadLora,
     SamplingParams,
+    SchedulerOutput,
     SchedulerStats,
 )
 from enginecore.model_task import ModelTask, read_model_task
@@ -87,6 +89,7 @@ class EngineCore:
         )
         # Waiting requests whose grammar is compiling, and its future.
         self._compiling: dict[str, tuple[Request, Future[Any]]] = {}
+        self._in_flight: tuple[SchedulerOutput, float] | None = None  # launched, not finished
         self.loras = (
             LoraRegistry(config.lora, self._run_on_workers) if config.lora.enabled else None
         )
@@ -185,9 +188,27 @@ class EngineCore:
 
     def step(self, admit_waiting: bool = True) -> list[EngineCoreOutput]:
         """One step. admit_waiting=False runs only the requests already started (a pause)."""
-        return self._ended(self._step(admit_waiting))
+        failed = self.launch_step(admit_waiting)
+        return failed + self.finish_step()
 
-    def _step(self, admit_waiting: bool) -> list[EngineCoreOutput]:
+    def launch_step(self, admit_waiting: bool = True) -> list[EngineCoreOutput]:
+        """Schedules a step and starts it on the workers (finish_step collects it); returns the
+        requests that failed before it could run (grammars, adapters)."""
+        assert self._in_flight is None, "the last step was not finished"
+        return self._ended(self._launch(admit_waiting))
+
+    def finish_step(self) -> list[EngineCoreOutput]:
+        """Waits for the step launch_step started and updates the requests from its output; []
+        when none is in flight."""
+        if self._in_flight is None:
+            return []
+        step, start = self._in_flight
+        self._in_flight = None
+        output = self.executor.collect_step()
+        self.scheduler.record_step_time(step, time.perf_counter() - start)
+        return self._ended(self.scheduler.update_from_output(step, output))
+
+    def _launch(self, admit_waiting: bool) -> list[EngineCoreOutput]:
         if not self.scheduler.has_requests:
             return []
         failed = self._take_compiled_grammars()
@@ -213,9 +234,9 @@ class EngineCore:
             return {req_id: g.bitmasks_along(drafts) for req_id, g, drafts in constrained}
 
         start = time.perf_counter()
-        output = self.executor.execute_model(step, bitmasks if constrained else None)
-        self.scheduler.record_step_time(step, time.perf_counter() - start)
-        return failed + self.scheduler.update_from_output(step, output)
+        self.executor.submit_step(step, bitmasks if constrained else None)
+        self._in_flight = (step, start)
+        return failed
 
     def _take_compiled_grammars(self) -> list[EngineCoreOutput]:
         """Gives each request whose grammar has compiled its matcher; fails those that did not."""

@@ -107,22 +107,23 @@ class EngineCoreProc:
         assert self.core is not None
         core = self.core
         control = self.control
+        # NOTE: a step's outputs go to the frontend after the next step is launched: the workers
+        # compute while the frontend and the client handle the token. Inputs are read between
+        # the two, when no step is in flight (control calls run on the workers).
         while not self.should_stop:
-            busy = control.is_busy()
-            outputs: list[EngineCoreOutput] = []
+            outputs = self._stamped(core.finish_step())  # before a weight update in the inputs
             results: list[UtilityResult] = []
-            if self.input.poll(0 if busy else IDLE_POLL_MS):
+            busy = control.is_busy()
+            if self.input.poll(0 if busy or outputs else IDLE_POLL_MS):
                 self._drain_inputs(outputs, results)
-            elif not busy:
+            elif not busy and not outputs:
                 self._check_liveness()
                 self._stats_logger.maybe_log(core.stats)
                 continue
-            if control.is_busy():
-                outputs.extend(core.step(admit_waiting=control.can_admit))
             results.extend(control.poll_deferred())
-            for out in outputs:
-                if out.finish_reason is not None:
-                    out.weight_version = control.weight_version
+            if control.is_busy():
+                outputs.extend(core.launch_step(admit_waiting=control.can_admit))
+            self._stamped(outputs)
             if outputs or results:
                 msg = EngineCoreOutputs(
                     outputs, results, timestamp=time.time(), scheduler_stats=self._stats_to_send()
@@ -130,6 +131,13 @@ class EngineCoreProc:
                 self.output.send(self.encoder.encode(msg))
             if busy:
                 self._stats_logger.maybe_log(core.stats)
+
+    def _stamped(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Names the weight version on each finished output that has none yet."""
+        for out in outputs:
+            if out.finish_reason is not None and out.weight_version is None:
+                out.weight_version = self.control.weight_version
+        return outputs
 
     def _stats_to_send(self) -> SchedulerStats | None:
         assert self.core is not None

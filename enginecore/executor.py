@@ -97,11 +97,20 @@ class Executor(Protocol):
     vocab_size: int
     model_summary: str
 
+    def submit_step(self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None) -> None:
+        """Starts the step on the workers; collect_step waits for its output. `bitmasks` (when
+        step.grammar_bitmasks_follow): computes the grammar bitmasks; called while the workers run
+        the forward pass."""
+        ...
+
+    def collect_step(self) -> ModelRunnerOutput:
+        """The output of the step submit_step started."""
+        ...
+
     def execute_model(
         self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None
     ) -> ModelRunnerOutput:
-        """`bitmasks` (when step.grammar_bitmasks_follow): computes the grammar bitmasks; called
-        while the workers run the forward pass."""
+        """submit_step, then collect_step."""
         ...
 
     def run_control(self, call: ControlCall) -> list[str]: ...
@@ -116,6 +125,7 @@ class InProcExecutor:
 
         self.runner = ModelRunner(config, rank=0)
         self.runner.load_model()
+        self._output: ModelRunnerOutput | None = None
         self.control = WorkerControl(self.runner, rank=0)
         self.num_kv_blocks = self.runner.num_kv_blocks_for_memory()
         self.num_state_checkpoints, self.state_checkpoint_interval = (
@@ -130,6 +140,14 @@ class InProcExecutor:
         )  # fmt: skip
         self.vocab_size = self.runner.vocab_size
         self.model_summary = self.runner.model_summary
+
+    def submit_step(self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None) -> None:
+        self._output = self.runner.execute_model(step, bitmasks)
+
+    def collect_step(self) -> ModelRunnerOutput:
+        output, self._output = self._output, None
+        assert output is not None, "no step was submitted"
+        return output
 
     def execute_model(
         self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None
@@ -243,16 +261,22 @@ class MultiprocExecutor:
         self.vocab_size = driver.vocab_size
         self.model_summary = driver.model_summary
 
-    def execute_model(
-        self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None
-    ) -> ModelRunnerOutput:
+    def submit_step(self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None) -> None:
         self._broadcast(ExecuteModel(step))
         if step.grammar_bitmasks_follow:
             assert bitmasks is not None, "the step promises grammar bitmasks"
             self._broadcast(GrammarBitmasks(step.step_id, bitmasks()))
+
+    def collect_step(self) -> ModelRunnerOutput:
         (result,) = self._gather(WorkerResult, timeout=None, ranks=1)
         assert result.rank == self.driver_rank and result.output is not None, result
         return result.output
+
+    def execute_model(
+        self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None
+    ) -> ModelRunnerOutput:
+        self.submit_step(step, bitmasks)
+        return self.collect_step()
 
     def run_control(self, call: ControlCall) -> list[str]:
         """Runs a control call on every rank; returns the errors of the ranks that failed."""
