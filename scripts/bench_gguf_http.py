@@ -20,10 +20,8 @@ import contextlib
 import io
 import json
 import statistics
-import subprocess
 import sys
-import time
-import urllib.request
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,25 +34,13 @@ import bench_serving  # noqa: E402
 from frontend.client.launched_server import LaunchedServer  # noqa: E402
 
 ROUNDS = 2
-LOADS = {"c1": (1, 8), "c32": (32, 32)}  # name: (concurrency, prompts)
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}) before it was healthy")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError("the server did not become healthy")
+# name: (concurrency, prompts, seed of its prompts); the untimed pass takes seed + 100. Each load
+# its own prompts: another load's would be prefix-cache hits.
+LOADS = {"c1": (1, 8, 0), "c32": (32, 32, 1)}
 
 
 def _load(
-    base_url: str, args: argparse.Namespace, concurrency: int, prompts: int, seed: int = 0
+    base_url: str, args: argparse.Namespace, concurrency: int, prompts: int, seed: int
 ) -> dict:
     with_args = [
         "--base-url", base_url, "--concurrency", str(concurrency), "--num-prompts", str(prompts),
@@ -63,11 +49,11 @@ def _load(
     ]  # fmt: skip
     if args.tokenizer is not None:
         with_args += ["--tokenizer", str(args.tokenizer)]
-    out = Path(f"/tmp/bench-gguf-http-{time.monotonic_ns()}.json")
-    with contextlib.redirect_stdout(io.StringIO()):  # its table: the summary below has it
-        bench_serving.main([*with_args, "--result-file", str(out)])
-    summary = json.loads(out.read_text())
-    out.unlink()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "summary.json"
+        with contextlib.redirect_stdout(io.StringIO()):  # its table: the summary below has it
+            bench_serving.main([*with_args, "--result-file", str(out)])
+        summary = json.loads(out.read_text())
     return {
         "completed": summary["completed"],
         "failed": summary["failed"],
@@ -82,9 +68,9 @@ def _load(
 def _measure(base_url: str, args: argparse.Namespace) -> dict:
     # Warm-up: each load once, untimed, on other prompts (the same ones would be prefix-cache
     # hits: a repeated wave of 32 ran 1.3x faster, its prompts never computed).
-    for c, n in LOADS.values():
-        _load(base_url, args, c, n, seed=1)
-    return {name: _load(base_url, args, c, n) for name, (c, n) in LOADS.items()}
+    for c, n, seed in LOADS.values():
+        _load(base_url, args, c, n, seed + 100)
+    return {name: _load(base_url, args, c, n, seed) for name, (c, n, seed) in LOADS.items()}
 
 
 def run_tern(gguf: Path, args: argparse.Namespace) -> dict:
@@ -97,22 +83,11 @@ def run_tern(gguf: Path, args: argparse.Namespace) -> dict:
 
 
 def run_llamacpp(gguf: Path, args: argparse.Namespace) -> dict:
-    port = bench_models._free_port()
-    proc = subprocess.Popen(
-        [str(args.llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-         "-t", "2", "-tb", "2", "-np", "32", "-c", str(32 * 512)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    proc, base_url = bench_models.launch_llamacpp(gguf, args.llama_server)
     try:
-        base_url = f"http://127.0.0.1:{port}"
-        _wait_healthy(base_url, proc)
         return _measure(base_url, args)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        bench_models.stop_llamacpp(proc)
 
 
 def _median(rounds: list[dict], load: str, key: str) -> float:

@@ -144,9 +144,9 @@ def bench_llamacpp(
     return serve_llamacpp(gguf, server, prompts, output_len)
 
 
-def serve_llamacpp(gguf: Path, server: Path, prompts: list[list[int]], output_len: int) -> dict:
-    """llama-server on a GGUF file: c=1 TPOT (the median of 3 requests) and c=len(prompts) tok/s,
-    or the server's reason it could not."""
+def launch_llamacpp(gguf: Path, server: Path) -> tuple[subprocess.Popen, str]:
+    """llama-server on a GGUF file (-t 2 -np 32), healthy: (process, base URL); RuntimeError with
+    the server's reason when it could not start."""
     port = _free_port()
     proc = subprocess.Popen(
         [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
@@ -154,19 +154,36 @@ def serve_llamacpp(gguf: Path, server: Path, prompts: list[list[int]], output_le
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            last = proc.stderr.read().strip().splitlines()[-1:] or ["exited"]
+            raise RuntimeError("llama-server: " + last[0][:200])
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            time.sleep(0.5)
+    stop_llamacpp(proc)
+    raise RuntimeError("llama-server did not become healthy")
+
+
+def stop_llamacpp(proc: subprocess.Popen) -> None:
+    proc.terminate()
     try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                last = proc.stderr.read().strip().splitlines()[-1:] or ["exited"]
-                return {"llamacpp_error": "llama-server: " + last[0][:200]}
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            return {"llamacpp_error": "llama-server did not become healthy"}
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def serve_llamacpp(gguf: Path, server: Path, prompts: list[list[int]], output_len: int) -> dict:
+    """llama-server on a GGUF file: c=1 TPOT (the median of 3 requests) and c=len(prompts) tok/s,
+    or the server's reason it could not."""
+    try:
+        proc, base = launch_llamacpp(gguf, server)
+    except RuntimeError as e:
+        return {"llamacpp_error": str(e)}
+    try:
 
         def complete(prompt: list[int]) -> dict:
             body = {"prompt": prompt, "n_predict": output_len, "temperature": 0.0,
@@ -185,11 +202,7 @@ def serve_llamacpp(gguf: Path, server: Path, prompts: list[list[int]], output_le
         produced = sum(o["timings"]["predicted_n"] for o in outs)
         return {"llamacpp_tpot_ms": tpot, "llamacpp_c32_tok_s": produced / wall}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_llamacpp(proc)
 
 
 def run(
