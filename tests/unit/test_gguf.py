@@ -242,6 +242,28 @@ def test_the_fast_paths_products_are_its_quantized_rows_times_the_weight(
         torch.testing.assert_close(got.double(), want, **close)
 
 
+def test_the_fast_paths_long_prefill_is_a_bfloat16_gemm() -> None:
+    """From BF16_MIN_ROWS rows on a tier with bfloat16 arithmetic, the fast path multiplies the
+    dequantized weight and the activations in bfloat16: within bfloat16's rounding of the exact
+    product, and not equal to float32's (the bfloat16 GEMM ran)."""
+    from workers.layers.gguf_blocks import BF16_MIN_ROWS, BF16_TIERS, linear, quantize
+
+    tiers = [t.name for t in runnable_tiers() if t.name in BF16_TIERS]
+    if not tiers:
+        pytest.skip("no tier with bfloat16 arithmetic on this CPU")
+    torch.manual_seed(0)
+    k = 256
+    blocks = quantize(torch.randn(40, k), "Q4_K")
+    x, bias = torch.randn(BF16_MIN_ROWS, k), torch.randn(40)
+    want = x.double() @ _dequantized(blocks, "Q4_K", k).double().T + bias.double()
+    with use_tier(tiers[0]):
+        got = linear(x, blocks, "Q4_K", k, bias, quantize_x=True)
+        exact = linear(x, blocks, "Q4_K", k, bias)
+    torch.testing.assert_close(exact.double(), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max())
+    assert not torch.equal(got, exact)
+
+
 def test_the_fast_path_agrees_with_the_exact_one(gguf_case: tuple[Path, Path, Path]) -> None:
     """Any --dtype but float32 quantizes the activations per block for the kept layers (the
     llama.cpp way): its tokens against Hugging Face's on the dequantized file, teacher-forced on
