@@ -152,7 +152,8 @@ class InProcExecutor:
     def execute_model(
         self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None
     ) -> ModelRunnerOutput:
-        return self.runner.execute_model(step, bitmasks)
+        self.submit_step(step, bitmasks)
+        return self.collect_step()
 
     def run_control(self, call: ControlCall) -> list[str]:
         try:

@@ -148,15 +148,18 @@ def launch_llamacpp(gguf: Path, server: Path) -> tuple[subprocess.Popen, str]:
     """llama-server on a GGUF file (-t 2 -np 32), healthy: (process, base URL); RuntimeError with
     the server's reason when it could not start."""
     port = _free_port()
+    # A file, not a pipe: a long run's request log would fill a pipe nobody reads and stall it.
+    log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
         [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
          "-tb", "2", "-np", "32", "-c", str(32 * 512)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL, stderr=log, text=True,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     for _ in range(600):
         if proc.poll() is not None:
-            last = proc.stderr.read().strip().splitlines()[-1:] or ["exited"]
+            log.seek(0)
+            last = log.read().strip().splitlines()[-1:] or ["exited"]
             raise RuntimeError("llama-server: " + last[0][:200])
         try:
             with urllib.request.urlopen(base + "/health", timeout=2) as r:

@@ -248,8 +248,8 @@ def linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cols)
     native_ok = x.is_cpu and native.load() is not None
-    bf16_tier = native_ok and native.active_tier_name() in BF16_TIERS
-    if quantize_x and bf16_tier and x2.size(0) >= BF16_MIN_ROWS:
+    long_prefill = quantize_x and native_ok and x2.size(0) >= BF16_MIN_ROWS
+    if long_prefill and native.active_tier_name() in BF16_TIERS:
         w = dequantize(blocks, block_type, cols).to(torch.bfloat16)
         b = None if bias is None else bias.to(torch.bfloat16)
         y = F.linear(x2.to(torch.bfloat16), w, b).float()
