@@ -242,23 +242,27 @@ def test_the_fast_paths_products_are_its_quantized_rows_times_the_weight(
         torch.testing.assert_close(got.double(), want, **close)
 
 
-def test_the_fast_paths_long_prefill_is_a_bfloat16_gemm() -> None:
-    """From BF16_MIN_ROWS rows on a tier with bfloat16 arithmetic, the fast path multiplies the
-    dequantized weight and the activations in bfloat16: within bfloat16's rounding of the exact
-    product, and not equal to float32's (the bfloat16 GEMM ran)."""
+@pytest.mark.parametrize("rows", [4, 37, "BF16_MIN_ROWS"])
+@pytest.mark.parametrize("block_type", ["Q8_0", "Q4_K"])
+def test_the_fast_paths_many_row_products_are_bfloat16(block_type: str, rows: int | str) -> None:
+    """From 4 rows on a tier with bfloat16 arithmetic, the fast path multiplies the dequantized
+    weight and the activations in bfloat16 (below BF16_MIN_ROWS the kernels' bfloat16 tiles, from
+    it torch's GEMM): within bfloat16's rounding of the exact product, and not equal to float32's.
+    37 rows and 43 weight rows leave partial register blocks and a partial tile."""
     from workers.layers.gguf_blocks import BF16_MIN_ROWS, BF16_TIERS, linear, quantize
 
     tiers = [t.name for t in runnable_tiers() if t.name in BF16_TIERS]
     if not tiers:
         pytest.skip("no tier with bfloat16 arithmetic on this CPU")
+    rows = BF16_MIN_ROWS if rows == "BF16_MIN_ROWS" else rows
     torch.manual_seed(0)
-    k = 256
-    blocks = quantize(torch.randn(40, k), "Q4_K")
-    x, bias = torch.randn(BF16_MIN_ROWS, k), torch.randn(40)
-    want = x.double() @ _dequantized(blocks, "Q4_K", k).double().T + bias.double()
+    k = 512
+    blocks = quantize(torch.randn(43, k), block_type)
+    x, bias = torch.randn(rows, k), torch.randn(43)
+    want = x.double() @ _dequantized(blocks, block_type, k).double().T + bias.double()
     with use_tier(tiers[0]):
-        got = linear(x, blocks, "Q4_K", k, bias, quantize_x=True)
-        exact = linear(x, blocks, "Q4_K", k, bias)
+        got = linear(x, blocks, block_type, k, bias, quantize_x=True)
+        exact = linear(x, blocks, block_type, k, bias)
     torch.testing.assert_close(exact.double(), want, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max())
     assert not torch.equal(got, exact)

@@ -13,10 +13,11 @@ other --dtype): decode steps of fewer than 4 rows quantize each 32-value block o
 to int8 with its own scale and take the products in integers, as llama.cpp does
 (csrc/linear_gguf.c), reading a copy of the rows repacked at load in groups of 8 (`repack_x8`,
 kept beside the blocks and re-derived by `repack_weights` whenever they change: the legacy
-types' records are as large as their blocks, the K-quants' and INT4_ZP's 1.3-1.5x). From
-dequant_min_rows() rows (long prefills) the weight is dequantized once
-per call and the GEMM is torch's; the fast path's from BF16_MIN_ROWS rows on tiers with bfloat16
-arithmetic, in bfloat16.
+types' records are as large as their blocks, the K-quants' and INT4_ZP's 1.3-1.5x); from 4 rows
+(a batch of decodes, a short prefill) on tiers with bfloat16 arithmetic, the kernels' tiles
+dequantized to bfloat16 and multiplied in bfloat16 (2-2.6x the float32 tiles at 32 rows). From
+dequant_min_rows() rows (long prefills) the weight is dequantized once per call and the GEMM is
+torch's; the fast path's from BF16_MIN_ROWS rows on tiers with bfloat16 arithmetic, in bfloat16.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ DEQUANT_MIN_ROWS_WIDER = 1024  # the AVX-512 tiers
 # The fast path's long prefills (quantize_x) on tiers with bfloat16 arithmetic (AVX512-BF16, AMX):
 # the dequantized weight and the activations rounded to bfloat16, torch's bfloat16 GEMM (at 2048 x
 # 576 x 1536 here 946 GFLOP/s, float32's 192), from BF16_MIN_ROWS rows, where it overtakes the
-# kernels' float32 tiles (~0.9 ms a row for the default model against ~0.2 plus ~240 ms to
-# dequantize every layer: a c=32 prefill step of 2,048 tokens 2.37 -> 1.13 s).
+# kernels' bfloat16 tiles (measured on the default model's shapes in Q4_K: at par at 256-512
+# rows, torch's 1.1-1.4x faster from 768).
 BF16_TIERS = ("avx512_bf16", "amx")
 BF16_MIN_ROWS = 384
 
@@ -243,8 +244,9 @@ def linear(
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x (..., K) @ W.T + bias, W stored as `blocks`, the result in x's dtype: float32 arithmetic,
-    or (`quantize_x`, below 4 rows) x quantized to int8 per block and integer products, from
-    `packed` (repack_x8 of the blocks; without it, the float32 product)."""
+    or (`quantize_x`) below 4 rows x quantized to int8 per block and integer products, from
+    `packed` (repack_x8 of the blocks; without it, the float32 product), from 4 rows bfloat16
+    products on tiers with bfloat16 arithmetic."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cols)
     native_ok = x.is_cpu and native.load() is not None

@@ -699,19 +699,111 @@ int tern_gguf_dequantize(const uint8_t *w, int type, float *out, int N, int K) {
     return 0;
 }
 
+/* ---------------------------------------------------------------- bfloat16 tiles */
+
+#ifdef __AVX512BF16__
+/* The fast path from Q8ACT_MAX_ROWS rows on tiers with bfloat16 arithmetic (a c=32 decode step,
+ * a short prefill): BF16_TILE_N weight rows dequantized into L1 and rounded to bfloat16, x rounded
+ * once, products in vdpbf16ps (32 multiply-adds an instruction against float32's 16), register
+ * blocks of 4 rows of x by 4 weight rows summed by one hsum16. */
+#define BF16_TILE_N 8
+
+/* y[m, n + r] = x[m] . wt[r] + bias[n + r] for m < mb, r < nr (x, wt: bfloat16 rows of K). */
+INLINE void bf16_block4(const uint16_t *x, const uint16_t *wt, const float *bias, float *y,
+                        int mb, int N, int K, int n, int nr) {
+    const uint16_t *xr[4], *wr[4];
+    for (int i = 0; i < 4; i++) { /* missing rows repeat row 0 (x) or are zero (the tile) */
+        xr[i] = x + (int64_t)(i < mb ? i : 0) * K;
+        wr[i] = wt + (int64_t)i * K;
+    }
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 32) {
+        __m512bh xv[4];
+        for (int m = 0; m < 4; m++) xv[m] = (__m512bh)_mm512_loadu_si512(xr[m] + k);
+        for (int r = 0; r < 4; r++) {
+            __m512bh wv = (__m512bh)_mm512_loadu_si512(wr[r] + k);
+            for (int m = 0; m < 4; m++) acc[4 * m + r] = _mm512_dpbf16_ps(acc[4 * m + r], xv[m], wv);
+        }
+    }
+    float s[16];
+    _mm512_storeu_ps(s, hsum16(acc));
+    for (int m = 0; m < mb; m++)
+        for (int r = 0; r < nr; r++)
+            y[(int64_t)m * N + n + r] = s[4 * m + r] + (bias ? bias[n + r] : 0.f);
+}
+
+/* n values of src rounded to bfloat16 (n a multiple of 32). */
+static inline void narrow_bf16(const float *src, uint16_t *dst, int64_t n) {
+    for (int64_t k = 0; k < n; k += 32) {
+        __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k));
+        _mm512_storeu_si512(dst + k, (__m512i)v);
+    }
+}
+
+static int gguf_linear_bf16_tiles(const float *x, const uint8_t *w, int type, const float *bias,
+                                  float *y, int M, int N, int K) {
+    uint16_t *xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)M * K);
+    if (xb == NULL) return -1;
+    narrow_bf16(x, xb, (int64_t)M * K);
+    int64_t rb = row_bytes(type, K);
+    DequantRow dequant = rows_of(type).dequant;
+    int num_tiles = (N + BF16_TILE_N - 1) / BF16_TILE_N, failed = 0;
+#pragma omp parallel
+    {
+        uint16_t *wt = (uint16_t *)malloc(sizeof(uint16_t) * BF16_TILE_N * (size_t)K);
+        float *row = (float *)malloc(sizeof(float) * (size_t)K);
+        if (wt == NULL || row == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int t = 0; t < num_tiles; t++) {
+            if (wt == NULL || row == NULL) continue;
+            int n0 = t * BF16_TILE_N, nt = N - n0 < BF16_TILE_N ? N - n0 : BF16_TILE_N;
+            for (int r = 0; r < BF16_TILE_N; r++) {
+                uint16_t *dst = wt + (int64_t)r * K;
+                if (r >= nt) {
+                    memset(dst, 0, sizeof(uint16_t) * K);
+                    continue;
+                }
+                dequant(w + (int64_t)(n0 + r) * rb, K, row);
+                narrow_bf16(row, dst, K);
+            }
+            for (int m0 = 0; m0 < M; m0 += 4)
+                for (int n = n0; n < n0 + nt; n += 4)
+                    bf16_block4(xb + (int64_t)m0 * K, wt + (int64_t)(n - n0) * K, bias,
+                                y + (int64_t)m0 * N, M - m0 < 4 ? M - m0 : 4, N, K, n,
+                                n0 + nt - n < 4 ? n0 + nt - n : 4);
+        }
+        free(wt);
+        free(row);
+    }
+    free(xb);
+    return failed ? -1 : 0;
+}
+#endif
+
 /* ---------------------------------------------------------------- quantized-activation products */
 
 /* y (M, N) = x (M, K) @ W.T + bias with x quantized per block (above) and W's rows read from
- * `packed` (tern_gguf_repack_x8 of w); float32 x, bias, y. Without `packed`, and from
- * Q8ACT_MAX_ROWS rows, the float32 product of w (tern_gguf_linear). Returns 0, -2 for a type or K
- * it does not take, -1 without memory for the quantized rows. */
+ * `packed` (tern_gguf_repack_x8 of w); float32 x, bias, y. From Q8ACT_MAX_ROWS rows the
+ * bfloat16 tiles (above) on tiers with bfloat16 arithmetic; there on other tiers, and below
+ * without `packed`, the float32 product of w (tern_gguf_linear). Returns 0, -2 for a type or K it
+ * does not take, -1 without memory for the quantized rows or a tile. */
 int tern_gguf_linear_q8act(const float *x, const uint8_t *w, const uint8_t *packed, int type,
                            const float *bias, float *y, int M, int N, int K) {
     int nc = K / QK;
     if (row_bytes(type, K) == 0) return -2;
-    /* From Q8ACT_MAX_ROWS rows the register-blocked float tiles win (measured on 2048 x 2048:
-     * Q8_0 at par at 4 rows, Q4_K 1.8x faster at 4). */
-    if (packed == NULL || M >= Q8ACT_MAX_ROWS) return tern_gguf_linear(x, w, type, bias, y, M, N, K);
+    /* From Q8ACT_MAX_ROWS rows the register-blocked tiles win (measured on 2048 x 2048: Q8_0 at
+     * par at 4 rows, Q4_K 1.8x faster at 4), in bfloat16 where the tier has it. */
+    if (M >= Q8ACT_MAX_ROWS) {
+#ifdef __AVX512BF16__
+        return gguf_linear_bf16_tiles(x, w, type, bias, y, M, N, K);
+#endif
+        return tern_gguf_linear(x, w, type, bias, y, M, N, K);
+    }
+    if (packed == NULL) return tern_gguf_linear(x, w, type, bias, y, M, N, K);
     QuantizedRows xq = {malloc((size_t)M * K), malloc(sizeof(float) * (size_t)M * nc),
                         malloc(sizeof(int32_t) * (size_t)M * nc),
                         malloc(sizeof(float) * (size_t)M * nc)};
