@@ -214,11 +214,11 @@ def _dequantized(blocks: torch.Tensor, block_type: str, k: int) -> torch.Tensor:
 def test_the_fast_paths_products_are_its_quantized_rows_times_the_weight(
     block_type: str, tier: str
 ) -> None:
-    """The fast path's few-row product (activations quantized to int8 per 32 values, products in
-    integers) on every tier equals the quantized rows, dequantized, times the dequantized weight:
-    1-3 rows, an odd number of 32-value chunks (the kernel takes chunks in pairs) and two
-    super-blocks for the K-quants; read from the rows repacked in groups of 8 (43 rows: the last
-    group short)."""
+    """The fast path's product (activations quantized to int8 per 32 values, products in integers)
+    on every tier equals the quantized rows, dequantized, times the dequantized weight: 1-3 rows
+    one at a time, 4 and 9 in passes of 4 (not on the baseline tier: float32 products there), an
+    odd number of 32-value chunks and two super-blocks for the K-quants; read from the rows
+    repacked in groups of 8 (43 rows: the last group short)."""
     from workers.layers.gguf_blocks import quantize, repack_x8
 
     torch.manual_seed(0)
@@ -230,7 +230,7 @@ def test_the_fast_paths_products_are_its_quantized_rows_times_the_weight(
     with use_tier(tier):
         packed = repack_x8(blocks, block_type, k)
     assert packed is not None
-    for m in (1, 2, 3):
+    for m in (1, 2, 3) if tier == "baseline" else (1, 2, 3, 4, 9):
         x = torch.randn(m, k) * torch.logspace(-2, 1, k // 32).repeat_interleave(32)
         groups = x.unflatten(-1, (-1, 32))
         dx = groups.abs().amax(-1, keepdim=True) / 127
@@ -242,14 +242,14 @@ def test_the_fast_paths_products_are_its_quantized_rows_times_the_weight(
         torch.testing.assert_close(got.double(), want, **close)
 
 
-@pytest.mark.parametrize("rows", [4, 37, "BF16_MIN_ROWS"])
+@pytest.mark.parametrize("rows", [32, 37, "BF16_MIN_ROWS"])
 @pytest.mark.parametrize("block_type", ["Q8_0", "Q4_K"])
 def test_the_fast_paths_many_row_products_are_bfloat16(block_type: str, rows: int | str) -> None:
-    """From 4 rows on a tier with bfloat16 arithmetic, the fast path multiplies the dequantized
+    """From 32 rows on a tier with bfloat16 arithmetic, the fast path multiplies the dequantized
     weight and the activations in bfloat16 (below BF16_MIN_ROWS the kernels' bfloat16 tiles, from
     it torch's GEMM): within bfloat16's rounding of the exact product, and not equal to float32's.
     37 rows and 43 weight rows leave partial register blocks and a partial tile."""
-    from workers.layers.gguf_blocks import BF16_MIN_ROWS, BF16_TIERS, linear, quantize
+    from workers.layers.gguf_blocks import BF16_MIN_ROWS, BF16_TIERS, linear, quantize, repack_x8
 
     tiers = [t.name for t in runnable_tiers() if t.name in BF16_TIERS]
     if not tiers:
@@ -261,11 +261,34 @@ def test_the_fast_paths_many_row_products_are_bfloat16(block_type: str, rows: in
     x, bias = torch.randn(rows, k), torch.randn(43)
     want = x.double() @ _dequantized(blocks, block_type, k).double().T + bias.double()
     with use_tier(tiers[0]):
-        got = linear(x, blocks, block_type, k, bias, quantize_x=True)
+        packed = repack_x8(blocks, block_type, k)
+        got = linear(x, blocks, block_type, k, bias, quantize_x=True, packed=packed)
         exact = linear(x, blocks, block_type, k, bias)
     torch.testing.assert_close(exact.double(), want, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max())
     assert not torch.equal(got, exact)
+
+
+def test_without_bfloat16_the_fast_path_takes_integer_products_at_any_rows() -> None:
+    """On AVX2 a prefill's many rows (past dequant_min_rows, where the exact path calls torch's
+    GEMM) are the integer products too: equal to the quantized rows times the weight."""
+    from workers.layers.gguf_blocks import dequant_min_rows, linear, quantize, repack_x8
+
+    if "avx2" not in [t.name for t in runnable_tiers()]:
+        pytest.skip("this CPU runs no AVX2 tier")
+    torch.manual_seed(0)
+    k = 256
+    blocks = quantize(torch.randn(24, k), "Q4_K")
+    with use_tier("avx2"):
+        rows = dequant_min_rows() + 5
+        packed = repack_x8(blocks, "Q4_K", k)
+        x = torch.randn(rows, k)
+        got = linear(x, blocks, "Q4_K", k, None, quantize_x=True, packed=packed)
+    groups = x.unflatten(-1, (-1, 32))
+    dx = groups.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.round(groups * torch.where(dx > 0, 1 / dx, 0)) * dx).flatten(-2)
+    want = xq.double() @ _dequantized(blocks, "Q4_K", k).double().T
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
 
 
 def test_the_fast_path_agrees_with_the_exact_one(gguf_case: tuple[Path, Path, Path]) -> None:

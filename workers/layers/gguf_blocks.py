@@ -13,11 +13,13 @@ other --dtype): decode steps of fewer than 4 rows quantize each 32-value block o
 to int8 with its own scale and take the products in integers, as llama.cpp does
 (csrc/linear_gguf.c), reading a copy of the rows repacked at load in groups of 8 (`repack_x8`,
 kept beside the blocks and re-derived by `repack_weights` whenever they change: the legacy
-types' records are as large as their blocks, the K-quants' and INT4_ZP's 1.3-1.5x); from 4 rows
-(a batch of decodes, a short prefill) on tiers with bfloat16 arithmetic, the kernels' tiles
-dequantized to bfloat16 and multiplied in bfloat16 (2-2.6x the float32 tiles at 32 rows). From
-dequant_min_rows() rows (long prefills) the weight is dequantized once per call and the GEMM is
-torch's; the fast path's from BF16_MIN_ROWS rows on tiers with bfloat16 arithmetic, in bfloat16.
+types' records are as large as their blocks, the K-quants' and INT4_ZP's 1.3-1.5x), 4 rows of x
+per unpacking from 4 rows (on AVX2 and AVX-512 at any number of rows: 1.2-2.3x the float32
+tiles); from 32 rows on tiers with bfloat16 arithmetic, the kernels' tiles dequantized to
+bfloat16 and multiplied in bfloat16 (2-2.6x the float32 tiles at 32 rows). The exact path from
+dequant_min_rows() rows (long prefills) dequantizes the weight once per call and the GEMM is
+torch's, as does the fast path from BF16_MIN_ROWS rows on tiers with bfloat16 arithmetic, in
+bfloat16.
 """
 
 from __future__ import annotations
@@ -244,18 +246,23 @@ def linear(
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x (..., K) @ W.T + bias, W stored as `blocks`, the result in x's dtype: float32 arithmetic,
-    or (`quantize_x`) below 4 rows x quantized to int8 per block and integer products, from
-    `packed` (repack_x8 of the blocks; without it, the float32 product), from 4 rows bfloat16
-    products on tiers with bfloat16 arithmetic."""
+    or (`quantize_x`) x quantized to int8 per block and integer products from `packed`
+    (repack_x8 of the blocks; without it, the float32 product), on tiers with bfloat16
+    arithmetic from 32 rows bfloat16 products."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cols)
     native_ok = x.is_cpu and native.load() is not None
-    long_prefill = quantize_x and native_ok and x2.size(0) >= BF16_MIN_ROWS
-    if long_prefill and native.active_tier_name() in BF16_TIERS:
+    # The fast path: the kernels at any number of rows (integer products from the repacked rows;
+    # bfloat16 tiles from 32 rows where the tier has them), but torch's bfloat16 GEMM for long
+    # prefills on those tiers; a build without AVX2 (baseline) takes the float32 products.
+    tier = native.active_tier_name() if quantize_x and native_ok else None
+    if tier in BF16_TIERS and x2.size(0) >= BF16_MIN_ROWS:
         w = dequantize(blocks, block_type, cols).to(torch.bfloat16)
         b = None if bias is None else bias.to(torch.bfloat16)
         y = F.linear(x2.to(torch.bfloat16), w, b).float()
-    elif not native_ok or x2.size(0) >= dequant_min_rows():
+    elif not native_ok or (
+        x2.size(0) >= dequant_min_rows() and (tier in (None, "baseline") or packed is None)
+    ):
         w = dequantize(blocks, block_type, cols)
         y = F.linear(x2.float(), w, None if bias is None else bias.float())
     else:

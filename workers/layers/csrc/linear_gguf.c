@@ -333,7 +333,13 @@ INLINE void dequant_row_t(const uint8_t *row, int type, int K, float *out) {
  *   dx * sum_halves(d[h] * sum(q' xq)) + m dx sum(xq),   q' = q - offset
  * with q the stored integers. The activations' rounding (below 0.4% of each block's largest
  * value) is the only difference from the exact path. */
+/* Measured per layer of the default model's shapes (2 threads), against the float32 tiles: AVX2
+ * and AVX-512 builds 1.7-2.3x faster at 32 rows, 1.2-1.8x at 128-1024 (the integer products of
+ * 4 rows per unpacking, x8_group_rows); a build without AVX2 from 4 rows the float32 tiles. With
+ * AVX512-BF16 the integer products win below 32 rows (2-3x at 4), the bfloat16 tiles from 32 (at
+ * par at 32, 1.3-1.6x at 128-384). */
 #define Q8ACT_MAX_ROWS 4
+#define BF16_TILES_MIN_ROWS 32
 
 typedef struct {
     int8_t *q;    /* (M, K) */
@@ -519,21 +525,27 @@ INLINE float record_scale(const uint8_t *record, int half, int k) {
     return f;
 }
 
-/* out[r] = row r of the group at `g` times row m of x (its quantized blocks). */
-INLINE void x8_group(const uint8_t *g, int type, int nc, const QuantizedRows *xq, int m,
-                     float *out) {
+/* Rows of x per pass over a group's records in the integer products of 4+ rows (AVX2 tiers
+ * without bfloat16 arithmetic): each chunk's values unpacked once for X8_BLOCK_M rows. */
+#define X8_BLOCK_M 4
+
+#ifdef __AVX2__
+/* out[i * 8 + r] = row r of the group at `g` times row m0 + i of x (its quantized blocks), for
+ * i < MB (a constant at every call, so the accumulators stay in registers): each chunk's values
+ * unpacked once for the MB rows. Each row's sums are taken in the same order whatever MB. */
+INLINE void x8_group_rows(const uint8_t *g, int type, int nc, const QuantizedRows *xq, int m0,
+                          const int MB, float *out) {
     const int kind = x8_kind(type), ns = x8_scales(type), half = x8_half(type);
     const int has_min = x8_has_min(type), offset = x8_int_offset(type);
     const int64_t rec = x8_record_bytes(type);
     const int values_at = x8_scale_bytes(type), sb = X8 * (half ? 2 : 4);
-#ifdef __AVX2__
-    __m256 acc = _mm256_setzero_ps(), corr = _mm256_setzero_ps();
+    __m256 acc[X8_BLOCK_M], corr[X8_BLOCK_M];
+    for (int i = 0; i < MB; i++) acc[i] = corr[i] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     for (int c = 0; c < nc; c++) {
         const uint8_t *record = g + c * rec, *v = record + values_at;
-        int64_t i = (int64_t)m * nc + c;
-        const int8_t *xc = xq->q + i * QK;
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        __m256i u[8]; /* 4- and 5-bit types: vector j's low values, then its high ones; signed
+                       * types: |values| (each row of x takes the values' signs) */
         if (kind != X8_SIGNED) {
             const __m256i bit4 = _mm256_set1_epi8(0x10);
             __m256i fifth = kind == X8_FIVE_BITS ? _mm256_loadu_si256((const __m256i *)(v + 128))
@@ -548,36 +560,54 @@ INLINE void x8_group(const uint8_t *g, int type, int nc, const QuantizedRows *xq
                     lo = _mm256_or_si256(lo, _mm256_and_si256(shift_bits(fifth, 4 - 2 * j), bit4));
                     hi = _mm256_or_si256(hi, _mm256_and_si256(shift_bits(fifth, 3 - 2 * j), bit4));
                 }
-                __m256i xlo = _mm256_set1_epi32(load_i32(xc + 4 * j));
-                __m256i xhi = _mm256_set1_epi32(load_i32(xc + 16 + 4 * j));
-                s0 = dot_u8s8(s0, lo, xlo);
-                s0 = dot_u8s8(s0, hi, xhi);
+                u[j] = lo;
+                u[4 + j] = hi;
             }
-            if (offset) s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(offset * xq->sum[i]));
         } else {
-            for (int j = 0; j < 8; j++) {
-                __m256i u = _mm256_loadu_si256((const __m256i *)(v + 32 * j));
-                __m256i xs = _mm256_set1_epi32(load_i32(xc + 4 * j));
-                xs = _mm256_sign_epi8(xs, u);
-                u = _mm256_abs_epi8(u);
-                if (ns == 2 && j >= 4)
-                    s1 = dot_u8s8(s1, u, xs);
-                else
-                    s0 = dot_u8s8(s0, u, xs);
-            }
+            for (int j = 0; j < 8; j++)
+                u[j] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(v + 32 * j)));
         }
-        __m256 dx = _mm256_set1_ps(xq->scale[i]);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(load_scales8(record, half), dx),
-                              acc);
-        if (ns == 2)
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1),
-                                  _mm256_mul_ps(load_scales8(record + sb, half), dx), acc);
-        if (has_min)
-            corr = _mm256_fmadd_ps(load_scales8(record + ns * sb, half),
-                                   _mm256_set1_ps(xq->dxsum[i]), corr);
+        __m256 d0 = load_scales8(record, half);
+        __m256 d1 = ns == 2 ? load_scales8(record + sb, half) : d0;
+        __m256 mins = has_min ? load_scales8(record + ns * sb, half) : _mm256_setzero_ps();
+        for (int i = 0; i < MB; i++) {
+            int64_t ix = (int64_t)(m0 + i) * nc + c;
+            const int8_t *xc = xq->q + ix * QK;
+            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+            if (kind != X8_SIGNED) {
+                for (int j = 0; j < 4; j++) {
+                    s0 = dot_u8s8(s0, u[j], _mm256_set1_epi32(load_i32(xc + 4 * j)));
+                    s0 = dot_u8s8(s0, u[4 + j], _mm256_set1_epi32(load_i32(xc + 16 + 4 * j)));
+                }
+                if (offset) s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(offset * xq->sum[ix]));
+            } else {
+                for (int j = 0; j < 8; j++) {
+                    __m256i signs = _mm256_loadu_si256((const __m256i *)(v + 32 * j));
+                    __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xc + 4 * j)), signs);
+                    if (ns == 2 && j >= 4)
+                        s1 = dot_u8s8(s1, u[j], xs);
+                    else
+                        s0 = dot_u8s8(s0, u[j], xs);
+                }
+            }
+            __m256 dx = _mm256_set1_ps(xq->scale[ix]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, dx), acc[i]);
+            if (ns == 2)
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, dx), acc[i]);
+            if (has_min)
+                corr[i] = _mm256_fmadd_ps(mins, _mm256_set1_ps(xq->dxsum[ix]), corr[i]);
+        }
     }
-    _mm256_storeu_ps(out, _mm256_add_ps(acc, corr));
+    for (int i = 0; i < MB; i++) _mm256_storeu_ps(out + X8 * i, _mm256_add_ps(acc[i], corr[i]));
+}
 #else
+/* out[r] = row r of the group at `g` times row m of x (its quantized blocks). */
+INLINE void x8_group(const uint8_t *g, int type, int nc, const QuantizedRows *xq, int m,
+                     float *out) {
+    const int kind = x8_kind(type), ns = x8_scales(type), half = x8_half(type);
+    const int has_min = x8_has_min(type), offset = x8_int_offset(type);
+    const int64_t rec = x8_record_bytes(type);
+    const int values_at = x8_scale_bytes(type);
     float acc[X8] = {0}, corr[X8] = {0};
     for (int c = 0; c < nc; c++) {
         const uint8_t *record = g + c * rec, *v = record + values_at;
@@ -604,8 +634,8 @@ INLINE void x8_group(const uint8_t *g, int type, int nc, const QuantizedRows *xq
         }
     }
     for (int r = 0; r < X8; r++) out[r] = acc[r] + corr[r];
-#endif
 }
+#endif
 
 /* ---------------------------------------------------------------- per block type */
 
@@ -619,7 +649,21 @@ typedef struct {
     GemvRows gemv;
     DequantRow dequant;
 } TypeRows;
-typedef void (*X8Rows)(const uint8_t *g, int nc, const QuantizedRows *xq, int m, float *out);
+typedef void (*X8Rows)(const uint8_t *g, int nc, const QuantizedRows *xq, int m0, int mb,
+                       float *out);
+
+/* out[i * 8 + r] for rows m0 .. m0 + mb - 1 of x (mb <= X8_BLOCK_M). */
+#ifdef __AVX2__
+#define X8_ROWS_BODY(T)                                                        \
+    if (mb == X8_BLOCK_M) {                                                    \
+        x8_group_rows(g, T, nc, xq, m0, X8_BLOCK_M, out);                      \
+        return;                                                                \
+    }                                                                          \
+    for (int i = 0; i < mb; i++) x8_group_rows(g, T, nc, xq, m0 + i, 1, out + X8 * i);
+#else
+#define X8_ROWS_BODY(T) \
+    for (int i = 0; i < mb; i++) x8_group(g, T, nc, xq, m0 + i, out + X8 * i);
+#endif
 
 #define DEFINE_TYPE_ROWS(name, T)                                                              \
     static void gemv_rows_##name(const float *x, const uint8_t *w, const float *bias, float *y, \
@@ -629,9 +673,9 @@ typedef void (*X8Rows)(const uint8_t *g, int nc, const QuantizedRows *xq, int m,
     static void dequant_row_##name(const uint8_t *row, int K, float *out) {                    \
         dequant_row_t(row, T, K, out);                                                         \
     }                                                                                          \
-    static void x8_rows_##name(const uint8_t *g, int nc, const QuantizedRows *xq, int m,       \
-                               float *out) {                                                   \
-        x8_group(g, T, nc, xq, m, out);                                                        \
+    static void x8_rows_##name(const uint8_t *g, int nc, const QuantizedRows *xq, int m0,      \
+                               int mb, float *out) {                                           \
+        X8_ROWS_BODY(T)                                                                        \
     }
 EACH_BLOCK_TYPE(DEFINE_TYPE_ROWS)
 
@@ -702,8 +746,8 @@ int tern_gguf_dequantize(const uint8_t *w, int type, float *out, int N, int K) {
 /* ---------------------------------------------------------------- bfloat16 tiles */
 
 #ifdef __AVX512BF16__
-/* The fast path from Q8ACT_MAX_ROWS rows on tiers with bfloat16 arithmetic (a c=32 decode step,
- * a short prefill): BF16_TILE_N weight rows dequantized into L1 and rounded to bfloat16, x rounded
+/* The fast path from BF16_TILES_MIN_ROWS rows on tiers with bfloat16 arithmetic (a c=32 decode
+ * step, a prefill): BF16_TILE_N weight rows dequantized into L1 and rounded to bfloat16, x rounded
  * once, products in vdpbf16ps (32 multiply-adds an instruction against float32's 16), register
  * blocks of 4 rows of x by 4 weight rows summed by one hsum16. */
 #define BF16_TILE_N 8
@@ -787,22 +831,20 @@ static int gguf_linear_bf16_tiles(const float *x, const uint8_t *w, int type, co
 /* ---------------------------------------------------------------- quantized-activation products */
 
 /* y (M, N) = x (M, K) @ W.T + bias with x quantized per block (above) and W's rows read from
- * `packed` (tern_gguf_repack_x8 of w); float32 x, bias, y. From Q8ACT_MAX_ROWS rows the
- * bfloat16 tiles (above) on tiers with bfloat16 arithmetic; there on other tiers, and below
- * without `packed`, the float32 product of w (tern_gguf_linear). Returns 0, -2 for a type or K it
- * does not take, -1 without memory for the quantized rows or a tile. */
+ * `packed` (tern_gguf_repack_x8 of w); float32 x, bias, y. From BF16_TILES_MIN_ROWS rows on
+ * tiers with bfloat16 arithmetic the bfloat16 tiles (above); without `packed`, and from
+ * Q8ACT_MAX_ROWS rows on builds without AVX2, the float32 product of w (tern_gguf_linear).
+ * Returns 0, -2 for a type or K it does not take, -1 without memory for the quantized rows or a
+ * tile. */
 int tern_gguf_linear_q8act(const float *x, const uint8_t *w, const uint8_t *packed, int type,
                            const float *bias, float *y, int M, int N, int K) {
     int nc = K / QK;
     if (row_bytes(type, K) == 0) return -2;
-    /* From Q8ACT_MAX_ROWS rows the register-blocked tiles win (measured on 2048 x 2048: Q8_0 at
-     * par at 4 rows, Q4_K 1.8x faster at 4), in bfloat16 where the tier has it. */
-    if (M >= Q8ACT_MAX_ROWS) {
-#ifdef __AVX512BF16__
-        return gguf_linear_bf16_tiles(x, w, type, bias, y, M, N, K);
+#if defined(__AVX512BF16__)
+    if (M >= BF16_TILES_MIN_ROWS) return gguf_linear_bf16_tiles(x, w, type, bias, y, M, N, K);
+#elif !defined(__AVX2__)
+    if (M >= Q8ACT_MAX_ROWS) return tern_gguf_linear(x, w, type, bias, y, M, N, K);
 #endif
-        return tern_gguf_linear(x, w, type, bias, y, M, N, K);
-    }
     if (packed == NULL) return tern_gguf_linear(x, w, type, bias, y, M, N, K);
     QuantizedRows xq = {malloc((size_t)M * K), malloc(sizeof(float) * (size_t)M * nc),
                         malloc(sizeof(int32_t) * (size_t)M * nc),
@@ -815,11 +857,14 @@ int tern_gguf_linear_q8act(const float *x, const uint8_t *w, const uint8_t *pack
 #pragma omp parallel for schedule(static)
         for (int g = 0; g < (N + X8 - 1) / X8; g++) {
             int rows = N - g * X8 < X8 ? N - g * X8 : X8;
-            for (int m = 0; m < M; m++) {
-                float out[X8];
-                x8(packed + g * gb, nc, &xq, m, out);
-                for (int r = 0; r < rows; r++)
-                    y[(int64_t)m * N + g * X8 + r] = out[r] + (bias ? bias[g * X8 + r] : 0.f);
+            for (int m0 = 0; m0 < M; m0 += X8_BLOCK_M) {
+                int mb = M - m0 < X8_BLOCK_M ? M - m0 : X8_BLOCK_M;
+                float out[X8_BLOCK_M * X8];
+                x8(packed + g * gb, nc, &xq, m0, mb, out);
+                for (int i = 0; i < mb; i++)
+                    for (int r = 0; r < rows; r++)
+                        y[(int64_t)(m0 + i) * N + g * X8 + r] =
+                            out[X8 * i + r] + (bias ? bias[g * X8 + r] : 0.f);
             }
         }
         rc = 0;
