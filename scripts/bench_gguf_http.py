@@ -11,6 +11,10 @@ worker) and the client share the machine with the model's threads.
     python scripts/bench_gguf_http.py --llama-server PATH [--files A.gguf ...] [--out FILE.json]
 
 The default model's own Q4_1 file is always first. The CPU's name and flags are printed first.
+Held to AVX2: run it with the environment `run_benchmarks --machine-kind avx2` sets (TERN_KERNELS=avx2
+ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2; tern's server
+inherits it) and a llama-server built for AVX2 only (GGML_NATIVE=OFF GGML_AVX2=ON
+GGML_AVX512=OFF); the output records TERN_KERNELS.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -138,7 +143,10 @@ def main() -> None:
             f"| {t['c32_tok_s'] / ll['c32_tok_s']:.2f}x | {t['failed'] + ll['failed']} |"
         )
     if args.out is not None:
-        args.out.write_text(json.dumps({"cpu": cpu, "results": results}, indent=2) + "\n")
+        tier = os.environ.get("TERN_KERNELS", "best")
+        args.out.write_text(
+            json.dumps({"cpu": cpu, "tern_kernels": tier, "results": results}, indent=2) + "\n"
+        )
 
 
 if __name__ == "__main__":
