@@ -250,9 +250,9 @@ def gguf_linear(
 ) -> torch.Tensor:
     """x (M, K) float32 @ W.T + bias, W (N, K) stored as `blocks` (N, row bytes) uint8 of a GGUF
     block type, dequantized in registers; with `quantize_x` and `packed` (gguf_repack_x8 of the
-    blocks), products of few rows of x quantized to int8 per 32-value block and taken in integers
-    from the repacked rows, and of more rows in bfloat16 tiles on tiers with bfloat16 arithmetic
-    (the fast path)."""
+    blocks), x quantized to int8 per 32-value block and the products taken in integers from the
+    repacked rows, from 32 rows in bfloat16 tiles on tiers with bfloat16 arithmetic (the fast
+    path)."""
     lib = load()
     assert lib is not None, "the CPU kernels are not available"
     _check(x, torch.float32, "x")
