@@ -122,7 +122,8 @@ def test_fused_layer_is_bit_identical_to_the_modules(
     def make_runner() -> ModelRunner:
         return _runner(model_dir, quantization, dtype, kv_cache_dtype)
 
-    report = make_runner().kernel_report()
+    runner = make_runner()  # loads take most of a case's time: this one also runs fused
+    report = runner.kernel_report()
     if "float32 under torch.bfloat16 activations" in report:  # OLMo 2, Gemma, Qwen3.5
         pytest.skip("norms that multiply in float32 are fused under float32 activations only")
     prompts = make_prompts(1000)[:5]
@@ -132,14 +133,13 @@ def test_fused_layer_is_bit_identical_to_the_modules(
     arrivals = (0, 0, 2, 9, 20)
 
     fused_calls = count_fused_calls(monkeypatch)
-    fused = run(make_runner(), prompts, params, arrival_steps=arrivals, chunk_size=5)
+    fused = run(runner, prompts, params, arrival_steps=arrivals, chunk_size=5)
     sizes = set(fused_calls) - {None}
     assert {1, 2} <= sizes, "decode steps of one and two sequences took the fused path"
-    bf16_activations = make_runner().dtype == torch.bfloat16
-    if not bf16_activations or native.bf16_amx_max_rows() >= 3:
+    if runner.dtype != torch.bfloat16 or native.bf16_amx_max_rows() >= 3:
         assert max(sizes) >= 3, "and larger ones (float32, or AMX)"
     assert None in fused_calls  # prefill steps did not
-    assert "fused decode layer: on" in make_runner().kernel_report()
+    assert "fused decode layer: on" in report
 
     if arch == "tiny_llama" and kv_cache_dtype == "auto":  # and layer by layer, not stacked
         assert {1, 2} <= set(fused_calls.stacked), "a dense model's layers ran as one stack"

@@ -537,8 +537,8 @@ INLINE float record_scale(const uint8_t *record, int half, int k) {
     return f;
 }
 
-/* Rows of x per pass over a group's records in the integer products of 4+ rows (AVX2 tiers
- * without bfloat16 arithmetic): each chunk's values unpacked once for X8_BLOCK_M rows. */
+/* Rows of x per pass over a group's records in the integer products of 4+ rows (AVX2 builds):
+ * each chunk's values unpacked once for X8_BLOCK_M rows. */
 #define X8_BLOCK_M 4
 
 #ifdef __AVX2__
