@@ -209,6 +209,14 @@ def _dequantized(blocks: torch.Tensor, block_type: str, k: int) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype).copy())
 
 
+def _quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the fast path multiplies it: each 32-value block rounded to int8 steps of its own
+    scale max|x| / 127."""
+    groups = x.unflatten(-1, (-1, 32))
+    dx = groups.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(groups * torch.where(dx > 0, 1 / dx, 0)) * dx).flatten(-2)
+
+
 @pytest.mark.parametrize("tier", [t.name for t in runnable_tiers()])
 @pytest.mark.parametrize("block_type", sorted(BLOCK_TYPES))
 def test_the_fast_paths_products_are_its_quantized_rows_times_the_weight(
@@ -232,10 +240,7 @@ def test_the_fast_paths_products_are_its_quantized_rows_times_the_weight(
     assert packed is not None
     for m in (1, 2, 3) if tier == "baseline" else (1, 2, 3, 4, 9):
         x = torch.randn(m, k) * torch.logspace(-2, 1, k // 32).repeat_interleave(32)
-        groups = x.unflatten(-1, (-1, 32))
-        dx = groups.abs().amax(-1, keepdim=True) / 127
-        xq = torch.round(groups * torch.where(dx > 0, 1 / dx, 0)) * dx
-        want = xq.flatten(-2).double() @ dequantized.T + bias.double()
+        want = _quantized_rows(x).double() @ dequantized.T + bias.double()
         with use_tier(tier):
             got = native.gguf_linear(x, blocks, block_type, bias, quantize_x=True, packed=packed)
         close = {"rtol": 1e-4, "atol": 1e-4 * want.abs().max()}
@@ -284,10 +289,7 @@ def test_without_bfloat16_the_fast_path_takes_integer_products_at_any_rows() -> 
         packed = repack_x8(blocks, "Q4_K", k)
         x = torch.randn(rows, k)
         got = linear(x, blocks, "Q4_K", k, None, quantize_x=True, packed=packed)
-    groups = x.unflatten(-1, (-1, 32))
-    dx = groups.abs().amax(-1, keepdim=True) / 127
-    xq = (torch.round(groups * torch.where(dx > 0, 1 / dx, 0)) * dx).flatten(-2)
-    want = xq.double() @ _dequantized(blocks, "Q4_K", k).double().T
+    want = _quantized_rows(x).double() @ _dequantized(blocks, "Q4_K", k).double().T
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
 
 

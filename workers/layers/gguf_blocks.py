@@ -256,13 +256,12 @@ def linear(
     # bfloat16 tiles from 32 rows where the tier has them), but torch's bfloat16 GEMM for long
     # prefills on those tiers; a build without AVX2 (baseline) takes the float32 products.
     tier = native.active_tier_name() if quantize_x and native_ok else None
+    kernels_at_any_rows = packed is not None and tier not in (None, "baseline")
     if tier in BF16_TIERS and x2.size(0) >= BF16_MIN_ROWS:
         w = dequantize(blocks, block_type, cols).to(torch.bfloat16)
         b = None if bias is None else bias.to(torch.bfloat16)
         y = F.linear(x2.to(torch.bfloat16), w, b).float()
-    elif not native_ok or (
-        x2.size(0) >= dequant_min_rows() and (tier in (None, "baseline") or packed is None)
-    ):
+    elif not native_ok or (x2.size(0) >= dequant_min_rows() and not kernels_at_any_rows):
         w = dequantize(blocks, block_type, cols)
         y = F.linear(x2.float(), w, None if bias is None else bias.float())
     else:
