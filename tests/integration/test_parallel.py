@@ -273,31 +273,32 @@ def test_model_zoo_at_tp2_pp2_matches_hf(arch: str, request) -> None:
     assert got == expected * rounds
 
 
-def test_quantized_files_at_tp2_pp2_match_hf(
+def test_quantized_files_split_across_ranks_match_hf(
     tmp_path: Path, tiny_llama: Path, tokenizer_dir: Path | None
 ) -> None:
-    """Block-quantized weights split both ways: a GGUF file of K-quants (qkv rows in two block
-    types, Q5_K / Q4_K MLP sharded by rows and at super-block boundaries, a Q6_K embedding split
-    by vocabulary) and GPTQ checkpoints (INT4_ZP blocks; act-order), each against Hugging Face on
-    the dequantized weights."""
+    """Block-quantized weights split both ways: a GGUF file of K-quants at --tp 2 --pp 2 (qkv rows
+    in two block types, Q5_K / Q4_K MLP sharded by rows and at super-block boundaries, a Q6_K
+    embedding split by vocabulary) and GPTQ checkpoints (INT4_ZP blocks; act-order) at --tp 2
+    (the stages split layers, not blocks), each against Hugging Face on the dequantized
+    weights."""
     from tests.unit.test_gguf import make_gguf_case
     from tests.unit.test_quantized_checkpoints import write_quantized_checkpoint
 
     cases = [
-        write_quantized_checkpoint(tiny_llama, tmp_path / "gptq", "gptq", 32),
+        (*write_quantized_checkpoint(tiny_llama, tmp_path / "gptq", "gptq", 32), 1),
         # act-order: column-parallel layers permute their input, row-parallel ones (their input
         # split across ranks) load as float
-        write_quantized_checkpoint(tiny_llama, tmp_path / "act", "gptq", 32, act_order=True),
+        (*write_quantized_checkpoint(tiny_llama, tmp_path / "act", "gptq", 32, act_order=True), 1),
     ]
     if tokenizer_dir is not None:
         (tmp_path / "gguf").mkdir()
         _, prepared, reference = make_gguf_case("qwen3_k", tmp_path / "gguf", tokenizer_dir,
                                                 tmp_path / "home")  # fmt: skip
-        cases.append((prepared, reference))
-    for model_dir, reference in cases:
+        cases.append((prepared, reference, 2))
+    for model_dir, reference, pp in cases:
         prompts = make_prompts(vocab_of(reference))
         expected = hf_greedy(reference, prompts, NUM_TOKENS)
-        assert generate(parallel_config(model_dir, 2, 2), prompts, NUM_TOKENS) == expected
+        assert generate(parallel_config(model_dir, 2, pp), prompts, NUM_TOKENS) == expected
 
 
 @pytest.mark.parametrize("arch", ["tiny_qwen2_moe", "tiny_mixtral", "tiny_gpt_oss"])

@@ -139,3 +139,26 @@ def test_grammar_bitmask_native_and_torch_paths_agree(vocab: int, monkeypatch) -
     out = logits.clone()
     logits_processors.apply_grammar_bitmask(out, words, rows)
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("per_row_ids", [False, True])
+def test_noise_kernel_and_torch_paths_agree(per_row_ids: bool, monkeypatch) -> None:
+    """The noise is the same float32 bits from tern's kernel and from the torch expression (keys
+    and ids up to 2^32 - 1, the vocabulary's ids shared or each row's own candidates)."""
+    from workers.layers import native, sampler
+
+    if native.load() is None:
+        pytest.skip("kernels off")
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randint(0, 2**32, (5,), generator=g, dtype=torch.int64)
+    keys[0] = 2**32 - 1
+    ids = (
+        torch.randint(0, 2**31, (5, 300), generator=g, dtype=torch.int64)
+        if per_row_ids
+        else torch.arange(49152, dtype=torch.int64)
+    )
+    fast = sampler.exponential_noise(keys, ids)
+    monkeypatch.setattr(native, "exponential_uniforms", lambda *args: None)
+    slow = sampler.exponential_noise(keys, ids)
+    assert fast.shape == slow.shape == (5, ids.size(-1))
+    assert torch.equal(fast, slow)

@@ -13,6 +13,7 @@ are accepted whole, in part, or not at all.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -670,61 +671,77 @@ def _chi2_p_value(a: collections.Counter, b: collections.Counter) -> float:
     return float(torch.special.gammaincc(df / 2, stat / 2))
 
 
+NUM_DRAWS = 20_000
+
+
+@dataclasses.dataclass(frozen=True)
+class DrawSetup:
+    """A tiny Llama with a 512-token vocabulary (20,000 draws stay quick), the prompt drawn
+    from, its greedy continuation and the plain draws at temperature 0.8 that each drafter's
+    draws are tested against."""
+
+    model: Path
+    prompt: list[int]
+    greedy: list[int]
+    plain: collections.Counter
+
+
+def draws(base: DrawSetup, spec: SpeculativeConfig | None, temperature: float,
+          greedy: list[int] | None = None) -> collections.Counter:  # fmt: skip
+    """NUM_DRAWS unseeded draws of 4 tokens at `temperature` and top-p 0.9, counted."""
+    model, prompt = base.model, base.prompt
+    core = make_core(model, spec, max_num_seqs=512, max_num_batched_tokens=8192)
+    oracle = None
+    if spec is not None and spec.method == "ngram":
+        oracle = Oracle(core, {f"s{i}": greedy for i in range(NUM_DRAWS)}, 0.0, vocab_of(model))
+    elif spec is not None:
+        verify_every_draft(core)
+    # NOTE: one params object each: the engine core gives each request its own seed.
+    requests = {
+        f"s{i}": (prompt, SamplingParams(temperature=temperature, top_p=0.9, max_tokens=4,
+                                         ignore_eos=True))
+        for i in range(NUM_DRAWS)
+    }  # fmt: skip
+    outs, _, _ = run(core, requests, oracle)
+    if spec is not None:
+        drafted, accepted = spec_stats(core)
+        if spec.method == "draft_model":
+            assert accepted > 0.8 * drafted > 0
+        else:
+            assert 0.02 * drafted < accepted < drafted  # drafts both kept and refused
+    core.shutdown()
+    return collections.Counter(tuple(t) for t in outs.values())
+
+
 @pytest.fixture(scope="module")
-def small_vocab_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama with a 512-token vocabulary: 20,000 draws stay quick."""
+def draw_setup(tmp_path_factory: pytest.TempPathFactory) -> DrawSetup:
     from tests.conftest import make_tiny_model
 
-    return make_tiny_model("llama", tmp_path_factory.mktemp("small_vocab_llama"), None)
+    model = make_tiny_model("llama", tmp_path_factory.mktemp("small_vocab_llama"), None)
+    prompt = prompts_of(vocab_of(model), 2, seed=3)[1]
+    greedy_core = make_core(model)
+    greedy, _, _ = run(greedy_core, {"g": (prompt, SamplingParams(temperature=0.0, max_tokens=4))})
+    greedy_core.shutdown()
+    base = DrawSetup(model, prompt, greedy["g"], collections.Counter())
+    return dataclasses.replace(base, plain=draws(base, None, 0.8))
 
 
 @pytest.mark.parametrize("drafter", ["oracle", "draft_model"])
-def test_sampled_distribution_is_the_targets(small_vocab_llama: Path, drafter: str) -> None:
+def test_sampled_distribution_is_the_targets(draw_setup: DrawSetup, drafter: str) -> None:
     """20,000 unseeded draws of 4 tokens at temperature 0.8 and top-p 0.9, speculative against
     plain: a chi-square test cannot tell the 4-token sequences apart; the same test tells plain
     at temperature 0.8 from 0.9. Drafts: the greedy continuation (accepted in part), or the
     served model as its own draft model (sampled with each request's noise: mostly accepted)."""
-    tiny_llama = small_vocab_llama
-    vocab = vocab_of(tiny_llama)
-    prompt = prompts_of(vocab, 2, seed=3)[1]
-    greedy_core = make_core(tiny_llama)
-    greedy, _, _ = run(greedy_core, {"g": (prompt, SamplingParams(temperature=0.0, max_tokens=4))})
-    greedy_core.shutdown()
-    n = 20_000
-
-    def draws(spec: SpeculativeConfig | None, temperature: float) -> collections.Counter:
-        core = make_core(tiny_llama, spec, max_num_seqs=512, max_num_batched_tokens=8192)
-        oracle = None
-        if spec is not None and spec.method == "ngram":
-            oracle = Oracle(core, {f"s{i}": greedy["g"] for i in range(n)}, 0.0, vocab)
-        elif spec is not None:
-            verify_every_draft(core)
-        # NOTE: one params object each: the engine core gives each request its own seed.
-        requests = {
-            f"s{i}": (prompt, SamplingParams(temperature=temperature, top_p=0.9, max_tokens=4,
-                                             ignore_eos=True))
-            for i in range(n)
-        }  # fmt: skip
-        outs, _, _ = run(core, requests, oracle)
-        if spec is not None:
-            drafted, accepted = spec_stats(core)
-            if spec.method == "draft_model":
-                assert accepted > 0.8 * drafted > 0
-            else:
-                assert 0.02 * drafted < accepted < drafted  # drafts both kept and refused
-        core.shutdown()
-        return collections.Counter(tuple(t) for t in outs.values())
-
-    plain = draws(None, 0.8)
     if drafter == "oracle":
         config = SpeculativeConfig("ngram", 3, disable_by_batch_size=1024)
     else:
-        config = SpeculativeConfig("draft_model", 3, model=str(tiny_llama),
+        config = SpeculativeConfig("draft_model", 3, model=str(draw_setup.model),
                                    disable_by_batch_size=1024)  # fmt: skip
-    spec = draws(config, 0.8)
-    assert _chi2_p_value(plain, spec) > 1e-3
+    spec = draws(draw_setup, config, 0.8, draw_setup.greedy)
+    assert _chi2_p_value(draw_setup.plain, spec) > 1e-3
     if drafter == "oracle":
-        assert _chi2_p_value(plain, draws(None, 0.9)) < 1e-6  # the test has the power to fail
+        # the test has the power to fail
+        assert _chi2_p_value(draw_setup.plain, draws(draw_setup, None, 0.9)) < 1e-6
 
 
 # ------------------------------------------------------------------------------------ grammars

@@ -1,7 +1,7 @@
 """Python wrappers of tern's CPU kernels (csrc/, built and chosen by kernel_library.py).
 
 `paged_decode_attention`, `f32_linear`, `bf16w_linear`, `bf16_gemv`, `int8_linear`,
-`int8_dequantize`, `lora_add` and the elementwise ops wrap the C entry points: they check dtypes, devices and
+`int8_dequantize`, `lora_add`, `exponential_uniforms` and the elementwise ops wrap the C entry points: they check dtypes, devices and
 contiguity and raise ValueError on misuse rather than pass bad pointers. `load()` is the library
 this process uses, or None (kernels off or unbuildable): every caller then takes its torch path.
 """
@@ -80,6 +80,24 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
         logits.size(1),
     )  # fmt: skip
     return True
+
+
+def exponential_uniforms(row_keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
+    """The sampler's uniforms (N, K) float32 for row keys (N,) and token ids (K,) or (N, K), int64
+    below 2^32 (sampler.exponential_noise's hash); None when the kernels are not available."""
+    lib = load()
+    if lib is None or not row_keys.is_cpu or not token_ids.is_cpu:
+        return None
+    row_keys, token_ids = row_keys.contiguous(), token_ids.contiguous()
+    _check(row_keys, torch.int64, "row_keys")
+    _check(token_ids, torch.int64, "token_ids")
+    n, k = row_keys.numel(), token_ids.size(-1)
+    per_row = token_ids.dim() == 2
+    if token_ids.dim() not in (1, 2) or (per_row and token_ids.size(0) != n):
+        raise ValueError(f"token ids {tuple(token_ids.shape)} do not fit {n} row keys")
+    out = torch.empty(n, k, dtype=torch.float32)
+    lib.tern_exponential_uniforms(_ptr(row_keys), n, _ptr(token_ids), k, int(per_row), _ptr(out))
+    return out
 
 
 def paged_decode_attention(

@@ -2,7 +2,7 @@
 take the argmax; the others go through temperature, top-k, top-p and min-p, then an exponential
 race whose noise depends only on (seed, sample index, token id).
 
-The noise comes from a counter-based hash computed in torch, so a request's tokens are a function of
+The noise comes from a counter-based hash (tern's kernel on the CPU, else torch), so a request's tokens are a function of
 its seed and its logits alone: the same text whatever batch it shares, and again after preemption
 (the resumed request samples output token i with the same noise as before). Picking
 argmax(p / E) with E ~ Exp(1) i.i.d. per token samples exactly from p. Stop strings, EOS and
@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from enginecore.messages import SamplingParams
+from workers.layers import native
 from workers.layers.logits_processors import (
     LogitsProcessorTensors,
     TokenHistory,
@@ -141,9 +142,11 @@ def hash_row_keys(
 
 def exponential_noise(row_keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Exp(1) noise (N, K) float32 for token ids (N, K) or (K,): a pure function of (row key, id)."""
-    h = mix32(row_keys[:, None] ^ mix32(token_ids + 0x632BE5AB))
-    # 24 bits fit a float32 exactly; +0.5 keeps u above 0.
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    u = native.exponential_uniforms(row_keys, token_ids)  # the same bits, ~30x faster
+    if u is None:
+        h = mix32(row_keys[:, None] ^ mix32(token_ids + 0x632BE5AB))
+        # 24 bits fit a float32 exactly; +0.5 keeps u above 0.
+        u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
     # NOTE: the largest u rounds to 1.0 in float32: the clamp keeps the noise positive, else a
     # masked token (probability 0) would score 0 / 0 = NaN, which argmax picks.
     return (-torch.log(u)).clamp_min(2.0**-25)

@@ -180,6 +180,7 @@ void tern_sigmoid_gate(float *o, int64_t o_stride, const float *gate, int64_t ga
 void tern_sigmoid_gate_bf16(uint16_t *o, int64_t o_stride, const uint16_t *gate, int64_t gate_stride, int T, int n);
 void tern_gelu_tanh_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I);
 void tern_apply_token_bitmask(float *logits, int64_t row_stride, const int32_t *bitmask, int64_t words_per_row, const int64_t *rows, int n_rows, int vocab);
+void tern_exponential_uniforms(const int64_t *row_keys, int n_rows, const int64_t *token_ids, int64_t k, int ids_per_row, float *out);
 
 /* lora.c: y (M, N) += each row's LoRA adapter's product with x (M, K), float32 or bfloat16
  * (is_bf16), rows x_stride / y_stride elements apart; see the definition. */
