@@ -162,3 +162,77 @@ def test_noise_kernel_and_torch_paths_agree(per_row_ids: bool, monkeypatch) -> N
     slow = sampler.exponential_noise(keys, ids)
     assert fast.shape == slow.shape == (5, ids.size(-1))
     assert torch.equal(fast, slow)
+
+
+def _kept_ids(logits: torch.Tensor, params: list[SamplingParams]) -> list[set[int]]:
+    from workers.layers import sampler
+
+    t = SamplingTensors.from_params(params, list(range(len(params))), logits.size(-1), CPU)
+    values, ids = sampler.masked_candidates(logits / t.temperature[:, None], t)
+    ids = ids.expand_as(values)
+    return [set(ids[r][values[r] > float("-inf")].tolist()) for r in range(len(params))]
+
+
+def _reference_kept(row: torch.Tensor, p: SamplingParams) -> set[int]:
+    """vLLM's order of masks, one row at a time over the whole sorted vocabulary: top-k,
+    renormalise, top-p (the smallest prefix reaching it), min-p."""
+    values, ids = (row / p.temperature).double().sort(descending=True)
+    k = p.top_k if p.top_k > 0 else row.numel()
+    values, ids = values[:k], ids[:k]
+    probs = values.softmax(-1)
+    keep = torch.ones(k, dtype=torch.bool)
+    if p.top_p < 1.0:
+        keep &= probs.cumsum(-1) - probs < p.top_p
+    keep[0] = True
+    if p.min_p > 0.0:
+        keep &= probs >= p.min_p * probs[0]
+    return set(ids[keep].tolist())
+
+
+MASKS = [
+    dict(top_p=0.9),
+    dict(top_p=0.5, temperature=0.7),
+    dict(top_p=0.999),  # keeps past the first candidates: the rows are sorted whole
+    dict(min_p=0.05),
+    dict(min_p=0.001, temperature=1.5),
+    dict(top_k=40, top_p=0.8),
+    dict(top_k=3000, top_p=0.9),  # a top-k past the first candidates
+    dict(top_k=20),
+]
+
+
+def test_masks_over_a_large_vocabulary_keep_what_vllm_keeps(monkeypatch) -> None:
+    """top-k, top-p and min-p over 49152 tokens keep vLLM's tokens (distinct logits), whether the
+    candidates come from the first 1025 or the whole sort, each row alone or in a batch."""
+    from workers.layers import sampler
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(MASKS), 49152, generator=g) * 3
+    logits[1] *= 3  # a peaked row
+    params = [SamplingParams(seed=i, **kw) for i, kw in enumerate(MASKS)]
+    expected = [_reference_kept(logits[r], p) for r, p in enumerate(params)]
+    # floats near a top-p boundary may round either way: at most a token or two apart
+    batch = _kept_ids(logits, params)
+    for got, want in zip(batch, expected):
+        assert len(got ^ want) <= 2 and len(got & want) >= len(want) - 1
+    alone = [_kept_ids(logits[r : r + 1], [p])[0] for r, p in enumerate(params)]
+    assert alone == batch
+    monkeypatch.setattr(sampler, "TRUNCATED_CANDIDATES", 10**9)  # always the whole sort
+    assert _kept_ids(logits, params) == batch
+    assert sample(logits, params, list(range(len(params)))) == [
+        sample(logits[r : r + 1], [p], [r])[0] for r, p in enumerate(params)
+    ]
+
+
+def test_tied_logits_are_kept_or_dropped_together() -> None:
+    """bfloat16-rounded logits tie by the hundreds: a cut keeps every token tied with its last
+    one, so the candidates do not depend on a sort's order of ties."""
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(4, 49152, generator=g) * 2).bfloat16().float()
+    params = [SamplingParams(seed=i, **kw) for i, kw in enumerate(MASKS[:4])]
+    ties_at_a_cut = 0
+    for r, ids in enumerate(_kept_ids(logits, params)):
+        lowest = logits[r, sorted(ids)].min()
+        ties_at_a_cut += int((logits[r] == lowest).sum()) > 1
+        assert ids == set((logits[r] >= lowest).nonzero().flatten().tolist())
+    assert ties_at_a_cut >= 2
