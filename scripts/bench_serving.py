@@ -2,12 +2,13 @@
 
 Sends --num-prompts streaming requests of random-token prompts of exactly --input-len tokens
 (random ids decoded, re-encoded and fixed up, like vLLM's random dataset), each asking for
---output-len tokens with ignore_eos and temperature 0, either --concurrency at a time or arriving
-as a Poisson process of --request-rate per second. Measures per request TTFT (first chunk with
-text), TPOT ((e2e - ttft) / (n_out - 1)), ITL (gaps between text chunks) and end-to-end latency;
-prints a table and writes the summary as JSON (--result-file). Output tokens come from the usage
-of the last chunk (stream_options.include_usage), else from the number of text chunks. The metrics
-are those of `vllm bench serve` (same definitions), so results of both tools can sit side by side.
+--output-len tokens with ignore_eos and temperature 0 (or --temperature / --top-p: sampled),
+either --concurrency at a time or arriving as a Poisson process of --request-rate per second.
+Measures per request TTFT (first chunk with text), TPOT ((e2e - ttft) / (n_out - 1)), ITL (gaps
+between text chunks) and end-to-end latency; prints a table and writes the summary as JSON
+(--result-file). Output tokens come from the usage of the last chunk
+(stream_options.include_usage), else from the number of text chunks. The metrics are those of
+`vllm bench serve` (same definitions), so results of both tools can sit side by side.
 
 --structured adds one output constraint to every request: `json_schema` (response_format, chat),
 `regex` (vLLM's structured_outputs, either endpoint; --regex PATTERN replaces the default) or
@@ -136,11 +137,13 @@ def request_body(args: argparse.Namespace, model: str, prompt: str) -> dict[str,
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": args.output_len,
-        "temperature": 0.0,
+        "temperature": args.temperature,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if args.top_p is not None:
+        body["top_p"] = args.top_p
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -353,6 +356,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Poisson arrivals per second (default: all at once)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=None, help="sent when given")
     p.add_argument("--tokenizer", type=Path, default=None, help="HF model dir with tokenizer.json")
     p.add_argument("--timeout", type=float, default=1800.0, help="per request, in seconds")
     p.add_argument("--result-file", type=Path, default=None)
