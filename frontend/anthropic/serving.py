@@ -37,11 +37,9 @@ from frontend.openai.chat import ChatServing
 from frontend.openai.chat_output import ChoiceParser, parse_message
 from frontend.openai.protocol import decode_request, normalize_messages
 from frontend.server.errors import ANTHROPIC_PATH_PREFIX, APIError, error_body
-from frontend.serving.base import json_response, streaming_response
+from frontend.serving.base import json_response, sse_json, streaming_response
 from frontend.serving.generation import Generation, RequestFailedError, RequestGroup
 from frontend.text.tool_calling import ToolPlan, plan_tools
-
-_json = msgspec.json.Encoder()
 
 
 class MessagesServing:
@@ -224,4 +222,4 @@ def _input(arguments: str) -> dict[str, Any]:
 
 def _event(kind: str, **fields: Any) -> bytes:
     body = {"type": kind, **fields}
-    return b"event: " + kind.encode() + b"\ndata: " + _json.encode(body) + b"\n\n"
+    return b"event: " + kind.encode() + b"\ndata: " + sse_json(body) + b"\n\n"

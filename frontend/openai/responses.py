@@ -20,7 +20,6 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -42,11 +41,9 @@ from frontend.openai.responses_protocol import (
     ResponseUsage,
 )
 from frontend.server.errors import APIError, bad_request
-from frontend.serving.base import json_response, streaming_response
+from frontend.serving.base import json_response, sse_json, streaming_response
 from frontend.serving.generation import RequestFailedError, RequestGroup
 from frontend.text.tool_calling import plan_tools
-
-_json = msgspec.json.Encoder()
 
 
 class ResponseStore:
@@ -197,7 +194,7 @@ class _ItemStream:
     def event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + _json.encode(body) + b"\n\n"
+        return b"event: " + kind.encode() + b"\ndata: " + sse_json(body) + b"\n\n"
 
     @property
     def index(self) -> int:

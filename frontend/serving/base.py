@@ -46,8 +46,26 @@ _DONE = b"data: [DONE]\n\n"
 REQUEST_ID_HEADER = "X-Request-Id"
 
 
+# What JSON leaves raw but str.splitlines() ends a line at: clients that split a stream with it
+# (httpx's aiter_lines, through 0.28 at least) cut an event in two where a sampled token holds one.
+_LINE_BREAKS_JSON_KEEPS = (
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+    (b"\xc2\x85", b"\\u0085"),
+)
+
+
+def sse_json(obj: Any) -> bytes:
+    """obj as JSON for an event's data line, every character a line splitter may break at escaped
+    (in UTF-8 these byte runs are those characters alone)."""
+    data = _json.encode(obj)
+    for raw, escaped in _LINE_BREAKS_JSON_KEEPS:
+        data = data.replace(raw, escaped)
+    return data
+
+
 def sse(obj: Any) -> bytes:
-    return b"data: " + _json.encode(obj) + b"\n\n"
+    return b"data: " + sse_json(obj) + b"\n\n"
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

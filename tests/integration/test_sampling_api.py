@@ -210,6 +210,21 @@ def test_completion_logprobs_echo_and_prompt_logprobs_match_hf(
     assert s.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:4], abs=ATOL)
 
 
+def test_streamed_line_separators_survive_a_client_that_splits_lines(
+    server: Any, client: openai.OpenAI
+) -> None:
+    """U+2028, U+2029 and U+0085 in streamed text (here echoed) are JSON escapes on the wire:
+    httpx's iter_lines, which breaks lines where str.splitlines() does, still reads whole
+    events; the openai client reads the same text."""
+    prompt = "one\u2028two\u2029three\x85four"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True}
+    events = sse_data(server, "/v1/completions", {**body, "stream": True})  # json.loads each
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert text.startswith(prompt)
+    stream = client.completions.create(**body, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == text
+
+
 def test_completion_stream_with_echo_and_logprobs(server: Any, client: openai.OpenAI) -> None:
     body = {
         "model": MODEL,
