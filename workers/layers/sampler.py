@@ -2,11 +2,12 @@
 take the argmax; the others go through temperature, top-k, top-p and min-p, then an exponential
 race whose noise depends only on (seed, sample index, token id).
 
-The noise comes from a counter-based hash (tern's kernel on the CPU, else torch), so a request's tokens are a function of
-its seed and its logits alone: the same text whatever batch it shares, and again after preemption
-(the resumed request samples output token i with the same noise as before). Picking
-argmax(p / E) with E ~ Exp(1) i.i.d. per token samples exactly from p. Stop strings, EOS and
-max_tokens are not the sampler's business.
+The noise comes from a counter-based hash (tern's kernel on the CPU, else torch), so a request's
+tokens are a function of its seed and its logits alone: the same text whatever batch it shares,
+and again after preemption (the resumed request samples output token i with the same noise as
+before). Picking argmax(p / E) with E ~ Exp(1) i.i.d. per token samples exactly from p. The masks
+cut by value (masked_candidates), so their candidates do not depend on the batch either. Stop
+strings, EOS and max_tokens are not the sampler's business.
 
 On request (`Sampler.sample` with `logprob_rows`, for --logprobs-mode processed_logprobs) it also
 returns the log-probabilities of the distribution each row was drawn from, as vLLM defines them:
@@ -175,15 +176,16 @@ def exponential_noise(row_keys: torch.Tensor, token_ids: torch.Tensor) -> torch.
 # of it is 17 ms for 32 rows of 49152 tokens here, the largest TRUNCATED_CANDIDATES + 1 3.5 ms.
 # A row whose masks keep tokens past them is sorted whole, with the same result.
 TRUNCATED_CANDIDATES = 1024
-# Top-k from which numpy selects the candidates on the CPU rather than torch.topk.
+# The largest top-k torch.topk selects; past it numpy's partition does (CPU float32 logits).
 SMALL_TOP_K = 256
 
 
 def masked_candidates(
     logits: torch.Tensor, t: SamplingTensors
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens that may be sampled: (N, K) logits, -inf where a mask drops them, and their ids,
-    (K,) in vocabulary order when no mask applies, else (N, K) sorted descending.
+    """The tokens that may be sampled: (N, K) logits, -inf where a mask drops them, and their ids:
+    (N, K) sorted descending, or (K,), the vocabulary in order (no mask applies, or some row's
+    masks keep past the first candidates).
 
     Top-k keeps the row's top_k largest logits (and any tied with the last), renormalised; top-p
     then the smallest prefix whose mass reaches top_p (and any tied with its last); min-p the
