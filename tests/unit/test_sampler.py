@@ -236,3 +236,41 @@ def test_tied_logits_are_kept_or_dropped_together() -> None:
         ties_at_a_cut += int((logits[r] == lowest).sum()) > 1
         assert ids == set((logits[r] >= lowest).nonzero().flatten().tolist())
     assert ties_at_a_cut >= 2
+
+
+def test_penalties_touch_only_the_seen_tokens_and_equal_the_dense_formula() -> None:
+    """Repetition, frequency and presence penalties applied to the (row, token) pairs a row has
+    seen give the bits of the formula over whole rows (rows without penalties, a -inf logit and
+    a token seen only in the prompt among them)."""
+    from workers.layers.logits_processors import TokenHistory, apply_logits_processors
+
+    g = torch.Generator().manual_seed(2)
+    vocab = 3000
+    logits = torch.randn(4, vocab, generator=g) * 3
+    logits[0, 7] = float("-inf")
+    kinds = [
+        dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.5),
+        dict(),
+        dict(repetition_penalty=0.8),
+        dict(frequency_penalty=1.0),
+    ]
+    params = [SamplingParams(seed=i, **kw) for i, kw in enumerate(kinds)]
+    histories = []
+    for _ in params:
+        tokens = torch.randint(0, vocab, (200,), generator=g).tolist() + [7, 7, 5]
+        history = TokenHistory(tokens, num_prompt_tokens=120)
+        history.num_computed = len(tokens)
+        histories.append(history)
+    t = SamplingTensors.from_params(params, [0] * 4, vocab, CPU, histories=histories)
+    got = apply_logits_processors(logits, t.processors)
+    expected = logits.clone()
+    for r, (p, h) in enumerate(zip(params, histories)):
+        if not p.has_penalties:
+            continue
+        prompt_mask, counts = h.counters(vocab, CPU)
+        row = logits[r]
+        penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        row = torch.where(prompt_mask | (counts > 0), penalized, row)
+        expected[r] = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+    assert torch.equal(got, expected)
+    assert not torch.equal(got[0], logits[0]) and torch.equal(got[1], logits[1])

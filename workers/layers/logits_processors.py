@@ -241,9 +241,15 @@ def apply_logits_processors(logits: torch.Tensor, t: LogitsProcessorTensors) -> 
     if t.penalty_rows is not None:
         assert t.seen_mask is not None and t.output_counts is not None
         assert t.repetition is not None and t.frequency is not None and t.presence is not None
-        rows = logits[t.penalty_rows]  # (P, V)
-        penalized = torch.where(rows > 0, rows / t.repetition, rows * t.repetition)
-        rows = torch.where(t.seen_mask, penalized, rows)
-        rows = rows - t.frequency * t.output_counts - t.presence * (t.output_counts > 0)
-        logits[t.penalty_rows] = rows
+        # Only the tokens a row has seen change (unseen ones have no output count either): the
+        # (row, token) pairs of its mask, not (P, V) (32 rows of 49152: 6.4 -> ~1 ms).
+        pair_rows, tokens = t.seen_mask.nonzero(as_tuple=True)
+        rows = t.penalty_rows[pair_rows]
+        values, repetition = logits[rows, tokens], t.repetition[pair_rows, 0]
+        values = torch.where(values > 0, values / repetition, values * repetition)
+        counts = t.output_counts[pair_rows, tokens]
+        values = (
+            values - t.frequency[pair_rows, 0] * counts - t.presence[pair_rows, 0] * (counts > 0)
+        )
+        logits[rows, tokens] = values
     return logits
