@@ -345,6 +345,7 @@ typedef struct {
     int8_t *q;    /* (M, K) */
     float *scale; /* (M, K / 32) */
     int32_t *sum; /* (M, K / 32): sum of each block's q */
+    int32_t *sum_lo; /* (M, K / 32): sum of each block's first 16 q (Q6_K's halves) */
     float *dxsum; /* (M, K / 32): scale * sum */
 } QuantizedRows;
 
@@ -364,10 +365,11 @@ static void quantize_rows_q8(const float *x, int M, int K, QuantizedRows *out) {
         a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
         float amax = _mm_cvtss_f32(_mm_max_ss(a4, _mm_shuffle_ps(a4, a4, 1)));
         float dx = amax / 127.f, inv = dx > 0.f ? 1.f / dx : 0.f;
-        __m256i q[4], total = _mm256_setzero_si256();
+        __m256i q[4], total = _mm256_setzero_si256(), first = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
             total = _mm256_add_epi32(total, q[j]);
+            if (j == 1) first = total;
         }
         /* packs interleave the 128-bit lanes: dwords 0 4 1 5 2 6 3 7 back in order */
         __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
@@ -378,19 +380,25 @@ static void quantize_rows_q8(const float *x, int M, int K, QuantizedRows *out) {
                                    _mm256_extracti128_si256(total, 1));
         t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
         int32_t s = _mm_cvtsi128_si32(_mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1)));
+        __m128i f4 = _mm_add_epi32(_mm256_castsi256_si128(first),
+                                   _mm256_extracti128_si256(first, 1));
+        f4 = _mm_add_epi32(f4, _mm_shuffle_epi32(f4, 0x4e));
+        int32_t s_lo = _mm_cvtsi128_si32(_mm_add_epi32(f4, _mm_shuffle_epi32(f4, 0xb1)));
 #else
         float amax = 0.f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
         float dx = amax / 127.f, inv = dx > 0.f ? 1.f / dx : 0.f;
-        int32_t s = 0;
+        int32_t s = 0, s_lo = 0;
         for (int j = 0; j < QK; j++) {
             int q = (int)lrintf(xb[j] * inv);
             out->q[i * QK + j] = (int8_t)q;
             s += q;
+            if (j == 15) s_lo = s;
         }
 #endif
         out->scale[i] = dx;
         out->sum[i] = s;
+        out->sum_lo[i] = s_lo;
         out->dxsum[i] = dx * (float)s;
     }
 }
@@ -407,8 +415,10 @@ static void quantize_rows_q8(const float *x, int M, int K, QuantizedRows *out) {
  *            vector j of 4- and 5-bit types holds values 4j..4j+3 in low nibbles and
  *            16+4j..16+4j+3 in high nibbles (4 vectors), 5-bit types then their fifth bits (a
  *            vector: bit 2j + h of byte b is the fifth bit of vector j's byte b, low nibble h = 0,
- *            high h = 1); Q8_0 and Q6_K one signed byte per value (Q6_K's q - 32), vector j
- *            values 4j..4j+3 (8 vectors).
+ *            high h = 1); Q6_K its q (0-63) as 4-bit types, then the top two bits (two vectors:
+ *            bits 4 (j % 2) + 2h and the next of vector j / 2's byte b are those of vector j's
+ *            byte b, low nibble h = 0, high h = 1), 32 subtracted through the activations' sums
+ *            of each half; Q8_0 one signed byte per value, vector j values 4j..4j+3 (8 vectors).
  * d and m are the blocks' own float16 for the types that store them so (Q4_0, Q4_1, Q5_0, Q5_1,
  * Q8_0: records as large as the blocks), else float32. Q4_0's and Q5_0's offset (8, 16) is
  * subtracted from the integer sums (offset * the activations' block sum). Each vector is
@@ -418,7 +428,7 @@ static void quantize_rows_q8(const float *x, int M, int K, QuantizedRows *out) {
  * machine's read bandwidth, hence the compact records. */
 #define X8 8
 
-enum { X8_NIBBLES, X8_FIVE_BITS, X8_SIGNED };
+enum { X8_NIBBLES, X8_FIVE_BITS, X8_SIX_BITS, X8_SIGNED };
 
 /* With VNNI (vpdpbusd sums unsigned x signed byte products into 32 bits without saturating),
  * Q8_0's records hold each value + 128 as an unsigned byte: a vector's products are one
@@ -437,8 +447,8 @@ INLINE int x8_kind(int type) {
     case TERN_GGUF_Q4_1:
     case TERN_GGUF_Q4_K:
     case TERN_BLOCK_INT4_ZP: return X8_NIBBLES;
-    case TERN_GGUF_Q8_0:
-    case TERN_GGUF_Q6_K: return X8_SIGNED;
+    case TERN_GGUF_Q8_0: return X8_SIGNED;
+    case TERN_GGUF_Q6_K: return X8_SIX_BITS;
     }
     return X8_FIVE_BITS;
 }
@@ -468,7 +478,8 @@ INLINE int x8_scale_bytes(int type) {
 
 static inline int64_t x8_record_bytes(int type) {
     int kind = x8_kind(type);
-    return x8_scale_bytes(type) + (kind == X8_SIGNED ? 8 * 32 : kind == X8_FIVE_BITS ? 5 * 32 : 4 * 32);
+    int vectors = kind == X8_SIGNED ? 8 : kind == X8_SIX_BITS ? 6 : kind == X8_FIVE_BITS ? 5 : 4;
+    return x8_scale_bytes(type) + vectors * 32;
 }
 
 /* Writes row r's chunk `sub` of block b into its group's record. */
@@ -489,13 +500,15 @@ INLINE void x8_pack_chunk(const uint8_t *b, int type, int sub, int r, uint8_t *r
     for (int i = 0; i < QK; i++) {
         int j = (i % 16) / 4, h = i / 16, lane = 4 * r + i % 4;
         if (kind == X8_SIGNED) {
-            int v = type == TERN_GGUF_Q8_0 ? (int)(int8_t)q[i] : (int)q[i] - s.offset;
-            if (type == TERN_GGUF_Q8_0 && X8_Q8_0_UNSIGNED) v += 128;
+            int v = (int)(int8_t)q[i];
+            if (X8_Q8_0_UNSIGNED) v += 128;
             values[32 * (i / 4) + lane] = (uint8_t)v;
             continue;
         }
         values[32 * j + lane] |= (uint8_t)((q[i] & 0x0f) << (4 * h));
         if (kind == X8_FIVE_BITS && (q[i] & 0x10)) values[128 + lane] |= (uint8_t)(1 << (2 * j + h));
+        if (kind == X8_SIX_BITS)
+            values[128 + 32 * (j / 2) + lane] |= (uint8_t)(((q[i] >> 4) & 3) << (4 * (j % 2) + 2 * h));
     }
 }
 
@@ -558,7 +571,22 @@ INLINE void x8_group_rows(const uint8_t *g, int type, int nc, const QuantizedRow
         const uint8_t *record = g + c * rec, *v = record + values_at;
         __m256i u[8]; /* 4- and 5-bit types: vector j's low values, then its high ones; signed
                        * types: |values| (each row of x takes the values' signs) */
-        if (kind != X8_SIGNED) {
+        if (kind == X8_SIX_BITS) {
+            /* the top two bits of vector j's low (high) values, 16-bit shifts of at most 4
+             * bringing no neighbouring byte's bits to bits 4-5 */
+            const __m256i bits45 = _mm256_set1_epi8(0x30);
+            const __m256i top[2] = {_mm256_loadu_si256((const __m256i *)(v + 128)),
+                                    _mm256_loadu_si256((const __m256i *)(v + 160))};
+            for (int j = 0; j < 4; j++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(v + 32 * j));
+                __m256i lo = _mm256_and_si256(raw, low4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                const __m256i t = top[j / 2];
+                u[j] = _mm256_or_si256(lo, _mm256_and_si256(shift_bits(t, 4 - 4 * (j % 2)), bits45));
+                u[4 + j] =
+                    _mm256_or_si256(hi, _mm256_and_si256(shift_bits(t, 2 - 4 * (j % 2)), bits45));
+            }
+        } else if (kind != X8_SIGNED) {
             const __m256i bit4 = _mm256_set1_epi8(0x10);
             __m256i fifth = kind == X8_FIVE_BITS ? _mm256_loadu_si256((const __m256i *)(v + 128))
                                                  : _mm256_setzero_si256();
@@ -578,7 +606,7 @@ INLINE void x8_group_rows(const uint8_t *g, int type, int nc, const QuantizedRow
         } else {
             for (int j = 0; j < 8; j++) {
                 u[j] = _mm256_loadu_si256((const __m256i *)(v + 32 * j));
-                if (!(type == TERN_GGUF_Q8_0 && X8_Q8_0_UNSIGNED)) u[j] = _mm256_abs_epi8(u[j]);
+                if (!X8_Q8_0_UNSIGNED) u[j] = _mm256_abs_epi8(u[j]);
             }
         }
         __m256 d0 = load_scales8(record, half);
@@ -588,13 +616,20 @@ INLINE void x8_group_rows(const uint8_t *g, int type, int nc, const QuantizedRow
             int64_t ix = (int64_t)(m0 + i) * nc + c;
             const int8_t *xc = xq->q + ix * QK;
             __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-            if (kind != X8_SIGNED) {
+            if (kind == X8_SIX_BITS) {
+                for (int j = 0; j < 4; j++) {
+                    s0 = dot_u8s8(s0, u[j], _mm256_set1_epi32(load_i32(xc + 4 * j)));
+                    s1 = dot_u8s8(s1, u[4 + j], _mm256_set1_epi32(load_i32(xc + 16 + 4 * j)));
+                }
+                s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * xq->sum_lo[ix]));
+                s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * (xq->sum[ix] - xq->sum_lo[ix])));
+            } else if (kind != X8_SIGNED) {
                 for (int j = 0; j < 4; j++) {
                     s0 = dot_u8s8(s0, u[j], _mm256_set1_epi32(load_i32(xc + 4 * j)));
                     s0 = dot_u8s8(s0, u[4 + j], _mm256_set1_epi32(load_i32(xc + 16 + 4 * j)));
                 }
                 if (offset) s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(offset * xq->sum[ix]));
-            } else if (type == TERN_GGUF_Q8_0 && X8_Q8_0_UNSIGNED) {
+            } else if (X8_Q8_0_UNSIGNED) {
                 for (int j = 0; j < 8; j++)
                     s0 = dot_u8s8(s0, u[j], _mm256_set1_epi32(load_i32(xc + 4 * j)));
                 s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(128 * xq->sum[ix]));
@@ -602,10 +637,7 @@ INLINE void x8_group_rows(const uint8_t *g, int type, int nc, const QuantizedRow
                 for (int j = 0; j < 8; j++) {
                     __m256i signs = _mm256_loadu_si256((const __m256i *)(v + 32 * j));
                     __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xc + 4 * j)), signs);
-                    if (ns == 2 && j >= 4)
-                        s1 = dot_u8s8(s1, u[j], xs);
-                    else
-                        s0 = dot_u8s8(s0, u[j], xs);
+                    s0 = dot_u8s8(s0, u[j], xs);
                 }
             }
             __m256 dx = _mm256_set1_ps(xq->scale[ix]);
@@ -641,10 +673,16 @@ INLINE void x8_group(const uint8_t *g, int type, int nc, const QuantizedRows *xq
                     int j = (k % 16) / 4, h = k / 16;
                     u = (v[32 * j + lane] >> (4 * h)) & 0x0f;
                     if (kind == X8_FIVE_BITS) u |= ((v[128 + lane] >> (2 * j + h)) & 1) << 4;
+                    if (kind == X8_SIX_BITS)
+                        u |= ((v[128 + 32 * (j / 2) + lane] >> (4 * (j % 2) + 2 * h)) & 3) << 4;
                 }
                 dot[ns == 2 ? k / 16 : 0] += u * xc[k];
             }
             dot[0] -= offset * xq->sum[i];
+            if (kind == X8_SIX_BITS) {
+                dot[0] -= 32 * xq->sum_lo[i];
+                dot[1] -= 32 * (xq->sum[i] - xq->sum_lo[i]);
+            }
             float dx = xq->scale[i];
             acc[r] += (float)dot[0] * (record_scale(record, half, r) * dx);
             if (ns == 2) acc[r] += (float)dot[1] * (record_scale(record, half, X8 + r) * dx);
@@ -866,9 +904,11 @@ int tern_gguf_linear_q8act(const float *x, const uint8_t *w, const uint8_t *pack
     if (packed == NULL) return tern_gguf_linear(x, w, type, bias, y, M, N, K);
     QuantizedRows xq = {malloc((size_t)M * K), malloc(sizeof(float) * (size_t)M * nc),
                         malloc(sizeof(int32_t) * (size_t)M * nc),
+                        malloc(sizeof(int32_t) * (size_t)M * nc),
                         malloc(sizeof(float) * (size_t)M * nc)};
     int rc = -1;
-    if (xq.q != NULL && xq.scale != NULL && xq.sum != NULL && xq.dxsum != NULL) {
+    if (xq.q != NULL && xq.scale != NULL && xq.sum != NULL && xq.sum_lo != NULL &&
+        xq.dxsum != NULL) {
         quantize_rows_q8(x, M, K, &xq);
         X8Rows x8 = x8_rows_of(type);
         int64_t gb = (int64_t)nc * x8_record_bytes(type);
@@ -890,6 +930,7 @@ int tern_gguf_linear_q8act(const float *x, const uint8_t *w, const uint8_t *pack
     free(xq.q);
     free(xq.scale);
     free(xq.sum);
+    free(xq.sum_lo);
     free(xq.dxsum);
     return rc;
 }
