@@ -417,11 +417,11 @@ static void quantize_rows_q8(const float *x, int M, int K, QuantizedRows *out) {
  *            vector: bit 2j + h of byte b is the fifth bit of vector j's byte b, low nibble h = 0,
  *            high h = 1); Q6_K its q (0-63) as 4-bit types, then the top two bits (two vectors:
  *            bits 4 (j % 2) + 2h and the next of vector j / 2's byte b are those of vector j's
- *            byte b, low nibble h = 0, high h = 1), 32 subtracted through the activations' sums
- *            of each half; Q8_0 one signed byte per value, vector j values 4j..4j+3 (8 vectors).
+ *            byte b, low nibble h = 0, high h = 1); Q8_0 one signed byte per value, vector j
+ *            values 4j..4j+3 (8 vectors).
  * d and m are the blocks' own float16 for the types that store them so (Q4_0, Q4_1, Q5_0, Q5_1,
- * Q8_0: records as large as the blocks), else float32. Q4_0's and Q5_0's offset (8, 16) is
- * subtracted from the integer sums (offset * the activations' block sum). Each vector is
+ * Q8_0: records as large as the blocks), else float32. Q4_0's, Q5_0's and Q6_K's offset (8, 16,
+ * 32) is subtracted from the integer sums (offset * the activations' block sum, Q6_K's per half). Each vector is
  * multiplied by 4 activation values broadcast to every lane, so a lane sums its row's products
  * and a chunk needs no horizontal sum: ~5 instructions per row and chunk against ~20 unpacking
  * each row's block on its own. At one row of x the products then stream the weights at about the
@@ -466,9 +466,10 @@ INLINE int x8_has_min(int type) {
            type == TERN_GGUF_Q5_K || type == TERN_BLOCK_INT4_ZP;
 }
 
-/* The offset subtracted from the integer sums (Q4_0, Q5_0). */
+/* The offset subtracted from the integer sums (Q4_0, Q5_0, Q6_K), per half of a chunk where the
+ * type has a scale per half (the activations' sums of each 16 values). */
 INLINE int x8_int_offset(int type) {
-    return type == TERN_GGUF_Q4_0 ? 8 : type == TERN_GGUF_Q5_0 ? 16 : 0;
+    return type == TERN_GGUF_Q4_0 ? 8 : type == TERN_GGUF_Q5_0 ? 16 : type == TERN_GGUF_Q6_K ? 32 : 0;
 }
 
 /* Bytes of the scales (d, then m) at the start of a record. */
@@ -571,25 +572,15 @@ INLINE void x8_group_rows(const uint8_t *g, int type, int nc, const QuantizedRow
         const uint8_t *record = g + c * rec, *v = record + values_at;
         __m256i u[8]; /* 4- and 5-bit types: vector j's low values, then its high ones; signed
                        * types: |values| (each row of x takes the values' signs) */
-        if (kind == X8_SIX_BITS) {
-            /* the top two bits of vector j's low (high) values, 16-bit shifts of at most 4
-             * bringing no neighbouring byte's bits to bits 4-5 */
-            const __m256i bits45 = _mm256_set1_epi8(0x30);
-            const __m256i top[2] = {_mm256_loadu_si256((const __m256i *)(v + 128)),
-                                    _mm256_loadu_si256((const __m256i *)(v + 160))};
-            for (int j = 0; j < 4; j++) {
-                __m256i raw = _mm256_loadu_si256((const __m256i *)(v + 32 * j));
-                __m256i lo = _mm256_and_si256(raw, low4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                const __m256i t = top[j / 2];
-                u[j] = _mm256_or_si256(lo, _mm256_and_si256(shift_bits(t, 4 - 4 * (j % 2)), bits45));
-                u[4 + j] =
-                    _mm256_or_si256(hi, _mm256_and_si256(shift_bits(t, 2 - 4 * (j % 2)), bits45));
-            }
-        } else if (kind != X8_SIGNED) {
-            const __m256i bit4 = _mm256_set1_epi8(0x10);
+        if (kind != X8_SIGNED) {
+            const __m256i bit4 = _mm256_set1_epi8(0x10), bits45 = _mm256_set1_epi8(0x30);
             __m256i fifth = kind == X8_FIVE_BITS ? _mm256_loadu_si256((const __m256i *)(v + 128))
                                                  : _mm256_setzero_si256();
+            __m256i top[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            if (kind == X8_SIX_BITS) {
+                top[0] = _mm256_loadu_si256((const __m256i *)(v + 128));
+                top[1] = _mm256_loadu_si256((const __m256i *)(v + 160));
+            }
             for (int j = 0; j < 4; j++) {
                 __m256i raw = _mm256_loadu_si256((const __m256i *)(v + 32 * j));
                 __m256i lo = _mm256_and_si256(raw, low4);
@@ -599,6 +590,11 @@ INLINE void x8_group_rows(const uint8_t *g, int type, int nc, const QuantizedRow
                      * neighbouring byte's bit there */
                     lo = _mm256_or_si256(lo, _mm256_and_si256(shift_bits(fifth, 4 - 2 * j), bit4));
                     hi = _mm256_or_si256(hi, _mm256_and_si256(shift_bits(fifth, 3 - 2 * j), bit4));
+                }
+                if (kind == X8_SIX_BITS) { /* the top two bits to bits 4-5, alike */
+                    const __m256i t = top[j / 2];
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(shift_bits(t, 4 - 4 * (j % 2)), bits45));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(shift_bits(t, 2 - 4 * (j % 2)), bits45));
                 }
                 u[j] = lo;
                 u[4 + j] = hi;
@@ -616,19 +612,22 @@ INLINE void x8_group_rows(const uint8_t *g, int type, int nc, const QuantizedRow
             int64_t ix = (int64_t)(m0 + i) * nc + c;
             const int8_t *xc = xq->q + ix * QK;
             __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-            if (kind == X8_SIX_BITS) {
+            if (kind != X8_SIGNED) { /* the high values into s1 where the halves have scales */
                 for (int j = 0; j < 4; j++) {
+                    __m256i x_hi = _mm256_set1_epi32(load_i32(xc + 16 + 4 * j));
                     s0 = dot_u8s8(s0, u[j], _mm256_set1_epi32(load_i32(xc + 4 * j)));
-                    s1 = dot_u8s8(s1, u[4 + j], _mm256_set1_epi32(load_i32(xc + 16 + 4 * j)));
+                    if (ns == 2)
+                        s1 = dot_u8s8(s1, u[4 + j], x_hi);
+                    else
+                        s0 = dot_u8s8(s0, u[4 + j], x_hi);
                 }
-                s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * xq->sum_lo[ix]));
-                s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * (xq->sum[ix] - xq->sum_lo[ix])));
-            } else if (kind != X8_SIGNED) {
-                for (int j = 0; j < 4; j++) {
-                    s0 = dot_u8s8(s0, u[j], _mm256_set1_epi32(load_i32(xc + 4 * j)));
-                    s0 = dot_u8s8(s0, u[4 + j], _mm256_set1_epi32(load_i32(xc + 16 + 4 * j)));
+                if (offset && ns == 2) {
+                    int32_t lo_sum = xq->sum_lo[ix];
+                    s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(offset * lo_sum));
+                    s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(offset * (xq->sum[ix] - lo_sum)));
+                } else if (offset) {
+                    s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(offset * xq->sum[ix]));
                 }
-                if (offset) s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(offset * xq->sum[ix]));
             } else if (X8_Q8_0_UNSIGNED) {
                 for (int j = 0; j < 8; j++)
                     s0 = dot_u8s8(s0, u[j], _mm256_set1_epi32(load_i32(xc + 4 * j)));
@@ -678,10 +677,11 @@ INLINE void x8_group(const uint8_t *g, int type, int nc, const QuantizedRows *xq
                 }
                 dot[ns == 2 ? k / 16 : 0] += u * xc[k];
             }
-            dot[0] -= offset * xq->sum[i];
-            if (kind == X8_SIX_BITS) {
-                dot[0] -= 32 * xq->sum_lo[i];
-                dot[1] -= 32 * (xq->sum[i] - xq->sum_lo[i]);
+            if (ns == 2) {
+                dot[0] -= offset * xq->sum_lo[i];
+                dot[1] -= offset * (xq->sum[i] - xq->sum_lo[i]);
+            } else {
+                dot[0] -= offset * xq->sum[i];
             }
             float dx = xq->scale[i];
             acc[r] += (float)dot[0] * (record_scale(record, half, r) * dx);
