@@ -420,8 +420,13 @@ static void quantize_rows_q8(const float *x, int M, int K, QuantizedRows *out) {
  *            byte b, low nibble h = 0, high h = 1); Q8_0 one signed byte per value, vector j
  *            values 4j..4j+3 (8 vectors).
  * d and m are the blocks' own float16 for the types that store them so (Q4_0, Q4_1, Q5_0, Q5_1,
- * Q8_0: records as large as the blocks), else float32. Q4_0's, Q5_0's and Q6_K's offset (8, 16,
- * 32) is subtracted from the integer sums (offset * the activations' block sum, Q6_K's per half). Each vector is
+ * Q8_0: records as large as the blocks), INT4_ZP's float32. The K-quants' records hold their
+ * integer sub-block scales (and minimums), a byte each, after a header per super-block (8
+ * records) of each row's float16 d (and dmin): 1.0-1.03x the blocks, where float32 scales
+ * took 1.22-1.33x, and the one-row products stream the weights at the read bandwidth; the
+ * kernel forms d * scale and -(dmin * min) as chunk_scale does. Q4_0's, Q5_0's and Q6_K's
+ * offset (8, 16, 32) is subtracted from the integer sums (offset * the activations' block sum,
+ * Q6_K's per half). Each vector is
  * multiplied by 4 activation values broadcast to every lane, so a lane sums its row's products
  * and a chunk needs no horizontal sum: ~5 instructions per row and chunk against ~20 unpacking
  * each row's block on its own. At one row of x the products then stream the weights at about the
@@ -472,10 +477,25 @@ INLINE int x8_int_offset(int type) {
     return type == TERN_GGUF_Q4_0 ? 8 : type == TERN_GGUF_Q5_0 ? 16 : type == TERN_GGUF_Q6_K ? 32 : 0;
 }
 
+/* Whether the type's records come in super-blocks (the K-quants): a header of each row's float16
+ * d (and dmin), then X8_SUPER records whose scales are the blocks' own integer sub-block scales
+ * (and minimums), one byte each. */
+INLINE int x8_super(int type) {
+    return type == TERN_GGUF_Q4_K || type == TERN_GGUF_Q5_K || type == TERN_GGUF_Q6_K;
+}
+#define X8_SUPER 8
+
 /* Bytes of the scales (d, then m) at the start of a record. */
 INLINE int x8_scale_bytes(int type) {
-    return X8 * (x8_half(type) ? 2 : 4) * (x8_scales(type) + x8_has_min(type));
+    int width = x8_super(type) ? 1 : x8_half(type) ? 2 : 4;
+    return X8 * width * (x8_scales(type) + x8_has_min(type));
 }
+
+/* Bytes of a super-block's header (0 for the types without one). */
+INLINE int x8_header_bytes(int type) { return x8_super(type) ? X8 * 2 * (1 + x8_has_min(type)) : 0; }
+
+/* Records per header: X8_SUPER for the K-quants, else 1 (and no header). */
+INLINE int x8_per_header(int type) { return x8_super(type) ? X8_SUPER : 1; }
 
 static inline int64_t x8_record_bytes(int type) {
     int kind = x8_kind(type);
@@ -483,13 +503,38 @@ static inline int64_t x8_record_bytes(int type) {
     return x8_scale_bytes(type) + vectors * 32;
 }
 
-/* Writes row r's chunk `sub` of block b into its group's record. */
-INLINE void x8_pack_chunk(const uint8_t *b, int type, int sub, int r, uint8_t *record) {
+/* Where chunk c's record and its super-block's header start in a group's bytes. */
+INLINE int64_t x8_header_at(int type, int c) {
+    int per = x8_per_header(type);
+    return (int64_t)(c / per) * (x8_header_bytes(type) + per * x8_record_bytes(type));
+}
+INLINE int64_t x8_record_at(int type, int c) {
+    return x8_header_at(type, c) + x8_header_bytes(type) + (c % x8_per_header(type)) * x8_record_bytes(type);
+}
+
+/* Bytes of a group's nc chunks (nc a multiple of X8_SUPER for the K-quants). */
+static inline int64_t x8_group_bytes(int type, int nc) { return x8_header_at(type, nc); }
+
+/* Writes row r's chunk `sub` of block b into its group's record (and, for the K-quants, the
+ * super-block's header). */
+INLINE void x8_pack_chunk(const uint8_t *b, int type, int sub, int r, uint8_t *header,
+                          uint8_t *record) {
     ChunkScale s = chunk_scale(b, type, sub);
     uint8_t q[QK];
     chunk_ints(b, type, sub, q);
     int kind = x8_kind(type), ns = x8_scales(type);
-    if (x8_half(type)) { /* d at the block's start, Q4_1's and Q5_1's m after it */
+    if (type == TERN_GGUF_Q6_K) { /* d, then the int8 scales of the chunk's two halves */
+        memcpy(header + 2 * r, b + 208, 2);
+        record[r] = b[192 + 2 * sub];
+        record[X8 + r] = b[192 + 2 * sub + 1];
+    } else if (x8_super(type)) { /* d and dmin, then the 6-bit scale and minimum */
+        int scale, min;
+        k_scale_min(b + 4, sub, &scale, &min);
+        memcpy(header + 2 * r, b, 2);
+        memcpy(header + 2 * X8 + 2 * r, b + 2, 2);
+        record[r] = (uint8_t)scale;
+        record[X8 + r] = (uint8_t)min;
+    } else if (x8_half(type)) { /* d at the block's start, Q4_1's and Q5_1's m after it */
         memcpy(record + 2 * r, b, 2);
         if (x8_has_min(type)) memcpy(record + 2 * X8 + 2 * r, b + 2, 2);
     } else {
@@ -526,6 +571,12 @@ INLINE __m256 load_scales8(const uint8_t *p, int half) {
                 : _mm256_loadu_ps((const float *)p);
 }
 
+/* 8 bytes as floats, signed or unsigned. */
+INLINE __m256 bytes8_to_ps(const uint8_t *p, int is_signed) {
+    __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+}
+
 /* The 16-bit lanes of v shifted left by n (right by -n), |n| <= 4. */
 INLINE __m256i shift_bits(__m256i v, int n) {
     return n >= 0 ? _mm256_slli_epi16(v, n) : _mm256_srli_epi16(v, -n);
@@ -543,9 +594,18 @@ INLINE __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 }
 #endif
 
-/* Scale k (0..15 for d, then m) of a record, float16 or float32. */
-INLINE float record_scale(const uint8_t *record, int half, int k) {
-    if (half) return half_at(record + 2 * k);
+/* Scale k (0..15 for d, then m) of chunk c's record in the group at g, as chunk_scale forms it. */
+INLINE float x8_scale(const uint8_t *g, int type, int c, int k) {
+    const uint8_t *record = g + x8_record_at(type, c);
+    if (x8_super(type)) {
+        const uint8_t *header = g + x8_header_at(type, c);
+        int ns = x8_scales(type), r = k % X8;
+        if (k < ns * X8)
+            return half_at(header + 2 * r) *
+                   (float)(type == TERN_GGUF_Q6_K ? (int)(int8_t)record[k] : (int)record[k]);
+        return -(half_at(header + 2 * X8 + 2 * r) * (float)record[k]);
+    }
+    if (x8_half(type)) return half_at(record + 2 * k);
     float f;
     memcpy(&f, record + 4 * k, 4);
     return f;
@@ -562,14 +622,19 @@ INLINE float record_scale(const uint8_t *record, int half, int k) {
 INLINE void x8_group_rows(const uint8_t *g, int type, int nc, const QuantizedRows *xq, int m0,
                           const int MB, float *out) {
     const int kind = x8_kind(type), ns = x8_scales(type), half = x8_half(type);
-    const int has_min = x8_has_min(type), offset = x8_int_offset(type);
-    const int64_t rec = x8_record_bytes(type);
+    const int has_min = x8_has_min(type), offset = x8_int_offset(type), super = x8_super(type);
     const int values_at = x8_scale_bytes(type), sb = X8 * (half ? 2 : 4);
     __m256 acc[X8_BLOCK_M], corr[X8_BLOCK_M];
     for (int i = 0; i < MB; i++) acc[i] = corr[i] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256 d_super = _mm256_setzero_ps(), dmin_super = _mm256_setzero_ps();
     for (int c = 0; c < nc; c++) {
-        const uint8_t *record = g + c * rec, *v = record + values_at;
+        const uint8_t *record = g + x8_record_at(type, c), *v = record + values_at;
+        if (super && c % X8_SUPER == 0) {
+            const uint8_t *header = g + x8_header_at(type, c);
+            d_super = load_scales8(header, 1);
+            if (has_min) dmin_super = load_scales8(header + 2 * X8, 1);
+        }
         __m256i u[8]; /* 4- and 5-bit types: vector j's low values, then its high ones; signed
                        * types: |values| (each row of x takes the values' signs) */
         if (kind != X8_SIGNED) {
@@ -605,9 +670,18 @@ INLINE void x8_group_rows(const uint8_t *g, int type, int nc, const QuantizedRow
                 if (!X8_Q8_0_UNSIGNED) u[j] = _mm256_abs_epi8(u[j]);
             }
         }
-        __m256 d0 = load_scales8(record, half);
-        __m256 d1 = ns == 2 ? load_scales8(record + sb, half) : d0;
-        __m256 mins = has_min ? load_scales8(record + ns * sb, half) : _mm256_setzero_ps();
+        __m256 d0, d1, mins = _mm256_setzero_ps();
+        if (super) { /* chunk_scale's products: d * scale, -(dmin * min) */
+            d0 = _mm256_mul_ps(d_super, bytes8_to_ps(record, type == TERN_GGUF_Q6_K));
+            d1 = ns == 2 ? _mm256_mul_ps(d_super, bytes8_to_ps(record + X8, 1)) : d0;
+            if (has_min)
+                mins = _mm256_xor_ps(_mm256_mul_ps(dmin_super, bytes8_to_ps(record + X8, 0)),
+                                     _mm256_set1_ps(-0.0f));
+        } else {
+            d0 = load_scales8(record, half);
+            d1 = ns == 2 ? load_scales8(record + sb, half) : d0;
+            if (has_min) mins = load_scales8(record + ns * sb, half);
+        }
         for (int i = 0; i < MB; i++) {
             int64_t ix = (int64_t)(m0 + i) * nc + c;
             const int8_t *xc = xq->q + ix * QK;
@@ -653,13 +727,12 @@ INLINE void x8_group_rows(const uint8_t *g, int type, int nc, const QuantizedRow
 /* out[r] = row r of the group at `g` times row m of x (its quantized blocks). */
 INLINE void x8_group(const uint8_t *g, int type, int nc, const QuantizedRows *xq, int m,
                      float *out) {
-    const int kind = x8_kind(type), ns = x8_scales(type), half = x8_half(type);
+    const int kind = x8_kind(type), ns = x8_scales(type);
     const int has_min = x8_has_min(type), offset = x8_int_offset(type);
-    const int64_t rec = x8_record_bytes(type);
     const int values_at = x8_scale_bytes(type);
     float acc[X8] = {0}, corr[X8] = {0};
     for (int c = 0; c < nc; c++) {
-        const uint8_t *record = g + c * rec, *v = record + values_at;
+        const uint8_t *v = g + x8_record_at(type, c) + values_at;
         int64_t i = (int64_t)m * nc + c;
         const int8_t *xc = xq->q + i * QK;
         for (int r = 0; r < X8; r++) {
@@ -684,9 +757,9 @@ INLINE void x8_group(const uint8_t *g, int type, int nc, const QuantizedRows *xq
                 dot[0] -= offset * xq->sum[i];
             }
             float dx = xq->scale[i];
-            acc[r] += (float)dot[0] * (record_scale(record, half, r) * dx);
-            if (ns == 2) acc[r] += (float)dot[1] * (record_scale(record, half, X8 + r) * dx);
-            if (has_min) corr[r] += record_scale(record, half, ns * X8 + r) * xq->dxsum[i];
+            acc[r] += (float)dot[0] * (x8_scale(g, type, c, r) * dx);
+            if (ns == 2) acc[r] += (float)dot[1] * (x8_scale(g, type, c, X8 + r) * dx);
+            if (has_min) corr[r] += x8_scale(g, type, c, ns * X8 + r) * xq->dxsum[i];
         }
     }
     for (int r = 0; r < X8; r++) out[r] = acc[r] + corr[r];
@@ -911,7 +984,7 @@ int tern_gguf_linear_q8act(const float *x, const uint8_t *w, const uint8_t *pack
         xq.dxsum != NULL) {
         quantize_rows_q8(x, M, K, &xq);
         X8Rows x8 = x8_rows_of(type);
-        int64_t gb = (int64_t)nc * x8_record_bytes(type);
+        int64_t gb = x8_group_bytes(type, nc);
 #pragma omp parallel for schedule(static)
         for (int g = 0; g < (N + X8 - 1) / X8; g++) {
             int rows = N - g * X8 < X8 ? N - g * X8 : X8;
@@ -939,13 +1012,13 @@ int tern_gguf_linear_q8act(const float *x, const uint8_t *w, const uint8_t *pack
  * it does not take. */
 int64_t tern_gguf_x8_bytes(int type, int N, int K) {
     if (row_bytes(type, K) == 0 || N < 0) return -2;
-    return (int64_t)((N + X8 - 1) / X8) * (K / QK) * x8_record_bytes(type);
+    return (int64_t)((N + X8 - 1) / X8) * x8_group_bytes(type, K / QK);
 }
 
 /* out (tern_gguf_x8_bytes) = rows w (N, row bytes of K) of `type` repacked in groups of 8 (above);
  * the last group's missing rows zero. Returns 0, or -2 for a type or K it does not take. */
 int tern_gguf_repack_x8(const uint8_t *w, int type, int N, int K, uint8_t *out) {
-    int64_t rb = row_bytes(type, K), rec = x8_record_bytes(type);
+    int64_t rb = row_bytes(type, K);
     int nc = K / QK;
     if (rb == 0) return -2;
     int64_t total = tern_gguf_x8_bytes(type, N, K);
@@ -954,8 +1027,10 @@ int tern_gguf_repack_x8(const uint8_t *w, int type, int N, int K, uint8_t *out) 
     for (int n = 0; n < N; n++) {
         int g = n / X8, r = n % X8;
         const uint8_t *wr = w + (int64_t)n * rb;
+        uint8_t *group = out + g * x8_group_bytes(type, nc);
         FOR_EACH_CHUNK(wr, type, nc)
-            x8_pack_chunk(b, type, sub, r, out + ((int64_t)g * nc + c) * rec);
+            x8_pack_chunk(b, type, sub, r, group + x8_header_at(type, c),
+                          group + x8_record_at(type, c));
         END_CHUNKS
     }
     return 0;
