@@ -408,9 +408,10 @@ static void quantize_rows_q8(const float *x, int M, int K, QuantizedRows *out) {
 /* The same quantized-activation products, 8 weight rows at a time from a layout repacked at load
  * (tern_gguf_repack_x8; llama.cpp repacks Q4_0 likewise): per group of 8 rows and 32-value chunk
  * one record of
- *   d[8]     each row's chunk scale (Q6_K: d[16], the first 16 values' then the last's)
- *   m[8]     each row's minimum, added to every value (Q4_1, Q5_1, the K-quants' -dmin * min,
- *            INT4_ZP's -zero point * d)
+ *   d[8]     each row's chunk scale (Q6_K: d[16], the first 16 values' then the last's; the
+ *            K-quants' integer sub-block scales, a byte each)
+ *   m[8]     each row's minimum, added to every value (Q4_1, Q5_1; the K-quants' min and
+ *            INT4_ZP's zero point z, a byte each, for -dmin * min and -z * d)
  *   values   interleaved so that 32-bit lane r of a 256-bit vector holds 4 values of row r:
  *            vector j of 4- and 5-bit types holds values 4j..4j+3 in low nibbles and
  *            16+4j..16+4j+3 in high nibbles (4 vectors), 5-bit types then their fifth bits (a
@@ -420,7 +421,8 @@ static void quantize_rows_q8(const float *x, int M, int K, QuantizedRows *out) {
  *            byte b, low nibble h = 0, high h = 1); Q8_0 one signed byte per value, vector j
  *            values 4j..4j+3 (8 vectors).
  * d and m are the blocks' own float16 for the types that store them so (Q4_0, Q4_1, Q5_0, Q5_1,
- * Q8_0: records as large as the blocks), INT4_ZP's float32. The K-quants' records hold their
+ * Q8_0: records as large as the blocks); INT4_ZP's float32 d and its zero points' bytes, the
+ * kernel forming m = -z * d (as large as the blocks too). The K-quants' records hold their
  * integer sub-block scales (and minimums), a byte each, after a header per super-block (8
  * records) of each row's float16 d (and dmin): 1.0-1.03x the blocks, where float32 scales
  * took 1.22-1.33x, and the one-row products stream the weights at the read bandwidth; the
@@ -487,6 +489,7 @@ INLINE int x8_super(int type) {
 
 /* Bytes of the scales (d, then m) at the start of a record. */
 INLINE int x8_scale_bytes(int type) {
+    if (type == TERN_BLOCK_INT4_ZP) return X8 * 4 + X8; /* float32 d, the zero points' bytes */
     int width = x8_super(type) ? 1 : x8_half(type) ? 2 : 4;
     return X8 * width * (x8_scales(type) + x8_has_min(type));
 }
@@ -519,10 +522,9 @@ static inline int64_t x8_group_bytes(int type, int nc) { return x8_header_at(typ
  * super-block's header). */
 INLINE void x8_pack_chunk(const uint8_t *b, int type, int sub, int r, uint8_t *header,
                           uint8_t *record) {
-    ChunkScale s = chunk_scale(b, type, sub);
     uint8_t q[QK];
     chunk_ints(b, type, sub, q);
-    int kind = x8_kind(type), ns = x8_scales(type);
+    int kind = x8_kind(type);
     if (type == TERN_GGUF_Q6_K) { /* d, then the int8 scales of the chunk's two halves */
         memcpy(header + 2 * r, b + 208, 2);
         record[r] = b[192 + 2 * sub];
@@ -537,10 +539,9 @@ INLINE void x8_pack_chunk(const uint8_t *b, int type, int sub, int r, uint8_t *h
     } else if (x8_half(type)) { /* d at the block's start, Q4_1's and Q5_1's m after it */
         memcpy(record + 2 * r, b, 2);
         if (x8_has_min(type)) memcpy(record + 2 * X8 + 2 * r, b + 2, 2);
-    } else {
-        float *d = (float *)record;
-        for (int h = 0; h < ns; h++) d[h * X8 + r] = s.d[h];
-        if (x8_has_min(type)) d[ns * X8 + r] = s.m - (float)s.offset * s.d[0];
+    } else { /* INT4_ZP: d, then the zero point */
+        memcpy(record + 4 * r, b, 4);
+        record[4 * X8 + r] = b[4];
     }
     uint8_t *values = record + x8_scale_bytes(type);
     for (int i = 0; i < QK; i++) {
@@ -606,9 +607,9 @@ INLINE float x8_scale(const uint8_t *g, int type, int c, int k) {
         return -(half_at(header + 2 * X8 + 2 * r) * (float)record[k]);
     }
     if (x8_half(type)) return half_at(record + 2 * k);
-    float f;
-    memcpy(&f, record + 4 * k, 4);
-    return f;
+    float d; /* INT4_ZP */
+    memcpy(&d, record + 4 * (k % X8), 4);
+    return k < X8 ? d : 0.f - (float)record[4 * X8 + k % X8] * d;
 }
 
 /* Rows of x per pass over a group's records in the integer products of 4+ rows (AVX2 builds):
@@ -677,6 +678,10 @@ INLINE void x8_group_rows(const uint8_t *g, int type, int nc, const QuantizedRow
             if (has_min)
                 mins = _mm256_xor_ps(_mm256_mul_ps(dmin_super, bytes8_to_ps(record + X8, 0)),
                                      _mm256_set1_ps(-0.0f));
+        } else if (type == TERN_BLOCK_INT4_ZP) { /* chunk_scale's d, m - z * d with m = 0 */
+            d0 = d1 = _mm256_loadu_ps((const float *)record);
+            mins = _mm256_sub_ps(_mm256_setzero_ps(),
+                                 _mm256_mul_ps(bytes8_to_ps(record + 4 * X8, 0), d0));
         } else {
             d0 = load_scales8(record, half);
             d1 = ns == 2 ? load_scales8(record + sb, half) : d0;
