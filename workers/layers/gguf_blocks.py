@@ -12,8 +12,7 @@ each block in registers exactly as the gguf package does and multiplies in float
 other --dtype) quantizes each 32-value block of the activations to int8 with its own scale and
 takes the products in integers, as llama.cpp does (csrc/linear_gguf.c), reading a copy of the
 rows repacked at load in groups of 8 (`repack_x8`, kept beside the blocks and re-derived by
-`repack_weights` whenever they change: the legacy types' records are as large as their blocks,
-the K-quants' and INT4_ZP's 1.1-1.3x), 4 rows of x per unpacking from 4 rows: at any number of
+`repack_weights` whenever they change: every type's records within 3% of its blocks' bytes), 4 rows of x per unpacking from 4 rows: at any number of
 rows on AVX2 and AVX-512 (1.2-2.3x the float32 tiles), below 32 rows on tiers with bfloat16
 arithmetic, where from 32 rows the kernels' tiles are dequantized to bfloat16 and multiplied in
 bfloat16 (2-2.6x the float32 tiles at 32 rows) and from BF16_MIN_ROWS (long prefills) torch's
