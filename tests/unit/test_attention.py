@@ -226,3 +226,27 @@ def test_kernel_validates_its_inputs() -> None:
             q, cache, cache, tables, lens, 1.0, new_kv=(k, k, torch.tensor([0, 16]))
         )
     assert cache.abs().sum() == 0  # nothing was written
+
+
+def test_decode_only_metadata_equals_the_general_path() -> None:
+    """A step of single-token queries (every decode step) builds its metadata from Python ints;
+    the tensors equal those of the general path, block tables of unequal lengths (one sequence
+    holding a block beyond its context) included."""
+    from workers.layers import attention
+
+    start_pos = [0, 17, 95, 31]
+    tables, _ = _batch([1] * 4, start_pos, 16, 40, seed=3)
+    tables[1].append(39)  # a block allocated ahead of the context
+    cpu = torch.device("cpu")
+    fast = build_attention_metadata(start_pos, [1] * 4, tables, 16, cpu)
+    general = attention._general_metadata(start_pos, [1] * 4, tables, 16, cpu, None, None)
+    for name in ("positions", "slot_mapping", "query_start_loc", "context_lens", "block_tables"):
+        want = getattr(general, name)
+        assert torch.equal(getattr(fast, name), want) and getattr(fast, name).dtype == want.dtype
+    assert fast.groups == general.groups == []
+    assert fast.decode is not None and general.decode is not None
+    for name in ("q_tokens", "block_tables", "context_lens"):
+        got, want = getattr(fast.decode, name), getattr(general.decode, name)
+        assert torch.equal(got, want) and got.dtype == want.dtype and got.is_contiguous()
+    assert fast.decode.is_whole_batch and fast.decode.block_size == 16
+    assert (fast.start_pos_list, fast.query_len_list) == (start_pos, [1] * 4)

@@ -165,6 +165,22 @@ def build_attention_metadata(
     those groups' layers see it (`for_kv_group`). `decode_rows`: the sequences whose tokens are
     computed as decode queries, one row each (a few tokens verifying drafts: the decode kernels
     take them, not the prefill path)."""
+    if not other_group_tables and all(n == 1 for n in query_lens):
+        return _decode_only_metadata(start_pos, block_tables, block_size, device)
+    return _general_metadata(
+        start_pos, query_lens, block_tables, block_size, device, other_group_tables, decode_rows
+    )
+
+
+def _general_metadata(
+    start_pos: list[int],
+    query_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    other_group_tables: list[list[list[int]]] | None,
+    decode_rows: list[bool] | None,
+) -> AttentionMetadata:
     num_seqs = len(query_lens)
     context_lens = [s + q for s, q in zip(start_pos, query_lens)]
     tables = _padded_tables(block_tables)  # (B, max_blocks)
@@ -248,6 +264,39 @@ def build_attention_metadata(
             )
         )
     return meta
+
+
+def _decode_only_metadata(
+    start_pos: list[int], block_tables: list[list[int]], block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """build_attention_metadata of a step where every sequence computes one token (decode steps,
+    one KV-cache group): the same tensors from Python ints, without the general path's dozens of
+    small tensor operations."""
+    num_seqs = len(start_pos)
+    context_lens = [s + 1 for s in start_pos]
+    slots = [
+        t[s // block_size] * block_size + s % block_size for t, s in zip(block_tables, start_pos)
+    ]
+    tables = _padded_tables(block_tables).to(torch.int32)
+    decode_blocks = -(-max(context_lens) // block_size)
+    rows = torch.arange(num_seqs + 1, dtype=torch.int64)
+    return AttentionMetadata(
+        positions=torch.tensor(start_pos, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=rows.to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int64, device=device),
+        block_tables=tables.to(device),
+        groups=[],
+        decode=DecodeGroup(
+            q_tokens=rows[:-1].to(device),
+            block_tables=tables[:, :decode_blocks].contiguous().to(device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_size=block_size,
+            is_whole_batch=True,
+        ),
+        start_pos_list=list(start_pos),
+        query_len_list=[1] * num_seqs,
+    )
 
 
 def _padded_tables(block_tables: list[list[int]]) -> torch.Tensor:

@@ -102,11 +102,7 @@ class SamplingTensors:
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        row_keys = hash_row_keys(
-            tensor([s & _MASK32 for s in seeds], torch.int64),
-            tensor([s >> 32 for s in seeds], torch.int64),
-            tensor([i & _MASK32 for i in sample_indices], torch.int64),
-        )
+        row_keys = tensor([row_key(s, i) for s, i in zip(seeds, sample_indices)], torch.int64)
         sampled = [p for p, g in zip(params, greedy) if not g]
         return cls(
             temperature=tensor(
@@ -151,13 +147,21 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def hash_row_keys(
-    seed_lo: torch.Tensor, seed_hi: torch.Tensor, sample_index: torch.Tensor
-) -> torch.Tensor:
-    """One 32-bit key per (seed, sample index)."""
-    h = mix32(seed_lo ^ 0x9E3779B9)
-    h = mix32(h ^ seed_hi)
-    return mix32(h ^ sample_index)
+def _mix32_int(x: int) -> int:
+    """mix32 of one value below 2^32."""
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & _MASK32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def row_key(seed: int, sample_index: int) -> int:
+    """The 32-bit key of (a 64-bit seed, a sample index): plain ints, a batch's few rows cost
+    less than a dozen tensor operations."""
+    h = _mix32_int((seed & _MASK32) ^ 0x9E3779B9)
+    h = _mix32_int(h ^ (seed >> 32))
+    return _mix32_int(h ^ (sample_index & _MASK32))
 
 
 def exponential_noise(row_keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
