@@ -495,7 +495,9 @@ INLINE int x8_scale_bytes(int type) {
 }
 
 /* Bytes of a super-block's header (0 for the types without one). */
-INLINE int x8_header_bytes(int type) { return x8_super(type) ? X8 * 2 * (1 + x8_has_min(type)) : 0; }
+INLINE int x8_header_bytes(int type) {
+    return x8_super(type) ? X8 * 2 * (1 + x8_has_min(type)) : 0;
+}
 
 /* Records per header: X8_SUPER for the K-quants, else 1 (and no header). */
 INLINE int x8_per_header(int type) { return x8_super(type) ? X8_SUPER : 1; }
@@ -512,7 +514,8 @@ INLINE int64_t x8_header_at(int type, int c) {
     return (int64_t)(c / per) * (x8_header_bytes(type) + per * x8_record_bytes(type));
 }
 INLINE int64_t x8_record_at(int type, int c) {
-    return x8_header_at(type, c) + x8_header_bytes(type) + (c % x8_per_header(type)) * x8_record_bytes(type);
+    return x8_header_at(type, c) + x8_header_bytes(type) +
+           (c % x8_per_header(type)) * x8_record_bytes(type);
 }
 
 /* Bytes of a group's nc chunks (nc a multiple of X8_SUPER for the K-quants). */
