@@ -3,22 +3,22 @@ values) and Q4_K, Q5_K, Q6_K (super-blocks of 256), and tern's INT4_ZP (int4_blo
 AWQ, --quantization int4): native.BLOCK_TYPES.
 
 A linear layer that keeps them (`LinearBase.keep_gguf_blocks`) holds its rows' blocks as one uint8
-parameter (N, K / block values * block bytes); tensor parallelism shards rows, or columns at
-block boundaries. Checkpoint tensors arrive as `GGUFBlocks` (a GGUF file's rows, not dequantized)
-or, from a weight update, as float tensors, quantized on arrival to the layer's block type (by the
-`gguf` package as llama.cpp's quantizer rounds them; K-quants by kquants.py). The products: tern's kernel dequantizes
-each block in registers exactly as the gguf package does and multiplies in float32 (what a
---dtype float32 server does: it computes with the file's dequantized weights). The fast path (any
-other --dtype) quantizes each 32-value block of the activations to int8 with its own scale and
-takes the products in integers, as llama.cpp does (csrc/linear_gguf.c), reading a copy of the
-rows repacked at load in groups of 8 (`repack_x8`, kept beside the blocks and re-derived by
-`repack_weights` whenever they change: every type's records within 3% of its blocks' bytes), 4 rows of x per unpacking from 4 rows: at any number of
-rows on AVX2 and AVX-512 (1.2-2.3x the float32 tiles), below 32 rows on tiers with bfloat16
-arithmetic, where from 32 rows the kernels' tiles are dequantized to bfloat16 and multiplied in
-bfloat16 (2-2.6x the float32 tiles at 32 rows) and from BF16_MIN_ROWS (long prefills) torch's
-bfloat16 GEMM multiplies the dequantized weight. A build without AVX2 takes the float32 products
-from 4 rows. The exact path from dequant_min_rows() rows dequantizes the weight once per call and
-the GEMM is torch's.
+parameter (N, K / block values * block bytes); tensor parallelism shards rows, or columns at block
+boundaries. Checkpoint tensors arrive as `GGUFBlocks` (a GGUF file's rows, not dequantized) or, from
+a weight update, as float tensors, quantized on arrival to the layer's block type (by the `gguf`
+package as llama.cpp's quantizer rounds them; K-quants by kquants.py). The products: tern's kernel
+dequantizes each block in registers exactly as the gguf package does and multiplies in float32 (what
+a --dtype float32 server does: it computes with the file's dequantized weights). The fast path (any
+other --dtype) quantizes each 32-value block of the activations to int8 with its own scale and takes
+the products in integers, as llama.cpp does (csrc/linear_gguf.c), reading a copy of the rows
+repacked at load in groups of 8 (`repack_x8`, kept beside the blocks and re-derived by
+`repack_weights` whenever they change: every type's records within 3% of its blocks' bytes), 4 rows
+of x per unpacking from 4 rows: at any number of rows on AVX2 and AVX-512 (1.2-2.3x the float32
+tiles), below 32 rows on tiers with bfloat16 arithmetic, where from 32 rows the kernels' tiles are
+dequantized to bfloat16 and multiplied in bfloat16 (2-2.6x the float32 tiles at 32 rows) and from
+BF16_MIN_ROWS (long prefills) torch's bfloat16 GEMM multiplies the dequantized weight. A build
+without AVX2 takes the float32 products from 4 rows. The exact path from dequant_min_rows() rows
+dequantizes the weight once per call and the GEMM is torch's.
 """
 
 from __future__ import annotations

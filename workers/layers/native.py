@@ -3,8 +3,8 @@
 `paged_decode_attention`, `f32_linear`, `bf16w_linear`, `bf16_gemv`, `int8_linear`,
 `int8_dequantize`, `lora_add`, `exponential_uniforms` and the elementwise ops wrap the C entry
 points: they check dtypes, devices and contiguity and raise ValueError on misuse rather than pass
-bad pointers. `load()` is the library
-this process uses, or None (kernels off or unbuildable): every caller then takes its torch path.
+bad pointers. `load()` is the library this process uses, or None (kernels off or unbuildable):
+every caller then takes its torch path.
 """
 
 from __future__ import annotations

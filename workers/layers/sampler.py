@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from workers.layers.logits_processors import (
 )
 
 _MASK32 = 0xFFFFFFFF
+_Int = TypeVar("_Int", int, torch.Tensor)  # the hash runs on int64 tensors and on plain ints
 # SamplingParams.is_greedy's bound (vLLM's _SAMPLING_EPS): a temperature at or below it is greedy.
 _ZERO_TEMPERATURE = 1e-5
 
@@ -131,15 +133,15 @@ class SamplingTensors:
         )
 
 
-def _mulmod32(x: torch.Tensor, c: int) -> torch.Tensor:
+def _mulmod32(x: _Int, c: int) -> _Int:
     """(x * c) mod 2^32 for x < 2^32, with every int64 intermediate below 2^49."""
     lo = x * (c & 0xFFFF)
     hi = ((x * (c >> 16)) & 0xFFFF) << 16
     return (lo + hi) & _MASK32
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser on int64 tensors holding values below 2^32."""
+def mix32(x: _Int) -> _Int:
+    """MurmurHash3's 32-bit finaliser on int64 tensors, or ints, holding values below 2^32."""
     x = x ^ (x >> 16)
     x = _mulmod32(x, 0x85EBCA6B)
     x = x ^ (x >> 13)
@@ -147,21 +149,12 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _mix32_int(x: int) -> int:
-    """mix32 of one value below 2^32."""
-    x ^= x >> 16
-    x = (x * 0x85EBCA6B) & _MASK32
-    x ^= x >> 13
-    x = (x * 0xC2B2AE35) & _MASK32
-    return x ^ (x >> 16)
-
-
 def row_key(seed: int, sample_index: int) -> int:
     """The 32-bit key of (a 64-bit seed, a sample index): plain ints, a batch's few rows cost
     less than a dozen tensor operations."""
-    h = _mix32_int((seed & _MASK32) ^ 0x9E3779B9)
-    h = _mix32_int(h ^ (seed >> 32))
-    return _mix32_int(h ^ (sample_index & _MASK32))
+    h = mix32((seed & _MASK32) ^ 0x9E3779B9)
+    h = mix32(h ^ (seed >> 32))
+    return mix32(h ^ (sample_index & _MASK32))
 
 
 def exponential_noise(row_keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -119,6 +119,10 @@ INLINE void k_scale_min(const uint8_t *s, int j, int *scale, int *min) {
     }
 }
 
+/* Q6_K's super-block: its float16 d at byte Q6_K_D, and the int8 scale of half h of chunk sub. */
+#define Q6_K_D 208
+INLINE int q6_k_scale(const uint8_t *b, int sub, int h) { return (int8_t)b[192 + 2 * sub + h]; }
+
 INLINE ChunkScale chunk_scale(const uint8_t *b, int type, int sub) {
     ChunkScale s = {{0.f, 0.f}, 0.f, 0};
     switch (type) {
@@ -131,9 +135,9 @@ INLINE ChunkScale chunk_scale(const uint8_t *b, int type, int sub) {
         return s;
     }
     case TERN_GGUF_Q6_K: {
-        float d = half_at(b + 208);
-        s.d[0] = d * (float)(int8_t)b[192 + 2 * sub];
-        s.d[1] = d * (float)(int8_t)b[192 + 2 * sub + 1];
+        float d = half_at(b + Q6_K_D);
+        s.d[0] = d * (float)q6_k_scale(b, sub, 0);
+        s.d[1] = d * (float)q6_k_scale(b, sub, 1);
         s.offset = 32;
         return s;
     }
@@ -476,7 +480,10 @@ INLINE int x8_has_min(int type) {
 /* The offset subtracted from the integer sums (Q4_0, Q5_0, Q6_K), per half of a chunk where the
  * type has a scale per half (the activations' sums of each 16 values). */
 INLINE int x8_int_offset(int type) {
-    return type == TERN_GGUF_Q4_0 ? 8 : type == TERN_GGUF_Q5_0 ? 16 : type == TERN_GGUF_Q6_K ? 32 : 0;
+    return type == TERN_GGUF_Q4_0   ? 8
+           : type == TERN_GGUF_Q5_0 ? 16
+           : type == TERN_GGUF_Q6_K ? 32
+                                    : 0;
 }
 
 /* Whether the type's records come in super-blocks (the K-quants): a header of each row's float16
@@ -529,9 +536,9 @@ INLINE void x8_pack_chunk(const uint8_t *b, int type, int sub, int r, uint8_t *h
     chunk_ints(b, type, sub, q);
     int kind = x8_kind(type);
     if (type == TERN_GGUF_Q6_K) { /* d, then the int8 scales of the chunk's two halves */
-        memcpy(header + 2 * r, b + 208, 2);
-        record[r] = b[192 + 2 * sub];
-        record[X8 + r] = b[192 + 2 * sub + 1];
+        memcpy(header + 2 * r, b + Q6_K_D, 2);
+        record[r] = (uint8_t)q6_k_scale(b, sub, 0);
+        record[X8 + r] = (uint8_t)q6_k_scale(b, sub, 1);
     } else if (x8_super(type)) { /* d and dmin, then the 6-bit scale and minimum */
         int scale, min;
         k_scale_min(b + 4, sub, &scale, &min);
