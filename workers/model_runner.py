@@ -51,7 +51,7 @@ from workers.draft_model import DraftModel
 from workers.gguf_weights import gguf_file_of
 from workers.head_drafter import HeadDrafter
 from workers.kv_cache_groups import KVCacheGroup
-from workers.layers import kernel_library, kv_int8, native
+from workers.layers import fused_decode, kernel_library, kv_int8, native
 from workers.layers.attention import Attention, build_attention_metadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.gated_delta_net import CHUNK, GatedDeltaNet
@@ -324,6 +324,16 @@ class ModelRunner:
             for module in model.modules():
                 if isinstance(module, (LinearBase, ParallelLMHead, RMSNorm)):
                     module.repack_weights()
+        self.storage_moved()
+
+    def storage_moved(self) -> None:
+        """The weights' or KV cache's storage may have moved (a control call, the cache allocated
+        or freed, the weights repacked): the fused layers check their tensors' addresses at their
+        next call (fused_decode.py), not at every step."""
+        assert self.model is not None
+        fused_decode.storage_moved(self.model)
+        if isinstance(self.draft, DraftModel):
+            fused_decode.storage_moved(self.draft.model)
 
     def draft_weights(self) -> torch.nn.Module | None:
         """The speculative draft whose weights live apart from the served model's, which weight
@@ -466,20 +476,18 @@ class ModelRunner:
         self.num_kv_blocks = num_blocks
         self.num_state_checkpoints = num_state_checkpoints
         self.requests.clear()
+        self.storage_moved()
 
     def kernel_report(self) -> str:
         """Which CPU kernels this worker runs and whether its decoder layers run fused, for the
         start-up log (once the KV cache is allocated: the fused path depends on it)."""
-        from workers.layers.fused_decode import FusedDecodeLayer
-        from workers.layers.kernel_library import describe
-
         assert self.model is not None
         if self.device.type != "cpu":
             return "kernels: not used on " + self.device.type
         fused = [
             f
             for m in self.model.modules()
-            if isinstance(f := getattr(m, "fused_decode", None), FusedDecodeLayer)
+            if isinstance(f := getattr(m, "fused_decode", None), fused_decode.FusedDecodeLayer)
         ]
         reasons = {r for r in (f.off_reason() for f in fused)}
         moe = any(isinstance(m, SparseMoE) for m in self.model.modules())
@@ -489,7 +497,7 @@ class ModelRunner:
             state = "on" + (" (then each layer's experts, grouped by expert)" if moe else "")
         else:
             state = "off, reason: " + "; ".join(sorted(r for r in reasons if r is not None))
-        return f"{describe()}, fused decode layer: {state}"
+        return f"{kernel_library.describe()}, fused decode layer: {state}"
 
     def release_kv_cache(self) -> None:
         """Frees the KV cache (sleep); init_kv_cache(self.num_kv_blocks,
@@ -502,6 +510,7 @@ class ModelRunner:
             self.draft.release_kv_cache()
         self.kv_cache = None
         self.requests.clear()
+        self.storage_moved()
 
     # ------------------------------------------------------------------ properties
 

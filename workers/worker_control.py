@@ -110,7 +110,10 @@ class WorkerControl:
         return self.runner.model
 
     def handle(self, call: ControlCall) -> None:
-        self._handlers[type(call)](call)
+        try:
+            self._handlers[type(call)](call)
+        finally:  # a call that failed half-way may have moved storage too
+            self.runner.storage_moved()
 
     # ------------------------------------------------------------------ weight updates
 

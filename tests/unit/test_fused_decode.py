@@ -205,6 +205,7 @@ def _serve_lora(runner: ModelRunner, seed: int = 0) -> list[LinearBase]:
         batch.slots = pattern.repeat(-(-n // 4))[:n].contiguous()
 
     runner.model.register_forward_pre_hook(take_slots)
+    runner.storage_moved()  # the adapters came outside a control call (LoadLora)
     return linears
 
 
