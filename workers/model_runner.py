@@ -331,9 +331,9 @@ class ModelRunner:
         or freed, the weights repacked): the fused layers check their tensors' addresses at their
         next call (fused_decode.py), not at every step."""
         assert self.model is not None
-        fused_decode.storage_moved(self.model)
-        if isinstance(self.draft, DraftModel):
-            fused_decode.storage_moved(self.draft.model)
+        draft = self.draft_weights()
+        for model in (self.model,) if draft is None else (self.model, draft):
+            fused_decode.storage_moved(model)
 
     def draft_weights(self) -> torch.nn.Module | None:
         """The speculative draft whose weights live apart from the served model's, which weight
@@ -484,11 +484,7 @@ class ModelRunner:
         assert self.model is not None
         if self.device.type != "cpu":
             return "kernels: not used on " + self.device.type
-        fused = [
-            f
-            for m in self.model.modules()
-            if isinstance(f := getattr(m, "fused_decode", None), fused_decode.FusedDecodeLayer)
-        ]
+        fused = fused_decode.fused_layers(self.model)
         reasons = {r for r in (f.off_reason() for f in fused)}
         moe = any(isinstance(m, SparseMoE) for m in self.model.modules())
         if not fused:

@@ -234,11 +234,19 @@ class FusedDecodeLayer:
         return self._fixed
 
 
+def fused_layers(model: torch.nn.Module) -> list[FusedDecodeLayer]:
+    """The fused paths of `model`'s decoder layers (those that have one)."""
+    return [
+        f
+        for m in model.modules()
+        if isinstance(f := getattr(m, "fused_decode", None), FusedDecodeLayer)
+    ]
+
+
 def storage_moved(model: torch.nn.Module) -> None:
     """Every fused layer of `model` checks its tensors' addresses at its next call."""
-    for module in model.modules():
-        if isinstance(fused := getattr(module, "fused_decode", None), FusedDecodeLayer):
-            fused.storage_moved()
+    for fused in fused_layers(model):
+        fused.storage_moved()
 
 
 class FusableLayer(Protocol):
