@@ -226,10 +226,10 @@ DEFINE_SCORES(bf16, uint16_t)
 /* A block's scores, out[g * out_stride + t] for its n tokens (token t's key row at k0 + t *
  * stride) and the G query heads. On AVX2 (D % 8 == 0, float32 queries) 8 tokens at a time: per
  * query head and token one accumulator over the row, and the 8 tokens' horizontal sums taken
- * together (hsum8_in_order), not one by one; at 32 sequences one-by-one scores made the float32
- * cache's attention bound by instructions (17 GB/s, ~12 GMAC/s on 2 cores). A token past the last
- * full 8 takes the same sums in the same order (hsum_in_hsum8_order), so a score does not depend
- * on where its token falls. */
+ * together (hsum8_in_order: 9 shuffles and adds for 8 scores, where one score's own horizontal
+ * sum takes 5-6): fewer instructions where the cache is in L2 (streamed from memory, the loop is
+ * bound by memory either way). A token past the last full 8 takes the same sums in the same order
+ * (hsum_in_hsum8_order), so a score does not depend on where its token falls. */
 #ifdef __AVX2__
 /* The horizontal sums of a[0..7], in order. */
 static inline __m256 hsum8_in_order(const __m256 *a) {
