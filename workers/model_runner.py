@@ -331,9 +331,9 @@ class ModelRunner:
         or freed, the weights repacked): the fused layers check their tensors' addresses at their
         next call (fused_decode.py), not at every step."""
         assert self.model is not None
-        draft = self.draft_weights()
-        for model in (self.model,) if draft is None else (self.model, draft):
-            fused_decode.storage_moved(model)
+        fused_decode.storage_moved(self.model)
+        if (draft := self.draft_weights()) is not None:
+            fused_decode.storage_moved(draft)
 
     def draft_weights(self) -> torch.nn.Module | None:
         """The speculative draft whose weights live apart from the served model's, which weight

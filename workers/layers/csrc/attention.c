@@ -247,17 +247,19 @@ static inline float hsum_in_hsum8_order(__m256 a) {
 }
 #endif
 
-#define DEFINE_BLOCK_SCORES(SUFFIX, KV_T)                                                         \
+/* EIGHT_AT_A_TIME: whether the 8-token loop takes the cache's rows (load8_##SUFFIX widens them
+ * to the values a float32 cache holds; not the int8 rows, whose scales it does not apply). */
+#define DEFINE_BLOCK_SCORES(SUFFIX, KV_T, EIGHT_AT_A_TIME)                                        \
     static inline void block_scores_##SUFFIX(const float *qh, const uint16_t *qbh,               \
                                              const KV_T *k0, int64_t stride, int n, int D,        \
                                              float scale, int G, float *out, int out_stride) {    \
-        BLOCK_SCORES_AVX2(SUFFIX)                                                                 \
+        BLOCK_SCORES_AVX2(SUFFIX, EIGHT_AT_A_TIME)                                                \
         for (int t = 0; t < n; t++)                                                               \
             SCORES_##SUFFIX(qh, qbh, k0 + t * stride, D, scale, G, out + t, out_stride);          \
     }
 #ifdef __AVX2__
-#define BLOCK_SCORES_AVX2(SUFFIX)                                                                 \
-    if (D % 8 == 0 && qbh == NULL) {                                                              \
+#define BLOCK_SCORES_AVX2(SUFFIX, EIGHT_AT_A_TIME)                                                \
+    if (EIGHT_AT_A_TIME && D % 8 == 0 && qbh == NULL) {                                           \
         for (int g = 0; g < G; g++) {                                                             \
             const float *qg = qh + (int64_t)g * D;                                                \
             float *sg = out + (int64_t)g * out_stride;                                            \
@@ -285,10 +287,10 @@ static inline float hsum_in_hsum8_order(__m256 a) {
         return;                                                                                   \
     }
 #else
-#define BLOCK_SCORES_AVX2(SUFFIX)
+#define BLOCK_SCORES_AVX2(SUFFIX, EIGHT_AT_A_TIME)
 #endif
-DEFINE_BLOCK_SCORES(f32, float)
-DEFINE_BLOCK_SCORES(bf16, uint16_t)
+DEFINE_BLOCK_SCORES(f32, float, 1)
+DEFINE_BLOCK_SCORES(bf16, uint16_t, 1)
 
 /* An int8 key row is widened and scaled once, into the float32 values a float32 cache would hold
  * (the same products, so the same scores), then dotted with each of the G queries. */
@@ -311,15 +313,7 @@ static inline void scores_i8(const float *qh, const uint16_t *qbh, const int8_t 
     (void)scale;
 }
 #define SCORES_i8 scores_i8
-#define BLOCK_SCORES_f32 block_scores_f32
-#define BLOCK_SCORES_bf16 block_scores_bf16
-static inline void block_scores_i8(const float *qh, const uint16_t *qbh, const int8_t *k0,
-                                   int64_t stride, int n, int D, float scale, int G, float *out,
-                                   int out_stride) {
-    for (int t = 0; t < n; t++)
-        scores_i8(qh, qbh, k0 + t * stride, D, scale, G, out + t, out_stride);
-}
-#define BLOCK_SCORES_i8 block_scores_i8
+DEFINE_BLOCK_SCORES(i8, int8_t, 0)
 
 /* s[t] = exp(s[t] - m) for t < n (every s[t] <= m); returns their sum. */
 static inline float exp_sub(float *s, int n, float m) {
@@ -392,7 +386,7 @@ static inline void prefetch_rows(const char *p, int n, int64_t row_stride, int r
                     prefetch_rows((const char *)(k + next + t0 * slot_stride), nt, row_stride,   \
                                   slot_bytes);                                                   \
                 for (int h = 0; h < nh; h++)                                                     \
-                    BLOCK_SCORES_##SUFFIX(qs + (int64_t)h * G * D,                               \
+                    block_scores_##SUFFIX(qs + (int64_t)h * G * D,                               \
                                           qb != NULL ? qb + (int64_t)h * G * D : NULL,           \
                                           k + (base + t0) * slot_stride + h * HEAD_##SUFFIX(D),  \
                                           slot_stride, nt, D, scale, G,                          \
