@@ -48,22 +48,7 @@ class EngineCore:
         self.model_task: ModelTask = read_model_task(config.model.path, config.model.task)
         hybrid = self.model_task.has_linear_attention
         if hybrid and config.cache.enable_prefix_caching:
-            if executor.num_state_checkpoints:
-                logger.info(
-                    "prefix caching on %s: %d linear-attention state checkpoints, taken every "
-                    "%d tokens and at each prompt's last block", self.model_task.architecture,
-                    executor.num_state_checkpoints, executor.state_checkpoint_interval,
-                )  # fmt: skip
-            else:
-                # A hit would skip tokens whose linear-attention state is kept nowhere.
-                logger.warning(
-                    "prefix caching is off: --kv-cache-memory leaves no room for a checkpoint "
-                    "of %s's linear-attention states", self.model_task.architecture,
-                )  # fmt: skip
-                config = dataclasses.replace(
-                    config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False)
-                )
-                self.config = config
+            config = self.config = self._hybrid_prefix_caching(config, executor)
         if config.speculative.enabled and config.model.enable_return_routed_experts:
             raise ValueError("speculative decoding and --enable-return-routed-experts exclude "
                              "each other: drafts' routing is not recorded")  # fmt: skip
@@ -95,6 +80,25 @@ class EngineCore:
         )
         self._on_adapter: dict[str, Request] = {}  # requests in flight on a LoRA adapter
         self._load_startup_adapters()
+
+    def _hybrid_prefix_caching(self, config: Config, executor: Executor) -> Config:
+        """A hybrid model caches prefixes only with room for its linear-attention state
+        checkpoints; the config without prefix caching where there is none."""
+        if executor.num_state_checkpoints:
+            logger.info(
+                "prefix caching on %s: %d linear-attention state checkpoints, taken every "
+                "%d tokens and at each prompt's last block", self.model_task.architecture,
+                executor.num_state_checkpoints, executor.state_checkpoint_interval,
+            )  # fmt: skip
+            return config
+        # A hit would skip tokens whose linear-attention state is kept nowhere.
+        logger.warning(
+            "prefix caching is off: --kv-cache-memory leaves no room for a checkpoint "
+            "of %s's linear-attention states", self.model_task.architecture,
+        )  # fmt: skip
+        return dataclasses.replace(
+            config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False)
+        )
 
     def _run_on_workers(self, call: ControlCall) -> None:
         errors = self.executor.run_control(call)

@@ -20,35 +20,25 @@ import logging
 import multiprocessing
 import os
 import socket
-import threading
 import time
-from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Protocol
 
-import msgspec
 import psutil
 import zmq
 
-from enginecore.config import Config, ParallelConfig
+from enginecore.config import Config
 from enginecore.kv_cache_manager import servable_len
 from enginecore.messages import (
     BitmaskSource,
     Codec,
     ControlCall,
-    CoreToNode,
     ExecuteModel,
     GrammarBitmasks,
     InitKVCache,
     ModelRunnerOutput,
-    NodeAck,
     NodeBootstrap,
-    NodeHeartbeat,
-    NodeHello,
-    NodeStop,
-    NodeToCore,
-    NodeWorkerExited,
     RoutingShape,
     SchedulerOutput,
     Shutdown,
@@ -57,6 +47,7 @@ from enginecore.messages import (
     WorkerReply,
     WorkerResult,
 )
+from enginecore.node_monitor import NodeMonitor
 from enginecore.shm_broadcast import MessageQueue
 
 logger = logging.getLogger("tern.executor")
@@ -66,8 +57,6 @@ POLL_INTERVAL_MS = 200
 KILLED_PEER_GRACE_S = 1.0
 # A worker stopped (SIGSTOP) for this long counts as dead: it would hold every step forever.
 STOPPED_WORKER_GRACE_S = 5.0
-# A node whose launcher sends no heartbeat for this long counts as dead (and node 0, to the others).
-NODE_TIMEOUT_S = 5.0
 
 
 def _is_stopped(pid: int) -> bool:
@@ -118,28 +107,44 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
-class InProcExecutor:
+class _ExecutorBase:
+    """What both executors share: execute_model as its two halves, and the limits that follow
+    from the model and the KV cache once it is sized."""
+
+    def execute_model(
+        self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None
+    ) -> ModelRunnerOutput:
+        self.submit_step(step, bitmasks)  # type: ignore[attr-defined]
+        return self.collect_step()  # type: ignore[attr-defined]
+
+    def _adopt_model(self, config: Config, driver: WorkerReady) -> None:
+        """Takes the model's facts from the driver rank's report; num_kv_blocks is set."""
+        self.kv_cache_windows = driver.kv_cache_windows
+        self.routing_shape = driver.routing_shape
+        self.max_model_len = servable_len(
+            driver.max_model_len, self.num_kv_blocks, config.cache.block_size,
+            self.kv_cache_windows, config.scheduler.max_num_batched_tokens,
+        )  # fmt: skip
+        self.vocab_size = driver.vocab_size
+        self.model_summary = driver.model_summary
+
+
+class InProcExecutor(_ExecutorBase):
     def __init__(self, config: Config) -> None:
         from workers.model_runner import ModelRunner  # torch only where a runner lives
         from workers.worker_control import WorkerControl
+        from workers.worker_proc import ready_report
 
         self.runner = ModelRunner(config, rank=0)
         self.runner.load_model()
         self._output: ModelRunnerOutput | None = None
         self.control = WorkerControl(self.runner, rank=0)
-        self.num_kv_blocks = self.runner.num_kv_blocks_for_memory()
-        self.num_state_checkpoints, self.state_checkpoint_interval = (
-            self.runner.plan_state_checkpoints()
-        )
+        ready = ready_report(self.runner, 0, self.runner.num_kv_blocks_for_memory())
+        self.num_kv_blocks = ready.num_kv_blocks
+        self.num_state_checkpoints = ready.num_state_checkpoints
+        self.state_checkpoint_interval = ready.state_checkpoint_interval
         self.runner.init_kv_cache(self.num_kv_blocks, self.num_state_checkpoints)
-        self.routing_shape = self.runner.routing_shape()
-        self.kv_cache_windows = [g.window for g in self.runner.kv_cache_groups]
-        self.max_model_len = servable_len(
-            self.runner.max_model_len, self.num_kv_blocks, config.cache.block_size,
-            self.kv_cache_windows, config.scheduler.max_num_batched_tokens,
-        )  # fmt: skip
-        self.vocab_size = self.runner.vocab_size
-        self.model_summary = self.runner.model_summary
+        self._adopt_model(config, ready)
 
     def submit_step(self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None) -> None:
         self._output = self.runner.execute_model(step, bitmasks)
@@ -148,12 +153,6 @@ class InProcExecutor:
         output, self._output = self._output, None
         assert output is not None, "no step was submitted"
         return output
-
-    def execute_model(
-        self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None
-    ) -> ModelRunnerOutput:
-        self.submit_step(step, bitmasks)
-        return self.collect_step()
 
     def run_control(self, call: ControlCall) -> list[str]:
         try:
@@ -166,7 +165,7 @@ class InProcExecutor:
         pass
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(_ExecutorBase):
     """tp x pp worker processes on this node; the step goes out once, the driver rank answers it.
 
     Rank r is TP rank r % tp of pipeline stage r // tp. The workers join one torch.distributed world
@@ -177,8 +176,6 @@ class MultiprocExecutor:
     """
 
     def __init__(self, config: Config) -> None:
-        from workers.worker_proc import run_worker
-
         parallel = config.parallel
         if parallel.node_rank != 0:
             raise ValueError("the engine core runs on node 0; other nodes only run workers")
@@ -195,10 +192,10 @@ class MultiprocExecutor:
         self._ctx = zmq.Context()
         self._replies = self._ctx.socket(zmq.PULL)
         self._replies.setsockopt(zmq.LINGER, 0)
-        reply_addr = config.ipc_path("worker_output")
+        self._reply_addr = config.ipc_path("worker_output")
         self._ipc_dir = config.ipc_dir
-        self._reply_file = reply_addr.removeprefix("ipc://")  # removed at shutdown
-        self._replies.bind(reply_addr)
+        self._reply_file = self._reply_addr.removeprefix("ipc://")  # removed at shutdown
+        self._replies.bind(self._reply_addr)
         # With several nodes, everything other nodes reach listens on --dist-init-addr's host.
         host = "127.0.0.1"
         if parallel.nnodes > 1:
@@ -211,56 +208,64 @@ class MultiprocExecutor:
             parent_dir=config.ipc_dir,
         )
         try:
-            store_addr = parallel.dist_init_addr
-            if parallel.nnodes > 1 or store_addr is None:
-                store_addr = f"{host}:{free_port(host)}"
-            config = config.replace(
-                parallel=dataclasses.replace(parallel, dist_init_addr=store_addr)
-            )
-            if parallel.nnodes > 1:
-                remote_reply_port = self._replies.bind_to_random_port(f"tcp://{host}")
-                bootstrap = NodeBootstrap(
-                    self._mq.export_handle(), f"tcp://{host}:{remote_reply_port}", store_addr
-                )
-                self._nodes = NodeMonitor(self._ctx, parallel, bootstrap)
-            self.config = config
-            mp = multiprocessing.get_context("spawn")
-            for rank in parallel.node_ranks:
-                proc = mp.Process(
-                    target=run_worker,
-                    args=(config, rank, self._mq.export_handle(), reply_addr),
-                    name=f"tern-worker-{rank}",
-                )
-                proc.start()
-                self.procs.append(proc)
-            if self._nodes is not None:
-                self._nodes.wait_for_nodes(config.startup_timeout_s, self.check_health)
-            self._mq.wait_until_ready(timeout=config.startup_timeout_s)
-            readies = self._gather(WorkerReady, config.startup_timeout_s)
-            self.num_kv_blocks = min(r.num_kv_blocks for r in readies)
-            if self.num_kv_blocks < 1:
-                raise RuntimeError("--kv-cache-memory is too small for one KV-cache block")
-            # Pipeline stages without linear-attention layers keep no checkpoints.
-            planned = [r for r in readies if r.state_checkpoint_interval]
-            self.num_state_checkpoints = min((r.num_state_checkpoints for r in planned), default=0)
-            self.state_checkpoint_interval = max(
-                (r.state_checkpoint_interval for r in planned), default=0
-            )
-            self._broadcast(InitKVCache(self.num_kv_blocks, self.num_state_checkpoints))
-            self._gather(WorkerResult, config.startup_timeout_s)
+            self.config = self._with_store(config, host)
+            self._start_workers(self.config)
+            driver = self._init_kv_cache(self.config)
         except BaseException:
             self._failed = True
             self.shutdown()
             raise
-        driver = readies[self.driver_rank]
-        self.kv_cache_windows = driver.kv_cache_windows
-        self.routing_shape = driver.routing_shape
-        self.max_model_len = servable_len(
-            driver.max_model_len, self.num_kv_blocks, config.cache.block_size,
-            self.kv_cache_windows, config.scheduler.max_num_batched_tokens,
-        )  # fmt: skip
-        self.vocab_size = driver.vocab_size
-        self.model_summary = driver.model_summary
+        self._adopt_model(self.config, driver)
+
+    def _with_store(self, config: Config, host: str) -> Config:
+        """The config with the workers' TCP store address (a free port here unless one node was
+        given one), after starting the other nodes' monitor with several nodes."""
+        parallel = config.parallel
+        store_addr = parallel.dist_init_addr
+        if parallel.nnodes > 1 or store_addr is None:
+            store_addr = f"{host}:{free_port(host)}"
+        if parallel.nnodes > 1:
+            remote_reply_port = self._replies.bind_to_random_port(f"tcp://{host}")
+            bootstrap = NodeBootstrap(
+                self._mq.export_handle(), f"tcp://{host}:{remote_reply_port}", store_addr
+            )
+            self._nodes = NodeMonitor(self._ctx, parallel, bootstrap)
+        return config.replace(parallel=dataclasses.replace(parallel, dist_init_addr=store_addr))
+
+    def _start_workers(self, config: Config) -> None:
+        """Spawns this node's ranks and waits until every rank (of every node) reads the
+        broadcast."""
+        from workers.worker_proc import run_worker
+
+        mp = multiprocessing.get_context("spawn")
+        for rank in config.parallel.node_ranks:
+            proc = mp.Process(
+                target=run_worker,
+                args=(config, rank, self._mq.export_handle(), self._reply_addr),
+                name=f"tern-worker-{rank}",
+            )
+            proc.start()
+            self.procs.append(proc)
+        if self._nodes is not None:
+            self._nodes.wait_for_nodes(config.startup_timeout_s, self.check_health)
+        self._mq.wait_until_ready(timeout=config.startup_timeout_s)
+
+    def _init_kv_cache(self, config: Config) -> WorkerReady:
+        """Sizes the KV cache to the rank with the least room, has every rank allocate it, and
+        returns the driver rank's report."""
+        readies = self._gather(WorkerReady, config.startup_timeout_s)
+        self.num_kv_blocks = min(r.num_kv_blocks for r in readies)
+        if self.num_kv_blocks < 1:
+            raise RuntimeError("--kv-cache-memory is too small for one KV-cache block")
+        # Pipeline stages without linear-attention layers keep no checkpoints.
+        planned = [r for r in readies if r.state_checkpoint_interval]
+        self.num_state_checkpoints = min((r.num_state_checkpoints for r in planned), default=0)
+        self.state_checkpoint_interval = max(
+            (r.state_checkpoint_interval for r in planned), default=0
+        )
+        self._broadcast(InitKVCache(self.num_kv_blocks, self.num_state_checkpoints))
+        self._gather(WorkerResult, config.startup_timeout_s)
+        return readies[self.driver_rank]
 
     def submit_step(self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None) -> None:
         self._broadcast(ExecuteModel(step))
@@ -272,12 +277,6 @@ class MultiprocExecutor:
         (result,) = self._gather(WorkerResult, timeout=None, ranks=1)
         assert result.rank == self.driver_rank and result.output is not None, result
         return result.output
-
-    def execute_model(
-        self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None
-    ) -> ModelRunnerOutput:
-        self.submit_step(step, bitmasks)
-        return self.collect_step()
 
     def run_control(self, call: ControlCall) -> list[str]:
         """Runs a control call on every rank; returns the errors of the ranks that failed."""
@@ -377,111 +376,6 @@ class MultiprocExecutor:
         with contextlib.suppress(OSError):  # an in-process engine core's; a server's frontend
             os.unlink(self._reply_file)  # removes its own, which holds its sockets too
             os.rmdir(self._ipc_dir)
-
-
-class NodeMonitor:
-    """Node 0's end of the other nodes' worker launchers (--nnodes > 1), on a thread of its own so
-    that heartbeats are answered while a step runs.
-
-    Binds a ROUTER socket at --dist-init-addr, answers each node's `NodeHello` with the bootstrap,
-    acknowledges heartbeats, and records what went wrong for `check_health` to raise: a node's
-    worker exited, or a node fell silent for NODE_TIMEOUT_S. On close it tells every node to stop.
-    """
-
-    def __init__(
-        self, ctx: zmq.Context, parallel: ParallelConfig, bootstrap: NodeBootstrap
-    ) -> None:
-        assert parallel.dist_init_addr is not None
-        self.parallel = parallel
-        self.bootstrap = bootstrap
-        self.error: str | None = None  # the first failure of another node
-        self.killed: str | None = None  # the same, when a worker died of a signal
-        self.num_joined = 0
-        self._last_seen: dict[int, float] = {}  # node rank -> monotonic time of its last message
-        self._sock = ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 1000)
-        host, _, port = parallel.dist_init_addr.rpartition(":")
-        try:
-            self._sock.bind(f"tcp://{socket.gethostbyname(host)}:{port}")
-        except zmq.ZMQError as e:
-            self._sock.close(linger=0)
-            raise ValueError(f"--dist-init-addr {parallel.dist_init_addr}: {e}") from None
-        self._in = Codec(NodeToCore)
-        self._out = Codec(CoreToNode)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tern-node-monitor", daemon=True)
-        self._thread.start()
-
-    def wait_for_nodes(self, timeout: float, check_health: Callable[[], None]) -> None:
-        deadline = time.monotonic() + timeout
-        while self.num_joined < self.parallel.nnodes - 1:
-            check_health()
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{self.num_joined} of {self.parallel.nnodes - 1} other nodes joined within "
-                    f"{timeout:.0f} s (is `--node-rank N --dist-init-addr "
-                    f"{self.parallel.dist_init_addr}` running on each?)"
-                )
-            time.sleep(0.05)
-
-    def _fail(self, error: str, killed: bool = False) -> None:
-        if self.error is None:
-            logger.error("%s", error)
-            self.error = error
-        if killed and self.killed is None:
-            self.killed = error
-
-    def _handle(self, ident: bytes, msg: object, peers: dict[int, bytes]) -> None:
-        if isinstance(msg, NodeHello):
-            error = None
-            if msg.world_size != self.parallel.world_size:
-                error = f"node {msg.node_rank} runs tp x pp = {msg.world_size}, node 0 runs {self.parallel.world_size}"
-            elif not 0 < msg.node_rank < self.parallel.nnodes or msg.node_rank in peers:
-                error = f"unexpected or duplicate --node-rank {msg.node_rank}"
-            reply = (
-                self.bootstrap
-                if error is None
-                else msgspec.structs.replace(self.bootstrap, error=error)
-            )
-            self._sock.send_multipart([ident, self._out.encode(reply)])
-            if error is None:
-                peers[msg.node_rank] = ident
-                self._last_seen[msg.node_rank] = time.monotonic()
-                self.num_joined = len(peers)
-            else:
-                self._fail(error)
-        elif isinstance(msg, NodeHeartbeat):
-            self._last_seen[msg.node_rank] = time.monotonic()
-            self._sock.send_multipart([ident, self._out.encode(NodeAck())])
-        elif isinstance(msg, NodeWorkerExited):
-            self._fail(
-                f"worker tern-worker-{msg.rank} on node {msg.node_rank} died "
-                f"(exit code {msg.exitcode})",
-                killed=msg.exitcode not in (0, 1),
-            )
-
-    def _run(self) -> None:
-        peers: dict[int, bytes] = {}
-        try:
-            while not self._stop.is_set():
-                if self._sock.poll(100):
-                    ident, data = self._sock.recv_multipart()
-                    try:
-                        self._handle(ident, self._in.decode(data), peers)
-                    except msgspec.ValidationError as e:
-                        logger.error("dropping a malformed node message: %s", e)
-                now = time.monotonic()
-                for node, seen in self._last_seen.items():
-                    if now - seen > NODE_TIMEOUT_S:
-                        self._fail(f"node {node} sent no heartbeat for {NODE_TIMEOUT_S:.0f} s")
-            for ident in peers.values():
-                self._sock.send_multipart([ident, self._out.encode(NodeStop())])
-        finally:
-            self._sock.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5.0)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

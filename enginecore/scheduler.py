@@ -62,26 +62,13 @@ class Scheduler:
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
-        caching, checkpoints = config.cache.enable_prefix_caching, None
-        if num_state_slots and caching:
-            if num_state_checkpoints:
-                checkpoints = StateCheckpoints(num_state_checkpoints, state_checkpoint_interval)
-            else:
-                caching = False  # a hit could not restore the linear-attention states
         self.routing_shape = routing_shape
         self.num_experts = num_experts
         self.expert_tokens_total: list[int] = []  # layers x experts, layer-major
-        routing = None
-        if routing_shape is not None and caching:
-            routing = RoutingCache(num_kv_blocks, self.block_size, routing_shape.row_bytes)
-        self.kv = KVCacheManager(
-            num_kv_blocks,
-            self.block_size,
-            caching,
-            kv_cache_windows,
-            checkpoints,
-            routing,
-        )
+        self.kv = self._kv_cache_manager(
+            config, num_kv_blocks, kv_cache_windows, num_state_slots, num_state_checkpoints,
+            state_checkpoint_interval,
+        )  # fmt: skip
         self.requests: dict[str, Request] = {}
         self.num_state_slots = num_state_slots
         self.free_state_slots = list(reversed(range(num_state_slots)))
@@ -94,6 +81,28 @@ class Scheduler:
         self.num_generated_tokens_total = 0
         # Speculative decoding: drafts for decoding sequences (enginecore/speculative.py).
         self.drafter = Drafter(config.speculative) if config.speculative.enabled else None
+
+    def _kv_cache_manager(
+        self,
+        config: Config,
+        num_kv_blocks: int,
+        kv_cache_windows: Sequence[int | None],
+        num_state_slots: int,
+        num_state_checkpoints: int,
+        state_checkpoint_interval: int,
+    ) -> KVCacheManager:
+        caching, checkpoints = config.cache.enable_prefix_caching, None
+        if num_state_slots and caching:
+            if num_state_checkpoints:
+                checkpoints = StateCheckpoints(num_state_checkpoints, state_checkpoint_interval)
+            else:
+                caching = False  # a hit could not restore the linear-attention states
+        routing = None
+        if self.routing_shape is not None and caching:
+            routing = RoutingCache(num_kv_blocks, self.block_size, self.routing_shape.row_bytes)
+        return KVCacheManager(
+            num_kv_blocks, self.block_size, caching, kv_cache_windows, checkpoints, routing
+        )
 
     # ----------------------------------------------------------------------------- requests in and out
 
@@ -155,10 +164,19 @@ class Scheduler:
         """The next step. admit_waiting=False (a pause that drains): running and preempted
         requests only, so that every started request finishes under the weights it began with."""
         self._step_id += 1
-        budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        preempted = False
+        budget, preempted = self._schedule_running(scheduled)
+        # A step that had to preempt admits nobody new: the pool is the bottleneck.
+        if not preempted:
+            self._admit_waiting(scheduled, budget, admit_waiting)
+        finished, self._finished_req_ids = self._finished_req_ids, []
+        return SchedulerOutput(self._step_id, scheduled, finished)
 
+    def _schedule_running(self, scheduled: list[ScheduledRequest]) -> tuple[int, bool]:
+        """Running requests' next chunks (and drafts), in order, preempting from the back when
+        the pool is full; returns the token budget left and whether anybody was preempted."""
+        budget = self.max_num_batched_tokens
+        preempted = False
         drafts_of = self._plan_drafts(budget)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -183,13 +201,16 @@ class Scheduler:
             scheduled.append(self._schedule_chunk(request, num_new, new_block_ids, drafts))
             budget -= num_new + len(drafts)
             i += 1
+        return budget, preempted
 
-        # A step that had to preempt admits nobody new: the pool is the bottleneck.
+    def _admit_waiting(
+        self, scheduled: list[ScheduledRequest], budget: int, admit_waiting: bool
+    ) -> None:
+        """Starts waiting requests (preempted ones lead the queue) while the budget, the
+        sequence limit and the pool allow."""
         not_ready: list[Request] = []  # grammars compiling, adapters not in: they keep their place
         adapters = self.running_adapters() if self.max_loras else set()
-        while self.waiting and budget > 0 and not preempted:
-            if len(self.running) >= self.max_num_seqs:
-                break
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if not admit_waiting and request.status != RequestStatus.PREEMPTED:
                 break  # a pause resumes only started requests (preempted ones lead the queue)
@@ -206,18 +227,7 @@ class Scheduler:
             if not request.skips_prefix_cache:
                 self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             self.waiting.popleft()
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.time()
-            request.status = RequestStatus.RUNNING
-            if self.num_state_slots:
-                # NOTE: never empty: at most max_num_seqs run, and there are as many slots.
-                request.state_slot = self.free_state_slots.pop()
-            request.num_computed_tokens = num_cached
-            if self.routing_shape is not None:
-                self._start_routing(request, num_cached)
-            self.running.append(request)
+            self._start_running(request, num_cached)
             if request.lora is not None:
                 adapters.add(request.lora)
             # NOTE: before the chunk reserves checkpoints of its own, which may evict this one.
@@ -226,10 +236,22 @@ class Scheduler:
             chunk.restore_checkpoint = restore
             scheduled.append(chunk)
             budget -= num_new
-
         self.waiting.extendleft(reversed(not_ready))
-        finished, self._finished_req_ids = self._finished_req_ids, []
-        return SchedulerOutput(self._step_id, scheduled, finished)
+
+    def _start_running(self, request: Request, num_cached: int) -> None:
+        """A request taken from the waiting queue runs from its cached prefix on."""
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.time()
+        request.status = RequestStatus.RUNNING
+        if self.num_state_slots:
+            # NOTE: never empty: at most max_num_seqs run, and there are as many slots.
+            request.state_slot = self.free_state_slots.pop()
+        request.num_computed_tokens = num_cached
+        if self.routing_shape is not None:
+            self._start_routing(request, num_cached)
+        self.running.append(request)
 
     def record_step_time(self, step: SchedulerOutput, seconds: float) -> None:
         """The time the workers took for `step`: a step of decodes only (each request one
@@ -385,40 +407,46 @@ class Scheduler:
                 self.drafter.record(request_id, num_drafts, len(token_ids) - 1)
                 # The accepted drafts' KV is valid; the rejected ones' is written over later.
                 request.num_computed_tokens += len(token_ids) - 1
-            new_token_ids: list[int] = []
-            error, finish_reason = None, None
-            for token_id in token_ids:
-                request.append_output_token(token_id)
-                new_token_ids.append(token_id)
-                self.num_generated_tokens_total += 1
-                if request.grammar is not None and not request.grammar.accept(token_id):
-                    error = f"token {token_id} was sampled against the request's grammar"
-                finish_reason = FinishReason.ERROR if error else self._check_stop(request, token_id)
-                if finish_reason is not None:
-                    break  # what follows a stop is dropped
-            out = EngineCoreOutput(
-                request_id,
-                new_token_ids,
-                finish_reason,
-                num_cached_tokens=request.num_cached_tokens,
-                error=error,
-            )
+            out = self._append_tokens(request, token_ids)
             logprobs = output.logprobs.get(request_id)
-            if logprobs is not None and logprobs.num_positions > len(new_token_ids):
-                logprobs = logprobs.slice(0, len(new_token_ids))
+            if logprobs is not None and logprobs.num_positions > len(out.new_token_ids):
+                logprobs = logprobs.slice(0, len(out.new_token_ids))
             out.new_logprobs = logprobs
-            if request.routing is not None:
-                out.routed_experts = request.routing.take_new()
-            if request.num_output_tokens == 1:
-                out.queued_time = request.queued_time
-                out.first_scheduled_time = request.first_scheduled_time
-                if request.sampling_params.prompt_logprobs is not None:
-                    out.prompt_logprobs = request.take_prompt_logprobs()
             outputs.append(out)
-            if finish_reason is not None:
+            if out.finish_reason is not None:
                 self.running.remove(request)
-                self._finish(request, finish_reason)
+                self._finish(request, out.finish_reason)
         return outputs
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> EngineCoreOutput:
+        """Appends a step's sampled tokens up to the first that stops the request (or breaks its
+        grammar); the output carries them and what the first token's output owes the frontend."""
+        new_token_ids: list[int] = []
+        error, finish_reason = None, None
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            new_token_ids.append(token_id)
+            self.num_generated_tokens_total += 1
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                error = f"token {token_id} was sampled against the request's grammar"
+            finish_reason = FinishReason.ERROR if error else self._check_stop(request, token_id)
+            if finish_reason is not None:
+                break  # what follows a stop is dropped
+        out = EngineCoreOutput(
+            request.request_id,
+            new_token_ids,
+            finish_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            error=error,
+        )
+        if request.routing is not None:
+            out.routed_experts = request.routing.take_new()
+        if request.num_output_tokens == 1:
+            out.queued_time = request.queued_time
+            out.first_scheduled_time = request.first_scheduled_time
+            if request.sampling_params.prompt_logprobs is not None:
+                out.prompt_logprobs = request.take_prompt_logprobs()
+        return out
 
     def _add_routing(self, step: SchedulerOutput, routed: dict[str, bytes]) -> None:
         starts = {r.req_id: r.start_pos for r in step.requests}

@@ -128,6 +128,70 @@ def _run_control(control: WorkerControl, call: ControlCall, rank: int) -> Worker
     return WorkerResult(rank=rank)
 
 
+def ready_report(runner: ModelRunner, rank: int, num_kv_blocks: int) -> WorkerReady:
+    """What a rank tells the engine core once its model is loaded: what fits, what it serves."""
+    num_checkpoints, checkpoint_interval = runner.plan_state_checkpoints()
+    return WorkerReady(
+        rank=rank,
+        num_kv_blocks=num_kv_blocks,
+        max_model_len=runner.max_model_len,
+        vocab_size=runner.vocab_size,
+        model_summary=runner.model_summary,
+        kv_cache_windows=[g.window for g in runner.kv_cache_groups],
+        num_state_checkpoints=num_checkpoints,
+        state_checkpoint_interval=checkpoint_interval,
+        routing_shape=runner.routing_shape(),
+    )
+
+
+def _serve_calls(
+    runner: ModelRunner,
+    rank: int,
+    mq: MessageQueue,
+    replies: zmq.Socket,
+    parent_pid: int,
+    stopped: Callable[[], bool],
+) -> int:
+    """Answers the engine core's broadcast calls until Shutdown or SIGTERM; returns the exit
+    code (1 when the engine core is gone)."""
+    from workers.worker_control import WorkerControl
+
+    reply_codec = Codec(WorkerReply)
+    call_codec = Codec(WorkerCall)
+    is_driver = runner.parallel.is_driver
+    control = WorkerControl(runner, rank)
+    while not stopped():
+        try:
+            data = mq.dequeue(timeout=PARENT_CHECK_S)
+        except TimeoutError:
+            if os.getppid() != parent_pid:
+                logger.error("engine core is gone; worker %d exits", rank)
+                return 1
+            continue
+        call = call_codec.decode(data)
+        if isinstance(call, Shutdown):
+            break
+        if isinstance(call, InitKVCache):
+            first = runner.num_kv_blocks == 0
+            runner.init_kv_cache(call.num_blocks, call.num_state_checkpoints)
+            if first and rank == 0:
+                logger.info("%s", runner.kernel_report())
+            replies.send(reply_codec.encode(WorkerResult(rank=rank)))
+        elif isinstance(call, ExecuteModel):
+            step = call.step
+            output = runner.execute_model(
+                step,
+                lambda step_id=step.step_id: _next_bitmasks(mq, call_codec, step_id, parent_pid),
+            )
+            if is_driver:
+                replies.send(reply_codec.encode(WorkerResult(rank=rank, output=output)))
+        elif isinstance(call, GrammarBitmasks):
+            pass  # the sampling rank read its own inside its step; the others skip it
+        elif isinstance(call, CONTROL_CALLS):
+            replies.send(reply_codec.encode(_run_control(control, call, rank)))
+    return 0
+
+
 def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) -> None:
     """Process entry point (spawned by MultiprocExecutor, or by a node's worker launcher)."""
     parallel = config.parallel
@@ -153,60 +217,13 @@ def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) ->
     replies.setsockopt(zmq.LINGER, 1000)
     replies.connect(reply_addr)
     reply_codec = Codec(WorkerReply)
-    call_codec = Codec(WorkerCall)
     mq = MessageQueue.create_from_handle(mq_handle, rank)
     exit_code = 0
     try:
         runner = _build_runner(config, rank, mq)
-        num_checkpoints, checkpoint_interval = runner.plan_state_checkpoints()
-        ready = WorkerReady(
-            rank=rank,
-            num_kv_blocks=runner.num_kv_blocks_for_memory(),
-            max_model_len=runner.max_model_len,
-            vocab_size=runner.vocab_size,
-            model_summary=runner.model_summary,
-            kv_cache_windows=[g.window for g in runner.kv_cache_groups],
-            num_state_checkpoints=num_checkpoints,
-            state_checkpoint_interval=checkpoint_interval,
-            routing_shape=runner.routing_shape(),
-        )
+        ready = ready_report(runner, rank, runner.num_kv_blocks_for_memory())
         replies.send(reply_codec.encode(ready))
-        from workers.worker_control import WorkerControl
-
-        is_driver = runner.parallel.is_driver
-        control = WorkerControl(runner, rank)
-        while not stop:
-            try:
-                data = mq.dequeue(timeout=PARENT_CHECK_S)
-            except TimeoutError:
-                if os.getppid() != parent_pid:
-                    logger.error("engine core is gone; worker %d exits", rank)
-                    exit_code = 1
-                    break
-                continue
-            call = call_codec.decode(data)
-            if isinstance(call, Shutdown):
-                break
-            if isinstance(call, InitKVCache):
-                first = runner.num_kv_blocks == 0
-                runner.init_kv_cache(call.num_blocks, call.num_state_checkpoints)
-                if first and rank == 0:
-                    logger.info("%s", runner.kernel_report())
-                replies.send(reply_codec.encode(WorkerResult(rank=rank)))
-            elif isinstance(call, ExecuteModel):
-                step = call.step
-                output = runner.execute_model(
-                    step,
-                    lambda step_id=step.step_id: _next_bitmasks(
-                        mq, call_codec, step_id, parent_pid
-                    ),
-                )
-                if is_driver:
-                    replies.send(reply_codec.encode(WorkerResult(rank=rank, output=output)))
-            elif isinstance(call, GrammarBitmasks):
-                pass  # the sampling rank read its own inside its step; the others skip it
-            elif isinstance(call, CONTROL_CALLS):
-                replies.send(reply_codec.encode(_run_control(control, call, rank)))
+        exit_code = _serve_calls(runner, rank, mq, replies, parent_pid, lambda: stop)
         if exit_code == 0:
             from workers.distributed import destroy_distributed
 
