@@ -41,7 +41,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="context length (default: the model's, at most 32768)",
     )
-    _add_numerics_args(group)
+    _add_rl_args(group)
     group.add_argument(
         "--served-model-name",
         nargs="+",
@@ -53,7 +53,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     _add_task_args(group)
 
 
-def _add_numerics_args(group: argparse._ArgumentGroup) -> None:
+def _add_rl_args(group: argparse._ArgumentGroup) -> None:
+    """What RL trainers ask of the engine: reproducible logits, and the experts each token used."""
     group.add_argument(
         "--batch-invariant",
         "--enable-deterministic-inference",
@@ -72,6 +73,7 @@ def _add_numerics_args(group: argparse._ArgumentGroup) -> None:
 
 
 def _add_task_args(group: argparse._ArgumentGroup) -> None:
+    """What the model serves, and what its sampled tokens' logprobs describe."""
     group.add_argument(
         "--logprobs-mode",
         choices=LOGPROBS_MODES,

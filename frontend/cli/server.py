@@ -1,7 +1,7 @@
 """`tern launch` flags of the HTTP server: its address, who may call it (API keys, remote control,
-CORS), its limits on bodies and connections, and uvicorn's log level. Builds the ServerConfig (the
-address, which every process gets) and the FrontendConfig (HTTP-only settings: names, access,
-limits, template). TERN_API_KEY and TERN_ADMIN_API_KEY are read here, once.
+CORS), its limits on bodies and connections, the Responses API's store and uvicorn's log level.
+Builds the ServerConfig (the address, which every process gets) and the FrontendConfig (HTTP-only
+settings: names, access, limits, template). TERN_API_KEY and TERN_ADMIN_API_KEY are read here, once.
 """
 
 from __future__ import annotations
