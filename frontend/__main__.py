@@ -25,7 +25,8 @@ import uvicorn
 import uvloop
 
 from enginecore.config import Config
-from frontend.args import FrontendConfig, config_from_args, frontend_config_from_args, make_parser
+from frontend.cli.launch import config_from_args, make_parser
+from frontend.cli.server import FrontendConfig, frontend_config_from_args
 from frontend.engine.client import EngineClient, EngineStartupError
 from frontend.server.app import build_app
 from frontend.server.http_protocol import KeepAliveSafeHttpProtocol

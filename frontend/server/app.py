@@ -21,7 +21,7 @@ from swagger_ui_bundle import swagger_ui_path
 
 from enginecore.config import Config
 from frontend.anthropic.serving import MessagesServing
-from frontend.args import FrontendConfig
+from frontend.cli.server import FrontendConfig
 from frontend.control.serving import ControlServing, GenerationGate
 from frontend.engine.client import EngineClient
 from frontend.lmdeploy.serving import LMDeployServing

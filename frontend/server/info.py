@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
 from enginecore.config import Config
-from frontend.args import FrontendConfig
+from frontend.cli.server import FrontendConfig
 from frontend.control.serving import ControlServing
 from frontend.engine.client import EngineClient, EngineDeadError
 from frontend.openai.protocol import ModelCard, ModelList

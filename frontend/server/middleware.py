@@ -25,7 +25,7 @@ from frontend.control.routes import CONTROL_PATHS
 from frontend.server.errors import APIError, error_body
 
 if TYPE_CHECKING:
-    from frontend.args import FrontendConfig
+    from frontend.cli.server import FrontendConfig
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

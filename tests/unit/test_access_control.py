@@ -14,7 +14,7 @@ from unittest.mock import MagicMock
 import pytest
 
 from enginecore.config import Config, ModelConfig
-from frontend.args import FrontendConfig
+from frontend.cli.server import FrontendConfig
 from frontend.control.serving import ControlServing
 from frontend.server.app import build_app
 from frontend.server.middleware import CONTROL_PATHS, AccessMiddleware, access_warnings, is_loopback

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from enginecore.config import Config, ModelConfig
-from frontend.args import frontend_config_from_args, load_chat_template, make_parser
+from frontend.cli.launch import make_parser
+from frontend.cli.output import load_chat_template
+from frontend.cli.server import frontend_config_from_args
 
 CONFIG = Config(model=ModelConfig(path="/m", served_model_name="default-name"))
 
@@ -97,7 +99,7 @@ def test_chat_template_from_file_or_string(tmp_path: Path) -> None:
 
 
 def test_speculative_config_from_vllm_json_or_sglang_flags(tmp_path: Path) -> None:
-    from frontend.args import speculative_config_from_args
+    from frontend.cli.speculative import speculative_config_from_args
 
     def spec(*argv: str):
         return speculative_config_from_args(make_parser().parse_args(["launch", *argv]))

@@ -10,7 +10,7 @@ from unittest.mock import MagicMock
 from starlette.routing import Route
 
 from enginecore.config import Config, ModelConfig
-from frontend.args import FrontendConfig
+from frontend.cli.server import FrontendConfig
 from frontend.server.app import build_app
 from frontend.server.openapi import openapi_document
 

@@ -22,7 +22,7 @@ from enginecore.messages import (
     EngineReady,
     FinishReason,
 )
-from frontend.args import FrontendConfig
+from frontend.cli.server import FrontendConfig
 from frontend.engine.client import RequestStream
 from frontend.pooling.protocol import (
     ClassificationRequest,

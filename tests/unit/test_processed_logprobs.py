@@ -15,7 +15,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from enginecore.config import ModelConfig
 from enginecore.messages import Logprobs, SamplingParams
-from frontend.args import config_from_args, make_parser
+from frontend.cli.launch import config_from_args, make_parser
 from workers.layers.logits_processors import TokenHistory
 from workers.layers.logprobs import logprob_rows, sampled_logprobs_rows
 from workers.layers.sampler import Sampler, SamplingTensors

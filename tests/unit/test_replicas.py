@@ -23,7 +23,7 @@ from enginecore.messages import (
     UpdateWeights,
     UpdateWeightsFromTensors,
 )
-from frontend.args import config_from_args, make_parser
+from frontend.cli.launch import config_from_args, make_parser
 from frontend.control.replicas import ReplicaControl
 from frontend.engine.client import replica_config
 from frontend.engine.core_client import EngineDeadError, UtilityError

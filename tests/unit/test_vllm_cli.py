@@ -11,7 +11,8 @@ import pytest
 
 from enginecore.config import Config, ModelConfig
 from frontend.__main__ import generation_defaults
-from frontend.args import config_from_args, frontend_config_from_args, make_parser
+from frontend.cli.launch import config_from_args, make_parser
+from frontend.cli.server import frontend_config_from_args
 
 CONFIG = Config(model=ModelConfig(path="/m", served_model_name="default-name"))
 

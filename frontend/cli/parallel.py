@@ -1,0 +1,76 @@
+"""`tern launch` flags of parallelism: tensor, pipeline, expert and data parallel sizes, the
+torch.distributed backend and timeout, and the nodes of a multi-host server. Builds the
+ParallelConfig."""
+
+from __future__ import annotations
+
+import argparse
+
+from enginecore.config import ParallelConfig
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallelism")
+    group.add_argument("--tensor-parallel-size", "--tp", "-tp", type=int, default=1, dest="tp")
+    group.add_argument("--pipeline-parallel-size", "--pp", "-pp", type=int, default=1, dest="pp")
+    group.add_argument(
+        "--enable-expert-parallel",
+        "-ep",
+        action="store_true",
+        help="mixture-of-experts models: each tensor-parallel rank holds num_experts / tp whole "
+        "experts (vLLM's flag), instead of a share of every expert's features",
+    )
+    group.add_argument(
+        "--data-parallel-size",
+        "--dp",
+        "-dp",
+        type=int,
+        default=1,
+        dest="dp",
+        help="engine replicas, each with its own tp x pp workers, behind this one frontend",
+    )
+    group.add_argument(
+        "--distributed-backend",
+        choices=["gloo", "nccl"],
+        default=None,
+        help="torch.distributed backend (default: nccl on GPU, gloo on CPU)",
+    )
+    group.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=None,
+        help="seconds after which a stuck collective fails (default: 60, or TERN_DIST_TIMEOUT)",
+    )
+    _add_node_args(group)
+
+
+def _add_node_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--nnodes", type=int, default=1)
+    group.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this host's index; nodes other than 0 only run their workers",
+    )
+    group.add_argument(
+        "--dist-init-addr", default=None, help="host:port of node 0 (needed with --nnodes > 1)"
+    )
+
+
+def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
+    timeout = (
+        {}
+        if args.distributed_timeout is None
+        else {"distributed_timeout_s": args.distributed_timeout}
+    )
+    return ParallelConfig(
+        tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
+        enable_expert_parallel=args.enable_expert_parallel,
+        data_parallel_size=args.dp,
+        distributed_backend=args.distributed_backend,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
+        **timeout,
+    )
