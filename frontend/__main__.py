@@ -26,10 +26,10 @@ import uvloop
 
 from enginecore.config import Config
 from frontend.args import FrontendConfig, config_from_args, frontend_config_from_args, make_parser
+from frontend.common.http_protocol import KeepAliveSafeHttpProtocol
+from frontend.common.metrics import Metrics
 from frontend.engine.client import EngineClient, EngineStartupError
 from frontend.server.app import build_app
-from frontend.server.http_protocol import KeepAliveSafeHttpProtocol
-from frontend.server.metrics import Metrics
 from frontend.server.middleware import access_warnings
 from frontend.serving.base import OpenAIServing
 

@@ -31,9 +31,9 @@ from enginecore.config import (
     SpeculativeConfig,
     StructuredOutputConfig,
 )
-from frontend.chat_options import ChatOptions
+from frontend.common.http_protocol import DEFAULT_KEEP_ALIVE_S
 from frontend.gguf_model import is_gguf, prepare_gguf
-from frontend.server.http_protocol import DEFAULT_KEEP_ALIVE_S
+from frontend.text.chat_options import ChatOptions
 from frontend.text.reasoning_parsers import REASONING_PARSERS
 from frontend.text.tool_parsers import TOOL_PARSERS
 

@@ -21,8 +21,8 @@ import msgspec
 from msgspec import UNSET
 
 from enginecore.messages import StructuredOutputSpec
-from frontend.openai.protocol import check_unsupported
-from frontend.server.errors import bad_request
+from frontend.common.decoding import check_unsupported
+from frontend.common.errors import bad_request
 from frontend.serving.sampling import RequestSampling
 from frontend.text.structured_outputs import json_schema_spec
 

@@ -30,11 +30,11 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from enginecore.messages import EngineControlOp, GetControlState
+from frontend.common.errors import APIError, bad_request, engine_dead_error
+from frontend.common.http import json_response, send_error
 from frontend.control.routes import ControlRoute
 from frontend.engine.client import EngineClient, EngineDeadError, UtilityError
-from frontend.server.errors import APIError, bad_request, engine_dead_error
-from frontend.server.middleware import send_error
-from frontend.serving.base import OpenAIServing, json_response
+from frontend.serving.base import OpenAIServing
 
 
 async def decode_body(request: Request, route: ControlRoute) -> msgspec.Struct:

@@ -11,8 +11,8 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from frontend.openai.protocol import check_spaces_between_special_tokens, check_unsupported
-from frontend.server.errors import bad_request
+from frontend.common.decoding import check_spaces_between_special_tokens, check_unsupported
+from frontend.common.errors import bad_request
 from frontend.serving.sampling import LMDEPLOY_RULES, RequestSampling, stop_list
 
 _GENERATE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {

@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET
 
-from frontend.server.errors import bad_request
+from frontend.common.errors import bad_request
 
 # Peer fields tern cannot honour -> the values that mean "not used" (anything else is a 400).
 NEUTRAL: dict[str, tuple[Any, ...]] = {

@@ -22,8 +22,8 @@ import msgspec
 from msgspec import UNSET
 
 from enginecore.messages import StructuredOutputSpec
-from frontend.openai.protocol import check_unsupported, normalize_messages
-from frontend.server.errors import bad_request
+from frontend.common.decoding import check_unsupported, normalize_messages
+from frontend.common.errors import bad_request
 from frontend.serving.sampling import RequestSampling, stop_list
 from frontend.text.structured_outputs import from_response_format, structured_output_spec
 

@@ -10,9 +10,10 @@ from msgspec import UNSET
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend.openai.protocol import check_unsupported, decode_request, normalize_messages
-from frontend.server.errors import bad_request
-from frontend.serving.base import OpenAIServing, json_response
+from frontend.common.decoding import check_unsupported, decode_request, normalize_messages
+from frontend.common.errors import bad_request
+from frontend.common.http import json_response
+from frontend.serving.base import OpenAIServing
 
 
 class TokenizeCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

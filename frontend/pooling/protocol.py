@@ -26,8 +26,9 @@ import msgspec
 import numpy as np
 from msgspec import UNSET, UnsetType
 
-from frontend.openai.protocol import UsageInfo, check_unsupported, decode_request
-from frontend.server.errors import APIError, bad_request
+from frontend.common.decoding import check_unsupported, decode_request
+from frontend.common.errors import APIError, bad_request
+from frontend.common.protocol import UsageInfo
 
 T = TypeVar("T")
 

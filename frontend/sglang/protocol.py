@@ -1,15 +1,6 @@
 """Schemas of SGLang's native POST /generate (its GenerateReqInput and SamplingParams, and the
-output dicts its TokenizerManager builds), and the rule that tells its bodies from LMDeploy's.
-
-Both servers call the route /generate. The rule, applied to the JSON object of the body:
-- SGLang's when it has a key only SGLang's GenerateReqInput has (`SGLANG_ONLY_KEYS`: text,
-  sampling_params, rid, return_text_in_logprobs, token_ids_logprob, input_embeds, lora_path...),
-  or when its `input_ids` is a batch (a list whose first item is a list: LMDeploy takes one prompt);
-- LMDeploy's otherwise, which covers every body made only of the keys both have (input_ids,
-  stream, return_logprob, top_logprobs_num, logprob_start_len, image_data, session_id,
-  return_routed_experts) and anything that is not a JSON object (LMDeploy's decoder answers 400).
-A body with keys of both (e.g. `prompt` beside `sampling_params`) is SGLang's; its LMDeploy-only
-keys are then a 400 naming the first one.
+output dicts its TokenizerManager builds). LMDeploy's /generate shares the path: the rule that tells
+their bodies apart is server/generate.py's.
 
 Names, defaults and ranges are SGLang's (python/sglang/srt/managers/io_struct.py GenerateReqInput,
 python/sglang/srt/sampling/sampling_params.py SamplingParams): unset sampling fields take SGLang's
@@ -26,14 +17,13 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from frontend.lmdeploy.protocol import GenerateRequest
-from frontend.openai.protocol import (
+from frontend.common.decoding import (
     MAX_LOGPROBS,
     check_spaces_between_special_tokens,
     check_unsupported,
     decode_request,
 )
-from frontend.server.errors import APIError, bad_request
+from frontend.common.errors import APIError, bad_request
 from frontend.serving.sampling import SGLANG_RULES, RequestSampling, stop_list
 
 ANY_JSON = "$$ANY$$"  # SGLang's json_schema for "any JSON value"
@@ -377,50 +367,13 @@ class SGLangGenerateOutput(msgspec.Struct):
     index: int | UnsetType = UNSET  # streamed batches: which output this event is of
 
 
-# --------------------------------------------------------------------------- telling them apart
-
-# Keys of SGLang's GenerateReqInput that LMDeploy's GenerateReqInput does not have.
-SGLANG_ONLY_KEYS = frozenset(SGLangGenerateRequest.__struct_fields__) - frozenset(
-    GenerateRequest.__struct_fields__
-)
-_LMDEPLOY_ONLY_KEYS = frozenset(GenerateRequest.__struct_fields__) - frozenset(
-    SGLangGenerateRequest.__struct_fields__
-)
-
-
-def is_sglang_generate(body: bytes) -> bool:
-    """Whether a /generate body is SGLang's (the rule in the module docstring)."""
-    try:
-        obj = msgspec.json.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError):
-        return False  # LMDeploy's decoder answers the 400
-    if not isinstance(obj, dict):
-        return False
-    if not SGLANG_ONLY_KEYS.isdisjoint(obj):
-        return True
-    ids = obj.get("input_ids")
-    return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-
-
 _MSGSPEC_PATH = re.compile(r"at `\$\.([\w.\[\]]+)`")
 _UNKNOWN_FIELD = re.compile(r"unknown field `(\w+)`")
 
 
 def decode_sglang_generate(body: bytes) -> SGLangGenerateRequest:
-    """Decodes and checks a body is_sglang_generate accepted. Raises APIError (400) naming the
+    """Decodes and checks a body server/generate.py told SGLang's. Raises APIError (400) naming the
     field, nested ones as sampling_params.<field>."""
-    try:
-        obj = msgspec.json.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError):
-        obj = None
-    if isinstance(obj, dict):
-        mixed = sorted(_LMDEPLOY_ONLY_KEYS.intersection(obj))
-        if mixed:
-            raise bad_request(
-                f"'{mixed[0]}' is LMDeploy's /generate field; this body is SGLang's (it has "
-                f"{', '.join(sorted(SGLANG_ONLY_KEYS.intersection(obj))) or 'a batch'})",
-                mixed[0],
-            )
     try:
         return decode_request(body, SGLangGenerateRequest)
     except APIError as e:
