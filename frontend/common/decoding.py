@@ -1,14 +1,20 @@
 """Request decoding shared by every API package: a body into its msgspec struct, with 400s that name
 the field, and the checks several protocols run (unsupported fields, logprob counts, chat messages).
 
+A known field this server does not implement is declared once, on its struct, with the values that
+mean "not used": `best_of: Annotated[Any, Unsupported(None, 1)] = UNSET`. Any other value is a 400
+naming the field (check_unsupported), so a request is never silently served without it.
+
 Errors are APIError (frontend/common/errors.py). This module knows nothing about tokenizers, the
 engine or any one API's fields.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import typing
 from typing import Any, TypeVar
 
 import msgspec
@@ -17,6 +23,7 @@ from msgspec import UNSET
 from frontend.common.errors import bad_request
 
 T = TypeVar("T")
+M = TypeVar("M")
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LOGPROBS = 20  # most likely tokens per position (vLLM's default --max-logprobs)
@@ -51,9 +58,41 @@ def decode_request(body: bytes, typ: type[T]) -> T:
     return req
 
 
-def check_unsupported(req: Any, unsupported: dict[str, tuple[Any, ...]]) -> None:
-    """400 naming the first field of `unsupported` set to a value other than its "not used" ones."""
-    for name, allowed in unsupported.items():
+class Unsupported:
+    """The annotation of a known field this server does not implement: the values that mean "not
+    used" (the field's default, UNSET, is always allowed)."""
+
+    __slots__ = ("allowed",)
+
+    def __init__(self, *allowed: Any) -> None:
+        self.allowed = allowed
+
+
+def field_markers(cls: type, marker: type[M]) -> dict[str, M]:
+    """The fields of struct `cls` (its bases' first) annotated `Annotated[..., marker(...)]`."""
+    return _field_markers(cls, marker)
+
+
+@functools.cache
+def _field_markers(cls: type, marker: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {
+        name: m
+        for name, hint in hints.items()
+        for m in getattr(hint, "__metadata__", ())
+        if isinstance(m, marker)
+    }
+
+
+def unsupported_fields(cls: type) -> dict[str, tuple[Any, ...]]:
+    """Field name -> the values that mean "not used", of every Unsupported field of `cls`."""
+    return {name: m.allowed for name, m in field_markers(cls, Unsupported).items()}
+
+
+def check_unsupported(req: Any) -> None:
+    """400 naming the first Unsupported field of `req` set to a value other than its "not used"
+    ones."""
+    for name, allowed in unsupported_fields(type(req)).items():
         value = getattr(req, name)
         if value is not UNSET and not _is_allowed(value, allowed):
             raise bad_request(f"'{name}' is not supported by this server", name)

@@ -11,13 +11,14 @@ the engine.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
 from enginecore.messages import StructuredOutputSpec
 from frontend.common.decoding import (
+    Unsupported,
     check_num_logprobs,
     check_spaces_between_special_tokens,
     check_unsupported,
@@ -35,44 +36,6 @@ from frontend.common.protocol import (
 from frontend.openai.peer_fields import PeerFields, apply_peer_fields
 from frontend.serving.sampling import RequestSampling, stop_list
 from frontend.text.structured_outputs import structured_output_spec
-
-# Known fields we do not implement -> the values that mean "not used" (anything else is a 400).
-_COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1),
-    "use_beam_search": (None, False),
-    "length_penalty": (None, 1),
-    "early_stopping": (None, False),
-    "bad_words": (None, []),
-    "logits_processors": (None,),
-    "guided_whitespace_pattern": (None,),
-    "priority": (None, 0),
-    "cache_salt": (None,),
-    "kv_transfer_params": (None,),
-    "vllm_xargs": (None,),
-    "mm_processor_kwargs": (None,),
-    "media_io_kwargs": (None,),
-    "metadata": (None,),
-    "store": (None, False),
-    "service_tier": (None, "auto", "default"),
-    "prediction": (None,),
-}
-_CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    **_COMMON_UNSUPPORTED,
-    "functions": (None,),
-    "function_call": (None, "none"),
-    "documents": (None,),
-    "chat_template": (None,),
-    "reasoning_effort": (None,),
-    "modalities": (None, ["text"]),
-    "audio": (None,),
-    "web_search_options": (None,),
-    "verbosity": (None,),
-}
-_COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    **_COMMON_UNSUPPORTED,
-    "suffix": (None, ""),
-    "prompt_embeds": (None,),
-}
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -129,26 +92,24 @@ class _RequestBase(PeerFields, forbid_unknown_fields=True, kw_only=True):
     return_token_ids: bool | None = None  # prompt_token_ids and token_ids in the response
     echo: bool | None = False
 
-    # Known but unsupported (see _COMMON_UNSUPPORTED): typed loosely, rejected when used.
-    best_of: Any = UNSET
-    use_beam_search: Any = UNSET
-    length_penalty: Any = UNSET
-    early_stopping: Any = UNSET
-    bad_words: Any = UNSET
-    logits_processors: Any = UNSET
-    guided_whitespace_pattern: Any = UNSET
-    priority: Any = UNSET
-    cache_salt: Any = UNSET
-    kv_transfer_params: Any = UNSET
-    vllm_xargs: Any = UNSET
-    mm_processor_kwargs: Any = UNSET
-    media_io_kwargs: Any = UNSET
-    metadata: Any = UNSET
-    store: Any = UNSET
-    service_tier: Any = UNSET
-    prediction: Any = UNSET
-
-    _unsupported = _COMMON_UNSUPPORTED
+    # Known but unsupported: typed loosely, rejected when set to other than the values listed.
+    best_of: Annotated[Any, Unsupported(None, 1)] = UNSET
+    use_beam_search: Annotated[Any, Unsupported(None, False)] = UNSET
+    length_penalty: Annotated[Any, Unsupported(None, 1)] = UNSET
+    early_stopping: Annotated[Any, Unsupported(None, False)] = UNSET
+    bad_words: Annotated[Any, Unsupported(None, [])] = UNSET
+    logits_processors: Annotated[Any, Unsupported(None)] = UNSET
+    guided_whitespace_pattern: Annotated[Any, Unsupported(None)] = UNSET
+    priority: Annotated[Any, Unsupported(None, 0)] = UNSET
+    cache_salt: Annotated[Any, Unsupported(None)] = UNSET
+    kv_transfer_params: Annotated[Any, Unsupported(None)] = UNSET
+    vllm_xargs: Annotated[Any, Unsupported(None)] = UNSET
+    mm_processor_kwargs: Annotated[Any, Unsupported(None)] = UNSET
+    media_io_kwargs: Annotated[Any, Unsupported(None)] = UNSET
+    metadata: Annotated[Any, Unsupported(None)] = UNSET
+    store: Annotated[Any, Unsupported(None, False)] = UNSET
+    service_tier: Annotated[Any, Unsupported(None, "auto", "default")] = UNSET
+    prediction: Annotated[Any, Unsupported(None)] = UNSET
 
     @property
     def max_tokens_field(self) -> tuple[str, int | None]:
@@ -195,7 +156,7 @@ class _RequestBase(PeerFields, forbid_unknown_fields=True, kw_only=True):
     def validate(self) -> None:
         """Raises APIError (400) for unsupported fields and out-of-range values."""
         apply_peer_fields(self)
-        check_unsupported(self, self._unsupported)
+        check_unsupported(self)
         if self.stream_options is not None and not self.stream:
             raise bad_request(
                 "stream_options can only be set when stream is true", "stream_options"
@@ -221,17 +182,15 @@ class ChatCompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=Tr
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     include_reasoning: bool = True
-    functions: Any = UNSET
-    function_call: Any = UNSET
-    documents: Any = UNSET
-    chat_template: Any = UNSET
-    reasoning_effort: Any = UNSET
-    modalities: Any = UNSET
-    audio: Any = UNSET
-    web_search_options: Any = UNSET
-    verbosity: Any = UNSET
-
-    _unsupported = _CHAT_UNSUPPORTED
+    functions: Annotated[Any, Unsupported(None)] = UNSET
+    function_call: Annotated[Any, Unsupported(None, "none")] = UNSET
+    documents: Annotated[Any, Unsupported(None)] = UNSET
+    chat_template: Annotated[Any, Unsupported(None)] = UNSET
+    reasoning_effort: Annotated[Any, Unsupported(None)] = UNSET
+    modalities: Annotated[Any, Unsupported(None, ["text"])] = UNSET
+    audio: Annotated[Any, Unsupported(None)] = UNSET
+    web_search_options: Annotated[Any, Unsupported(None)] = UNSET
+    verbosity: Annotated[Any, Unsupported(None)] = UNSET
 
     @property
     def max_tokens_field(self) -> tuple[str, int | None]:
@@ -270,10 +229,8 @@ class CompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=True):
     add_special_tokens: bool = True
     logprobs: int | None = None  # the sampled token's, and this many most likely tokens'
 
-    suffix: Any = UNSET
-    prompt_embeds: Any = UNSET
-
-    _unsupported = _COMPLETION_UNSUPPORTED
+    suffix: Annotated[Any, Unsupported(None, "")] = UNSET
+    prompt_embeds: Annotated[Any, Unsupported(None)] = UNSET
 
     @property
     def num_logprobs(self) -> int | None:
