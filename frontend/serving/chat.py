@@ -20,6 +20,8 @@ REASONING_END = "</think>"
 
 
 class ChatPath:
+    """The shared half of the chat routes; openai/chat.py's ChatServing adds /v1/chat/completions."""
+
     def __init__(self, serving: OpenAIServing, options: ChatOptions | None = None) -> None:
         self.serving = serving
         self.options = options or ChatOptions()
