@@ -39,7 +39,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     repetition_penalty: float | None = 1.0
-    # The tokenizers backend never puts spaces around special tokens (see protocol.py).
+    # The tokenizers backend never puts spaces around special tokens (see openai/protocol.py).
     spaces_between_special_tokens: bool | UnsetType | None = UNSET
     return_logprob: bool | None = None  # meta_info.output_token_logprobs: [logprob, token id]
     # LMDeploy's chat route has it: json_schema, regex_schema or json_object (text/structured_outputs.py).

@@ -53,7 +53,7 @@ class SGLangSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=T
     structural_tag: str | None = None  # the JSON of a response_format {"type": "structural_tag"}
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
-    # SGLang's default is true; the tokenizers backend never adds those spaces (see protocol.py).
+    # SGLang's default is true; the tokenizers backend never adds those spaces (see openai/protocol.py).
     spaces_between_special_tokens: bool | UnsetType | None = UNSET
     no_stop_trim: bool | None = False  # keep the matched stop string (or token) in the text
     logit_bias: dict[str, float] | None = None
