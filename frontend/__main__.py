@@ -27,10 +27,10 @@ import uvloop
 from enginecore.config import Config
 from frontend.cli.launch import config_from_args, make_parser
 from frontend.cli.server import FrontendConfig, frontend_config_from_args
+from frontend.common.http_protocol import KeepAliveSafeHttpProtocol
+from frontend.common.metrics import Metrics
 from frontend.engine.client import EngineClient, EngineStartupError
 from frontend.server.app import build_app
-from frontend.server.http_protocol import KeepAliveSafeHttpProtocol
-from frontend.server.metrics import Metrics
 from frontend.server.middleware import access_warnings
 from frontend.serving.base import OpenAIServing
 

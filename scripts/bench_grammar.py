@@ -100,8 +100,9 @@ def serving_specs(model: str) -> dict[str, StructuredOutputSpec]:
     """bench_serving.py's --structured constraints, as the server turns its requests into specs."""
     import bench_serving
 
-    from frontend.chat_options import ChatOptions
-    from frontend.openai.protocol import ChatCompletionRequest, decode_request
+    from frontend.common.decoding import decode_request
+    from frontend.openai.protocol import ChatCompletionRequest
+    from frontend.text.chat_options import ChatOptions
     from frontend.text.tool_calling import plan_tools
 
     specs = {}

@@ -15,28 +15,16 @@ them.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import UNSET
 
 from enginecore.messages import StructuredOutputSpec
-from frontend.openai.protocol import check_unsupported
-from frontend.server.errors import bad_request
+from frontend.common.decoding import Unsupported, check_unsupported
+from frontend.common.errors import bad_request
 from frontend.serving.sampling import RequestSampling
 from frontend.text.structured_outputs import json_schema_spec
-
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "container": (None,),
-    "mcp_servers": (None, []),
-    "context_management": (None,),
-    "service_tier": (None, "auto", "standard_only"),
-    "diagnostics": (None,),
-    "inference_geo": (None,),
-    "speed": (None,),
-    "user_profile_id": (None,),
-    "workspace_id": (None,),
-}
 
 
 class MessagesBase(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -50,18 +38,18 @@ class MessagesBase(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     output_config: dict[str, Any] | None = None
     # A prompt-caching breakpoint: tern caches every prompt's full blocks (prefix caching) anyway.
     cache_control: dict[str, Any] | None = None
-    container: Any = UNSET
-    mcp_servers: Any = UNSET
-    context_management: Any = UNSET
-    service_tier: Any = UNSET
-    diagnostics: Any = UNSET
-    inference_geo: Any = UNSET
-    speed: Any = UNSET
-    user_profile_id: Any = UNSET
-    workspace_id: Any = UNSET
+    container: Annotated[Any, Unsupported(None)] = UNSET
+    mcp_servers: Annotated[Any, Unsupported(None, [])] = UNSET
+    context_management: Annotated[Any, Unsupported(None)] = UNSET
+    service_tier: Annotated[Any, Unsupported(None, "auto", "standard_only")] = UNSET
+    diagnostics: Annotated[Any, Unsupported(None)] = UNSET
+    inference_geo: Annotated[Any, Unsupported(None)] = UNSET
+    speed: Annotated[Any, Unsupported(None)] = UNSET
+    user_profile_id: Annotated[Any, Unsupported(None)] = UNSET
+    workspace_id: Annotated[Any, Unsupported(None)] = UNSET
 
     def validate(self) -> None:
-        check_unsupported(self, _UNSUPPORTED)
+        check_unsupported(self)
         self.output_constraint()  # checks the field
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")

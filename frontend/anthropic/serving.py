@@ -7,7 +7,7 @@ stop_sequence (with stop_sequence), tool_use. A stream is Anthropic's event sequ
 message_start, then per block content_block_start / content_block_delta (text_delta,
 thinking_delta, input_json_delta) / content_block_stop, then message_delta (stop_reason, usage)
 and message_stop; an engine failure mid-stream is an `error` event. Errors on these routes are in
-Anthropic's shape (frontend/server/errors.py `error_body`).
+Anthropic's shape (frontend/common/errors.py `error_body`).
 """
 
 from __future__ import annotations
@@ -32,18 +32,19 @@ from frontend.anthropic.protocol import (
     ToolUseBlock,
     Usage,
 )
+from frontend.common.decoding import decode_request, normalize_messages
+from frontend.common.errors import ANTHROPIC_PATH_PREFIX, APIError, error_body
+from frontend.common.http import json_response, sse_json
 from frontend.engine.client import EngineDeadError
-from frontend.openai.chat import ChatServing
-from frontend.openai.chat_output import ChoiceParser, parse_message
-from frontend.openai.protocol import decode_request, normalize_messages
-from frontend.server.errors import ANTHROPIC_PATH_PREFIX, APIError, error_body
-from frontend.serving.base import json_response, sse_json, streaming_response
+from frontend.serving.base import streaming_response
+from frontend.serving.chat import ChatPath
 from frontend.serving.generation import Generation, RequestFailedError, RequestGroup
+from frontend.text.chat_output import ChoiceParser, parse_message
 from frontend.text.tool_calling import ToolPlan, plan_tools
 
 
 class MessagesServing:
-    def __init__(self, chat: ChatServing) -> None:
+    def __init__(self, chat: ChatPath) -> None:
         self.chat = chat
         self.serving = chat.serving
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import jinja2
 
 from enginecore.config import StructuredOutputConfig
-from frontend.chat_options import ChatOptions
+from frontend.text.chat_options import ChatOptions
 from frontend.text.reasoning_parsers import REASONING_PARSERS
 from frontend.text.tool_parsers import TOOL_PARSERS
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from enginecore.config import Config, ServerConfig
-from frontend.chat_options import ChatOptions
 from frontend.cli.output import chat_options_from_args, load_chat_template
-from frontend.server.http_protocol import DEFAULT_KEEP_ALIVE_S
+from frontend.common.http_protocol import DEFAULT_KEEP_ALIVE_S
+from frontend.text.chat_options import ChatOptions
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0

@@ -1,5 +1,6 @@
 """Every control route, declared once: its paths (SGLang's, LMDeploy's and vLLM's names for the same
-operation), the body it takes and the typed engine-core operation (EngineControlOp) the body becomes.
+operation), the body it takes, the typed engine-core operation (EngineControlOp) the body becomes and
+the type of its reply (replies.py).
 The HTTP routes (server/app.py), the OpenAPI document and the access guard
 (middleware.CONTROL_PATHS) are all built from CONTROL_ROUTES. A body is decoded and checked once,
 here; its `op()` is what travels to the engine core (EngineControl.handlers) and, for what workers
@@ -41,6 +42,13 @@ from enginecore.messages import (
     UpdateWeightsFromDisk,
     UpdateWeightsFromDistributed,
     UpdateWeightsFromTensors,
+)
+from frontend.control.replies import (
+    AdapterReply,
+    ControlReply,
+    MemoryReply,
+    StateReply,
+    WeightsReply,
 )
 
 # Weight updates may wait for a trainer's whole broadcast; disk loads may be slow.
@@ -328,47 +336,55 @@ class ControlRoute:
     timeout_s: float = CONTROL_TIMEOUT_S
     http_methods: tuple[str, ...] = ("POST",)
     query: tuple[str, ...] = ()  # body fields that may also come in the query string (vLLM)
+    reply: type[ControlReply] = ControlReply  # what the engine core's answer is read as
 
 
 CONTROL_ROUTES: tuple[ControlRoute, ...] = (
     ControlRoute(("/pause_generation",), "Pause generation (abort, wait, keep/in_place, retract)",
-                 PauseRequest.op, PauseRequest),
+                 PauseRequest.op, PauseRequest, reply=StateReply),
     ControlRoute(("/resume_generation", "/continue_generation"), "Resume generation",
-                 lambda body: ResumeGeneration()),
+                 lambda body: ResumeGeneration(), reply=StateReply),
     ControlRoute(("/reset_prefix_cache", "/flush_cache"), "Forget cached prefixes",
                  lambda body: ResetPrefixCache(), http_methods=("POST", "GET")),
     ControlRoute(("/update_weights_from_disk",), "Reload weights from a checkpoint",
-                 UpdateFromDiskRequest.op, UpdateFromDiskRequest, UPDATE_TIMEOUT_S),
+                 UpdateFromDiskRequest.op, UpdateFromDiskRequest, UPDATE_TIMEOUT_S,
+                 reply=WeightsReply),
     ControlRoute(("/update_weights", "/update_weights_from_tensor"), "Push weights as tensors",
-                 UpdateFromTensorRequest.op, UpdateFromTensorRequest, UPDATE_TIMEOUT_S),
+                 UpdateFromTensorRequest.op, UpdateFromTensorRequest, UPDATE_TIMEOUT_S,
+                 reply=WeightsReply),
     ControlRoute(("/init_weights_update_group",), "Join the trainer's process group",
                  InitGroupRequest.op, InitGroupRequest),
     ControlRoute(("/update_weights_from_distributed",), "Receive a broadcast of weights",
-                 UpdateFromDistributedRequest.op, UpdateFromDistributedRequest, UPDATE_TIMEOUT_S),
+                 UpdateFromDistributedRequest.op, UpdateFromDistributedRequest, UPDATE_TIMEOUT_S,
+                 reply=WeightsReply),
     ControlRoute(("/finish_weights_update",), "Commit (or roll back) the open weight update",
-                 FinishUpdateRequest.op, FinishUpdateRequest),
+                 FinishUpdateRequest.op, FinishUpdateRequest, reply=WeightsReply),
     ControlRoute(("/destroy_weights_update_group",), "Leave the trainer's group",
                  DestroyGroupRequest.op, DestroyGroupRequest),
     ControlRoute(("/sleep",), "Free the KV cache (level 1), the weights too (level 2), or tags",
-                 SleepRequest.op, SleepRequest, query=("level", "tags")),
+                 SleepRequest.op, SleepRequest, query=("level", "tags"), reply=MemoryReply),
     ControlRoute(("/release_memory_occupation",), "Free the memory of the tags (default: all)",
-                 lambda body: ReleaseMemory(tags=body.all_tags()), MemoryTagsRequest),
+                 lambda body: ReleaseMemory(tags=body.all_tags()), MemoryTagsRequest,
+                 reply=MemoryReply),
     ControlRoute(("/v1/load_lora_adapter",), "Serve a LoRA adapter (load_inplace: a new version)",
-                 lambda body: body.op(replace=body.load_inplace), LoadLoraRequest, UPDATE_TIMEOUT_S),
+                 lambda body: body.op(replace=body.load_inplace), LoadLoraRequest, UPDATE_TIMEOUT_S,
+                 reply=AdapterReply),
     ControlRoute(("/load_lora_adapter",), "Serve a LoRA adapter (a served name: a new version)",
-                 lambda body: body.op(replace=True), LoadLoraRequest, UPDATE_TIMEOUT_S),
+                 lambda body: body.op(replace=True), LoadLoraRequest, UPDATE_TIMEOUT_S,
+                 reply=AdapterReply),
     ControlRoute(("/load_lora_adapter_from_tensors",), "Serve a LoRA adapter pushed as tensors",
-                 LoadLoraFromTensorsRequest.op, LoadLoraFromTensorsRequest, UPDATE_TIMEOUT_S),
+                 LoadLoraFromTensorsRequest.op, LoadLoraFromTensorsRequest, UPDATE_TIMEOUT_S,
+                 reply=AdapterReply),
     ControlRoute(("/load_lora_adapter_from_distributed",),
                  "Serve a LoRA adapter the trainer broadcasts", LoadLoraFromDistributedRequest.op,
-                 LoadLoraFromDistributedRequest, UPDATE_TIMEOUT_S),
+                 LoadLoraFromDistributedRequest, UPDATE_TIMEOUT_S, reply=AdapterReply),
     ControlRoute(("/v1/unload_lora_adapter", "/unload_lora_adapter"),
                  "Stop serving a LoRA adapter (requests in flight finish first)",
-                 UnloadLoraRequest.op, UnloadLoraRequest),
+                 UnloadLoraRequest.op, UnloadLoraRequest, reply=AdapterReply),
     ControlRoute(("/wake_up", "/wakeup", "/resume_memory_occupation"),
                  "Bring back what sleep freed (tags; default: all)",
                  lambda body: ResumeMemory(tags=body.all_tags()), MemoryTagsRequest,
-                 query=("tags",)),
+                 query=("tags",), reply=MemoryReply),
 )  # fmt: skip
 
 # Routes that change the engine's state for every user: the access guard's list.

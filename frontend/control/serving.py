@@ -4,7 +4,7 @@ Request bodies follow SGLang (update_weights_from_disk / _from_tensor / _from_di
 init/destroy_weights_update_group, pause_generation, get_weight_version), LMDeploy (/update_weights
 with serialized_named_tensors + finished, /sleep, /wakeup, /is_sleeping) and vLLM (/sleep?level=,
 /wake_up, /reset_prefix_cache), so a trainer written for them works against tern by changing the URL.
-Successful calls answer {"success": true, "message": ...}; failures are OpenAI-style errors (400 for
+Successful calls answer {"success": true, "message": ...} (typed: control/replies.py); failures are OpenAI-style errors (400 for
 the caller's mistakes, 503 when the engine is gone).
 
 Tensor formats (`load_format`): "safetensors" (default; each element of serialized_named_tensors is a
@@ -30,11 +30,12 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from enginecore.messages import EngineControlOp, GetControlState
+from frontend.common.errors import APIError, bad_request, engine_dead_error
+from frontend.common.http import json_response, send_error
+from frontend.control.replies import ControlState, IsSleepingReply, WeightVersionReply
 from frontend.control.routes import ControlRoute
 from frontend.engine.client import EngineClient, EngineDeadError, UtilityError
-from frontend.server.errors import APIError, bad_request, engine_dead_error
-from frontend.server.middleware import send_error
-from frontend.serving.base import OpenAIServing, json_response
+from frontend.serving.base import OpenAIServing
 
 
 async def decode_body(request: Request, route: ControlRoute) -> msgspec.Struct:
@@ -79,12 +80,15 @@ class ControlServing:
         self.engine = engine
         self.serving = serving
         # The frontend's view of the engine's control state, refreshed by every control call.
-        self.state: dict[str, Any] = {"is_sleeping": False, "weights_valid": True}
-        self.weight_version = "default"
+        self.state = ControlState()
+
+    @property
+    def weight_version(self) -> str:
+        return self.state.weight_version
 
     @property
     def is_serving(self) -> bool:
-        return not self.state.get("is_sleeping") and bool(self.state.get("weights_valid", True))
+        return not self.state.is_sleeping and self.state.weights_valid
 
     def endpoint(self, route: ControlRoute) -> Callable[[Request], Awaitable[Response]]:
         async def handle(request: Request) -> Response:
@@ -94,7 +98,7 @@ class ControlServing:
             result = await self._call(op, timeout)
             if not isinstance(result, dict) or "success" not in result:
                 result = {"success": True, "message": route.summary, "state": result}
-            return json_response(result)
+            return json_response(msgspec.convert(result, route.reply))
 
         handle.__name__ = route.paths[0].strip("/")
         handle.control = route  # type: ignore[attr-defined]  # marks the state-changing routes
@@ -116,20 +120,19 @@ class ControlServing:
             state = await self.engine.call_utility(GetControlState(), 10.0)
         except Exception:  # noqa: BLE001 - the engine may be gone; health reports that
             return
-        self.state = state
-        self.weight_version = state["weight_version"]
+        self.state = msgspec.convert(state, ControlState)
         if self.serving is not None and self.serving.adapters is not None:
-            self.serving.adapters = state.get("lora_adapters", {})
+            self.serving.adapters = self.state.lora_adapters
 
     # ------------------------------------------------------------------ read-only
 
     async def get_weight_version(self, request: Request) -> Response:
         await self._refresh()
-        return json_response({"weight_version": self.weight_version})
+        return json_response(WeightVersionReply(self.weight_version))
 
     async def is_sleeping(self, request: Request) -> Response:
         await self._refresh()
-        return json_response({"is_sleeping": bool(self.state.get("is_sleeping"))})
+        return json_response(IsSleepingReply(self.state.is_sleeping))
 
 
 class GenerationGate:
@@ -142,7 +145,7 @@ class GenerationGate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in self.paths and not self.control.is_serving:
-            asleep = self.control.state.get("is_sleeping")
+            asleep = self.control.state.is_sleeping
             reason = (
                 "the server is asleep: POST /wake_up first"
                 if asleep

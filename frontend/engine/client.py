@@ -3,7 +3,7 @@
 EngineClient starts N engine cores (frontend/engine/core_client.py), each with its own tp x pp
 workers and its own IPC directory, and waits until all are ready. Requests go to the replica the
 LoadBalancer picks (least loaded; prefix-aware: frontend/engine/load_balancer.py); aborts follow them.
-Control calls go to every replica as one transaction (frontend/control/replicas.py). At --dp 1
+Control calls go to every replica as one transaction (frontend/engine/replicas.py). At --dp 1
 every call goes straight to the one engine core, as before replicas existed.
 
 Health, with several replicas. A replica whose engine core or worker dies fails its own requests in
@@ -45,7 +45,6 @@ from enginecore.messages import (
     SchedulerStats,
     UpdateWeights,
 )
-from frontend.control.replicas import ReplicaControl
 from frontend.engine.core_client import (
     EngineCoreClient,
     EngineDeadError,
@@ -54,6 +53,7 @@ from frontend.engine.core_client import (
     UtilityError,
 )
 from frontend.engine.load_balancer import LoadBalancer, ReplicaLoad
+from frontend.engine.replicas import ReplicaControl
 
 __all__ = [
     "EngineClient",

@@ -45,7 +45,7 @@ class LoadBalancer:
         self.num_replicas = num_replicas
         self.block_size = block_size
         self.slack = slack
-        # Routing decisions per replica and reason: metrics (frontend/server/metrics.py) and the benchmark.
+        # Routing decisions per replica and reason: metrics (frontend/common/metrics.py) and the benchmark.
         self.num_routed = [dict.fromkeys(REASONS, 0) for _ in range(num_replicas)]
         self._holders: OrderedDict[int, int] = OrderedDict()  # prefix hash -> bitmask of replicas
         self._turn = 0

@@ -6,23 +6,18 @@ field this server does not implement is a 400 naming it when set to anything but
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from frontend.openai.protocol import check_spaces_between_special_tokens, check_unsupported
-from frontend.server.errors import bad_request
+from frontend.common.decoding import (
+    Unsupported,
+    check_spaces_between_special_tokens,
+    check_unsupported,
+)
+from frontend.common.errors import bad_request
 from frontend.serving.sampling import LMDEPLOY_RULES, RequestSampling, stop_list
-
-_GENERATE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "image_data": (None,),
-    "top_logprobs_num": (None, 0),
-    "logprob_start_len": (None, -1),
-    "return_routed_experts": (None, False),
-    "mm_processor_kwargs": (None, {}),
-    "media_io_kwargs": (None, {}),
-}
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -44,19 +39,19 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     repetition_penalty: float | None = 1.0
-    # The tokenizers backend never puts spaces around special tokens (see protocol.py).
+    # The tokenizers backend never puts spaces around special tokens (see openai/protocol.py).
     spaces_between_special_tokens: bool | UnsetType | None = UNSET
     return_logprob: bool | None = None  # meta_info.output_token_logprobs: [logprob, token id]
     # LMDeploy's chat route has it: json_schema, regex_schema or json_object (text/structured_outputs.py).
     response_format: dict[str, Any] | None = None
     adapter_name: str | None = None  # the LoRA adapter to run on (None: the base model)
 
-    image_data: Any = UNSET
-    top_logprobs_num: Any = UNSET
-    logprob_start_len: Any = UNSET
-    return_routed_experts: Any = UNSET
-    mm_processor_kwargs: Any = UNSET
-    media_io_kwargs: Any = UNSET
+    image_data: Annotated[Any, Unsupported(None)] = UNSET
+    top_logprobs_num: Annotated[Any, Unsupported(None, 0)] = UNSET
+    logprob_start_len: Annotated[Any, Unsupported(None, -1)] = UNSET
+    return_routed_experts: Annotated[Any, Unsupported(None, False)] = UNSET
+    mm_processor_kwargs: Annotated[Any, Unsupported(None, {})] = UNSET
+    media_io_kwargs: Annotated[Any, Unsupported(None, {})] = UNSET
 
     def to_sampling(self) -> RequestSampling:
         # LMDeploy's /generate has no seed: every request gets a random one.
@@ -76,7 +71,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         )
 
     def validate(self) -> None:
-        check_unsupported(self, _GENERATE_UNSUPPORTED)
+        check_unsupported(self)
         if (self.prompt is None) == (self.input_ids is None):
             raise bad_request("specify exactly one of prompt or input_ids", "prompt")
         if self.prompt == "":

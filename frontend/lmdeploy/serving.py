@@ -7,8 +7,8 @@ client's, or a new one) by which /abort_request can stop it; any request can als
 response id or X-Request-Id, or all at once. An aborted request ends normally with finish reason
 "abort" and the text it had so far.
 
-SGLang's /generate shares the path: bodies sglang/protocol.py's is_sglang_generate recognises go to
-sglang/serving.py.
+SGLang's /generate shares the path: server/generate.py tells the bodies apart and sends LMDeploy's
+here.
 """
 
 from __future__ import annotations
@@ -21,18 +21,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from enginecore.messages import Logprobs
+from frontend.common.decoding import decode_request
+from frontend.common.errors import APIError, bad_request
+from frontend.common.http import json_response, sse
 from frontend.lmdeploy.protocol import (
     AbortRequest,
     GenerateMetaInfo,
     GenerateRequest,
     GenerateResponse,
 )
-from frontend.openai.protocol import decode_request
-from frontend.server.errors import APIError, bad_request
-from frontend.serving.base import OpenAIServing, json_response, sse
+from frontend.serving.base import OpenAIServing
 from frontend.serving.generation import Generation, RequestGroup
-from frontend.sglang.protocol import is_sglang_generate
-from frontend.sglang.serving import SGLangServing
 from frontend.text.logprobs import lmdeploy_logprobs
 from frontend.text.structured_outputs import structured_output_spec
 
@@ -41,15 +40,11 @@ class LMDeployServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
         self._session_ids = itertools.count(1)
-        self.sglang = SGLangServing(serving)
 
     # ------------------------------------------------------------------ /generate
 
-    async def generate(self, http_request: Request) -> Response:
+    async def generate(self, http_request: Request, body: bytes) -> Response:
         s = self.serving
-        body = await http_request.body()
-        if is_sglang_generate(body):
-            return await self.sglang.generate(http_request, body)
         req = decode_request(body, GenerateRequest)
         session_id = self._session_id(req.session_id)
         if req.prompt is not None:

@@ -13,14 +13,14 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-import msgspec
 from msgspec import UNSET
 from starlette.requests import Request
 from starlette.responses import Response
 
-from enginecore.messages import Logprobs, StructuredOutputSpec
-from frontend.chat_options import ChatOptions
-from frontend.openai.chat_output import ChoiceDelta, ChoiceParser, delta_message, parse_message
+from enginecore.messages import Logprobs
+from frontend.common.decoding import decode_request
+from frontend.common.http import json_response, sse
+from frontend.common.protocol import DeltaMessage, PromptLogprobsList
 from frontend.openai.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -29,27 +29,19 @@ from frontend.openai.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessage,
-    DeltaMessage,
-    PromptLogprobsList,
-    decode_request,
+    usage_options,
 )
-from frontend.serving.base import OpenAIServing, json_response, sse, usage_options
+from frontend.serving.chat import ChatPath
 from frontend.serving.generation import Generation, RequestGroup
 from frontend.serving.sampling import truncate_prompt
+from frontend.text.chat_output import ChoiceDelta, ChoiceParser, delta_message, parse_message
 from frontend.text.logprobs import TokenStrings, chat_logprobs, prompt_logprobs
-from frontend.text.reasoning_parsers import make_reasoning_parser, prompt_opens_reasoning
 from frontend.text.tool_calling import ToolPlan, plan_tools
 
 _ROLE = "assistant"
-REASONING_END = "</think>"
 
 
-class ChatServing:
-    def __init__(self, serving: OpenAIServing, options: ChatOptions | None = None) -> None:
-        self.serving = serving
-        self.options = options or ChatOptions()
-        self._reasoning_end_ids: list[int] | None = None
-
+class ChatServing(ChatPath):
     async def create(self, http_request: Request) -> Response:
         s = self.serving
         req = decode_request(await http_request.body(), ChatCompletionRequest)
@@ -121,37 +113,6 @@ class ChatServing:
             )
             prompt_ids = s.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
         return prompt_text, truncate_prompt(prompt_ids, req.truncate_prompt_tokens, s.max_model_len)
-
-    def after_reasoning(
-        self, constraint: StructuredOutputSpec | None, prompt_text: str
-    ) -> tuple[StructuredOutputSpec | None, bool]:
-        """(the constraint, starting after the reasoning when the model will reason first;
-        whether the prompt opened a think block)."""
-        name = self.options.reasoning_parser
-        if name is None:
-            return constraint, False
-        opens = prompt_opens_reasoning(prompt_text)
-        # deepseek_r1 reasons from its first token unless the prompt already closed the block.
-        reasons_first = opens or (
-            name == "deepseek_r1" and not prompt_text.rstrip().endswith(REASONING_END)
-        )
-        if constraint is not None and reasons_first:
-            if self._reasoning_end_ids is None:
-                tokenizer = self.serving.tokenizer
-                self._reasoning_end_ids = tokenizer.encode(REASONING_END, add_special_tokens=False)
-            constraint = msgspec.structs.replace(
-                constraint, reasoning_end_token_ids=self._reasoning_end_ids
-            )
-        return constraint, opens
-
-    def choice_parser(
-        self, plan: ToolPlan, opens_reasoning: bool, include_reasoning: bool = True
-    ) -> ChoiceParser:
-        """A parser of one choice's text into reasoning, content and tool calls."""
-        name = self.options.reasoning_parser
-        reasoning = make_reasoning_parser(name, opens_reasoning) if name else None
-        tools = plan.new_parser() if plan.new_parser is not None else None
-        return ChoiceParser(reasoning, tools, plan.max_calls, include_reasoning)
 
     async def _stream(
         self,

@@ -19,15 +19,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from enginecore.messages import Logprobs
+from frontend.common.decoding import decode_request
+from frontend.common.http import json_response, sse
+from frontend.common.protocol import CompletionLogProbs
 from frontend.openai.protocol import (
-    CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
-    decode_request,
+    usage_options,
 )
-from frontend.serving.base import OpenAIServing, json_response, sse, usage_options
+from frontend.serving.base import OpenAIServing
 from frontend.serving.generation import Generation, RequestGroup
 from frontend.serving.sampling import truncate_prompt
 from frontend.text.logprobs import TokenStrings, completion_logprobs, prompt_logprobs

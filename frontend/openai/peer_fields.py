@@ -25,21 +25,13 @@ at validation. This module knows nothing about tokenizers or the engine.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import UNSET
 
-from frontend.server.errors import bad_request
-
-# Peer fields tern cannot honour -> the values that mean "not used" (anything else is a 400).
-NEUTRAL: dict[str, tuple[Any, ...]] = {
-    # SGLang splits reasoning (with a reasoning parser) and streams it as it comes: so does tern.
-    "separate_reasoning": (None, True),
-    "stream_reasoning": (None, True),
-    "return_hidden_states": (None, False),
-    "session_params": (None,),
-}
+from frontend.common.decoding import field_markers
+from frontend.common.errors import bad_request
 
 # Peer fields tern honours -> tern's field (how: apply_peer_fields).
 HONOURED: dict[str, str] = {
@@ -62,6 +54,15 @@ _OTHER_CONSTRAINTS = (
 )
 
 
+class Neutral:
+    """The annotation of a peer's field tern cannot honour: the values that mean "not used"."""
+
+    __slots__ = ("allowed",)
+
+    def __init__(self, *allowed: Any) -> None:
+        self.allowed = allowed
+
+
 class PeerFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The fields routers and SGLang clients add to OpenAI bodies (see the module docstring)."""
 
@@ -71,11 +72,19 @@ class PeerFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     regex: str | None = None
     ebnf: str | None = None
     json_schema: str | dict[str, Any] | None = None
-    separate_reasoning: Any = UNSET
-    stream_reasoning: Any = UNSET
-    return_hidden_states: Any = UNSET
-    lora_path: Any = UNSET
-    session_params: Any = UNSET
+    # Fields tern cannot honour, with the values that mean "not used" (anything else is a 400).
+    # SGLang splits reasoning (with a reasoning parser) and streams it as it comes: so does tern.
+    separate_reasoning: Annotated[Any, Neutral(None, True)] = UNSET
+    stream_reasoning: Annotated[Any, Neutral(None, True)] = UNSET
+    return_hidden_states: Annotated[Any, Neutral(None, False)] = UNSET
+    lora_path: Any = UNSET  # honoured: an adapter's name, read with `model` (OpenAIServing.lora_of)
+    session_params: Annotated[Any, Neutral(None)] = UNSET
+
+
+# Peer fields tern cannot honour -> the values that mean "not used" (anything else is a 400).
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    name: m.allowed for name, m in field_markers(PeerFields, Neutral).items()
+}
 
 
 def apply_peer_fields(req: Any) -> None:

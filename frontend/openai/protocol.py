@@ -11,61 +11,31 @@ the engine.
 
 from __future__ import annotations
 
-import json
-import re
-from typing import Any, TypeVar
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
 from enginecore.messages import StructuredOutputSpec
+from frontend.common.decoding import (
+    Unsupported,
+    check_num_logprobs,
+    check_spaces_between_special_tokens,
+    check_unsupported,
+    normalize_messages,
+)
+from frontend.common.errors import bad_request
+from frontend.common.protocol import (
+    ChatCompletionLogProbsContent,
+    CompletionLogProbs,
+    DeltaMessage,
+    PromptLogprobsList,
+    ToolCall,
+    UsageInfo,
+)
 from frontend.openai.peer_fields import PeerFields, apply_peer_fields
-from frontend.server.errors import bad_request
 from frontend.serving.sampling import RequestSampling, stop_list
 from frontend.text.structured_outputs import structured_output_spec
-
-T = TypeVar("T")
-
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_LOGPROBS = 20  # most likely tokens per position (vLLM's default --max-logprobs)
-
-# Known fields we do not implement -> the values that mean "not used" (anything else is a 400).
-_COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1),
-    "use_beam_search": (None, False),
-    "length_penalty": (None, 1),
-    "early_stopping": (None, False),
-    "bad_words": (None, []),
-    "logits_processors": (None,),
-    "guided_whitespace_pattern": (None,),
-    "priority": (None, 0),
-    "cache_salt": (None,),
-    "kv_transfer_params": (None,),
-    "vllm_xargs": (None,),
-    "mm_processor_kwargs": (None,),
-    "media_io_kwargs": (None,),
-    "metadata": (None,),
-    "store": (None, False),
-    "service_tier": (None, "auto", "default"),
-    "prediction": (None,),
-}
-_CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    **_COMMON_UNSUPPORTED,
-    "functions": (None,),
-    "function_call": (None, "none"),
-    "documents": (None,),
-    "chat_template": (None,),
-    "reasoning_effort": (None,),
-    "modalities": (None, ["text"]),
-    "audio": (None,),
-    "web_search_options": (None,),
-    "verbosity": (None,),
-}
-_COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    **_COMMON_UNSUPPORTED,
-    "suffix": (None, ""),
-    "prompt_embeds": (None,),
-}
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -122,26 +92,24 @@ class _RequestBase(PeerFields, forbid_unknown_fields=True, kw_only=True):
     return_token_ids: bool | None = None  # prompt_token_ids and token_ids in the response
     echo: bool | None = False
 
-    # Known but unsupported (see _COMMON_UNSUPPORTED): typed loosely, rejected when used.
-    best_of: Any = UNSET
-    use_beam_search: Any = UNSET
-    length_penalty: Any = UNSET
-    early_stopping: Any = UNSET
-    bad_words: Any = UNSET
-    logits_processors: Any = UNSET
-    guided_whitespace_pattern: Any = UNSET
-    priority: Any = UNSET
-    cache_salt: Any = UNSET
-    kv_transfer_params: Any = UNSET
-    vllm_xargs: Any = UNSET
-    mm_processor_kwargs: Any = UNSET
-    media_io_kwargs: Any = UNSET
-    metadata: Any = UNSET
-    store: Any = UNSET
-    service_tier: Any = UNSET
-    prediction: Any = UNSET
-
-    _unsupported = _COMMON_UNSUPPORTED
+    # Known but unsupported: typed loosely, rejected when set to other than the values listed.
+    best_of: Annotated[Any, Unsupported(None, 1)] = UNSET
+    use_beam_search: Annotated[Any, Unsupported(None, False)] = UNSET
+    length_penalty: Annotated[Any, Unsupported(None, 1)] = UNSET
+    early_stopping: Annotated[Any, Unsupported(None, False)] = UNSET
+    bad_words: Annotated[Any, Unsupported(None, [])] = UNSET
+    logits_processors: Annotated[Any, Unsupported(None)] = UNSET
+    guided_whitespace_pattern: Annotated[Any, Unsupported(None)] = UNSET
+    priority: Annotated[Any, Unsupported(None, 0)] = UNSET
+    cache_salt: Annotated[Any, Unsupported(None)] = UNSET
+    kv_transfer_params: Annotated[Any, Unsupported(None)] = UNSET
+    vllm_xargs: Annotated[Any, Unsupported(None)] = UNSET
+    mm_processor_kwargs: Annotated[Any, Unsupported(None)] = UNSET
+    media_io_kwargs: Annotated[Any, Unsupported(None)] = UNSET
+    metadata: Annotated[Any, Unsupported(None)] = UNSET
+    store: Annotated[Any, Unsupported(None, False)] = UNSET
+    service_tier: Annotated[Any, Unsupported(None, "auto", "default")] = UNSET
+    prediction: Annotated[Any, Unsupported(None)] = UNSET
 
     @property
     def max_tokens_field(self) -> tuple[str, int | None]:
@@ -188,7 +156,7 @@ class _RequestBase(PeerFields, forbid_unknown_fields=True, kw_only=True):
     def validate(self) -> None:
         """Raises APIError (400) for unsupported fields and out-of-range values."""
         apply_peer_fields(self)
-        check_unsupported(self, self._unsupported)
+        check_unsupported(self)
         if self.stream_options is not None and not self.stream:
             raise bad_request(
                 "stream_options can only be set when stream is true", "stream_options"
@@ -210,21 +178,19 @@ class ChatCompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=Tr
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    # Tool calling and reasoning (frontend/text/tool_calling.py, frontend/openai/chat_output.py).
+    # Tool calling and reasoning (frontend/text/tool_calling.py, frontend/text/chat_output.py).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     include_reasoning: bool = True
-    functions: Any = UNSET
-    function_call: Any = UNSET
-    documents: Any = UNSET
-    chat_template: Any = UNSET
-    reasoning_effort: Any = UNSET
-    modalities: Any = UNSET
-    audio: Any = UNSET
-    web_search_options: Any = UNSET
-    verbosity: Any = UNSET
-
-    _unsupported = _CHAT_UNSUPPORTED
+    functions: Annotated[Any, Unsupported(None)] = UNSET
+    function_call: Annotated[Any, Unsupported(None, "none")] = UNSET
+    documents: Annotated[Any, Unsupported(None)] = UNSET
+    chat_template: Annotated[Any, Unsupported(None)] = UNSET
+    reasoning_effort: Annotated[Any, Unsupported(None)] = UNSET
+    modalities: Annotated[Any, Unsupported(None, ["text"])] = UNSET
+    audio: Annotated[Any, Unsupported(None)] = UNSET
+    web_search_options: Annotated[Any, Unsupported(None)] = UNSET
+    verbosity: Annotated[Any, Unsupported(None)] = UNSET
 
     @property
     def max_tokens_field(self) -> tuple[str, int | None]:
@@ -263,10 +229,8 @@ class CompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=True):
     add_special_tokens: bool = True
     logprobs: int | None = None  # the sampled token's, and this many most likely tokens'
 
-    suffix: Any = UNSET
-    prompt_embeds: Any = UNSET
-
-    _unsupported = _COMPLETION_UNSUPPORTED
+    suffix: Annotated[Any, Unsupported(None, "")] = UNSET
+    prompt_embeds: Annotated[Any, Unsupported(None)] = UNSET
 
     @property
     def num_logprobs(self) -> int | None:
@@ -314,222 +278,23 @@ class CompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=True):
         )
 
 
+def usage_options(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
+    """stream_options: (include_usage, continuous_usage_stats)."""
+    opts = req.stream_options
+    if opts is None:
+        return False, False
+    return bool(opts.include_usage), bool(opts.include_usage and opts.continuous_usage_stats)
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_allowed(value: Any, allowed: tuple[Any, ...]) -> bool:
-    # NOTE: type-checked equality, so that `1` does not pass for `True` nor `0` for `False`.
-    for a in allowed:
-        strict = value is None or a is None or isinstance(a, bool) or isinstance(value, bool)
-        if (value is a) if strict else (value == a):
-            return True
-    return False
-
-
-def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Chat messages as chat templates expect them, from any form OpenAI's API allows.
-
-    `content` is always there and a string (templates index it): text-part lists are joined,
-    an assistant's absent or null content (a turn of tool calls only) is "", and an assistant's
-    `refusal` stands in for its content; tool calls' arguments become objects. Raises APIError
-    (400, param messages[i].<field>) for what the API forbids: a missing or unknown role, content
-    missing where it is required, non-text parts, tool calls off an assistant message.
-    """
-    if not messages:
-        raise bad_request("messages must not be empty", "messages")
-    return [_normalize_message(i, m) for i, m in enumerate(messages)]
-
-
-def _normalize_message(i: int, message: Any) -> dict[str, Any]:
-    if not isinstance(message, dict):
-        raise bad_request("each message must be an object", f"messages[{i}]")
-    role = message.get("role")
-    if not isinstance(role, str):
-        raise bad_request("each message needs a string 'role'", f"messages[{i}].role")
-    if role not in CHAT_ROLES:
-        raise bad_request(
-            f"unsupported role {role!r}; expected one of {', '.join(CHAT_ROLES)}",
-            f"messages[{i}].role",
-        )
-    for name in ("name", "tool_call_id", "refusal"):
-        value = message.get(name)
-        if value is not None and not isinstance(value, str):
-            raise bad_request(f"{name} must be a string", f"messages[{i}].{name}")
-    out = {k: v for k, v in message.items() if k != "refusal"}
-    out["content"] = _content_text(i, role, message)
-    if role == "developer":  # OpenAI's newer name for system instructions; templates know system
-        out["role"] = "system"
-    if message.get("tool_calls") is not None:
-        out["tool_calls"] = _template_tool_calls(i, message)
-    elif "tool_calls" in out:
-        del out["tool_calls"]  # null: templates test for the key
-    return out
-
-
-def _content_text(i: int, role: str, message: dict[str, Any]) -> str:
-    """The message's content as one string (absent or null only on an assistant turn)."""
-    content = message.get("content")
-    if content is None:
-        if role != "assistant":
-            raise bad_request(f"a {role} message needs 'content'", f"messages[{i}].content")
-        return message.get("refusal") or ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request("content must be a string or a list of parts", f"messages[{i}].content")
-    texts = []
-    for j, part in enumerate(content):
-        param = f"messages[{i}].content[{j}]"
-        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        # An assistant's parts may be refusals (OpenAI's ChatCompletionContentPartRefusal).
-        key = "refusal" if kind == "refusal" and role == "assistant" else "text"
-        if kind != key:
-            raise bad_request(f"content part type {kind!r} is not supported (text only)", param)
-        if not isinstance(part.get(key), str):
-            raise bad_request(f"a {kind} content part needs a string {key!r}", param)
-        texts.append(part[key])
-    # vLLM joins the text parts of a message with newlines for string-content templates.
-    return "\n".join(texts)
-
-
-def _template_tool_calls(i: int, message: dict[str, Any]) -> list[dict[str, Any]]:
-    """An assistant message's tool calls as chat templates read them: arguments as an object (as
-    vLLM passes them; templates render them with tojson), not OpenAI's JSON string."""
-    param = f"messages[{i}].tool_calls"
-    calls = message["tool_calls"]
-    if message.get("role") != "assistant" or not isinstance(calls, list):
-        raise bad_request("tool_calls must be a list, on an assistant message", param)
-    out = []
-    for j, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise bad_request("a tool call needs function.name", f"{param}[{j}]")
-        arguments = function.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments or "{}")
-            except json.JSONDecodeError as e:
-                raise bad_request(
-                    f"function.arguments is not valid JSON: {e}", f"{param}[{j}]"
-                ) from None
-        out.append({**call, "function": {**function, "arguments": arguments}})
-    return out
-
-
-# --------------------------------------------------------------------------- request decoding
-
-_PARAM_RE = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
-_FIELD_RE = re.compile(r"field `([A-Za-z_][A-Za-z0-9_]*)`")
-
-_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
-
-
-def decode_request(body: bytes, typ: type[T]) -> T:
-    """Decodes a request body into `typ` and runs its validate() if it has one.
-
-    Raises APIError(400) with `param` set when the offending field is known.
-    """
-    decoder = _decoders.get(typ)
-    if decoder is None:
-        decoder = _decoders[typ] = msgspec.json.Decoder(typ)
-    try:
-        req = decoder.decode(body)
-    except msgspec.ValidationError as e:
-        msg = str(e)
-        m = _PARAM_RE.search(msg) or _FIELD_RE.search(msg)
-        raise bad_request(msg, m.group(1) if m else None) from None
-    except msgspec.DecodeError as e:
-        raise bad_request(f"malformed JSON body: {e}") from None
-    except UnicodeDecodeError as e:  # msgspec's error for strings that are not UTF-8
-        raise bad_request(f"the request body is not valid UTF-8: {e}") from None
-    validate = getattr(req, "validate", None)
-    if validate is not None:
-        validate()
-    return req
-
-
-def check_spaces_between_special_tokens(req: Any) -> None:
-    """Spaces around shown special tokens are what the tokenizers backend cannot do."""
-    if req.spaces_between_special_tokens is True and req.skip_special_tokens is False:
-        raise bad_request(
-            "spaces_between_special_tokens: true is not supported with skip_special_tokens: "
-            "false (special tokens are joined to the text without spaces)",
-            "spaces_between_special_tokens",
-        )
-
-
-def check_num_logprobs(k: int | None, param: str) -> None:
-    if k is not None and not 0 <= k <= MAX_LOGPROBS:
-        raise bad_request(f"{param} must be in [0, {MAX_LOGPROBS}], got {k}", param)
-
-
-def check_unsupported(req: Any, unsupported: dict[str, tuple[Any, ...]]) -> None:
-    """400 naming the first field of `unsupported` set to a value other than its "not used" ones."""
-    for name, allowed in unsupported.items():
-        value = getattr(req, name)
-        if value is not UNSET and not _is_allowed(value, allowed):
-            raise bad_request(f"'{name}' is not supported by this server", name)
 
 
 # --------------------------------------------------------------------------- responses
 
 
-class PromptTokensDetails(msgspec.Struct):
-    cached_tokens: int = 0
-
-
-class UsageInfo(msgspec.Struct):
-    prompt_tokens: int
-    total_tokens: int
-    completion_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class ChatCompletionLogProb(msgspec.Struct):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatCompletionLogProbsContent(msgspec.Struct):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-    top_logprobs: list[ChatCompletionLogProb] = []
-
-
 class ChatCompletionLogProbs(msgspec.Struct):
     content: list[ChatCompletionLogProbsContent] | None = None
-
-
-class CompletionLogProbs(msgspec.Struct):
-    text_offset: list[int]
-    token_logprobs: list[float | None]
-    tokens: list[str]
-    top_logprobs: list[dict[str, float] | None]
-
-
-class PromptLogprob(msgspec.Struct):
-    """vLLM's Logprob, in prompt_logprobs: [None, {token id: PromptLogprob}, ...]."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-PromptLogprobsList = list[dict[str, PromptLogprob] | None]
-
-
-class FunctionCall(msgspec.Struct):
-    name: str
-    arguments: str  # a JSON object, as text
-
-
-class ToolCall(msgspec.Struct):
-    id: str
-    function: FunctionCall
-    type: str = "function"
 
 
 class ChatMessage(msgspec.Struct):
@@ -539,20 +304,6 @@ class ChatMessage(msgspec.Struct):
     reasoning_content: str | None = None
     reasoning: str | None = None
     tool_calls: list[ToolCall] = []
-
-
-class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(msgspec.Struct, omit_defaults=True):
-    """A streamed tool call: index, id, type and name on its first chunk, then argument pieces."""
-
-    index: int
-    id: str | None = None
-    type: str | None = None
-    function: DeltaFunctionCall | None = None
 
 
 class ChatCompletionResponseChoice(msgspec.Struct):
@@ -577,14 +328,6 @@ class ChatCompletionResponse(msgspec.Struct):
     prompt_logprobs: PromptLogprobsList | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
     lora_version: str | UnsetType = UNSET  # the LoRA adapter's version, on an adapter's answers
-
-
-class DeltaMessage(msgspec.Struct, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    reasoning: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(msgspec.Struct):

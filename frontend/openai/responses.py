@@ -23,10 +23,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from frontend.common.decoding import decode_request
+from frontend.common.errors import APIError, bad_request
+from frontend.common.http import json_response, sse_json
 from frontend.engine.client import EngineDeadError
 from frontend.openai.chat import ChatServing
-from frontend.openai.chat_output import ChoiceParser, parse_message
-from frontend.openai.protocol import decode_request
 from frontend.openai.responses_protocol import (
     FunctionCallItem,
     InputTokensDetails,
@@ -40,9 +41,9 @@ from frontend.openai.responses_protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
-from frontend.server.errors import APIError, bad_request
-from frontend.serving.base import json_response, sse_json, streaming_response
+from frontend.serving.base import streaming_response
 from frontend.serving.generation import RequestFailedError, RequestGroup
+from frontend.text.chat_output import ChoiceParser, parse_message
 from frontend.text.tool_calling import plan_tools
 
 

@@ -16,42 +16,19 @@ skip_special_tokens, include_stop_str_in_output, request_id included).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import UNSET
 
 from enginecore.messages import StructuredOutputSpec
-from frontend.openai.protocol import check_unsupported, normalize_messages
-from frontend.server.errors import bad_request
+from frontend.common.decoding import Unsupported, check_unsupported, normalize_messages
+from frontend.common.errors import bad_request
 from frontend.serving.sampling import RequestSampling, stop_list
 from frontend.text.structured_outputs import from_response_format, structured_output_spec
 
 _TEXT_FORMAT = {"format": {"type": "text"}}
 
-# Known fields we do not implement -> the values that mean "not used" (anything else is a 400).
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "max_tool_calls": (None,),
-    "conversation": (None,),
-    "background": (None, False),
-    "include": (None, []),
-    "prompt": (None,),
-    "reasoning": (None,),
-    "top_logprobs": (None, 0),
-    "truncation": (None, "disabled"),
-    "service_tier": (None, "auto", "default"),
-    "stream_options": (None, {}, {"include_obfuscation": False}),
-    "logit_bias": (None, {}),
-    "repetition_penalty": (None, 1),
-    "priority": (None, 0),
-    "cache_salt": (None,),
-    "kv_transfer_params": (None,),
-    "vllm_xargs": (None,),
-    "mm_processor_kwargs": (None,),
-    "media_io_kwargs": (None,),
-    "enable_response_messages": (None, False),
-    "previous_input_messages": (None,),
-}
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text")
 
@@ -82,28 +59,28 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     include_stop_str_in_output: bool = False
     request_id: str | None = None
 
-    max_tool_calls: Any = UNSET
-    conversation: Any = UNSET
-    background: Any = UNSET
-    include: Any = UNSET
-    prompt: Any = UNSET
-    reasoning: Any = UNSET
+    max_tool_calls: Annotated[Any, Unsupported(None)] = UNSET
+    conversation: Annotated[Any, Unsupported(None)] = UNSET
+    background: Annotated[Any, Unsupported(None, False)] = UNSET
+    include: Annotated[Any, Unsupported(None, [])] = UNSET
+    prompt: Annotated[Any, Unsupported(None)] = UNSET
+    reasoning: Annotated[Any, Unsupported(None)] = UNSET
     text: dict[str, Any] | None = None  # text.format: the output constraint, if any
-    top_logprobs: Any = UNSET
-    truncation: Any = UNSET
-    service_tier: Any = UNSET
-    stream_options: Any = UNSET
-    logit_bias: Any = UNSET
-    repetition_penalty: Any = UNSET
-    priority: Any = UNSET
-    cache_salt: Any = UNSET
-    kv_transfer_params: Any = UNSET
-    vllm_xargs: Any = UNSET
-    mm_processor_kwargs: Any = UNSET
-    media_io_kwargs: Any = UNSET
+    top_logprobs: Annotated[Any, Unsupported(None, 0)] = UNSET
+    truncation: Annotated[Any, Unsupported(None, "disabled")] = UNSET
+    service_tier: Annotated[Any, Unsupported(None, "auto", "default")] = UNSET
+    stream_options: Annotated[Any, Unsupported(None, {}, {"include_obfuscation": False})] = UNSET
+    logit_bias: Annotated[Any, Unsupported(None, {})] = UNSET
+    repetition_penalty: Annotated[Any, Unsupported(None, 1)] = UNSET
+    priority: Annotated[Any, Unsupported(None, 0)] = UNSET
+    cache_salt: Annotated[Any, Unsupported(None)] = UNSET
+    kv_transfer_params: Annotated[Any, Unsupported(None)] = UNSET
+    vllm_xargs: Annotated[Any, Unsupported(None)] = UNSET
+    mm_processor_kwargs: Annotated[Any, Unsupported(None)] = UNSET
+    media_io_kwargs: Annotated[Any, Unsupported(None)] = UNSET
     structured_outputs: dict[str, Any] | None = None  # vLLM's
-    enable_response_messages: Any = UNSET
-    previous_input_messages: Any = UNSET
+    enable_response_messages: Annotated[Any, Unsupported(None, False)] = UNSET
+    previous_input_messages: Annotated[Any, Unsupported(None)] = UNSET
 
     def to_sampling(self) -> RequestSampling:
         return RequestSampling(
@@ -120,7 +97,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         )
 
     def validate(self) -> None:
-        check_unsupported(self, _UNSUPPORTED)
+        check_unsupported(self)
         self.to_sampling().verify()
 
     def output_constraint(self) -> StructuredOutputSpec | None:

@@ -3,16 +3,22 @@ chat template, as the chat route renders them) and token ids back to text."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import UNSET
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend.openai.protocol import check_unsupported, decode_request, normalize_messages
-from frontend.server.errors import bad_request
-from frontend.serving.base import OpenAIServing, json_response
+from frontend.common.decoding import (
+    Unsupported,
+    check_unsupported,
+    decode_request,
+    normalize_messages,
+)
+from frontend.common.errors import bad_request
+from frontend.common.http import json_response
+from frontend.serving.base import OpenAIServing
 
 
 class TokenizeCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -30,14 +36,12 @@ class TokenizeChatRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tr
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
-    tools: Any = UNSET
-    chat_template: Any = UNSET
-    mm_processor_kwargs: Any = UNSET
+    tools: Annotated[Any, Unsupported(None, [])] = UNSET
+    chat_template: Annotated[Any, Unsupported(None)] = UNSET
+    mm_processor_kwargs: Annotated[Any, Unsupported(None)] = UNSET
 
     def validate(self) -> None:
-        check_unsupported(
-            self, {"tools": (None, []), "chat_template": (None,), "mm_processor_kwargs": (None,)}
-        )
+        check_unsupported(self)
         if self.continue_final_message and self.add_generation_prompt:
             raise bad_request(
                 "continue_final_message and add_generation_prompt cannot both be true",

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import base64
 import math
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 import numpy as np
 from msgspec import UNSET, UnsetType
 
-from frontend.openai.protocol import UsageInfo, check_unsupported, decode_request
-from frontend.server.errors import APIError, bad_request
+from frontend.common.decoding import Unsupported, check_unsupported, decode_request
+from frontend.common.errors import APIError, bad_request
+from frontend.common.protocol import UsageInfo
 
 T = TypeVar("T")
 
@@ -45,13 +46,6 @@ GENERATION_PARAMS = frozenset({
     "tool_choice", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "skip_special_tokens", "include_stop_str_in_output",
 })  # fmt: skip
-
-_POOLING_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "priority": (None, 0),
-    "chat_template": (None,),
-    "mm_processor_kwargs": (None,),
-    "cache_salt": (None,),
-}
 
 
 # --------------------------------------------------------------------------- requests
@@ -74,13 +68,13 @@ class PoolingInput(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     user: str | None = None  # OpenAI's end-user id: accepted, no effect on the output
     request_id: str | None = None  # vLLM: the response id's base when there is no X-Request-Id
 
-    priority: Any = UNSET
-    chat_template: Any = UNSET
-    mm_processor_kwargs: Any = UNSET
-    cache_salt: Any = UNSET
+    priority: Annotated[Any, Unsupported(None, 0)] = UNSET
+    chat_template: Annotated[Any, Unsupported(None)] = UNSET
+    mm_processor_kwargs: Annotated[Any, Unsupported(None)] = UNSET
+    cache_salt: Annotated[Any, Unsupported(None)] = UNSET
 
     def validate(self) -> None:
-        check_unsupported(self, _POOLING_UNSUPPORTED)
+        check_unsupported(self)
         if (self.input is UNSET) == (self.messages is UNSET):
             raise bad_request("specify exactly one of input or messages", "input")
         if self.messages is UNSET:
@@ -150,11 +144,11 @@ class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     user: str | None = None
     request_id: str | None = None
 
-    priority: Any = UNSET
-    mm_processor_kwargs: Any = UNSET
+    priority: Annotated[Any, Unsupported(None, 0)] = UNSET
+    mm_processor_kwargs: Annotated[Any, Unsupported(None)] = UNSET
 
     def validate(self) -> None:
-        check_unsupported(self, {"priority": (None, 0), "mm_processor_kwargs": (None,)})
+        check_unsupported(self)
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
 
     def pairs(self) -> list[tuple[str, str]]:

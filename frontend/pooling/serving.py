@@ -21,8 +21,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from enginecore.messages import EngineCoreRequest, EngineReady, FinishReason, SamplingParams
+from frontend.common.decoding import normalize_messages
+from frontend.common.errors import APIError, bad_request, engine_dead_error
+from frontend.common.http import json_response
+from frontend.common.protocol import UsageInfo
 from frontend.engine.client import EngineDeadError, RequestStream
-from frontend.openai.protocol import UsageInfo, normalize_messages
 from frontend.pooling.protocol import (
     ClassificationData,
     ClassificationRequest,
@@ -47,8 +50,7 @@ from frontend.pooling.protocol import (
     encode_vector,
     sigmoid,
 )
-from frontend.server.errors import APIError, bad_request, engine_dead_error
-from frontend.serving.base import OpenAIServing, json_response
+from frontend.serving.base import OpenAIServing
 from frontend.serving.generation import RequestFailedError, unique_ids
 from frontend.serving.sampling import truncate_prompt
 

@@ -22,6 +22,8 @@ from swagger_ui_bundle import swagger_ui_path
 from enginecore.config import Config
 from frontend.anthropic.serving import MessagesServing
 from frontend.cli.server import FrontendConfig
+from frontend.common.errors import APIError
+from frontend.common.http import error_response
 from frontend.control.serving import ControlServing, GenerationGate
 from frontend.engine.client import EngineClient
 from frontend.lmdeploy.serving import LMDeployServing
@@ -30,7 +32,7 @@ from frontend.openai.completion import CompletionServing
 from frontend.openai.responses import ResponsesServing, ResponseStore
 from frontend.openai.tokenize import TokenizeServing
 from frontend.pooling.serving import PoolingServing, task_error
-from frontend.server.errors import APIError
+from frontend.server.generate import GenerateServing
 from frontend.server.info import InfoServing, tern_version
 from frontend.server.middleware import (
     DOCS_STATIC,
@@ -41,7 +43,8 @@ from frontend.server.middleware import (
 from frontend.server.openapi import openapi_document
 from frontend.server.router_routes import RouterServing
 from frontend.server.routes import GENERATION_PATHS, ROUTES, Endpoint, Handlers
-from frontend.serving.base import OpenAIServing, error_response
+from frontend.serving.base import OpenAIServing
+from frontend.sglang.serving import SGLangServing
 
 logger = logging.getLogger("tern.frontend")
 
@@ -63,13 +66,15 @@ def build_app(
     if config.parallel.data_parallel_size > 1 and serving.metrics is not None:
         serving.metrics.replicas = engine.replica_snapshots
     openapi = _json.encode(openapi_document("tern", tern_version()))
+    lmdeploy = LMDeployServing(serving)
     handlers = Handlers(
         chat=chat,
         completion=CompletionServing(serving),
         responses=ResponsesServing(chat, ResponseStore(frontend.max_stored_responses)),
         messages=MessagesServing(chat),
         tokenize=TokenizeServing(serving),
-        lmdeploy=LMDeployServing(serving),
+        lmdeploy=lmdeploy,
+        generate=GenerateServing(lmdeploy, SGLangServing(serving)),
         pooling=PoolingServing(serving),
         control=control,
         router=RouterServing(serving, chat, control),

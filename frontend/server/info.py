@@ -20,14 +20,15 @@ from starlette.responses import HTMLResponse, Response
 
 from enginecore.config import Config
 from frontend.cli.server import FrontendConfig
+from frontend.common.errors import engine_dead_error
+from frontend.common.http import json_response
+from frontend.common.metrics import CONTENT_TYPE_LATEST
 from frontend.control.serving import ControlServing
 from frontend.engine.client import EngineClient, EngineDeadError
 from frontend.openai.protocol import ModelCard, ModelList
-from frontend.server.errors import engine_dead_error
-from frontend.server.metrics import CONTENT_TYPE_LATEST
 from frontend.server.middleware import DOCS_STATIC
 from frontend.server.openapi import docs_page
-from frontend.serving.base import OpenAIServing, json_response
+from frontend.serving.base import OpenAIServing
 
 _VERSIONED_PACKAGES = ("tern", "torch", "transformers", "tokenizers", "msgspec", "starlette")
 

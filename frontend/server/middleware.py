@@ -19,10 +19,9 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
+from frontend.common.errors import APIError
+from frontend.common.http import send_error
 from frontend.control.routes import CONTROL_PATHS
-from frontend.server.errors import APIError, error_body
 
 if TYPE_CHECKING:
     from frontend.cli.server import FrontendConfig
@@ -36,29 +35,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 # Routes open without a key: liveness, monitoring, the version.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/openapi.json", "/docs"})
 DOCS_STATIC = "/docs/static"  # Swagger UI's files, for /docs: open too
+
+
 # Routes that change the engine's state for every user (weights, sleep, pause, the prefix cache) are
 # declared in control/routes.py.
-_json = msgspec.json.Encoder()
-
-
-async def send_error(
-    send: Send, err: APIError, headers: tuple[tuple[bytes, bytes], ...] = (), path: str = ""
-) -> None:
-    body = _json.encode(error_body(err, path))
-    await send(
-        {
-            "type": "http.response.start",
-            "status": err.status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                *headers,
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
 def _header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope.get("headers", []):
         if key.lower() == name:

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from frontend.server.errors import (
+from frontend.common.errors import (
     ANTHROPIC_PATH_PREFIX,
     AnthropicErrorResponse,
     ErrorResponse,

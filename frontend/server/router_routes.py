@@ -28,12 +28,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from frontend.common.decoding import decode_request
+from frontend.common.errors import APIError, engine_dead_error
+from frontend.common.http import json_response
 from frontend.control.serving import ControlServing
 from frontend.engine.client import EngineDeadError
 from frontend.openai.chat import ChatServing
-from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest, decode_request
-from frontend.server.errors import APIError, engine_dead_error
-from frontend.serving.base import OpenAIServing, json_response
+from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
+from frontend.serving.base import OpenAIServing
 from frontend.serving.sampling import RequestSampling, truncate_prompt
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0

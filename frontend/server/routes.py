@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from frontend.openai.responses import ResponsesServing
     from frontend.openai.tokenize import TokenizeServing
     from frontend.pooling.serving import PoolingServing
+    from frontend.server.generate import GenerateServing
     from frontend.server.info import InfoServing
     from frontend.server.router_routes import RouterServing
 
@@ -82,6 +83,7 @@ class Handlers:
     messages: MessagesServing
     tokenize: TokenizeServing
     lmdeploy: LMDeployServing
+    generate: GenerateServing
     pooling: PoolingServing
     control: ControlServing
     router: RouterServing
@@ -150,7 +152,7 @@ ROUTES: tuple[RouteSpec, ...] = (
               response=ModelList),
     RouteSpec("/v1/models/{model:path}", _GET, lambda h: h.info.model, "One served model",
               _OPENAI, response=ModelCard),
-    RouteSpec("/generate", _POST, lambda h: h.lmdeploy.generate,
+    RouteSpec("/generate", _POST, lambda h: h.generate.generate,
               "LMDeploy's or SGLang's /generate (told apart by the body)", _PEERS,
               (GenerateRequest, SGLangGenerateRequest),
               (GenerateResponse, SGLangGenerateOutput, list[SGLangGenerateOutput]),

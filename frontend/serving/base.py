@@ -12,19 +12,15 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from msgspec import UNSET
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from enginecore.messages import SamplingParams, StructuredOutputSpec
+from frontend.common.errors import APIError, bad_request, engine_dead_error
+from frontend.common.http import REQUEST_ID_HEADER, sse
 from frontend.engine.client import EngineClient, EngineDeadError
-from frontend.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-)
-from frontend.server.errors import APIError, bad_request, engine_dead_error, error_body
 from frontend.serving.generation import (
     Generation,
     InflightRequests,
@@ -37,44 +33,11 @@ from frontend.serving.routed_experts import vllm_routed_experts
 from frontend.serving.sampling import RequestSampling, for_sample, set_logits_processing
 from frontend.text.detokenizer import IncrementalDetokenizer
 
-if TYPE_CHECKING:
-    from frontend.server.metrics import Metrics
-    from frontend.text.tokenizer import Tokenizer
-
-_json = msgspec.json.Encoder()
 _DONE = b"data: [DONE]\n\n"
-REQUEST_ID_HEADER = "X-Request-Id"
 
-
-# What JSON leaves raw but str.splitlines() ends a line at: clients that split a stream with it
-# (httpx's aiter_lines, through 0.28 at least) cut an event in two where a sampled token holds one.
-_LINE_BREAKS_JSON_KEEPS = (
-    (b"\xe2\x80\xa8", b"\\u2028"),
-    (b"\xe2\x80\xa9", b"\\u2029"),
-    (b"\xc2\x85", b"\\u0085"),
-)
-
-
-def sse_json(obj: Any) -> bytes:
-    """obj as JSON for an event's data line, every character a line splitter may break at escaped
-    (in UTF-8 these byte runs are those characters alone)."""
-    data = _json.encode(obj)
-    for raw, escaped in _LINE_BREAKS_JSON_KEEPS:
-        data = data.replace(raw, escaped)
-    return data
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + sse_json(obj) + b"\n\n"
-
-
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(_json.encode(obj), status, headers=headers, media_type="application/json")
-
-
-def error_response(err: APIError, path: str = "") -> Response:
-    """The error in the shape the clients of `path` parse (frontend/server/errors.py)."""
-    return json_response(error_body(err, path), err.status)
+if TYPE_CHECKING:
+    from frontend.common.metrics import Metrics
+    from frontend.text.tokenizer import Tokenizer
 
 
 class OpenAIServing:
@@ -319,14 +282,6 @@ class _GroupStreamingResponse(StreamingResponse):
 
 def _pick(value: float | None, defaults: dict[str, Any], key: str, fallback: float) -> float:
     return float(value if value is not None else defaults.get(key, fallback))
-
-
-def usage_options(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
-    """stream_options: (include_usage, continuous_usage_stats)."""
-    opts = req.stream_options
-    if opts is None:
-        return False, False
-    return bool(opts.include_usage), bool(opts.include_usage and opts.continuous_usage_stats)
 
 
 async def _openai_framed(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -26,14 +26,14 @@ from enginecore.messages import (
     SamplingParams,
     StructuredOutputSpec,
 )
+from frontend.common.errors import APIError, engine_dead_error
+from frontend.common.protocol import PromptTokensDetails, UsageInfo
 from frontend.engine.client import EngineClient, EngineDeadError
-from frontend.openai.protocol import PromptTokensDetails, UsageInfo
-from frontend.server.errors import APIError, engine_dead_error
 from frontend.serving.routed_experts import RoutingRows
 from frontend.text.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from frontend.server.metrics import Metrics
+    from frontend.common.metrics import Metrics
 
 
 class RequestFailedError(RuntimeError):

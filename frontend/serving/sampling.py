@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from enginecore.messages import SamplingParams
-from frontend.server.errors import bad_request
+from frontend.common.errors import bad_request
 
 _MAX_BIAS = 100.0  # OpenAI's range for logit_bias values; vLLM clamps to it
 _INT32_MAX = 2**31 - 1

@@ -1,15 +1,6 @@
 """Schemas of SGLang's native POST /generate (its GenerateReqInput and SamplingParams, and the
-output dicts its TokenizerManager builds), and the rule that tells its bodies from LMDeploy's.
-
-Both servers call the route /generate. The rule, applied to the JSON object of the body:
-- SGLang's when it has a key only SGLang's GenerateReqInput has (`SGLANG_ONLY_KEYS`: text,
-  sampling_params, rid, return_text_in_logprobs, token_ids_logprob, input_embeds, lora_path...),
-  or when its `input_ids` is a batch (a list whose first item is a list: LMDeploy takes one prompt);
-- LMDeploy's otherwise, which covers every body made only of the keys both have (input_ids,
-  stream, return_logprob, top_logprobs_num, logprob_start_len, image_data, session_id,
-  return_routed_experts) and anything that is not a JSON object (LMDeploy's decoder answers 400).
-A body with keys of both (e.g. `prompt` beside `sampling_params`) is SGLang's; its LMDeploy-only
-keys are then a 400 naming the first one.
+output dicts its TokenizerManager builds). LMDeploy's /generate shares the path: the rule that tells
+their bodies apart is server/generate.py's.
 
 Names, defaults and ranges are SGLang's (python/sglang/srt/managers/io_struct.py GenerateReqInput,
 python/sglang/srt/sampling/sampling_params.py SamplingParams): unset sampling fields take SGLang's
@@ -21,59 +12,22 @@ is a 400. This module knows nothing about tokenizers or the engine.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from frontend.lmdeploy.protocol import GenerateRequest
-from frontend.openai.protocol import (
+from frontend.common.decoding import (
     MAX_LOGPROBS,
+    Unsupported,
     check_spaces_between_special_tokens,
     check_unsupported,
     decode_request,
 )
-from frontend.server.errors import APIError, bad_request
+from frontend.common.errors import APIError, bad_request
 from frontend.serving.sampling import SGLANG_RULES, RequestSampling, stop_list
 
 ANY_JSON = "$$ANY$$"  # SGLang's json_schema for "any JSON value"
-
-_SAMPLING_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "stop_regex": (None, []),
-    "custom_params": (None,),
-    "stream_interval": (None, 1),  # tern streams every engine step
-}
-
-# GenerateReqInput's fields tern cannot honour -> the values that mean "not used": multimodal
-# inputs, LoRA ids (lora_path, an adapter's name, is honoured), sessions, disaggregation and routing, hidden states, extra outputs...
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    **dict.fromkeys(
-        """input_embeds mm_hashes mm_content_hashes video_config session_id session_params
-        lora_id custom_logit_processor positional_embed_overrides bootstrap_host
-        bootstrap_port bootstrap_room bootstrap_pair_key decode_tp_size disagg_prefill_dp_rank
-        kv_router_hint routing_key http_worker_ipc max_thinking_tokens custom_labels
-        external_trace_header received_time need_wait_for_mm_inputs num_items_assigned
-        encoder_urls max_dynamic_patch min_dynamic_patch image_max_dynamic_patch
-        video_max_dynamic_patch images_config multi_item_delimiter_indices""".split(),
-        (None,),
-    ),
-    **dict.fromkeys(
-        """use_audio_in_video return_flat_raw_top_logprobs return_flat_raw_top_logprobs_b64
-        return_hidden_states return_indexer_topk background
-        require_reasoning return_bytes return_entropy return_prompt_token_ids""".split(),
-        (False,),
-    ),
-    **dict.fromkeys(
-        "image_data video_data audio_data modalities token_ids_logprob".split(), (None, [])
-    ),
-    "return_sampling_mask": (None, False),
-    "log_metrics": (True,),  # tern records every request's metrics
-    "routed_dp_rank": (None, 0),  # one data-parallel rank: rank 0 is this server
-    "data_parallel_rank": (None, 0),
-    "priority": (None, 0),
-    "extra_key": (None, ""),
-    "cache_salt": (None, ""),
-}
 
 
 class SGLangSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -99,15 +53,15 @@ class SGLangSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=T
     structural_tag: str | None = None  # the JSON of a response_format {"type": "structural_tag"}
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
-    # SGLang's default is true; the tokenizers backend never adds those spaces (see protocol.py).
+    # SGLang's default is true; the tokenizers backend never adds those spaces (see openai/protocol.py).
     spaces_between_special_tokens: bool | UnsetType | None = UNSET
     no_stop_trim: bool | None = False  # keep the matched stop string (or token) in the text
     logit_bias: dict[str, float] | None = None
     sampling_seed: int | None = None
 
-    stop_regex: Any = UNSET
-    custom_params: Any = UNSET
-    stream_interval: Any = UNSET
+    stop_regex: Annotated[Any, Unsupported(None, [])] = UNSET
+    custom_params: Annotated[Any, Unsupported(None)] = UNSET
+    stream_interval: Annotated[Any, Unsupported(None, 1)] = UNSET  # tern streams every engine step
 
     def __post_init__(self) -> None:
         # As SGLang: null is the default, never "the model's default".
@@ -153,7 +107,7 @@ class SGLangSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=T
         """SGLang's SamplingParams.verify, with tern's limits; params are named
         sampling_params.<field>."""
         try:
-            check_unsupported(self, _SAMPLING_UNSUPPORTED)
+            check_unsupported(self)
             check_spaces_between_special_tokens(self)
             names = list(self.constraints)
             if len(names) > 1:
@@ -189,60 +143,64 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     conversation_id: str | None = None
     no_logs: bool | None = False
 
-    input_embeds: Any = UNSET
-    image_data: Any = UNSET
-    video_data: Any = UNSET
-    audio_data: Any = UNSET
-    mm_hashes: Any = UNSET
-    mm_content_hashes: Any = UNSET
-    use_audio_in_video: Any = UNSET
-    video_config: Any = UNSET
-    token_ids_logprob: Any = UNSET
-    return_sampling_mask: Any = UNSET
-    return_flat_raw_top_logprobs: Any = UNSET
-    return_flat_raw_top_logprobs_b64: Any = UNSET
-    log_metrics: Any = UNSET
-    return_hidden_states: Any = UNSET
-    return_indexer_topk: Any = UNSET
-    modalities: Any = UNSET
-    session_id: Any = UNSET
-    session_params: Any = UNSET
+    # Fields tern cannot honour: multimodal inputs, LoRA ids (lora_path, an adapter's name, is
+    # honoured), sessions, disaggregation and routing, hidden states, extra outputs...
+    input_embeds: Annotated[Any, Unsupported(None)] = UNSET
+    image_data: Annotated[Any, Unsupported(None, [])] = UNSET
+    video_data: Annotated[Any, Unsupported(None, [])] = UNSET
+    audio_data: Annotated[Any, Unsupported(None, [])] = UNSET
+    mm_hashes: Annotated[Any, Unsupported(None)] = UNSET
+    mm_content_hashes: Annotated[Any, Unsupported(None)] = UNSET
+    use_audio_in_video: Annotated[Any, Unsupported(False)] = UNSET
+    video_config: Annotated[Any, Unsupported(None)] = UNSET
+    token_ids_logprob: Annotated[Any, Unsupported(None, [])] = UNSET
+    return_sampling_mask: Annotated[Any, Unsupported(None, False)] = UNSET
+    return_flat_raw_top_logprobs: Annotated[Any, Unsupported(False)] = UNSET
+    return_flat_raw_top_logprobs_b64: Annotated[Any, Unsupported(False)] = UNSET
+    log_metrics: Annotated[Any, Unsupported(True)] = UNSET  # tern records every request's metrics
+    return_hidden_states: Annotated[Any, Unsupported(False)] = UNSET
+    return_indexer_topk: Annotated[Any, Unsupported(False)] = UNSET
+    modalities: Annotated[Any, Unsupported(None, [])] = UNSET
+    session_id: Annotated[Any, Unsupported(None)] = UNSET
+    session_params: Annotated[Any, Unsupported(None)] = UNSET
     lora_path: Any = UNSET
-    lora_id: Any = UNSET
-    custom_logit_processor: Any = UNSET
-    positional_embed_overrides: Any = UNSET
-    bootstrap_host: Any = UNSET
-    bootstrap_port: Any = UNSET
-    bootstrap_room: Any = UNSET
-    bootstrap_pair_key: Any = UNSET
-    decode_tp_size: Any = UNSET
-    routed_dp_rank: Any = UNSET
-    data_parallel_rank: Any = UNSET
-    disagg_prefill_dp_rank: Any = UNSET
-    kv_router_hint: Any = UNSET
-    routing_key: Any = UNSET
-    http_worker_ipc: Any = UNSET
-    background: Any = UNSET
-    require_reasoning: Any = UNSET
-    max_thinking_tokens: Any = UNSET
-    priority: Any = UNSET
-    extra_key: Any = UNSET
-    custom_labels: Any = UNSET
-    return_bytes: Any = UNSET
-    return_entropy: Any = UNSET
-    return_prompt_token_ids: Any = UNSET
-    external_trace_header: Any = UNSET
-    received_time: Any = UNSET
-    need_wait_for_mm_inputs: Any = UNSET
-    num_items_assigned: Any = UNSET
-    encoder_urls: Any = UNSET
-    max_dynamic_patch: Any = UNSET
-    min_dynamic_patch: Any = UNSET
-    image_max_dynamic_patch: Any = UNSET
-    video_max_dynamic_patch: Any = UNSET
-    images_config: Any = UNSET
-    multi_item_delimiter_indices: Any = UNSET
-    cache_salt: Any = UNSET
+    lora_id: Annotated[Any, Unsupported(None)] = UNSET
+    custom_logit_processor: Annotated[Any, Unsupported(None)] = UNSET
+    positional_embed_overrides: Annotated[Any, Unsupported(None)] = UNSET
+    bootstrap_host: Annotated[Any, Unsupported(None)] = UNSET
+    bootstrap_port: Annotated[Any, Unsupported(None)] = UNSET
+    bootstrap_room: Annotated[Any, Unsupported(None)] = UNSET
+    bootstrap_pair_key: Annotated[Any, Unsupported(None)] = UNSET
+    decode_tp_size: Annotated[Any, Unsupported(None)] = UNSET
+    routed_dp_rank: Annotated[Any, Unsupported(None, 0)] = (
+        UNSET  # one data-parallel rank: rank 0 is this server
+    )
+    data_parallel_rank: Annotated[Any, Unsupported(None, 0)] = UNSET
+    disagg_prefill_dp_rank: Annotated[Any, Unsupported(None)] = UNSET
+    kv_router_hint: Annotated[Any, Unsupported(None)] = UNSET
+    routing_key: Annotated[Any, Unsupported(None)] = UNSET
+    http_worker_ipc: Annotated[Any, Unsupported(None)] = UNSET
+    background: Annotated[Any, Unsupported(False)] = UNSET
+    require_reasoning: Annotated[Any, Unsupported(False)] = UNSET
+    max_thinking_tokens: Annotated[Any, Unsupported(None)] = UNSET
+    priority: Annotated[Any, Unsupported(None, 0)] = UNSET
+    extra_key: Annotated[Any, Unsupported(None, "")] = UNSET
+    custom_labels: Annotated[Any, Unsupported(None)] = UNSET
+    return_bytes: Annotated[Any, Unsupported(False)] = UNSET
+    return_entropy: Annotated[Any, Unsupported(False)] = UNSET
+    return_prompt_token_ids: Annotated[Any, Unsupported(False)] = UNSET
+    external_trace_header: Annotated[Any, Unsupported(None)] = UNSET
+    received_time: Annotated[Any, Unsupported(None)] = UNSET
+    need_wait_for_mm_inputs: Annotated[Any, Unsupported(None)] = UNSET
+    num_items_assigned: Annotated[Any, Unsupported(None)] = UNSET
+    encoder_urls: Annotated[Any, Unsupported(None)] = UNSET
+    max_dynamic_patch: Annotated[Any, Unsupported(None)] = UNSET
+    min_dynamic_patch: Annotated[Any, Unsupported(None)] = UNSET
+    image_max_dynamic_patch: Annotated[Any, Unsupported(None)] = UNSET
+    video_max_dynamic_patch: Annotated[Any, Unsupported(None)] = UNSET
+    images_config: Annotated[Any, Unsupported(None)] = UNSET
+    multi_item_delimiter_indices: Annotated[Any, Unsupported(None)] = UNSET
+    cache_salt: Annotated[Any, Unsupported(None, "")] = UNSET
 
     @property
     def is_batch(self) -> bool:
@@ -279,7 +237,7 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
         return self.sampling_params_list()[0].n or 1
 
     def validate(self) -> None:
-        check_unsupported(self, _UNSUPPORTED)
+        check_unsupported(self)
         self._check_prompts()
         num_prompts = len(self.prompts())
         sp = self.sampling_params
@@ -377,50 +335,13 @@ class SGLangGenerateOutput(msgspec.Struct):
     index: int | UnsetType = UNSET  # streamed batches: which output this event is of
 
 
-# --------------------------------------------------------------------------- telling them apart
-
-# Keys of SGLang's GenerateReqInput that LMDeploy's GenerateReqInput does not have.
-SGLANG_ONLY_KEYS = frozenset(SGLangGenerateRequest.__struct_fields__) - frozenset(
-    GenerateRequest.__struct_fields__
-)
-_LMDEPLOY_ONLY_KEYS = frozenset(GenerateRequest.__struct_fields__) - frozenset(
-    SGLangGenerateRequest.__struct_fields__
-)
-
-
-def is_sglang_generate(body: bytes) -> bool:
-    """Whether a /generate body is SGLang's (the rule in the module docstring)."""
-    try:
-        obj = msgspec.json.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError):
-        return False  # LMDeploy's decoder answers the 400
-    if not isinstance(obj, dict):
-        return False
-    if not SGLANG_ONLY_KEYS.isdisjoint(obj):
-        return True
-    ids = obj.get("input_ids")
-    return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-
-
 _MSGSPEC_PATH = re.compile(r"at `\$\.([\w.\[\]]+)`")
 _UNKNOWN_FIELD = re.compile(r"unknown field `(\w+)`")
 
 
 def decode_sglang_generate(body: bytes) -> SGLangGenerateRequest:
-    """Decodes and checks a body is_sglang_generate accepted. Raises APIError (400) naming the
+    """Decodes and checks a body server/generate.py told SGLang's. Raises APIError (400) naming the
     field, nested ones as sampling_params.<field>."""
-    try:
-        obj = msgspec.json.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError):
-        obj = None
-    if isinstance(obj, dict):
-        mixed = sorted(_LMDEPLOY_ONLY_KEYS.intersection(obj))
-        if mixed:
-            raise bad_request(
-                f"'{mixed[0]}' is LMDeploy's /generate field; this body is SGLang's (it has "
-                f"{', '.join(sorted(SGLANG_ONLY_KEYS.intersection(obj))) or 'a batch'})",
-                mixed[0],
-            )
     try:
         return decode_request(body, SGLangGenerateRequest)
     except APIError as e:

@@ -43,8 +43,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from enginecore.messages import Logprobs, StructuredOutputSpec
-from frontend.server.errors import bad_request
-from frontend.serving.base import REQUEST_ID_HEADER, OpenAIServing, json_response, sse
+from frontend.common.errors import bad_request
+from frontend.common.http import REQUEST_ID_HEADER, json_response, sse
+from frontend.serving.base import OpenAIServing
 from frontend.serving.generation import Generation, RequestGroup
 from frontend.serving.routed_experts import sglang_routed_experts
 from frontend.sglang.protocol import (

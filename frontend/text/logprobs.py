@@ -16,7 +16,7 @@ import tokenizers
 from tokenizers.decoders import ByteLevel
 
 from enginecore.messages import Logprobs
-from frontend.openai.protocol import (
+from frontend.common.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbsContent,
     CompletionLogProbs,

@@ -22,7 +22,7 @@ from typing import Any
 
 from enginecore.messages import StructuredOutputKind, StructuredOutputSpec
 from enginecore.structured_output import json_schema_grammar, structural_tag_args
-from frontend.server.errors import bad_request
+from frontend.common.errors import bad_request
 
 _K = StructuredOutputKind
 _STRUCTURED_OUTPUTS_KINDS = {

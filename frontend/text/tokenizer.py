@@ -19,7 +19,7 @@ from jinja2 import TemplateError
 from transformers import AutoTokenizer, TokenizersBackend
 
 from enginecore.config import GGUF_SOURCE_FILE
-from frontend.server.errors import bad_request
+from frontend.common.errors import bad_request
 
 logger = logging.getLogger("tern.frontend")
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from enginecore.messages import StructuredOutputSpec
-from frontend.chat_options import ChatOptions
-from frontend.server.errors import bad_request
+from frontend.common.errors import bad_request
+from frontend.text.chat_options import ChatOptions
 from frontend.text.structured_outputs import json_schema_spec
 from frontend.text.tool_parsers import (
     JsonArrayToolCallParser,

@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 from frontend.anthropic.protocol import MessagesRequest
-from frontend.openai.protocol import decode_request
-from frontend.server.errors import APIError
+from frontend.common.decoding import decode_request
+from frontend.common.errors import APIError
 
 
 def decode(**fields) -> MessagesRequest:

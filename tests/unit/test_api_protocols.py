@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from frontend.common.decoding import decode_request
+from frontend.common.errors import APIError
 from frontend.lmdeploy.protocol import AbortRequest, GenerateRequest
-from frontend.openai.protocol import decode_request
 from frontend.openai.responses_protocol import ResponsesRequest
 from frontend.openai.tokenize import TokenizeChatRequest
-from frontend.server.errors import APIError
 from frontend.serving.generation import InflightRequests, unique_ids
 
 # LMDeploy's /generate request example from its OpenAPI page (../shared/seeds), verbatim.

@@ -6,8 +6,8 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from enginecore.messages import SchedulerStats
+from frontend.common.metrics import VLLM_NAMES, Metrics
 from frontend.engine.client import ReplicaSnapshot
-from frontend.server.metrics import VLLM_NAMES, Metrics
 
 
 def samples(m: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

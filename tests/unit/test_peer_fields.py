@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest, decode_request
-from frontend.server.errors import APIError
+from frontend.common.decoding import decode_request
+from frontend.common.errors import APIError
+from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

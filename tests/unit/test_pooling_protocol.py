@@ -23,6 +23,7 @@ from enginecore.messages import (
     FinishReason,
 )
 from frontend.cli.server import FrontendConfig
+from frontend.common.errors import APIError
 from frontend.engine.client import RequestStream
 from frontend.pooling.protocol import (
     ClassificationRequest,
@@ -41,7 +42,6 @@ from frontend.pooling.protocol import (
     softmax,
 )
 from frontend.server.app import build_app
-from frontend.server.errors import APIError
 from frontend.serving.base import OpenAIServing
 
 # --------------------------------------------------------------------------- decoding

@@ -9,13 +9,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from frontend.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    decode_request,
-    normalize_messages,
-)
-from frontend.server.errors import APIError
+from frontend.common.decoding import decode_request, normalize_messages
+from frontend.common.errors import APIError
+from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
 from frontend.serving.base import OpenAIServing
 from frontend.serving.sampling import for_sample, truncate_prompt
 

@@ -24,10 +24,10 @@ from enginecore.messages import (
     UpdateWeightsFromTensors,
 )
 from frontend.cli.launch import config_from_args, make_parser
-from frontend.control.replicas import ReplicaControl
 from frontend.engine.client import replica_config
 from frontend.engine.core_client import EngineDeadError, UtilityError
 from frontend.engine.load_balancer import AFFINITY_SLACK, LoadBalancer, ReplicaLoad
+from frontend.engine.replicas import ReplicaControl
 
 BLOCK = 4
 

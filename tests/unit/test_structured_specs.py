@@ -8,7 +8,7 @@ import json
 import pytest
 
 from enginecore.messages import StructuredOutputKind
-from frontend.server.errors import APIError
+from frontend.common.errors import APIError
 from frontend.text.structured_outputs import structured_output_spec
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from frontend.openai.protocol import (
+from frontend.common.protocol import (
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,

@@ -1,0 +1,1 @@
+"""The floor of the frontend: errors, HTTP helpers, metrics counters, the protocol types and request decoding every API package shares. It imports no other room but engine/ (for the metrics of its replicas)."""
