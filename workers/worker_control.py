@@ -38,7 +38,7 @@ from enginecore.messages import (
     WakeUp,
 )
 from workers.lora_adapters import load_adapter
-from workers.model_runner import ModelRunner
+from workers.runner.model_runner import ModelRunner
 from workers.weight_loader import checkpoint_weights, expected_weight_names
 from workers.weight_sync import (
     destroy_weights_update_group,

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.distributed import ParallelContext, divide
-from workers.layers import native
+from workers.kernels import gated_delta_ops, kernel_library
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import (
     ColumnParallelLinear,
@@ -139,7 +139,7 @@ class GatedDeltaNet(nn.Module):
         decode_only = meta.decode is not None and meta.decode.is_whole_batch and not drafting
         if decode_only and self._uses_kernel(mixed):
             heads = (self.k_heads, self.v_heads, self.head_k_dim, self.head_v_dim)
-            o = native.gated_delta_decode(
+            o = gated_delta_ops.gated_delta_decode(
                 mixed, z, b, a, self.A_log, self.dt_bias, self.conv1d.weight, self.conv_states,
                 self.recurrent_states, slots, meta.fresh_seqs, self.norm.weight, self.eps, heads,
             )  # fmt: skip
@@ -195,7 +195,7 @@ class GatedDeltaNet(nn.Module):
         tensors all in the activations' dtype)."""
         return (
             mixed.is_cpu
-            and native.load() is not None
+            and kernel_library.load() is not None
             and self.conv1d.weight.dtype == self.conv_states.dtype == mixed.dtype
             and self.norm.weight.dtype == self.A_log.dtype == self.dt_bias.dtype == mixed.dtype
         )
@@ -255,7 +255,7 @@ class GatedDeltaNet(nn.Module):
             fresh = [False] * len(now)  # a verifying sequence has computed its prompt
             if kernel:
                 fresh_u8 = torch.zeros(len(now), dtype=torch.uint8)
-                normed.append(native.gated_delta_decode(
+                normed.append(gated_delta_ops.gated_delta_decode(
                     mixed[rows], z[rows], b[rows], a[rows], self.A_log, self.dt_bias,
                     self.conv1d.weight, self.conv_states, self.recurrent_states, rows_slots,
                     fresh_u8, self.norm.weight, self.eps, heads,

@@ -15,7 +15,7 @@ where the two models agree the coupled noise picks the same token; greedy reques
 argmax. A request whose prefix came from the cache starts its draft KV after it: those blocks'
 draft rows were written when the blocks were first computed (one left stale, the last draft of a
 request that ended, costs acceptance only). Whatever the draft proposes, the served model's
-verification keeps only what plain decoding would have produced (workers/speculative.py): a stale
+verification keeps only what plain decoding would have produced (workers/spec/speculative.py): a stale
 or poor draft costs speed, never correctness. Every rank runs the same draft steps and gets the same logits (the LM head's
 all-gather), so the ranks agree on the drafts without a word exchanged.
 """
@@ -33,9 +33,10 @@ from workers.layers.embedding import ParallelLMHead
 from workers.layers.gated_delta_net import GatedDeltaNet
 from workers.layers.linear import LinearBase
 from workers.layers.norm import RMSNorm
-from workers.layers.sampler import Sampler
-from workers.models.registry import ModelArgs, build_model, load_model_args
-from workers.speculative import draft_step_inputs, sample_drafts
+from workers.models.args import ModelArgs, load_model_args
+from workers.models.registry import build_model
+from workers.sample.sampler import Sampler
+from workers.spec.speculative import draft_step_inputs, sample_drafts
 from workers.weight_loader import load_checkpoint
 
 

@@ -12,7 +12,7 @@ the next step, before the served model runs (`propose`):
 2. its output at the last of them guesses the token after the one this step computes: the first
    draft. Each further draft feeds the previous draft with the head's own output in place of the
    served model's features, one position on.
-Drafts are sampled as the served model samples (workers/speculative.py `sample_drafts`); every
+Drafts are sampled as the served model samples (workers/spec/speculative.py `sample_drafts`); every
 rank of a tensor-parallel group runs the same head steps on the same all-reduced features and so
 drafts the same tokens. A request whose prefix came from the cache finds the head's KV there as
 the prefix's first request left it (the position before a block boundary may hold another
@@ -30,8 +30,8 @@ from torch import nn
 
 from enginecore.messages import SamplingParams, ScheduledRequest
 from workers.layers.attention import Attention
-from workers.layers.sampler import Sampler
-from workers.speculative import draft_step_inputs, sample_drafts
+from workers.sample.sampler import Sampler
+from workers.spec.speculative import draft_step_inputs, sample_drafts
 
 
 @dataclass

@@ -47,33 +47,36 @@ from enginecore.messages import (
     SchedulerOutput,
 )
 from workers.distributed import ParallelContext, shard_heads, stage_layers
-from workers.draft_model import DraftModel
-from workers.gguf_weights import gguf_file_of
-from workers.head_drafter import HeadDrafter
-from workers.kv_cache_groups import KVCacheGroup
-from workers.layers import fused_decode, kernel_library, kv_int8, native
+from workers.kernels import fused_decode, kernel_library
 from workers.layers.attention import Attention, build_attention_metadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.gated_delta_net import CHUNK, GatedDeltaNet
 from workers.layers.linear import LinearBase
-from workers.layers.logits_processors import TokenHistory
-from workers.layers.logprobs import (
+from workers.layers.lora import LoraBatch
+from workers.layers.moe import SparseMoE
+from workers.layers.norm import RMSNorm
+from workers.layers.pooler import Pooler, PoolingState
+from workers.lora_adapters import attach_lora_stacks
+from workers.models.args import ModelArgs, load_model_args
+from workers.models.decoder import mlp_shard_of
+from workers.models.eagle3 import load_eagle3_head
+from workers.models.mtp import attach_mtp
+from workers.models.registry import build_model
+from workers.quant import kv_int8
+from workers.quant.gguf_weights import gguf_file_of
+from workers.quant.quantized_checkpoints import checkpoint_quantization
+from workers.runner.kv_cache_groups import KVCacheGroup
+from workers.sample.logits_processors import TokenHistory
+from workers.sample.logprobs import (
     logprob_rows,
     prompt_logprobs,
     prompt_logprobs_jobs,
     sampled_logprobs_rows,
 )
-from workers.layers.lora import LoraBatch
-from workers.layers.moe import SparseMoE
-from workers.layers.norm import RMSNorm
-from workers.layers.pooler import Pooler, PoolingState
-from workers.layers.sampler import Sampler, SamplingTensors
-from workers.lora_adapters import attach_lora_stacks
-from workers.models.decoder import mlp_shard_of
-from workers.models.eagle3 import load_eagle3_head
-from workers.models.registry import ModelArgs, build_model, load_model_args
-from workers.quantized_checkpoints import checkpoint_quantization
-from workers.speculative import SampleRows
+from workers.sample.sampler import Sampler, SamplingTensors
+from workers.spec.draft_model import DraftModel
+from workers.spec.head_drafter import HeadDrafter
+from workers.spec.speculative import SampleRows
 from workers.weight_loader import keep_blocks_everywhere, load_checkpoint, load_weights
 
 logger = logging.getLogger(__name__)
@@ -239,7 +242,7 @@ class ModelRunner:
             if speculative.method == "mtp":
                 if self.config.lora.enabled:
                     raise ValueError("speculative method mtp is not served with --enable-lora")
-                model.attach_mtp()
+                attach_mtp(model)
         if self.weight_dtype != self.dtype:
             store_weights_in_bfloat16(model)
         if self.int4:  # every linear layer keeps INT4_ZP blocks, quantized as the weights arrive
@@ -297,7 +300,7 @@ class ModelRunner:
         all-reduces of tensor parallelism add the ranks in rank order."""
         assert self.model is not None
         arch = self.args.architecture
-        if self.device.type != "cpu" or native.load() is None:
+        if self.device.type != "cpu" or kernel_library.load() is None:
             raise ValueError("--batch-invariant runs on tern's CPU kernels, which are not loaded")
         if self.moe_layers or self.linear_layers:
             raise ValueError(

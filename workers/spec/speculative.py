@@ -25,8 +25,8 @@ import torch
 
 from enginecore.messages import SamplingParams, ScheduledRequest
 from workers.layers.attention import AttentionMetadata, build_attention_metadata
-from workers.layers.logits_processors import DraftedHistory, TokenHistory
-from workers.layers.sampler import Sampler, SamplingTensors
+from workers.sample.logits_processors import DraftedHistory, TokenHistory
+from workers.sample.sampler import Sampler, SamplingTensors
 
 T = TypeVar("T")
 
@@ -102,7 +102,7 @@ def sample_drafts(
     params: Sequence[SamplingParams],
     j: int,
 ) -> list[int]:
-    """A model draft (workers/draft_model.py, workers/head_drafter.py) for output index
+    """A model draft (workers/spec/draft_model.py, workers/spec/head_drafter.py) for output index
     sample_index + j of each request, from the draft's logits (N, vocab) float32: sampled as the
     served model will sample that position (its seed's noise, temperature, top-k/p, min-p, logit
     bias, min_tokens; penalties left out), so that where the two agree the same token is drawn
