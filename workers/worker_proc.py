@@ -77,7 +77,8 @@ def _build_runner(config: Config, rank: int, mq: MessageQueue) -> ModelRunner:
 
     from workers.distributed import init_distributed
     from workers.models.args import load_model_args
-    from workers.runner.model_runner import ModelRunner, check_parallel_split, default_device
+    from workers.runner.loading import check_parallel_split, default_device
+    from workers.runner.model_runner import ModelRunner
     from workers.worker_control import reuse_heap_for_activations
 
     parallel = config.parallel

@@ -47,6 +47,7 @@ from workers.kernels.kernel_library import TernDecodeLayer, TernDecodeStep, Tern
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.linear import NATIVE_F32_MAX_ROWS, LinearBase
 from workers.layers.lora import LoraBatch
+from workers.layers.moe import SparseMoE
 from workers.layers.norm import RMSNorm, ShardedRMSNorm
 from workers.layers.rotary import RotaryEmbedding
 from workers.quant import gguf_blocks
@@ -529,3 +530,20 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
     # NOTE: the struct copies each linear's head; their segments' structs must outlive it.
     layer._segments = [getattr(lin, "_segments", None) for lin in linears]
     return layer, ""
+
+
+def kernel_report(model: torch.nn.Module, device: torch.device) -> str:
+    """Which CPU kernels this worker runs and whether its decoder layers run fused, for the
+    start-up log (once the KV cache is allocated: the fused path depends on it)."""
+    if device.type != "cpu":
+        return "kernels: not used on " + device.type
+    fused = fused_layers(model)
+    reasons = {r for r in (f.off_reason() for f in fused)}
+    moe = any(isinstance(m, SparseMoE) for m in model.modules())
+    if not fused:
+        state = "off, reason: this model has no softmax-attention decoder layers"
+    elif reasons == {None}:
+        state = "on" + (" (then each layer's experts, grouped by expert)" if moe else "")
+    else:
+        state = "off, reason: " + "; ".join(sorted(r for r in reasons if r is not None))
+    return f"{kernel_library.describe()}, fused decode layer: {state}"
