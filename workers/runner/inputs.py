@@ -14,9 +14,9 @@ import torch
 from enginecore.config import Config
 from enginecore.messages import SamplingParams, ScheduledRequest, SchedulerOutput
 from workers.layers.attention import AttentionMetadata, build_attention_metadata
-from workers.layers.gated_delta_net import GatedDeltaNet
 from workers.layers.lora import LoraBatch
 from workers.layers.pooler import PoolingState
+from workers.layers.request_state import RequestStateHolder
 from workers.runner.kv_cache_groups import KVCacheGroup
 from workers.sample.logits_processors import TokenHistory
 from workers.spec.draft_model import DraftModel
@@ -47,7 +47,8 @@ class StepInputs:
         self.requests: dict[str, RequestState] = {}
         # Set once the model is loaded (bind).
         self.kv_cache_groups: list[KVCacheGroup] = []
-        self.linear_layers: list[GatedDeltaNet] = []
+        # The model's layers that keep per-request state (request_state.RequestStateHolder).
+        self.holders: list[RequestStateHolder] = []
         self.lora_batch: LoraBatch | None = None
         self.draft: DraftModel | HeadDrafter | None = None
         self.num_kv_blocks = 0
@@ -62,7 +63,7 @@ class StepInputs:
         max_model_len: int,
     ) -> None:
         self.kv_cache_groups = model.model.kv_cache_groups
-        self.linear_layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+        self.holders = [m for m in model.modules() if isinstance(m, RequestStateHolder)]
         self.lora_batch = lora_batch
         self.draft = draft
         self.max_model_len = max_model_len
@@ -125,15 +126,15 @@ class StepInputs:
                 f"tokens from {start}"
             )
         if kept < num_tokens:
-            for layer, states in zip(self.linear_layers, layer_states):
-                layer.take_back(state.state_slot, states, kept)
+            for holder, states in zip(self.holders, layer_states):
+                holder.take_back(state.state_slot, states, kept)
 
     def keep_drafted_states(self, reqs: list[ScheduledRequest], draft_seqs: list[int]) -> None:
         """After a forward that verified drafts on a hybrid model: each such request keeps its
         layers' states after each of its tokens until the next step says how many it kept."""
         for i in draft_seqs:
             r, state = reqs[i], self.requests[reqs[i].req_id]
-            states = [layer.drafted_states.pop(state.state_slot) for layer in self.linear_layers]
+            states = [h.drafted(state.state_slot) for h in self.holders]
             state.drafted = (r.start_pos, len(r.token_ids), states)
 
     def _lora_slot(self, r: ScheduledRequest) -> int:
@@ -143,7 +144,7 @@ class StepInputs:
         return r.lora_slot
 
     def _state_slot(self, r: ScheduledRequest) -> int:
-        if not self.linear_layers:
+        if not self.holders:
             return -1
         if not 0 <= r.state_slot < self.config.scheduler.max_num_seqs:
             raise ValueError(
@@ -163,8 +164,8 @@ class StepInputs:
     def _restore_checkpoint(self, r: ScheduledRequest) -> None:
         """A prefix-cache hit on a hybrid model: the request starts from the states after it."""
         row = self._checkpoint_row(r, r.restore_checkpoint)
-        for layer in self.linear_layers:
-            layer.copy_states([row], [r.state_slot])
+        for holder in self.holders:
+            holder.copy_states([row], [r.state_slot])
 
     # ------------------------------------------------------------------ the step's batch
 
@@ -232,7 +233,7 @@ class StepInputs:
         )
         if self.lora_batch is not None:
             self.lora_batch.slots = self._token_lora_slots(reqs)
-        if self.linear_layers:
+        if self.holders:
             meta.state_slots = torch.tensor(
                 [self.requests[r.req_id].state_slot for r in reqs], device=self.device
             )

@@ -17,6 +17,7 @@ from enginecore.config import Config
 from workers.distributed import ParallelContext, shard_heads, stage_layers
 from workers.layers.attention import Attention
 from workers.layers.gated_delta_net import CHUNK, GatedDeltaNet
+from workers.layers.request_state import RequestStateHolder
 from workers.models.args import ModelArgs
 from workers.quant import kv_int8
 from workers.spec.draft_model import DraftModel
@@ -44,8 +45,10 @@ class KVCache:
         self.block_size = config.cache.block_size
         # Set once the model is loaded (bind): before, the sizes assume every layer of the stage.
         self.attn_layers: list[Attention] | None = None
-        self.linear_layers: list[GatedDeltaNet] = []
+        self.linear_layers: list[GatedDeltaNet] = []  # their states' sizes
         self.draft: DraftModel | HeadDrafter | None = None
+        # What keeps per-request state beside the KV cache: the model's layers, then the draft.
+        self.holders: list[RequestStateHolder] = []
 
     def bind(
         self,
@@ -55,6 +58,9 @@ class KVCache:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.linear_layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
         self.draft = draft
+        self.holders = [m for m in model.modules() if isinstance(m, RequestStateHolder)]
+        if draft is not None:
+            self.holders.append(draft)
 
     # ------------------------------------------------------------------ sizing
 
@@ -134,22 +140,14 @@ class KVCache:
         kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         for layer in self.attn_layers:
             layer.kv_cache = kv_cache[layer.kv_slot]
-        if self.draft is not None:
-            self.draft.init_kv_cache(num_blocks)
         rows = self.config.scheduler.max_num_seqs + num_state_checkpoints
-        for layer in self.linear_layers:
-            conv, recurrent = layer.state_shapes()
-            layer.conv_states = torch.zeros((rows, *conv), dtype=self.dtype, device=self.device)
-            layer.recurrent_states = torch.zeros(
-                (rows, *recurrent), dtype=torch.float32, device=self.device
-            )
+        for holder in self.holders:
+            holder.allocate_states(rows, num_blocks)
         return kv_cache
 
     def release(self) -> None:
         """Frees the KV cache and the state pools (sleep); allocate brings them back."""
         for layer in self.attn_layers or []:
             layer.kv_cache = torch.empty(0)
-        for layer in self.linear_layers:
-            layer.conv_states = layer.recurrent_states = torch.empty(0)
-        if self.draft is not None:
-            self.draft.release_kv_cache()
+        for holder in self.holders:
+            holder.free_states()

@@ -113,7 +113,8 @@ class DraftModel:
             * len(self.attn_layers)
         )
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def allocate_states(self, num_rows: int, num_blocks: int) -> None:
+        """Its own KV of `num_blocks` blocks (request_state.RequestStateHolder)."""
         shape = (len(self.attn_layers), 2, num_blocks, self.block_size, self._kv_heads(),
                  self.args.head_dim)  # fmt: skip
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -121,7 +122,16 @@ class DraftModel:
             layer.kv_cache = self.kv_cache[i]
         self._states.clear()
 
-    def release_kv_cache(self) -> None:
+    def copy_states(self, src: list[int], dst: list[int]) -> None:
+        """Nothing to copy: its KV follows the served model's block tables."""
+
+    def drafted(self, row: int) -> None:
+        return None
+
+    def take_back(self, row: int, states: object, kept: int) -> None:
+        """Nothing to take back: a rejected draft's KV is written over."""
+
+    def free_states(self) -> None:
         for layer in self.attn_layers:
             layer.kv_cache = torch.empty(0)
         self.kv_cache = None

@@ -75,14 +75,24 @@ class HeadDrafter:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.block_size * a.num_kv_heads * a.head_dim * elem
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def allocate_states(self, num_rows: int, num_blocks: int) -> None:
+        """Its own KV of `num_blocks` blocks (request_state.RequestStateHolder)."""
         self._computed.clear()
         if self.own_kv is not None:
             a = self.own_kv
             shape = (2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
             a.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-    def release_kv_cache(self) -> None:
+    def copy_states(self, src: list[int], dst: list[int]) -> None:
+        """Nothing to copy: its KV follows the served model's block tables."""
+
+    def drafted(self, row: int) -> None:
+        return None
+
+    def take_back(self, row: int, states: object, kept: int) -> None:
+        """Nothing to take back: a rejected draft's KV is written over."""
+
+    def free_states(self) -> None:
         self._computed.clear()
         if self.own_kv is not None:
             self.own_kv.kv_cache = torch.empty(0)
