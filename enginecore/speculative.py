@@ -2,7 +2,7 @@
 
 A decoding sequence's step computes its last token plus k drafted ones; the workers sample every
 one of those k + 1 positions as plain decoding would have, and keep the drafts up to the first that
-differs from the token sampled before it (workers/spec/speculative.py). The drafters here:
+differs from the token sampled before it (workers/spec/verification.py). The drafters here:
 
 - `ngram` (prompt lookup): the latest earlier occurrence of the sequence's last n tokens
   (prompt_lookup_max down to prompt_lookup_min) in its prompt and output, and what followed it; a

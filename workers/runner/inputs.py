@@ -19,8 +19,7 @@ from workers.layers.pooler import PoolingState
 from workers.layers.request_state import RequestStateHolder
 from workers.runner.kv_cache_groups import KVCacheGroup
 from workers.sample.logits_processors import TokenHistory
-from workers.spec.draft_model import DraftModel
-from workers.spec.head_drafter import HeadDrafter
+from workers.spec.drafter import Drafter
 
 
 @dataclass
@@ -50,7 +49,7 @@ class StepInputs:
         # The model's layers that keep per-request state (request_state.RequestStateHolder).
         self.holders: list[RequestStateHolder] = []
         self.lora_batch: LoraBatch | None = None
-        self.draft: DraftModel | HeadDrafter | None = None
+        self.draft: Drafter | None = None
         self.num_kv_blocks = 0
         self.num_state_checkpoints = 0
         self.max_model_len = 0
@@ -59,7 +58,7 @@ class StepInputs:
         self,
         model: torch.nn.Module,
         lora_batch: LoraBatch | None,
-        draft: DraftModel | HeadDrafter | None,
+        draft: Drafter | None,
         max_model_len: int,
     ) -> None:
         self.kv_cache_groups = model.model.kv_cache_groups

@@ -20,8 +20,7 @@ from workers.layers.gated_delta_net import CHUNK, GatedDeltaNet
 from workers.layers.request_state import RequestStateHolder
 from workers.models.args import ModelArgs
 from workers.quant import kv_int8
-from workers.spec.draft_model import DraftModel
-from workers.spec.head_drafter import HeadDrafter
+from workers.spec.drafter import Drafter
 
 # The share of --kv-cache-memory (after the running sequences' states) that a hybrid model's
 # linear-attention state checkpoints take when prefix caching is on.
@@ -46,14 +45,14 @@ class KVCache:
         # Set once the model is loaded (bind): before, the sizes assume every layer of the stage.
         self.attn_layers: list[Attention] | None = None
         self.linear_layers: list[GatedDeltaNet] = []  # their states' sizes
-        self.draft: DraftModel | HeadDrafter | None = None
+        self.draft: Drafter | None = None
         # What keeps per-request state beside the KV cache: the model's layers, then the draft.
         self.holders: list[RequestStateHolder] = []
 
     def bind(
         self,
         model: torch.nn.Module,
-        draft: DraftModel | HeadDrafter | None,
+        draft: Drafter | None,
     ) -> None:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.linear_layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]

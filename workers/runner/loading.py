@@ -32,6 +32,7 @@ from workers.models.registry import build_model
 from workers.quant.gguf_weights import gguf_file_of
 from workers.quant.quantized_checkpoints import checkpoint_quantization
 from workers.spec.draft_model import DraftModel
+from workers.spec.drafter import Drafter
 from workers.spec.head_drafter import HeadDrafter
 from workers.weight_loader import keep_blocks_everywhere, load_checkpoint, load_weights
 
@@ -156,7 +157,7 @@ def build_drafter(
     parallel: ParallelContext,
     device: torch.device,
     dtype: torch.dtype,
-) -> DraftModel | HeadDrafter | None:
+) -> Drafter | None:
     """Speculative decoding's drafter on the workers, if any: a draft model, or a head fed each
     step's features (the final hidden states for `mtp`, three layers' for `eagle3`)."""
     speculative, block_size = config.speculative, config.cache.block_size
@@ -241,13 +242,9 @@ class ServedWeights:
     """The served model's weights and, apart from them, the draft's (a draft model's, an EAGLE-3
     head's; an MTP head is part of the served checkpoint: `mtp.*`), as weight updates see them."""
 
-    def __init__(self, model: torch.nn.Module, draft: DraftModel | HeadDrafter | None) -> None:
+    def __init__(self, model: torch.nn.Module, draft: Drafter | None) -> None:
         self.model = model
-        self.draft: torch.nn.Module | None = None
-        if isinstance(draft, DraftModel):
-            self.draft = draft.model
-        elif isinstance(draft, HeadDrafter) and draft.own_kv is not None:
-            self.draft = draft.head
+        self.draft = draft.own_weights() if draft is not None else None
 
     def repack(self) -> None:
         """Re-derive the layers' packed copies of their weights (linear.pack_weight): after every

@@ -69,9 +69,8 @@ from workers.sample.logprobs import (
     sampled_logprobs_rows,
 )
 from workers.sample.sampler import Sampler, SamplingTensors
-from workers.spec.draft_model import DraftModel
-from workers.spec.head_drafter import HeadDrafter
-from workers.spec.speculative import SampleRows
+from workers.spec.drafter import Drafter
+from workers.spec.verification import SampleRows
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +112,8 @@ class ModelRunner:
         # False after the weights were discarded (sleep level 2) until an update commits new ones.
         self.weights_valid = True
         self.sampler = Sampler()
-        # Speculative decoding's drafter on the workers, if any (loading.build_drafter); a head
-        # drafter is also fed each step's features.
-        self.draft: DraftModel | HeadDrafter | None = None
+        # Speculative decoding's drafter on the workers, if any (loading.build_drafter).
+        self.draft: Drafter | None = None
         self._processed_logprobs = config.model.logprobs_mode == "processed_logprobs"
         # Seconds spent in each phase of the last step (scripts/bench_step.py reads it).
         self.last_step_timings: dict[str, float] = {}
@@ -295,8 +293,9 @@ class ModelRunner:
         routing.start()
         hidden = self.model(input_ids, meta, intermediate)
         self.inputs.keep_drafted_states(reqs, meta.draft_seqs)
-        if isinstance(self.draft, HeadDrafter):
-            features = hidden if self.model.mtp is not None else self.model.model.features
+        if self.draft is not None:  # (a pooling model has no MTP head)
+            mtp = getattr(self.model, "mtp", None)
+            features = hidden if mtp is not None else self.model.model.features
             self.draft.record(reqs, features, meta.query_start_loc.tolist())
         routes = routing.collect(earlier_routes, num_tokens) if routing.is_on else None
         return hidden, routes

@@ -15,7 +15,7 @@ where the two models agree the coupled noise picks the same token; greedy reques
 argmax. A request whose prefix came from the cache starts its draft KV after it: those blocks'
 draft rows were written when the blocks were first computed (one left stale, the last draft of a
 request that ended, costs acceptance only). Whatever the draft proposes, the served model's
-verification keeps only what plain decoding would have produced (workers/spec/speculative.py): a stale
+verification keeps only what plain decoding would have produced (workers/spec/verification.py): a stale
 or poor draft costs speed, never correctness. Every rank runs the same draft steps and gets the same logits (the LM head's
 all-gather), so the ranks agree on the drafts without a word exchanged.
 """
@@ -36,7 +36,7 @@ from workers.layers.norm import RMSNorm
 from workers.models.args import ModelArgs, load_model_args
 from workers.models.registry import build_model
 from workers.sample.sampler import Sampler
-from workers.spec.speculative import draft_step_inputs, sample_drafts
+from workers.spec.drafter import draft_step_inputs, sample_drafts
 from workers.weight_loader import load_checkpoint
 
 
@@ -136,6 +136,14 @@ class DraftModel:
             layer.kv_cache = torch.empty(0)
         self.kv_cache = None
         self._states.clear()
+
+    def record(
+        self, reqs: list[ScheduledRequest], features: torch.Tensor | None, starts: list[int]
+    ) -> None:
+        """Nothing: it catches up from the requests' tokens when it proposes."""
+
+    def own_weights(self) -> torch.nn.Module:
+        return self.model
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)

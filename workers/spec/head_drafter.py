@@ -12,7 +12,7 @@ the next step, before the served model runs (`propose`):
 2. its output at the last of them guesses the token after the one this step computes: the first
    draft. Each further draft feeds the previous draft with the head's own output in place of the
    served model's features, one position on.
-Drafts are sampled as the served model samples (workers/spec/speculative.py `sample_drafts`); every
+Drafts are sampled as the served model samples (workers/spec/verification.py `sample_drafts`); every
 rank of a tensor-parallel group runs the same head steps on the same all-reduced features and so
 drafts the same tokens. A request whose prefix came from the cache finds the head's KV there as
 the prefix's first request left it (the position before a block boundary may hold another
@@ -31,7 +31,7 @@ from torch import nn
 from enginecore.messages import SamplingParams, ScheduledRequest
 from workers.layers.attention import Attention
 from workers.sample.sampler import Sampler
-from workers.spec.speculative import draft_step_inputs, sample_drafts
+from workers.spec.drafter import draft_step_inputs, sample_drafts
 
 
 @dataclass
@@ -97,14 +97,18 @@ class HeadDrafter:
         if self.own_kv is not None:
             self.own_kv.kv_cache = torch.empty(0)
 
+    def own_weights(self) -> torch.nn.Module | None:
+        return self.head if self.own_kv is not None else None
+
     def forget(self, request_id: str) -> None:
         self._computed.pop(request_id, None)
 
     def record(
-        self, reqs: list[ScheduledRequest], features: torch.Tensor, starts: list[int]
+        self, reqs: list[ScheduledRequest], features: torch.Tensor | None, starts: list[int]
     ) -> None:
         """The served model's features (T, features) of the step; `starts`: each request's first
         row in them (query_start_loc)."""
+        assert features is not None, "a head drafts from the served model's features"
         for i, r in enumerate(reqs):
             rows = features[starts[i] : starts[i + 1]]
             self._computed[r.req_id] = _Computed(r.start_pos, r.token_ids, rows)
