@@ -38,11 +38,11 @@ class ModelConfig:
     max_model_len: int | None = None  # None: min(model's max_position_embeddings, 32768)
     served_model_name: str = ""
     seed: int = 0
-    # Weight-only quantization applied at load time: None | int8 (workers/layers/quantization.py)
-    # | int4 (INT4_ZP blocks of 32 with a scale and zero point: workers/layers/int4_blocks.py)
+    # Weight-only quantization applied at load time: None | int8 (workers/quant/quantization.py)
+    # | int4 (INT4_ZP blocks of 32 with a scale and zero point: workers/quant/int4_blocks.py)
     quantization: str | None = None
     # What sampled tokens' logprobs describe (vLLM's names): raw_logprobs, the model's distribution,
-    # or processed_logprobs, the one the sampler drew from (workers/layers/logprobs.py).
+    # or processed_logprobs, the one the sampler drew from (workers/sample/logprobs.py).
     logprobs_mode: str = "raw_logprobs"
     task: str = "auto"
     # A pooling task's pooling of each prompt: its last token (LAST, as Hugging Face's sequence
@@ -52,7 +52,7 @@ class ModelConfig:
     # layer (routing replay for RL), returned to the requests that ask (enginecore/routing.py).
     enable_return_routed_experts: bool = False
     # Each request's logits independent of the rest of the batch, of prefill chunking and of the
-    # prefix cache (float32, kernels with one arithmetic per row; workers/model_runner.py).
+    # prefix cache (float32, kernels with one arithmetic per row; workers/runner/model_runner.py).
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
@@ -92,7 +92,7 @@ class CacheConfig:
     # Hybrid models: tokens between linear-attention state checkpoints (None: the workers choose).
     state_checkpoint_interval: int | None = None
     # "auto": the activations' dtype; "int8": each token's K and V rows per head int8 with a
-    # float32 scale per 16 values (workers/layers/kv_int8.py).
+    # float32 scale per 16 values (workers/quant/kv_int8.py).
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -248,7 +248,7 @@ class LoraConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "mtp", "eagle3")
-# The methods whose drafts the workers make with a model (workers/draft_model.py, head_drafter.py).
+# The methods whose drafts the workers make with a model (workers/spec/draft_model.py, head_drafter.py).
 MODEL_DRAFT_METHODS = ("draft_model", "mtp", "eagle3")
 
 

@@ -46,7 +46,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     stop_token_ids: list[int] = []
     eos_token_ids: list[int] = []  # from generation_config.json, filled in by the frontend
     ignore_eos: bool = False
-    # Logits processing on the worker, before sampling (workers/layers/logits_processors.py): only
+    # Logits processing on the worker, before sampling (workers/sample/logits_processors.py): only
     # these tokens may be sampled (empty: all); bias added to the logits; before min_tokens, EOS
     # and stop_token_ids are forbidden; Hugging Face's repetition penalty over prompt and output;
     # OpenAI's frequency and presence penalties over the output.
@@ -338,7 +338,7 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # worker never computes, and how many of them are the prompt.
     history_token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
-    # Models whose attention layers form several KV-cache groups (workers/kv_cache_groups.py): the
+    # Models whose attention layers form several KV-cache groups (workers/runner/kv_cache_groups.py): the
     # blocks appended to each further group's table.
     other_group_block_ids: list[list[int]] = []
     # With sampling_params, on hybrid models: the request's row in the linear-attention state pools.
@@ -355,7 +355,7 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # keeps the drafts up to the first that differs from the token sampled before it.
     num_draft_tokens: int = 0
     # Speculative decoding with a draft model: the workers draft this many tokens after token_ids
-    # with it (workers/draft_model.py), then verify them as above.
+    # with it (workers/spec/draft_model.py), then verify them as above.
     num_model_drafts: int = 0
 
 

@@ -2,13 +2,13 @@
 
 A decoding sequence's step computes its last token plus k drafted ones; the workers sample every
 one of those k + 1 positions as plain decoding would have, and keep the drafts up to the first that
-differs from the token sampled before it (workers/speculative.py). The drafters here:
+differs from the token sampled before it (workers/spec/verification.py). The drafters here:
 
 - `ngram` (prompt lookup): the latest earlier occurrence of the sequence's last n tokens
   (prompt_lookup_max down to prompt_lookup_min) in its prompt and output, and what followed it; a
   match that runs into the end of the sequence repeats with its period.
-- `draft_model` and `mtp`: a small model (workers/draft_model.py) or the served checkpoint's own
-  multi-token-prediction head (workers/head_drafter.py) drafts on the workers; here only how many
+- `draft_model` and `mtp`: a small model (workers/spec/draft_model.py) or the served checkpoint's own
+  multi-token-prediction head (workers/spec/head_drafter.py) drafts on the workers; here only how many
   drafts each sequence gets is decided.
 - `suffix` (suffix decoding, arXiv 2411.04975): suffix tries of bounded depth, one over the
   sequence's own prompt and output and one over the outputs of recently finished requests. The

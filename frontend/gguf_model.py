@@ -3,7 +3,7 @@
 The file's metadata becomes a small Hugging Face directory under TERN_HOME/models/gguf/ (config,
 generation config, tokenizer and chat template, all read by transformers' own GGUF support, no
 hand-written tokenizer), with `gguf_source.json` naming the file: the weights are read from the
-GGUF file itself when the workers load (workers/gguf_weights.py), never copied. The directory is
+GGUF file itself when the workers load (workers/quant/gguf_weights.py), never copied. The directory is
 keyed by the file's path, size and modification time, and prepared once (under a lock, as the
 default model is).
 """

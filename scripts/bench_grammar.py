@@ -160,7 +160,7 @@ def walk(
 def worker_apply_us(masks: list[bytes], vocab_size: int, repeats: int) -> dict[int, float]:
     """The worker's per-step cost of `rows` constrained rows: their bitmasks to a tensor and onto
     the logits (LogitsProcessorTensors.build + apply_logits_processors), median µs per step."""
-    from workers.layers.logits_processors import LogitsProcessorTensors, apply_logits_processors
+    from workers.sample.logits_processors import LogitsProcessorTensors, apply_logits_processors
 
     device = torch.device("cpu")
     # NOTE: GrammarCompiler set this process to one torch thread; a lone worker has all cores.

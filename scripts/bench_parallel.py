@@ -98,7 +98,7 @@ def _forward_rank(rank: int, config: Config, steps: list[SchedulerOutput], out) 
     import torch.distributed as dist
 
     from workers.distributed import init_distributed
-    from workers.model_runner import ModelRunner
+    from workers.runner.model_runner import ModelRunner
     from workers.worker_proc import num_threads
 
     torch.set_num_threads(num_threads(config.parallel.world_size))

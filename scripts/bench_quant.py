@@ -141,7 +141,8 @@ def decode_tpot(
 
 
 def kernel_sweep(threads: int) -> None:
-    from workers.layers import quantization as q
+    from workers.kernels import kernel_library, linear_ops
+    from workers.quant import quantization as q
 
     def best_ms(fn, reps: int = 5, n: int = 5) -> float:
         fn()
@@ -165,14 +166,14 @@ def kernel_sweep(threads: int) -> None:
             x = torch.randn(rows, n_in)
             fp32 = best_ms(lambda x=x, w=w: torch.nn.functional.linear(x, w))
             cells = [f"fp32 {fp32:7.3f}"]
-            if q.native.load() is not None:
-                ms = best_ms(lambda x=x, w=w: q.native.f32_linear(x, w, None))
+            if kernel_library.load() is not None:
+                ms = best_ms(lambda x=x, w=w: linear_ops.f32_linear(x, w, None))
                 cells.append(f"fp32-native {ms:7.3f}")
             for b in backends:
-                if b == "native" and q.native.load() is None:
+                if b == "native" and kernel_library.load() is None:
                     continue
                 if b == "native":  # the kernel itself, whatever DEQUANT_MIN_ROWS says
-                    fn = lambda x=x, wq=wq, s=scale: q.native.int8_linear(x, wq, s, None)  # noqa: E731
+                    fn = lambda x=x, wq=wq, s=scale: linear_ops.int8_linear(x, wq, s, None)  # noqa: E731
                 else:
                     fn = lambda b=b, x=x, wq=wq, s=scale: q.int8_matmul(x, wq, s, None, b)  # noqa: E731
                 ms = best_ms(fn)

@@ -1,4 +1,4 @@
-"""The sampler's cost per step, in process (workers/layers/sampler.py's Sampler.sample): rows of
+"""The sampler's cost per step, in process (workers/sample/sampler.py's Sampler.sample): rows of
 --vocab logits (the default model's 49152) at temperature 0, 1, and with top-p / min-p / top-k,
 for 1 and 32 rows, with a lone worker's torch threads (all cores) and its malloc settings.
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from enginecore.messages import SamplingParams  # noqa: E402
-from workers.layers.sampler import Sampler, SamplingTensors  # noqa: E402
+from workers.sample.sampler import Sampler, SamplingTensors  # noqa: E402
 from workers.worker_control import reuse_heap_for_activations  # noqa: E402
 
 CASES = {

@@ -227,7 +227,7 @@ def stop(proc: subprocess.Popen) -> None:
 def tern_dtype() -> str:
     import torch
 
-    from workers.model_runner import resolve_dtypes
+    from workers.runner.loading import resolve_dtypes
 
     return (
         "bfloat16"

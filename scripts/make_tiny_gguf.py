@@ -73,7 +73,7 @@ def write_gguf(model_dir: Path, out: Path, block_types: str | dict[str, str] = "
     from safetensors.numpy import load_file
 
     from frontend.model_prep import find_gguf
-    from workers.layers.kquants import quantize_k
+    from workers.quant.kquants import quantize_k
 
     config = json.loads((model_dir / "config.json").read_text())
     arch = ARCHS[config["model_type"]]

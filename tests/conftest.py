@@ -159,16 +159,16 @@ def tiny_qwen2_reward(tiny_pooling_model: Callable[..., Path]) -> Path:
 
 
 def _runnable_kernel_tiers() -> list[str]:
-    from workers.layers.kernel_library import runnable_tiers
+    from workers.kernels.kernel_library import runnable_tiers
 
     return [t.name for t in runnable_tiers()]
 
 
 @pytest.fixture(params=_runnable_kernel_tiers())
 def kernel_tier(request: pytest.FixtureRequest):
-    """Runs the test once per kernel tier this CPU can run (workers/layers/kernel_library.py):
+    """Runs the test once per kernel tier this CPU can run (workers/kernels/kernel_library.py):
     the kernels a test calls, and models it builds, use that tier's build."""
-    from workers.layers.kernel_library import load_tier, use_tier
+    from workers.kernels.kernel_library import load_tier, use_tier
 
     assert load_tier(request.param) is not None, f"the {request.param} kernels did not build"
     with use_tier(request.param):

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from enginecore.shm_broadcast import shm_space_message
-from workers.layers import native
+from workers.kernels import kernel_library
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class ShmCommunicator:
     def __init__(
         self, segment: mmap.mmap, rank: int, world: int, slot_bytes: int, timeout_s: float
     ) -> None:
-        self._lib = native.load()
+        self._lib = kernel_library.load()
         self._segment = segment
         self._view = torch.frombuffer(segment, dtype=torch.uint8)  # holds the mapping's address
         self._base = self._view.data_ptr()
@@ -62,7 +62,7 @@ class ShmCommunicator:
         """Collective over `group` (global rank `src` is TP rank 0); None where some rank cannot
         share memory with the others, or the kernels are not built (the same answer on every rank:
         a missing compiler is a per-host fact, so it is agreed on like the mapping)."""
-        lib = native.load()
+        lib = kernel_library.load()
         size = (lib.tern_shm_header_bytes() if lib else 0) + 2 * tp_size * slot_bytes
         path = [None]
         if tp_rank == 0 and lib is not None:

@@ -28,9 +28,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from workers.gguf_weights import GGUFCheckpoint, gguf_file_of, iter_gguf
-from workers.layers.gguf_blocks import block_values
-from workers.quantized_checkpoints import (
+from workers.quant.gguf_blocks import block_values
+from workers.quant.gguf_weights import GGUFCheckpoint, gguf_file_of, iter_gguf
+from workers.quant.quantized_checkpoints import (
     Quantized,
     checkpoint_quantization,
     iter_quantized,

@@ -38,7 +38,8 @@ from enginecore.messages import (
     WakeUp,
 )
 from workers.lora_adapters import load_adapter
-from workers.model_runner import ModelRunner
+from workers.runner.loading import ServedWeights
+from workers.runner.model_runner import ModelRunner
 from workers.weight_loader import checkpoint_weights, expected_weight_names
 from workers.weight_sync import (
     destroy_weights_update_group,
@@ -109,6 +110,12 @@ class WorkerControl:
         assert self.runner.model is not None
         return self.runner.model
 
+    @property
+    def weights(self) -> ServedWeights:
+        """The served model's and the draft's weights (workers/runner/loading.py)."""
+        assert self.runner.weights is not None
+        return self.runner.weights
+
     def handle(self, call: ControlCall) -> None:
         try:
             self._handlers[type(call)](call)
@@ -122,19 +129,19 @@ class WorkerControl:
             raise RuntimeError("the weights are asleep: wake up the 'weights' tag before updating")
         if self._snapshot is None:
             self._snapshot = {
-                name: p.detach().to("cpu", copy=True) for name, p in self.runner.named_weights()
+                name: p.detach().to("cpu", copy=True) for name, p in self.weights.named()
             }
 
     def on_commit_weights(self, call: CommitWeights) -> None:
         commit = call.commit
         if self._snapshot is not None and not commit:
             with torch.no_grad():
-                for name, p in self.runner.named_weights():
+                for name, p in self.weights.named():
                     p.copy_(self._snapshot[name])
             logger.info("weight update rolled back on rank %d", self.rank)
         self._snapshot = None
         self.runner.weights_valid = self.runner.weights_valid or commit
-        self.runner.repack_weights()
+        self.weights.repack()
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
         return_memory_to_system()
@@ -145,7 +152,7 @@ class WorkerControl:
         if not path.is_dir():
             raise ValueError(f"model_path {model_path!r} is not a directory")
         self._begin()
-        loaded = self.runner.load_weights(checkpoint_weights(self.model, path))
+        loaded = self.weights.load(checkpoint_weights(self.model, path))
         missing = expected_weight_names(self.model) - loaded
         if missing:
             raise ValueError(f"checkpoint {model_path} lacks weights: {sorted(missing)[:8]}")
@@ -168,7 +175,7 @@ class WorkerControl:
                     raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, not a float type")
                 yield name, tensor
 
-        self.runner.load_weights(checked())
+        self.weights.load(checked())
 
     def on_init_update_group(self, call: InitWeightsUpdateGroup) -> None:
         if call.group_name in self._groups:
@@ -191,7 +198,7 @@ class WorkerControl:
         errors: list[str] = []
         for name, tensor in received:
             try:
-                self.runner.load_weights([(name, tensor)])
+                self.weights.load([(name, tensor)])
             except ValueError as e:
                 errors.append(str(e))
         if errors:
@@ -255,7 +262,7 @@ class WorkerControl:
                 self._weight_shapes[name] = p.shape
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self.runner.weights_valid = False
-            self.runner.repack_weights()  # drops the packed copies
+            self.weights.repack()  # drops the packed copies
         elif level == 1 and self.runner.device.type == "cuda" and self._offloaded is None:
             self._offloaded = {}
             for name, p in self.model.named_parameters():
@@ -279,7 +286,7 @@ class WorkerControl:
                 for name, p in self.model.named_parameters():
                     p.data = self._offloaded[name].to(p.device)
                 self._offloaded = None
-                self.runner.repack_weights()
+                self.weights.repack()
         if "kv_cache" in tags and self._kv_asleep:
             self.runner.init_kv_cache(self.runner.num_kv_blocks, self.runner.num_state_checkpoints)
             self._kv_asleep = False

@@ -54,7 +54,7 @@ from enginecore.messages import (
 from enginecore.shm_broadcast import Handle, MessageQueue
 
 if TYPE_CHECKING:
-    from workers.model_runner import ModelRunner
+    from workers.runner.model_runner import ModelRunner
     from workers.worker_control import WorkerControl
 
 logger = logging.getLogger("tern.worker")
@@ -76,8 +76,9 @@ def _build_runner(config: Config, rank: int, mq: MessageQueue) -> ModelRunner:
     import torch
 
     from workers.distributed import init_distributed
-    from workers.model_runner import ModelRunner, check_parallel_split, default_device
-    from workers.models.registry import load_model_args
+    from workers.models.args import load_model_args
+    from workers.runner.loading import check_parallel_split, default_device
+    from workers.runner.model_runner import ModelRunner
     from workers.worker_control import reuse_heap_for_activations
 
     parallel = config.parallel

@@ -14,9 +14,9 @@ import torch.multiprocessing as mp
 
 from enginecore.config import CacheConfig, Config, ModelConfig, ParallelConfig
 from enginecore.messages import SamplingParams, ScheduledRequest, SchedulerOutput
-from workers.layers import native
+from workers.kernels import kernel_library, linear_ops
 
-pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(kernel_library.load() is None, reason="no C compiler")
 BLOCK = 4
 
 
@@ -52,8 +52,8 @@ def _rank_main(rank: int, model_dir: str, port: int, dtype: str, out) -> None:
     from gloo_world import leave_world
 
     from workers.distributed import destroy_distributed, init_distributed
-    from workers.layers.fused_decode import FusedDecodeLayer
-    from workers.model_runner import ModelRunner
+    from workers.kernels.fused_decode import FusedDecodeLayer
+    from workers.runner.model_runner import ModelRunner
 
     torch.set_num_threads(1)
     config = Config(
@@ -96,7 +96,7 @@ def _rank_main(rank: int, model_dir: str, port: int, dtype: str, out) -> None:
     [
         pytest.param(
             "bfloat16",
-            marks=pytest.mark.skipif(native.bf16_gemv_max_rows() < 2, reason="no AVX512-BF16"),
+            marks=pytest.mark.skipif(linear_ops.bf16_gemv_max_rows() < 2, reason="no AVX512-BF16"),
         ),
         "float32",
     ],

@@ -16,10 +16,10 @@ import torch.distributed as dist
 from gloo_world import run_world
 
 from workers.distributed import ParallelContext
-from workers.layers import native
+from workers.kernels import kernel_library
 from workers.shm_collectives import ShmCommunicator
 
-pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(kernel_library.load() is None, reason="no C compiler")
 WORLD = 2
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 CHECK = """
-import workers.layers.kernel_library as kl, workers.layers.native as native, torch
+import workers.kernels.kernel_library as kl, workers.kernels.linear_ops as linear_ops, torch
 assert kl.__file__.startswith(TARGET), kl.__file__
-assert native.load() is not None, "kernels did not build"
+assert kl.load() is not None, "kernels did not build"
 x, w = torch.randn(3, 64), torch.randn(32, 64)
-torch.testing.assert_close(native.f32_linear(x, w, None), x @ w.T, atol=1e-4, rtol=1e-4)
+torch.testing.assert_close(linear_ops.f32_linear(x, w, None), x @ w.T, atol=1e-4, rtol=1e-4)
 print("tier", kl.active_tier_name())
 """
 
@@ -35,7 +35,7 @@ def test_non_editable_install_builds_its_kernels(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert build.returncode == 0, build.stderr
-    shipped = {p.name for p in (target / "workers/layers/csrc").iterdir()}
+    shipped = {p.name for p in (target / "workers/kernels/csrc").iterdir()}
     assert {"tern_kernels.h", "simd.h", "attention.c", "decode_layer.c"} <= shipped
     env = {**os.environ, "PYTHONPATH": str(target), "TERN_HOME": str(home)}
     run = subprocess.run(

@@ -43,8 +43,8 @@ from enginecore.messages import (
 from tests.integration.test_engine_core_proc import CoreClient, config_for, greedy
 from tests.unit.test_engine_inproc import hf_greedy, make_core, make_prompts, run_to_end, vocab_of
 from workers.distributed import mlp_shard, shard_heads
-from workers.model_runner import check_parallel_split
-from workers.models.registry import load_model_args
+from workers.models.args import load_model_args
+from workers.runner.loading import check_parallel_split
 
 NUM_TOKENS = 6
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}

@@ -13,18 +13,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.layers import native
+from workers.kernels import attention_ops, kernel_library
+from workers.kernels.kernel_library import runnable_tiers, use_tier
 from workers.layers.attention import Attention, build_attention_metadata
-from workers.layers.kernel_library import runnable_tiers, use_tier
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
-TIERS = [t.name for t in runnable_tiers()] if native.load() is not None else []
+TIERS = [t.name for t in runnable_tiers()] if kernel_library.load() is not None else []
 
 
 def needs_kernels(test):
     """Runs `test` once per kernel tier this CPU runs (the kernel_tier fixture)."""
     test = pytest.mark.usefixtures("kernel_tier")(test)
-    return pytest.mark.skipif(native.load() is None, reason="no C compiler")(test)
+    return pytest.mark.skipif(kernel_library.load() is None, reason="no C compiler")(test)
 
 
 def _batch(
@@ -214,15 +214,15 @@ def test_kernel_validates_its_inputs() -> None:
     tables = torch.zeros(2, 1, dtype=torch.int32)
     lens = torch.ones(2, dtype=torch.int32)
     with pytest.raises(ValueError, match="int32"):
-        native.paged_decode_attention(q, cache, cache, tables.long(), lens, 1.0)
+        attention_ops.paged_decode_attention(q, cache, cache, tables.long(), lens, 1.0)
     with pytest.raises(ValueError, match="do not agree"):
-        native.paged_decode_attention(q, cache, cache, tables[:1], lens, 1.0)
+        attention_ops.paged_decode_attention(q, cache, cache, tables[:1], lens, 1.0)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        native.paged_decode_attention(q, cache.half(), cache.half(), tables, lens, 1.0)
-    assert not native.supports_decode(HEADS, KV_HEADS, 512, 4)  # head_dim beyond the kernel
+        attention_ops.paged_decode_attention(q, cache.half(), cache.half(), tables, lens, 1.0)
+    assert not attention_ops.supports_decode(HEADS, KV_HEADS, 512, 4)  # head_dim beyond the kernel
     k = torch.ones(2, KV_HEADS, HEAD_DIM)
     with pytest.raises(ValueError, match="outside the KV cache"):  # 4 blocks x 4 = 16 slots
-        native.paged_decode_attention(
+        attention_ops.paged_decode_attention(
             q, cache, cache, tables, lens, 1.0, new_kv=(k, k, torch.tensor([0, 16]))
         )
     assert cache.abs().sum() == 0  # nothing was written

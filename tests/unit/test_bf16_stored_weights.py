@@ -20,13 +20,13 @@ from safetensors.torch import load_file, save_file
 
 from enginecore.config import CacheConfig, Config, ModelConfig
 from tests.unit.test_model_runner import GREEDY, make_prompts, run
-from workers.layers import native
+from workers.kernels import kernel_library, linear_ops
+from workers.kernels.kernel_library import runnable_tiers, use_tier
 from workers.layers.embedding import VocabParallelEmbedding
-from workers.layers.kernel_library import runnable_tiers, use_tier
 from workers.layers.linear import LinearBase, dense_linear
-from workers.model_runner import ModelRunner
+from workers.runner.model_runner import ModelRunner
 
-pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(kernel_library.load() is None, reason="no C compiler")
 
 # A tier without bfloat16 arithmetic that every x86-64 CPU of this project runs.
 BF16_STORED = ("proj.weight", "embed_tokens.weight", "lm_head.weight")
@@ -42,16 +42,16 @@ def test_kernel_matches_float32_linear(rows: int, out_features: int, in_features
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     b = torch.randn(out_features, generator=g)
     expected = F.linear(x, w.float(), b)
-    torch.testing.assert_close(native.bf16w_linear(x, w, b), expected, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(native.bf16w_linear(x, w, None), expected - b, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(linear_ops.bf16w_linear(x, w, b), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(linear_ops.bf16w_linear(x, w, None), expected - b, atol=1e-4, rtol=1e-4)
     # dense_linear routes float32 rows against a bfloat16 weight here, and many rows to BLAS
     torch.testing.assert_close(dense_linear(x, w, b), expected, atol=1e-4, rtol=1e-4)
     many = torch.randn(70, in_features, generator=g)
     torch.testing.assert_close(dense_linear(many, w, b), F.linear(many, w.float(), b))
     with pytest.raises(ValueError, match="does not fit"):
-        native.bf16w_linear(x[:, 1:].contiguous(), w, b)
+        linear_ops.bf16w_linear(x[:, 1:].contiguous(), w, b)
     with pytest.raises(ValueError, match="float32"):
-        native.bf16w_linear(x.bfloat16(), w, b)
+        linear_ops.bf16w_linear(x.bfloat16(), w, b)
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.layers import linear, native
+from workers.kernels import kernel_library, linear_ops
+from workers.layers import linear
 
 # Every test runs once per kernel tier this CPU runs (the kernel_tier fixture).
 pytestmark = [
-    pytest.mark.skipif(native.load() is None, reason="no C compiler"),
+    pytest.mark.skipif(kernel_library.load() is None, reason="no C compiler"),
     pytest.mark.usefixtures("kernel_tier"),
 ]
 
@@ -22,14 +23,14 @@ def test_matches_f_linear(rows: int, out_features: int, in_features: int) -> Non
     x = torch.randn(rows, in_features, generator=g)
     w = torch.randn(out_features, in_features, generator=g)
     b = torch.randn(out_features, generator=g)
-    torch.testing.assert_close(native.f32_linear(x, w, b), F.linear(x, w, b))
-    torch.testing.assert_close(native.f32_linear(x, w, None), F.linear(x, w))
+    torch.testing.assert_close(linear_ops.f32_linear(x, w, b), F.linear(x, w, b))
+    torch.testing.assert_close(linear_ops.f32_linear(x, w, None), F.linear(x, w))
 
 
 def test_dense_linear_routes_only_what_the_kernel_handles(monkeypatch) -> None:
     calls = []
-    real = native.f32_linear
-    monkeypatch.setattr(native, "f32_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    real = linear_ops.f32_linear
+    monkeypatch.setattr(linear_ops, "f32_linear", lambda *a: calls.append(a[0].shape) or real(*a))
     w = torch.randn(8, 16)
     for x in (
         torch.randn(3, 16),  # kernel
@@ -41,7 +42,7 @@ def test_dense_linear_routes_only_what_the_kernel_handles(monkeypatch) -> None:
         torch.testing.assert_close(y, F.linear(x, w.to(x.dtype)), atol=1e-2, rtol=1e-2)
     assert calls == [torch.Size([3, 16])]
     with pytest.raises(ValueError, match="does not fit"):
-        native.f32_linear(torch.randn(2, 5), w, None)
+        linear_ops.f32_linear(torch.randn(2, 5), w, None)
 
 
 @pytest.mark.parametrize("out_features,in_features", [(13, 20), (96, 64), (61, 33), (960, 576)])
@@ -53,17 +54,17 @@ def test_bf16_few_row_kernel_matches_f_linear(
     x = torch.randn(rows, in_features, generator=g).bfloat16()
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     b = torch.randn(out_features, generator=g).bfloat16()
-    if native.bf16_gemv_max_rows() == 0:  # a tier without AVX512-BF16 says so, and refuses
+    if linear_ops.bf16_gemv_max_rows() == 0:  # a tier without AVX512-BF16 says so, and refuses
         with pytest.raises(ValueError, match="not a supported shape"):
-            native.bf16_gemv(x, w, b)
+            linear_ops.bf16_gemv(x, w, b)
         return
     # float32 accumulation in another order: one bfloat16 rounding step apart at most
-    torch.testing.assert_close(native.bf16_gemv(x, w, b), F.linear(x, w, b), atol=0.02, rtol=0.01)
-    torch.testing.assert_close(native.bf16_gemv(x, w, None), F.linear(x, w), atol=0.02, rtol=0.01)
+    torch.testing.assert_close(linear_ops.bf16_gemv(x, w, b), F.linear(x, w, b), atol=0.02, rtol=0.01)
+    torch.testing.assert_close(linear_ops.bf16_gemv(x, w, None), F.linear(x, w), atol=0.02, rtol=0.01)
     with pytest.raises(ValueError, match="does not fit"):
-        native.bf16_gemv(x[:, 1:].contiguous(), w, None)
+        linear_ops.bf16_gemv(x[:, 1:].contiguous(), w, None)
     with pytest.raises(ValueError, match="rows"):
-        native.bf16_gemv(x.repeat(3, 1), w, None)
+        linear_ops.bf16_gemv(x.repeat(3, 1), w, None)
 
 
 @pytest.mark.parametrize("rows", [3, 8, 16, 17, 32])  # 17+: a second tile of x's rows
@@ -74,18 +75,18 @@ def test_bf16_amx_kernel_matches_f_linear(rows: int, out_features: int, in_featu
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     b = torch.randn(out_features, generator=g).bfloat16()
     ref = F.linear(x.float(), w.float(), b.float()).bfloat16()
-    if native.bf16_amx_max_rows() == 0:  # a tier (or CPU, or OS) without AMX says so, and refuses
-        assert not native.amx_fits(rows, out_features, in_features)
+    if linear_ops.bf16_amx_max_rows() == 0:  # a tier (or CPU, or OS) without AMX says so, and refuses
+        assert not linear_ops.amx_fits(rows, out_features, in_features)
         with pytest.raises(ValueError, match="not a supported shape"):
-            native.bf16_amx_linear(x, w, b)
+            linear_ops.bf16_amx_linear(x, w, b)
         return
-    torch.testing.assert_close(native.bf16_amx_linear(x, w, b), ref, atol=0.05, rtol=0.01)
+    torch.testing.assert_close(linear_ops.bf16_amx_linear(x, w, b), ref, atol=0.05, rtol=0.01)
     packed = linear.pack_weight(w)  # dense_linear routes these rows here
     torch.testing.assert_close(
-        linear.dense_linear(x, w, b, packed), native.bf16_amx_linear(x, w, b)
+        linear.dense_linear(x, w, b, packed), linear_ops.bf16_amx_linear(x, w, b)
     )
     with pytest.raises(ValueError, match="not a supported shape"):
-        native.bf16_amx_linear(x[:, :-16].contiguous(), w[:, :-16].contiguous(), None)  # K % 32
+        linear_ops.bf16_amx_linear(x[:, :-16].contiguous(), w[:, :-16].contiguous(), None)  # K % 32
 
 
 def test_packed_bf16_weights_give_f_linear() -> None:

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.layers import native
+from workers.kernels import elementwise_ops, kernel_library
 from workers.layers.activation import GeluTanhAndMul, SiluAndMul
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RopeParams, RotaryEmbedding
 
 # Every test runs once per kernel tier this CPU runs (the kernel_tier fixture).
 pytestmark = [
-    pytest.mark.skipif(native.load() is None, reason="no C compiler"),
+    pytest.mark.skipif(kernel_library.load() is None, reason="no C compiler"),
     pytest.mark.usefixtures("kernel_tier"),
 ]
 
@@ -24,7 +24,7 @@ def torch_only(monkeypatch):
 
     def run(fn):
         with monkeypatch.context() as m:
-            m.setattr(native, "usable", lambda *tensors: False)
+            m.setattr(elementwise_ops, "usable", lambda *tensors: False)
             return fn()
 
     return run
@@ -79,7 +79,7 @@ def test_rotary_in_place_on_views_of_the_qkv_projection(
     assert torch.equal(q, ref_q) if dtype == torch.bfloat16 else torch.allclose(q, ref_q)
     assert torch.equal(k, ref_k) if dtype == torch.bfloat16 else torch.allclose(k, ref_k)
     with pytest.raises(ValueError, match="past the cos/sin table"):
-        native.rotary_neox_(*qkv_views(), positions + 64, rope.cos_cache, rope.sin_cache)
+        elementwise_ops.rotary_neox_(*qkv_views(), positions + 64, rope.cos_cache, rope.sin_cache)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -100,7 +100,7 @@ def test_sigmoid_gate_on_strided_rows(dtype: torch.dtype) -> None:
     wide = (torch.randn(5, 80, generator=g) * 6).to(dtype)
     gate = wide[:, 16:64]
     expected = o * torch.sigmoid(gate)
-    native.sigmoid_gate_(o, gate)
+    elementwise_ops.sigmoid_gate_(o, gate)
     if dtype == torch.bfloat16:  # both round the sigmoid, then the product
         torch.testing.assert_close(o, expected, atol=1e-2, rtol=1e-2)
     else:

@@ -24,16 +24,16 @@ from enginecore.config import CacheConfig, Config, ModelConfig
 from enginecore.messages import SamplingParams
 from tests.unit.test_gguf import make_gguf_case
 from tests.unit.test_model_runner import make_prompts, run
-from workers.layers import native
-from workers.layers.fused_decode import FusedDecodeLayer, FusedDecodeStack
-from workers.layers.kernel_library import runnable_tiers
+from workers.kernels import kernel_library, linear_ops
+from workers.kernels.fused_decode import FusedDecodeLayer, FusedDecodeStack
+from workers.kernels.kernel_library import runnable_tiers
 from workers.layers.linear import LinearBase
 from workers.layers.lora import LoraBatch, LoraStack
-from workers.model_runner import ModelRunner
+from workers.runner.model_runner import ModelRunner
 
 # Every test runs once per kernel tier this CPU runs.
 pytestmark = [
-    pytest.mark.skipif(native.load() is None, reason="no C compiler"),
+    pytest.mark.skipif(kernel_library.load() is None, reason="no C compiler"),
     pytest.mark.usefixtures("kernel_tier"),
 ]
 
@@ -136,7 +136,7 @@ def test_fused_layer_is_bit_identical_to_the_modules(
     fused = run(runner, prompts, params, arrival_steps=arrivals, chunk_size=5)
     sizes = set(fused_calls) - {None}
     assert {1, 2} <= sizes, "decode steps of one and two sequences took the fused path"
-    if runner.dtype != torch.bfloat16 or native.bf16_amx_max_rows() >= 3:
+    if runner.dtype != torch.bfloat16 or linear_ops.bf16_amx_max_rows() >= 3:
         assert max(sizes) >= 3, "and larger ones (float32, or AMX)"
     assert None in fused_calls  # prefill steps did not
     assert "fused decode layer: on" in report
@@ -244,7 +244,7 @@ def test_fused_layer_with_lora_adapters_is_bit_identical_to_the_modules(
     arch: str, quantization: str | None, dtype: str, request: pytest.FixtureRequest, monkeypatch
 ) -> None:
     """Each linear adds its tokens' adapters in the native call with the kernel LinearBase runs
-    (native.lora_add): the same logprobs bit for bit, and not those of the base model."""
+    (lora_ops.lora_add): the same logprobs bit for bit, and not those of the base model."""
     model_dir = request.getfixturevalue(arch)
 
     def serve(lora: bool) -> dict:

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from workers.distributed import ParallelContext
-from workers.layers import native
+from workers.kernels import gated_delta_ops, kernel_library
+from workers.kernels.kernel_library import runnable_tiers, use_tier
 from workers.layers.attention import build_attention_metadata
 from workers.layers.gated_delta_net import GatedDeltaNet
-from workers.layers.kernel_library import runnable_tiers, use_tier
 
-TIERS = [t.name for t in runnable_tiers()] if native.load() is not None else []
+TIERS = [t.name for t in runnable_tiers()] if kernel_library.load() is not None else []
 SLOTS = 6
 
 
@@ -62,7 +62,7 @@ def test_a_slot_outside_the_pool_is_refused() -> None:
     layer = _layer(torch.float32)
     mixed = torch.randn(1, sum(layer.local_sizes))
     with pytest.raises(ValueError, match="outside the pools"):
-        native.gated_delta_decode(
+        gated_delta_ops.gated_delta_decode(
             mixed, torch.randn(1, 96), torch.randn(1, 4), torch.randn(1, 4), layer.A_log,
             layer.dt_bias, layer.conv1d.weight, layer.conv_states, layer.recurrent_states,
             torch.tensor([SLOTS]), torch.zeros(1, dtype=torch.uint8), layer.norm.weight, 1e-6, (2, 4, 16, 24),

@@ -25,11 +25,12 @@ from tests.unit.test_engine_inproc import MAX_TOKENS, hf_greedy, make_prompts, r
 from tests.unit.test_model_runner import GREEDY, make_runner, run
 from tests.unit.test_model_runner import make_prompts as runner_prompts
 from tests.unit.test_model_zoo import assert_logprobs_match_hf, rerun_from_the_prefix_cache
-from workers.layers import gguf_blocks, native
+from workers.kernels import linear_ops
+from workers.kernels.kernel_library import runnable_tiers, use_tier
+from workers.kernels.linear_ops import BLOCK_TYPES
 from workers.layers.embedding import ParallelLMHead
-from workers.layers.kernel_library import runnable_tiers, use_tier
 from workers.layers.linear import LinearBase
-from workers.layers.native import BLOCK_TYPES
+from workers.quant import gguf_blocks
 
 
 def _write_gguf():
@@ -162,9 +163,9 @@ def test_kept_blocks_multiply_as_the_dequantized_weight(block_type: str) -> None
     import gguf
 
     from workers.distributed import ParallelContext
-    from workers.layers import int4_blocks
-    from workers.layers.gguf_blocks import GGUFBlocks, quantize
     from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from workers.quant import int4_blocks
+    from workers.quant.gguf_blocks import GGUFBlocks, quantize
 
     torch.manual_seed(0)
     k = 512  # two K-quant super-blocks: a column shard holds one
@@ -201,7 +202,7 @@ def _dequantized(blocks: torch.Tensor, block_type: str, k: int) -> torch.Tensor:
     """The gguf package's dequantization of `blocks` (tern's own for INT4_ZP)."""
     import gguf
 
-    from workers.layers import int4_blocks
+    from workers.quant import int4_blocks
 
     if block_type == "INT4_ZP":
         return torch.from_numpy(int4_blocks.dequantize(blocks.numpy(), k))
@@ -228,7 +229,7 @@ def test_the_fast_paths_products_are_its_quantized_rows_times_the_weight(
     odd number of 32-value chunks and two super-blocks for the K-quants; read from the rows
     repacked in groups of 8 (43 rows: the last group short), which take at most 3% more bytes
     than the blocks (the K-quants' headers of float16 d, dmin per super-block)."""
-    from workers.layers.gguf_blocks import quantize, repack_x8
+    from workers.quant.gguf_blocks import quantize, repack_x8
 
     torch.manual_seed(0)
     k = 512 if gguf_blocks.block_values(block_type) == 256 else 288
@@ -245,7 +246,7 @@ def test_the_fast_paths_products_are_its_quantized_rows_times_the_weight(
         x = torch.randn(m, k) * torch.logspace(-2, 1, k // 32).repeat_interleave(32)
         want = _quantized_rows(x).double() @ dequantized.T + bias.double()
         with use_tier(tier):
-            got = native.gguf_linear(x, blocks, block_type, bias, quantize_x=True, packed=packed)
+            got = linear_ops.gguf_linear(x, blocks, block_type, bias, quantize_x=True, packed=packed)
         close = {"rtol": 1e-4, "atol": 1e-4 * want.abs().max()}
         torch.testing.assert_close(got.double(), want, **close)
 
@@ -257,7 +258,7 @@ def test_the_fast_paths_many_row_products_are_bfloat16(block_type: str, rows: in
     weight and the activations in bfloat16 (below BF16_MIN_ROWS the kernels' bfloat16 tiles, from
     it torch's GEMM): within bfloat16's rounding of the exact product, and not equal to float32's.
     37 rows and 43 weight rows leave partial register blocks and a partial tile."""
-    from workers.layers.gguf_blocks import BF16_MIN_ROWS, BF16_TIERS, linear, quantize, repack_x8
+    from workers.quant.gguf_blocks import BF16_MIN_ROWS, BF16_TIERS, linear, quantize, repack_x8
 
     tiers = [t.name for t in runnable_tiers() if t.name in BF16_TIERS]
     if not tiers:
@@ -280,7 +281,7 @@ def test_the_fast_paths_many_row_products_are_bfloat16(block_type: str, rows: in
 def test_without_bfloat16_the_fast_path_takes_integer_products_at_any_rows() -> None:
     """On AVX2 a prefill's many rows (past dequant_min_rows, where the exact path calls torch's
     GEMM) are the integer products too: equal to the quantized rows times the weight."""
-    from workers.layers.gguf_blocks import dequant_min_rows, linear, quantize, repack_x8
+    from workers.quant.gguf_blocks import dequant_min_rows, linear, quantize, repack_x8
 
     if "avx2" not in [t.name for t in runnable_tiers()]:
         pytest.skip("this CPU runs no AVX2 tier")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.layers import kernel_library as kl
+from workers.kernels import kernel_library as kl
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,7 +93,7 @@ def test_a_tier_the_cpu_lacks_is_a_clear_start_up_error(tmp_path: Path) -> None:
     missing = [t for t in kl.all_tiers() if t not in kl.runnable_tiers()]
     if not missing:
         pytest.skip("this CPU runs every tier")
-    code = "from workers.layers import kernel_library as k; k.load()"
+    code = "from workers.kernels import kernel_library as k; k.load()"
     env = {**os.environ, "TERN_KERNELS": missing[-1].name}
     r = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True

@@ -23,9 +23,10 @@ import transformers
 from enginecore.config import CacheConfig, Config, ModelConfig
 from tests.conftest import make_tiny_model
 from tests.unit.test_model_runner import GREEDY, MAX_TOKENS, run
-from workers.layers import kv_int8, native
-from workers.layers.kernel_library import runnable_tiers, use_tier
-from workers.model_runner import ModelRunner
+from workers.kernels import attention_ops
+from workers.kernels.kernel_library import runnable_tiers, use_tier
+from workers.quant import kv_int8
+from workers.runner.model_runner import ModelRunner
 
 MODEL = {"hidden_size": 128, "intermediate_size": 256, "initializer_range": 0.08}
 
@@ -114,9 +115,9 @@ def test_the_decode_kernel_reads_int8_rows_as_their_values(tier: str, d: int) ->
     with use_tier(tier):
         for dtype, window in [(torch.float32, None), (torch.bfloat16, 20)]:
             q = torch.randn(3, h, d).to(dtype)
-            got = native.paged_decode_attention(q, cache[0], cache[1], tables, lens, 0.125,
+            got = attention_ops.paged_decode_attention(q, cache[0], cache[1], tables, lens, 0.125,
                                                 window=window)  # fmt: skip
-            want = native.paged_decode_attention(q, dense[0], dense[1], tables, lens, 0.125,
+            want = attention_ops.paged_decode_attention(q, dense[0], dense[1], tables, lens, 0.125,
                                                  window=window)  # fmt: skip
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)

@@ -124,7 +124,7 @@ def mixed_requests(model_dir: Path) -> dict[str, tuple[list[int], str | None]]:
 def int8_reference(base: Path, out: Path) -> Path:
     """The base model with every weight tern stores int8 (--quantization int8) replaced by its
     int8 rows times their scales: what tern's int8 layers multiply."""
-    from workers.layers.quantization import quantize_rows
+    from workers.quant.quantization import quantize_rows
 
     shutil.copytree(base, out)
     tensors = load_file(base / "model.safetensors")
@@ -140,7 +140,7 @@ def int4_reference(base: Path, out: Path) -> Path:
     """The base model with every linear layer's weight as its INT4_ZP blocks' values
     (--quantization int4)."""
     from tests.unit.test_quantized_checkpoints import LINEARS
-    from workers.layers import int4_blocks
+    from workers.quant import int4_blocks
 
     shutil.copytree(base, out)
     tensors = load_file(base / "model.safetensors")

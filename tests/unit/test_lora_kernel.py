@@ -1,4 +1,4 @@
-"""tern's LoRA kernel (csrc/lora.c through native.lora_add) on every kernel tier this CPU runs:
+"""tern's LoRA kernel (csrc/lora.c through lora_ops.lora_add) on every kernel tier this CPU runs:
 each row's adapter product against a float64 reference (float32 within 1e-5 of the largest value,
 bfloat16 within its rounding), rows without an adapter untouched, a row's result the same bits
 alone as inside any batch and at any thread count, and misuse refused with ValueError."""
@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.layers import native
+from workers.kernels import kernel_library, lora_ops
 from workers.layers.lora import LoraBatch, LoraStack
 
 # Every test runs once per kernel tier this CPU runs (the kernel_tier fixture).
 pytestmark = [
-    pytest.mark.skipif(native.load() is None, reason="no C compiler"),
+    pytest.mark.skipif(kernel_library.load() is None, reason="no C compiler"),
     pytest.mark.usefixtures("kernel_tier"),
 ]
 
@@ -64,7 +64,7 @@ def test_float32_matches_a_float64_reference(m: int) -> None:
     slots = _slots(m, seed=m)
     expected = _reference(x, y, slots, a, b)
     out = y.clone()
-    native.lora_add(x, out, slots, a, b, RANK, seg_rows)
+    lora_ops.lora_add(x, out, slots, a, b, RANK, seg_rows)
     assert (out.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
     idle = slots < 0
     assert torch.equal(out[idle], y[idle])
@@ -79,7 +79,7 @@ def test_bfloat16_rounds_once_after_the_float32_sum(m: int) -> None:
     slots = _slots(m, seed=m)
     expected = _reference(x.float(), y.float(), slots, a, b)
     out = y.clone()
-    native.lora_add(x, out, slots, a, b, RANK, seg_rows)
+    lora_ops.lora_add(x, out, slots, a, b, RANK, seg_rows)
     # round(y + delta) within one bfloat16 step (2^-7 relative) of the exact sum
     torch.testing.assert_close(out.double(), expected, rtol=2**-7, atol=1e-6)
     idle = slots < 0
@@ -97,14 +97,14 @@ def test_a_row_is_the_same_bits_alone_as_in_any_batch(dtype: torch.dtype) -> Non
     y = torch.randn(m, sum(SEGMENTS), generator=g).to(dtype)
     slots = _slots(m, seed=1)
     batch = y.clone()
-    native.lora_add(x, batch, slots, a, b, RANK, seg_rows)
+    lora_ops.lora_add(x, batch, slots, a, b, RANK, seg_rows)
     for t in range(m):
         alone = y[t : t + 1].clone()
-        native.lora_add(x[t : t + 1], alone, slots[t : t + 1], a, b, RANK, seg_rows)
+        lora_ops.lora_add(x[t : t + 1], alone, slots[t : t + 1], a, b, RANK, seg_rows)
         assert torch.equal(alone, batch[t : t + 1]), t
     order = torch.randperm(m, generator=g)[:9]  # another batch: other neighbours, other groups
     part = y[order].clone()
-    native.lora_add(x[order], part, slots[order].contiguous(), a, b, RANK, seg_rows)
+    lora_ops.lora_add(x[order], part, slots[order].contiguous(), a, b, RANK, seg_rows)
     assert torch.equal(part, batch[order])
 
 
@@ -123,7 +123,7 @@ def test_thread_count_does_not_change_the_bits(dtype: torch.dtype) -> None:
         for n in sorted({1, 2, threads}):
             torch.set_num_threads(n)
             outs.append(y.clone())
-            native.lora_add(x, outs[-1], slots, a, b, rank, seg_rows)
+            lora_ops.lora_add(x, outs[-1], slots, a, b, rank, seg_rows)
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
@@ -137,13 +137,13 @@ def test_strided_rows_and_rows_without_adapters() -> None:
     x, y = wide_x[:, :K], wide_y[:, 1 : 1 + sum(SEGMENTS)]  # rows of views: strides K + 7, N + 3
     slots = _slots(5)
     expected = y.clone()
-    native.lora_add(x.contiguous(), expected, slots, a, b, RANK, seg_rows)
+    lora_ops.lora_add(x.contiguous(), expected, slots, a, b, RANK, seg_rows)
     before = wide_y.clone()
-    native.lora_add(x, y, slots, a, b, RANK, seg_rows)
+    lora_ops.lora_add(x, y, slots, a, b, RANK, seg_rows)
     assert torch.equal(y, expected)
     assert torch.equal(wide_y[:, 0], before[:, 0]) and torch.equal(wide_y[:, -2:], before[:, -2:])
     none = y.clone()
-    native.lora_add(x, none, torch.full((5,), -1, dtype=torch.int32), a, b, RANK, seg_rows)
+    lora_ops.lora_add(x, none, torch.full((5,), -1, dtype=torch.int32), a, b, RANK, seg_rows)
     assert torch.equal(none, y)
 
 
@@ -172,7 +172,7 @@ def test_misuse_is_refused() -> None:
     def add(**changed: object) -> None:
         args = {"x": x, "y": y.clone(), "slots": slots, "a": a, "b": b, "rank": RANK,
                 "seg_rows": seg_rows} | changed  # fmt: skip
-        native.lora_add(**args)
+        lora_ops.lora_add(**args)
 
     bad = [
         {"x": x.double()},

@@ -19,8 +19,8 @@ import transformers
 
 from enginecore.config import CacheConfig, Config, ModelConfig
 from enginecore.messages import SamplingParams, ScheduledRequest, SchedulerOutput
-from workers.layers.kernel_library import runnable_tiers, use_tier
-from workers.model_runner import ModelRunner
+from workers.kernels.kernel_library import runnable_tiers, use_tier
+from workers.runner.model_runner import ModelRunner
 
 ARCHS = ("tiny_llama", "tiny_qwen2", "tiny_qwen3")
 PROMPT_LENS = (1, 3, 7, 12, 17, 26, 33, 50)

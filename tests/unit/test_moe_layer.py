@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workers.distributed import ParallelContext
-from workers.layers import native
+from workers.kernels import kernel_library
 from workers.layers.moe import FEW_PAIRS, FusedExperts, MoESpec
 
 
@@ -23,7 +23,7 @@ def _experts(bias: bool) -> FusedExperts:
     return experts
 
 
-@pytest.mark.skipif(native.load() is None, reason="no C compiler")
+@pytest.mark.skipif(kernel_library.load() is None, reason="no C compiler")
 @pytest.mark.usefixtures("kernel_tier")
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rank_experts", [(0, 8), (4, 4)])

@@ -16,9 +16,9 @@ from transformers import RepetitionPenaltyLogitsProcessor
 from enginecore.config import ModelConfig
 from enginecore.messages import Logprobs, SamplingParams
 from frontend.cli.launch import config_from_args, make_parser
-from workers.layers.logits_processors import TokenHistory
-from workers.layers.logprobs import logprob_rows, sampled_logprobs_rows
-from workers.layers.sampler import Sampler, SamplingTensors
+from workers.sample.logits_processors import TokenHistory
+from workers.sample.logprobs import logprob_rows, sampled_logprobs_rows
+from workers.sample.sampler import Sampler, SamplingTensors
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")

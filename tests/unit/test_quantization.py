@@ -15,22 +15,23 @@ import torch.nn.functional as F
 
 from enginecore.config import CacheConfig, Config, ModelConfig
 from workers.distributed import ParallelContext
-from workers.layers import native, quantization
+from workers.kernels import kernel_library, linear_ops
+from workers.kernels.kernel_library import runnable_tiers, use_tier
 from workers.layers.attention import build_attention_metadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from workers.layers.kernel_library import runnable_tiers, use_tier
 from workers.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from workers.model_runner import ModelRunner
+from workers.quant import quantization
+from workers.runner.model_runner import ModelRunner
 
 CTX = ParallelContext.single()
 # The native backend once per kernel tier this CPU runs ("native-avx2", ...).
 BACKENDS = ["dequant", "torch"] + (
-    [f"native-{t.name}" for t in runnable_tiers()] if native.load() is not None else []
+    [f"native-{t.name}" for t in runnable_tiers()] if kernel_library.load() is not None else []
 )
 
 
@@ -95,7 +96,7 @@ def test_int8_matmul_in_bfloat16(num_rows: int) -> None:
     w, x = torch.randn(16, 40), torch.randn(num_rows, 40).bfloat16()
     bias = torch.randn(16).bfloat16()
     q, scale = quantization.quantize_rows(w)
-    for backend in ["dequant", "torch"] + (["native"] if native.load() is not None else []):
+    for backend in ["dequant", "torch"] + (["native"] if kernel_library.load() is not None else []):
         for b in (None, bias):
             y = quantization.int8_matmul(x, q, scale, b, backend)
             assert y.dtype == torch.bfloat16
@@ -103,7 +104,7 @@ def test_int8_matmul_in_bfloat16(num_rows: int) -> None:
             assert _rel_err(y.float(), ref) < 0.03
 
 
-@pytest.mark.skipif(native.bf16_amx_max_rows() == 0, reason="no AMX")
+@pytest.mark.skipif(linear_ops.bf16_amx_max_rows() == 0, reason="no AMX")
 @pytest.mark.parametrize("num_rows", [3, 17, 32])
 def test_int8_bfloat16_rows_on_amx(num_rows: int) -> None:
     """3-32 bfloat16 rows against shapes AMX takes (K % 32, N % 16): the int8 tiles are widened
@@ -112,7 +113,7 @@ def test_int8_bfloat16_rows_on_amx(num_rows: int) -> None:
     w, x = torch.randn(48, 96, generator=g), torch.randn(num_rows, 96, generator=g).bfloat16()
     bias = torch.randn(48, generator=g).bfloat16()
     q, scale = quantization.quantize_rows(w)
-    y = native.int8_linear(x, q, scale, bias)
+    y = linear_ops.int8_linear(x, q, scale, bias)
     ref = F.linear(x.float(), q.float() * scale[:, None], bias.float())  # the int8 weight, exactly
     torch.testing.assert_close(y.float(), ref, atol=0.05, rtol=0.01)  # bfloat16 output rounding
 

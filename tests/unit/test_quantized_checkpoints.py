@@ -28,7 +28,7 @@ from tests.unit.test_engine_inproc import MAX_TOKENS, hf_greedy, make_prompts, r
 from tests.unit.test_model_runner import GREEDY, run
 from tests.unit.test_model_runner import make_prompts as runner_prompts
 from tests.unit.test_model_zoo import assert_logprobs_match_hf, rerun_from_the_prefix_cache
-from workers.layers import int4_blocks
+from workers.quant import int4_blocks
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's: nibble j of an int32 holds column order[j]
@@ -235,7 +235,7 @@ def test_quantization_int4_matches_hf_on_its_blocks(tmp_path: Path) -> None:
 
 
 def test_unsupported_quantized_checkpoints_are_refused(tmp_path: Path) -> None:
-    from workers.quantized_checkpoints import checkpoint_quantization
+    from workers.quant.quantized_checkpoints import checkpoint_quantization
 
     for qc, message in [
         ({"quant_method": "bitsandbytes"}, "not supported"),

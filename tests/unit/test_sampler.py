@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from enginecore.messages import SamplingParams
-from workers.layers.sampler import Sampler, SamplingTensors
+from workers.sample.sampler import Sampler, SamplingTensors
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
@@ -120,7 +120,8 @@ def test_masks_and_temperature_give_the_right_distribution(params, expected) -> 
 @pytest.mark.parametrize("vocab", [100, 49152])
 def test_grammar_bitmask_native_and_torch_paths_agree(vocab: int, monkeypatch) -> None:
     """The native kernel and the torch fallback forbid exactly the tokens whose bit is clear."""
-    from workers.layers import logits_processors, native
+    from workers.kernels import sampling_ops
+    from workers.sample import logits_processors
 
     g = torch.Generator().manual_seed(0)
     words = torch.randint(-(2**31), 2**31 - 1, (3, (vocab + 31) // 32), generator=g)
@@ -135,7 +136,7 @@ def test_grammar_bitmask_native_and_torch_paths_agree(vocab: int, monkeypatch) -
     out = logits.clone()
     logits_processors.apply_grammar_bitmask(out, words, rows)
     assert torch.equal(out, expected)
-    monkeypatch.setattr(native, "apply_token_bitmask", lambda *args: False)
+    monkeypatch.setattr(sampling_ops, "apply_token_bitmask", lambda *args: False)
     out = logits.clone()
     logits_processors.apply_grammar_bitmask(out, words, rows)
     assert torch.equal(out, expected)
@@ -145,9 +146,10 @@ def test_grammar_bitmask_native_and_torch_paths_agree(vocab: int, monkeypatch) -
 def test_noise_kernel_and_torch_paths_agree(per_row_ids: bool, monkeypatch) -> None:
     """The noise is the same float32 bits from tern's kernel and from the torch expression (keys
     and ids up to 2^32 - 1, the vocabulary's ids shared or each row's own candidates)."""
-    from workers.layers import native, sampler
+    from workers.kernels import kernel_library, sampling_ops
+    from workers.sample import sampler
 
-    if native.load() is None:
+    if kernel_library.load() is None:
         pytest.skip("kernels off")
     g = torch.Generator().manual_seed(0)
     keys = torch.randint(0, 2**32, (5,), generator=g, dtype=torch.int64)
@@ -158,14 +160,14 @@ def test_noise_kernel_and_torch_paths_agree(per_row_ids: bool, monkeypatch) -> N
         else torch.arange(49152, dtype=torch.int64)
     )
     fast = sampler.exponential_noise(keys, ids)
-    monkeypatch.setattr(native, "exponential_uniforms", lambda *args: None)
+    monkeypatch.setattr(sampling_ops, "exponential_uniforms", lambda *args: None)
     slow = sampler.exponential_noise(keys, ids)
     assert fast.shape == slow.shape == (5, ids.size(-1))
     assert torch.equal(fast, slow)
 
 
 def _kept_ids(logits: torch.Tensor, params: list[SamplingParams]) -> list[set[int]]:
-    from workers.layers import sampler
+    from workers.sample import sampler
 
     t = SamplingTensors.from_params(params, list(range(len(params))), logits.size(-1), CPU)
     values, ids = sampler.masked_candidates(logits / t.temperature[:, None], t)
@@ -204,7 +206,7 @@ MASKS = [
 def test_masks_over_a_large_vocabulary_keep_what_vllm_keeps(monkeypatch) -> None:
     """top-k, top-p and min-p over 49152 tokens keep vLLM's tokens (distinct logits), whether the
     candidates come from the first 1025 or the whole sort, each row alone or in a batch."""
-    from workers.layers import sampler
+    from workers.sample import sampler
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(len(MASKS), 49152, generator=g) * 3
@@ -242,7 +244,7 @@ def test_penalties_touch_only_the_seen_tokens_and_equal_the_dense_formula() -> N
     """Repetition, frequency and presence penalties applied to the (row, token) pairs a row has
     seen give the bits of the formula over whole rows (rows without penalties, a -inf logit and
     a token seen only in the prompt among them)."""
-    from workers.layers.logits_processors import TokenHistory, apply_logits_processors
+    from workers.sample.logits_processors import TokenHistory, apply_logits_processors
 
     g = torch.Generator().manual_seed(2)
     vocab = 3000

@@ -1,6 +1,6 @@
 """Speculative decoding in one process (EngineCore + InProcExecutor, tiny random models).
 
-A verified step keeps exactly the tokens plain decoding samples (workers/speculative.py), so every
+A verified step keeps exactly the tokens plain decoding samples (workers/spec/verification.py), so every
 check compares a speculative run with a plain one: greedy and seeded sampled tokens equal token
 for token (and greedy equal to Hugging Face's), logprobs within 1e-5, with chunked prefill, prefix
 caching, preemption, penalties, min_tokens, logit bias, stop tokens and grammars. Random tiny models

@@ -16,7 +16,8 @@ from workers.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from workers.models.registry import build_model, load_model_args
+from workers.models.args import load_model_args
+from workers.models.registry import build_model
 from workers.weight_loader import iter_safetensors, load_checkpoint, load_weights
 
 

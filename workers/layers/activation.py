@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers import native
+from workers.kernels import elementwise_ops
 
 
 class SiluAndMul(nn.Module):
@@ -14,8 +14,8 @@ class SiluAndMul(nn.Module):
     arithmetic as the fused decode layer's), torch where the kernels are off."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
-        if x.dim() == 2 and x.is_contiguous() and native.usable(x):
-            return native.silu_and_mul(x)
+        if x.dim() == 2 and x.is_contiguous() and elementwise_ops.usable(x):
+            return elementwise_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -25,8 +25,8 @@ class GeluTanhAndMul(nn.Module):
     decode layer's arithmetic) where it runs."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
-        if x.dim() == 2 and x.is_contiguous() and native.usable(x):
-            return native.gelu_tanh_and_mul(x)
+        if x.dim() == 2 and x.is_contiguous() and elementwise_ops.usable(x):
+            return elementwise_ops.gelu_tanh_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 

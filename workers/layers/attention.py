@@ -5,7 +5,7 @@ decodes mixed) and passes it into `forward`. Every attention layer then
 1. writes this step's K/V into its cache at `slot_mapping` (slot = block * block_size + offset), and
 2. attends each sequence's queries over that sequence's whole context in the cache.
 Step 2 serves two kinds of sequences, with no Python loop over sequences:
-- single-token decodes (`DecodeGroup`): on the CPU a native kernel (native.py) reads each sequence's
+- single-token decodes (`DecodeGroup`): on the CPU a native kernel (linear_ops.py) reads each sequence's
   K/V straight from its cache blocks; elsewhere they take the padded path below with max_q = 1.
 - the rest (`AttentionGroup`), in up to two groups of one `scaled_dot_product_attention` call each:
   prompts computed from their first token (no cached context) attend this step's own K/V, padded to
@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers import kv_int8, native
+from workers.kernels import attention_ops, kernel_library
+from workers.quant import kv_int8
 
 
 @dataclass
@@ -132,7 +133,7 @@ class AttentionMetadata:
     # The sequences verifying drafts (their tokens after the first); set by the model runner
     # (hybrid models: their linear-attention states are kept per token, to take back rejections).
     draft_seqs: list[int] = field(default_factory=list)
-    # The same step through each further KV-cache group's block tables (workers/kv_cache_groups.py).
+    # The same step through each further KV-cache group's block tables (workers/runner/kv_cache_groups.py).
     other_kv_groups: list[AttentionMetadata] = field(default_factory=list)
 
     def for_kv_group(self, group: int) -> AttentionMetadata:
@@ -422,10 +423,10 @@ class Attention(nn.Module):
             self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), False)
         # Built (or loaded) now, while the model is built, rather than in the first request.
         self.has_decode_kernel = (
-            torch.get_default_device().type == "cpu" and native.load() is not None
+            torch.get_default_device().type == "cpu" and kernel_library.load() is not None
         )
         self.kv_cache = torch.empty(0)  # (2, num_blocks, block_size, Hkv, D) once allocated
-        self.kv_slot = 0  # its slot in the model runner's cache (workers/kv_cache_groups.py)
+        self.kv_slot = 0  # its slot in the model runner's cache (workers/runner/kv_cache_groups.py)
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -442,7 +443,7 @@ class Attention(nn.Module):
             and cache.numel() > 0
             and cache.is_cpu
             and cache.dtype in (torch.float32, torch.bfloat16, torch.uint8)
-            and native.supports_decode(
+            and attention_ops.supports_decode(
                 self.num_heads, self.num_kv_heads, self.head_dim, cache.size(2)
             )
         )
@@ -472,7 +473,7 @@ class Attention(nn.Module):
         use_kernel = d is not None and self._uses_decode_kernel
         if use_kernel and d.is_whole_batch and (k.dtype == k_cache.dtype or self._kv_int8):
             # One call writes this step's K/V and attends: the common decode step.
-            return native.paged_decode_attention(
+            return attention_ops.paged_decode_attention(
                 q.contiguous(), k_cache, v_cache, d.block_tables, d.context_lens, self.scale,
                 new_kv=(k, v, meta.slot_mapping), window=self.sliding_window, softcap=self.softcap,
                 sinks=self.sinks,
@@ -487,7 +488,7 @@ class Attention(nn.Module):
         groups = meta.groups
         if use_kernel:
             q_dec = q if d.is_whole_batch else q[d.q_tokens]  # the cache's dtype, as q's
-            o_dec = native.paged_decode_attention(
+            o_dec = attention_ops.paged_decode_attention(
                 q_dec.contiguous(),
                 k_cache,
                 v_cache,

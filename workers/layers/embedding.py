@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.distributed import ParallelContext
-from workers.layers import gguf_blocks, quantization
 from workers.layers.linear import copy_checked, dense_linear, pack_weight
+from workers.quant import gguf_blocks, quantization
 
 
 class VocabParallelEmbedding(nn.Module):

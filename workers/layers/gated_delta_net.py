@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.distributed import ParallelContext, divide
-from workers.layers import native
+from workers.kernels import gated_delta_ops, kernel_library
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import (
     ColumnParallelLinear,
@@ -82,8 +82,10 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = _param((head_v_dim,), None)
         self.eps = eps
-        # Assigned by the model runner: (num_slots, conv_dim, conv_kernel - 1) in the activations'
-        # dtype and (num_slots, v_heads, head_k_dim, head_v_dim) float32.
+        # Allocated with the KV cache (allocate_states): (num_slots, conv_dim, conv_kernel - 1) in
+        # the activations' dtype (the model's default dtype) and (num_slots, v_heads, head_k_dim,
+        # head_v_dim) float32.
+        self.state_dtype = torch.get_default_dtype()
         self.conv_states = torch.empty(0)
         self.recurrent_states = torch.empty(0)
         # The last step's verifying sequences: pool row -> the states after each of its tokens.
@@ -93,6 +95,21 @@ class GatedDeltaNet(nn.Module):
         """Per-sequence shapes of (conv state, recurrent state)."""
         conv = (sum(self.local_sizes), self.conv_kernel - 1)
         return conv, (self.v_heads, self.head_k_dim, self.head_v_dim)
+
+    def allocate_states(self, num_rows: int, num_blocks: int) -> None:
+        """The state pools: `num_rows` rows, zeroed (request_state.RequestStateHolder)."""
+        conv, recurrent = self.state_shapes()
+        device = self.A_log.device
+        self.conv_states = torch.zeros((num_rows, *conv), dtype=self.state_dtype, device=device)
+        self.recurrent_states = torch.zeros(
+            (num_rows, *recurrent), dtype=torch.float32, device=device
+        )
+
+    def free_states(self) -> None:
+        self.conv_states = self.recurrent_states = torch.empty(0)
+
+    def drafted(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.drafted_states.pop(row)
 
     def copy_states(self, src: list[int], dst: list[int]) -> None:
         """States of pool rows `src` into rows `dst` (checkpoints taken and restored)."""
@@ -129,7 +146,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x (T, hidden) of the step's sequences -> (T, hidden); updates their states."""
         if self.recurrent_states.numel() == 0:
-            raise RuntimeError("the recurrent states are not allocated: call init_kv_cache first")
+            raise RuntimeError("the recurrent states are not allocated: call allocate_states first")
         mixed = self.in_proj_qkv(x)  # (T, conv_dim)
         z = self.in_proj_z(x)
         b, a = self.in_proj_b(x), self.in_proj_a(x)  # (T, Hv)
@@ -139,7 +156,7 @@ class GatedDeltaNet(nn.Module):
         decode_only = meta.decode is not None and meta.decode.is_whole_batch and not drafting
         if decode_only and self._uses_kernel(mixed):
             heads = (self.k_heads, self.v_heads, self.head_k_dim, self.head_v_dim)
-            o = native.gated_delta_decode(
+            o = gated_delta_ops.gated_delta_decode(
                 mixed, z, b, a, self.A_log, self.dt_bias, self.conv1d.weight, self.conv_states,
                 self.recurrent_states, slots, meta.fresh_seqs, self.norm.weight, self.eps, heads,
             )  # fmt: skip
@@ -195,7 +212,7 @@ class GatedDeltaNet(nn.Module):
         tensors all in the activations' dtype)."""
         return (
             mixed.is_cpu
-            and native.load() is not None
+            and kernel_library.load() is not None
             and self.conv1d.weight.dtype == self.conv_states.dtype == mixed.dtype
             and self.norm.weight.dtype == self.A_log.dtype == self.dt_bias.dtype == mixed.dtype
         )
@@ -255,7 +272,7 @@ class GatedDeltaNet(nn.Module):
             fresh = [False] * len(now)  # a verifying sequence has computed its prompt
             if kernel:
                 fresh_u8 = torch.zeros(len(now), dtype=torch.uint8)
-                normed.append(native.gated_delta_decode(
+                normed.append(gated_delta_ops.gated_delta_decode(
                     mixed[rows], z[rows], b[rows], a[rows], self.A_log, self.dt_bias,
                     self.conv1d.weight, self.conv_states, self.recurrent_states, rows_slots,
                     fresh_u8, self.norm.weight, self.eps, heads,

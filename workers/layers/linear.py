@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.distributed import ParallelContext, divide, shard_heads
-from workers.layers import gguf_blocks, native, quantization
+from workers.kernels import kernel_library, linear_ops
 from workers.layers.lora import LoraStack
+from workers.quant import gguf_blocks, quantization
 
 # Measured on a 2-core AVX2 EPYC (scripts/bench_quant.py --kernels): below 64 rows tern's float32
 # kernel beats BLAS (about 2x at 8 rows, 1.5x at 32); from 64 rows BLAS is as fast or faster.
@@ -64,17 +65,17 @@ def dense_linear(
     row's result does not depend on the rows beside it."""
     if batch_invariant:
         x = x.contiguous()
-        return native.f32_linear(x.view(-1, x.size(-1)), weight, bias, invariant=True).view(
+        return linear_ops.f32_linear(x.view(-1, x.size(-1)), weight, bias, invariant=True).view(
             *x.shape[:-1], weight.size(0)
         )
     if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.is_cpu:
         return _bf16_stored_linear(x, weight, bias)
     if packed is not None and x.dtype == torch.bfloat16 and x.is_cpu:
         if x.dim() == 2 and x.is_contiguous():  # few rows: the weights streamed at memory speed
-            if x.size(0) <= native.bf16_gemv_max_rows():
-                return native.bf16_gemv(x, weight, bias)
-            if native.amx_fits(x.size(0), weight.size(0), weight.size(1)):
-                return native.bf16_amx_linear(x, weight, bias)
+            if x.size(0) <= linear_ops.bf16_gemv_max_rows():
+                return linear_ops.bf16_gemv(x, weight, bias)
+            if linear_ops.amx_fits(x.size(0), weight.size(0), weight.size(1)):
+                return linear_ops.bf16_amx_linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     if (
         x.dim() == 2
@@ -85,9 +86,9 @@ def dense_linear(
         and x.is_contiguous()
         and weight.is_contiguous()
         and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-        and native.load() is not None
+        and kernel_library.load() is not None
     ):
-        return native.f32_linear(x, weight, bias)
+        return linear_ops.f32_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -103,9 +104,9 @@ def _bf16_stored_linear(
         and x.is_contiguous()
         and weight.is_contiguous()
         and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-        and native.load() is not None
+        and kernel_library.load() is not None
     ):
-        return native.bf16w_linear(x, weight, bias)
+        return linear_ops.bf16w_linear(x, weight, bias)
     return F.linear(x, weight.float(), bias)
 
 
@@ -181,7 +182,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def keep_gguf_blocks(self, block_types: str | list[str], quantize_x: bool = False) -> None:
-        """Store the weight as GGUF blocks (native.BLOCK_TYPES) multiplied as stored (with
+        """Store the weight as GGUF blocks (linear_ops.BLOCK_TYPES) multiplied as stored (with
         `quantize_x`, the activations quantized per block: gguf_blocks.py); before the checkpoint
         loads. One type: (N, row bytes) uint8. One type per shard (`shard_rows`) where they
         differ: a flat parameter of row segments (gguf_blocks.Segment)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.layers import native
+from workers.kernels import elementwise_ops, lora_ops
 
 
 class LoraBatch:
@@ -76,8 +76,8 @@ class LoraStack:
         slots = self.batch.slots
         if slots is None:
             return
-        if native.usable(x, y) and x.dtype == y.dtype and native.lora_add_ready():
-            native.lora_add(x, y, slots, self.a, self.b, self.rank, self.seg_rows)
+        if elementwise_ops.usable(x, y) and x.dtype == y.dtype and lora_ops.lora_add_ready():
+            lora_ops.lora_add(x, y, slots, self.a, self.b, self.rank, self.seg_rows)
             return
         self._add_torch(x, y, slots)
 

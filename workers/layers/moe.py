@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.distributed import ParallelContext, divide
-from workers.layers import native
+from workers.kernels import elementwise_ops, linear_ops
 from workers.layers.activation import GATED_ACTIVATIONS, SiluAndMul
 from workers.layers.linear import (
     MergedColumnParallelLinear,
@@ -281,7 +281,7 @@ class FusedExperts(nn.Module):
                 torch.tensor([pair[i] for pair in pairs], dtype=torch.int64) for i in range(3)
             )
             b2 = self.down_proj_bias if self.adds_down_bias else None
-            return native.f32_moe_experts(
+            return linear_ops.f32_moe_experts(
                 x, tokens, local, weights.flatten()[flat], self.gate_up_proj,
                 self.gate_up_proj_bias, self.down_proj, b2,
             )  # fmt: skip
@@ -296,7 +296,7 @@ class FusedExperts(nn.Module):
             x.dtype == weights.dtype == self.gate_up_proj.dtype == torch.float32
             and isinstance(self.act_fn, SiluAndMul)
             and x.is_contiguous()
-            and native.usable(x)
+            and elementwise_ops.usable(x)
         )
 
     def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:

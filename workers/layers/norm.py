@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from workers.distributed import ParallelContext
-from workers.layers import native
+from workers.kernels import elementwise_ops
 from workers.layers.linear import copy_checked, default_weight_loader
 
 
@@ -64,8 +64,8 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
         kernel_ok = self.is_plain or x.dtype == torch.float32
-        if kernel_ok and native.usable(x, residual) and x.dim() == 2 and _contiguous(x, residual):
-            out, summed = native.rms_norm(x, self.kernel_weight(), self.eps, residual)
+        if kernel_ok and elementwise_ops.usable(x, residual) and x.dim() == 2 and _contiguous(x, residual):
+            out, summed = elementwise_ops.rms_norm(x, self.kernel_weight(), self.eps, residual)
             return out if residual is None else (out, summed)
         if residual is None:
             return self._norm(x)
@@ -95,10 +95,10 @@ class ShardedRMSNorm(nn.Module):
         if (
             self.ctx.tp_size == 1
             and x.dtype == torch.float32
-            and native.usable(x, None)
+            and elementwise_ops.usable(x, None)
             and x.dim() == 2
         ):  # the whole vector here, in float32: RMSNorm's arithmetic, in tern's kernel
-            return native.rms_norm(x.contiguous(), self.weight.float(), self.eps)[0]
+            return elementwise_ops.rms_norm(x.contiguous(), self.weight.float(), self.eps)[0]
         dtype = x.dtype
         x = x.to(torch.float32)
         square_sum = x.pow(2).sum(-1, keepdim=True)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.layers import native
+from workers.kernels import elementwise_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 _NEEDS_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
@@ -184,9 +184,9 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q (T, H, D) and k (T, Hkv, D) by their tokens' positions (T,)."""
-        if native.usable(q, k) and _heads_contiguous(q) and _heads_contiguous(k):
+        if elementwise_ops.usable(q, k) and _heads_contiguous(q) and _heads_contiguous(k):
             # NOTE: in place: q and k are this layer's fresh projections (views of its qkv output).
-            native.rotary_neox_(q, k, positions, self.cos_cache, self.sin_cache, self.interleaved)
+            elementwise_ops.rotary_neox_(q, k, positions, self.cos_cache, self.sin_cache, self.interleaved)
             return q, k
         cos = self.cos_cache[positions].unsqueeze(1)  # (T, 1, R/2)
         sin = self.sin_cache[positions].unsqueeze(1)

@@ -14,7 +14,7 @@ another head on the same DecoderModel: workers/models/pooling.py. Checkpoints re
 tower (`*ForConditionalGeneration`) load their language model (`language_model_name`).
 
 Every softmax-attention layer of these families can take the fused decode path
-(workers/layers/fused_decode.py: norms where the spec puts them, q/k norms, rotation whole, partial,
+(workers/kernels/fused_decode.py: norms where the spec puts them, q/k norms, rotation whole, partial,
 in pairs or none, softcapping, SiLU or GELU-tanh gates, multipliers, output gates); where its
 dtypes or parallel layout rule it out, it says why, and the start-up log shows it.
 
@@ -34,12 +34,11 @@ import torch
 from torch import nn
 
 from workers.distributed import ParallelContext, mlp_shard, shard_heads, stage_layers
-from workers.kv_cache_groups import cache_slots, plan_kv_cache_groups
-from workers.layers import native
+from workers.kernels import elementwise_ops
+from workers.kernels.fused_decode import DecodeLayerSpec, FusedDecodeLayer, FusedDecodeStack
 from workers.layers.activation import GATED_ACTIVATIONS, GeluTanhAndMul
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from workers.layers.fused_decode import DecodeLayerSpec, FusedDecodeLayer, FusedDecodeStack
 from workers.layers.gated_delta_net import GatedDeltaNet
 from workers.layers.linear import (
     MergedColumnParallelLinear,
@@ -50,7 +49,8 @@ from workers.layers.linear import (
 from workers.layers.moe import MoESpec, SparseMoE
 from workers.layers.norm import RMSNorm, ShardedRMSNorm
 from workers.layers.rotary import RopeParams, RotaryEmbedding
-from workers.models.registry import ModelArgs
+from workers.models.args import ModelArgs
+from workers.runner.kv_cache_groups import cache_slots, plan_kv_cache_groups
 
 # The norm slots of a layer, in the order the residual stream meets them.
 NORM_SLOTS = ("input", "attn_out", "pre_mlp", "mlp_out")
@@ -224,8 +224,8 @@ class DecoderAttention(nn.Module):
             q, k = self.rotary_emb(meta.positions, q, k)
         o = self.attn(q, k, v, meta).flatten(1)  # (T, H D)
         if gate is not None:
-            if native.usable(o, gate) and o.is_contiguous():  # the fused layer's arithmetic
-                native.sigmoid_gate_(o, gate)
+            if elementwise_ops.usable(o, gate) and o.is_contiguous():  # the fused layer's arithmetic
+                elementwise_ops.sigmoid_gate_(o, gate)
             else:
                 o = o * torch.sigmoid(gate)
         return self.o_proj(o)
@@ -307,7 +307,7 @@ class DecoderLayer(nn.Module):
             )
             setattr(self, name, norm)
         self.fused_decode = None
-        self.kv_group = 0  # its KV-cache group (workers/kv_cache_groups.py), set by the model
+        self.kv_group = 0  # its KV-cache group (workers/runner/kv_cache_groups.py), set by the model
         if kind.mixer != "attention":
             return
         attn, mlp = self.self_attn, self.mlp
@@ -570,16 +570,6 @@ class DecoderForCausalLM(nn.Module):
         if parts[0] == "lm_head":
             return name if self.ctx.is_last_stage else None
         return name if self.model.holds(name) else None
-
-    def attach_mtp(self) -> None:
-        """Builds the checkpoint's multi-token-prediction head (workers/models/mtp.py) before the
-        weights load, its KV in the slot after this stage's others."""
-        from workers.models.mtp import MultiTokenPredictor
-
-        if not (self.ctx.is_first_stage and self.ctx.is_last_stage):
-            raise ValueError("speculative method mtp is not served with pipeline parallelism")
-        slots = [m.kv_slot for m in self.model.modules() if isinstance(m, Attention)]
-        self.mtp = MultiTokenPredictor(self.args, self.ctx, self.spec, max(slots, default=-1) + 1)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Hidden states of the rows that sample (N, hidden) -> logits (N, vocab); last stage only."""

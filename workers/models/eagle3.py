@@ -1,4 +1,4 @@
-"""An EAGLE-3 draft head (speculative method `eagle3`, workers/head_drafter.py): one decoder layer
+"""An EAGLE-3 draft head (speculative method `eagle3`, workers/spec/head_drafter.py): one decoder layer
 trained on the served model's own hidden states, released as its own checkpoint
 (`LlamaForCausalLMEagle3`: `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`).
 
@@ -34,8 +34,8 @@ from workers.layers.linear import (
 )
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RopeParams, RotaryEmbedding
+from workers.models.args import ModelArgs
 from workers.models.decoder import DecoderMLP
-from workers.models.registry import ModelArgs
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 

@@ -6,8 +6,8 @@ slide in configs written before `layer_types`)."""
 
 from __future__ import annotations
 
+from workers.models.args import ModelArgs
 from workers.models.decoder import DecoderSpec, layer_kinds
-from workers.models.registry import ModelArgs
 
 GEMMA_NORMS = {
     "input": "input_layernorm",

@@ -5,9 +5,9 @@ attention softcapping, five sliding-window layers to one global (`layer_types`, 
 
 from __future__ import annotations
 
+from workers.models.args import ModelArgs
 from workers.models.decoder import DecoderSpec, layer_kinds
 from workers.models.gemma2 import gemma_spec
-from workers.models.registry import ModelArgs
 
 
 def decoder_spec(args: ModelArgs) -> DecoderSpec:

@@ -4,8 +4,8 @@ checkpoints that store gate/up as one `gate_up_proj` (the weight loader splits i
 
 from __future__ import annotations
 
+from workers.models.args import ModelArgs
 from workers.models.decoder import DecoderSpec, layer_kinds
-from workers.models.registry import ModelArgs
 
 
 def decoder_spec(args: ModelArgs) -> DecoderSpec:

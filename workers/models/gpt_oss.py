@@ -8,8 +8,8 @@ checkpoints' experts are MXFP4, dequantized as they load (workers/weight_loader.
 from __future__ import annotations
 
 from workers.layers.moe import MoESpec, num_experts_of
+from workers.models.args import ModelArgs
 from workers.models.decoder import DecoderSpec, layer_kinds
-from workers.models.registry import ModelArgs
 
 
 def decoder_spec(args: ModelArgs) -> DecoderSpec:

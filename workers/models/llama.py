@@ -4,8 +4,8 @@ them (Mistral: every layer; Ministral: by `layer_types`)."""
 
 from __future__ import annotations
 
+from workers.models.args import ModelArgs
 from workers.models.decoder import DecoderSpec, layer_kinds
-from workers.models.registry import ModelArgs
 
 
 def decoder_spec(args: ModelArgs) -> DecoderSpec:

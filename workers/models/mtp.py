@@ -1,5 +1,5 @@
 """A checkpoint's own multi-token-prediction layer (Qwen3.5's and Qwen3.5-MoE's `mtp.*`), the draft
-of speculative decoding's `mtp` method (workers/head_drafter.py).
+of speculative decoding's `mtp` method (workers/spec/head_drafter.py).
 
 Position i of the head takes the served model's final hidden state there, h_i, and the token
 after it, t_{i+1}: both RMS-normed (`pre_fc_norm_hidden`, `pre_fc_norm_embedding`), concatenated
@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from workers.distributed import ParallelContext
-from workers.layers.attention import AttentionMetadata
+from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.linear import ReplicatedLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
-from workers.models.decoder import DecoderLayer, DecoderSpec
-from workers.models.registry import ModelArgs
+from workers.models.args import ModelArgs
+from workers.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderSpec
 
 
 def num_mtp_layers(args: ModelArgs) -> int:
@@ -70,3 +70,12 @@ class MultiTokenPredictor(nn.Module):
         x, residual = self.layers[0](self.fc(x), None, meta)
         x, _ = self.norm(x, residual)
         return x, x
+
+
+def attach_mtp(model: DecoderForCausalLM) -> None:
+    """Builds the checkpoint's multi-token-prediction head onto `model` (as `model.mtp`) before the
+    weights load, its KV in the slot after this stage's others."""
+    if not (model.ctx.is_first_stage and model.ctx.is_last_stage):
+        raise ValueError("speculative method mtp is not served with pipeline parallelism")
+    slots = [m.kv_slot for m in model.model.modules() if isinstance(m, Attention)]
+    model.mtp = MultiTokenPredictor(model.args, model.ctx, model.spec, max(slots, default=-1) + 1)

@@ -4,8 +4,8 @@ multiplying its weight in float32 before the cast back."""
 
 from __future__ import annotations
 
+from workers.models.args import ModelArgs
 from workers.models.decoder import DecoderSpec, layer_kinds
-from workers.models.registry import ModelArgs
 
 
 def decoder_spec(args: ModelArgs) -> DecoderSpec:

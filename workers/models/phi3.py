@@ -5,8 +5,8 @@ max_position_embeddings, a sliding window on every layer."""
 
 from __future__ import annotations
 
+from workers.models.args import ModelArgs
 from workers.models.decoder import DecoderSpec, layer_kinds
-from workers.models.registry import ModelArgs
 
 
 def decoder_spec(args: ModelArgs) -> DecoderSpec:

@@ -25,8 +25,8 @@ from torch import nn
 from workers.distributed import ParallelContext
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from workers.models.args import ModelArgs
 from workers.models.decoder import DecoderModel, DecoderSpec, language_model_name
-from workers.models.registry import ModelArgs
 
 _BARE_DECODER_PREFIXES = ("layers", "embed_tokens", "norm")
 

@@ -5,8 +5,8 @@ sigmoid(shared_expert_gate(x))."""
 from __future__ import annotations
 
 from workers.models import qwen2, qwen3_moe
+from workers.models.args import ModelArgs
 from workers.models.decoder import DecoderSpec
-from workers.models.registry import ModelArgs
 
 
 def decoder_spec(args: ModelArgs) -> DecoderSpec:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from workers.models import llama
+from workers.models.args import ModelArgs
 from workers.models.decoder import DecoderSpec
-from workers.models.registry import ModelArgs
 
 
 def decoder_spec(args: ModelArgs) -> DecoderSpec:

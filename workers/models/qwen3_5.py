@@ -8,8 +8,8 @@ head; every norm multiplies by 1 + weight. Text-only positions make Qwen3.5's mu
 
 from __future__ import annotations
 
+from workers.models.args import ModelArgs
 from workers.models.decoder import DecoderSpec, layer_kinds
-from workers.models.registry import ModelArgs
 
 
 def decoder_spec(args: ModelArgs) -> DecoderSpec:

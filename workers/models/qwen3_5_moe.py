@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from workers.layers.moe import MoESpec, num_experts_of
 from workers.models import qwen3_5
+from workers.models.args import ModelArgs
 from workers.models.decoder import DecoderSpec
-from workers.models.registry import ModelArgs
 
 
 def decoder_spec(args: ModelArgs) -> DecoderSpec:

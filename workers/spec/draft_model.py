@@ -15,7 +15,7 @@ where the two models agree the coupled noise picks the same token; greedy reques
 argmax. A request whose prefix came from the cache starts its draft KV after it: those blocks'
 draft rows were written when the blocks were first computed (one left stale, the last draft of a
 request that ended, costs acceptance only). Whatever the draft proposes, the served model's
-verification keeps only what plain decoding would have produced (workers/speculative.py): a stale
+verification keeps only what plain decoding would have produced (workers/spec/verification.py): a stale
 or poor draft costs speed, never correctness. Every rank runs the same draft steps and gets the same logits (the LM head's
 all-gather), so the ranks agree on the drafts without a word exchanged.
 """
@@ -33,9 +33,10 @@ from workers.layers.embedding import ParallelLMHead
 from workers.layers.gated_delta_net import GatedDeltaNet
 from workers.layers.linear import LinearBase
 from workers.layers.norm import RMSNorm
-from workers.layers.sampler import Sampler
-from workers.models.registry import ModelArgs, build_model, load_model_args
-from workers.speculative import draft_step_inputs, sample_drafts
+from workers.models.args import ModelArgs, load_model_args
+from workers.models.registry import build_model
+from workers.sample.sampler import Sampler
+from workers.spec.drafter import draft_step_inputs, sample_drafts
 from workers.weight_loader import load_checkpoint
 
 
@@ -112,7 +113,8 @@ class DraftModel:
             * len(self.attn_layers)
         )
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def allocate_states(self, num_rows: int, num_blocks: int) -> None:
+        """Its own KV of `num_blocks` blocks (request_state.RequestStateHolder)."""
         shape = (len(self.attn_layers), 2, num_blocks, self.block_size, self._kv_heads(),
                  self.args.head_dim)  # fmt: skip
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -120,11 +122,28 @@ class DraftModel:
             layer.kv_cache = self.kv_cache[i]
         self._states.clear()
 
-    def release_kv_cache(self) -> None:
+    def copy_states(self, src: list[int], dst: list[int]) -> None:
+        """Nothing to copy: its KV follows the served model's block tables."""
+
+    def drafted(self, row: int) -> None:
+        return None
+
+    def take_back(self, row: int, states: object, kept: int) -> None:
+        """Nothing to take back: a rejected draft's KV is written over."""
+
+    def free_states(self) -> None:
         for layer in self.attn_layers:
             layer.kv_cache = torch.empty(0)
         self.kv_cache = None
         self._states.clear()
+
+    def record(
+        self, reqs: list[ScheduledRequest], features: torch.Tensor | None, starts: list[int]
+    ) -> None:
+        """Nothing: it catches up from the requests' tokens when it proposes."""
+
+    def own_weights(self) -> torch.nn.Module:
+        return self.model
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)

@@ -12,7 +12,7 @@ Order and meaning follow vLLM, whose definitions are Hugging Face's and OpenAI's
 5. frequency and presence penalties, as OpenAI's, over output tokens only:
    logits[t] -= frequency * count[t] + presence * (count[t] > 0).
 Logprobs see all of this only with --logprobs-mode processed_logprobs; by default they are
-taken from the raw logits (workers/layers/logprobs.py).
+taken from the raw logits (workers/sample/logprobs.py).
 
 The penalties need each request's tokens. The worker computes all of them except those the prefix
 cache served, which the engine core sends with the request's state (ScheduledRequest.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from enginecore.messages import SamplingParams
-from workers.layers import native
+from workers.kernels import sampling_ops
 
 
 class TokenHistory:
@@ -206,7 +206,7 @@ def packed_bitmask(rows: list[bytes], vocab_size: int, device: torch.device) -> 
 
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """-inf, in place, for the tokens the grammar forbids: bitmask[i] is logits[rows[i]]'s."""
-    if logits.is_cpu and native.apply_token_bitmask(logits, bitmask, rows):
+    if logits.is_cpu and sampling_ops.apply_token_bitmask(logits, bitmask, rows):
         return  # NOTE: 10x faster than a (rows, vocab) bool mask: whole words at a time
     words = bitmask.to(logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)

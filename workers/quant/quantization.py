@@ -10,7 +10,7 @@ ceil(4N / K) rows hold the N float32 scales' bytes and whose last N rows hold th
 NOTE: weight and scales share a parameter on purpose: whatever treats parameters generically
 (the rollback snapshot of a weight update, sleep and wake-up) keeps them together.
 
-Matmul backends (`int8_backend`): tern's native kernel (native.py) on CPUs with it, torch's
+Matmul backends (`int8_backend`): tern's native kernel (linear_ops.py) on CPUs with it, torch's
 `_weight_int8pack_mm` on AVX-512 CPUs without it, else dequantize-then-matmul; batches of at least
 `DEQUANT_MIN_ROWS` rows always dequantize and use the float GEMM, which wins at that size.
 """
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers import native
+from workers.kernels import kernel_library, linear_ops
 
 QUANTIZATIONS = ("int8",)
 # From scripts/bench_quant.py --kernels on a 2-core AVX2 EPYC: up to 128 rows the native int8
@@ -96,7 +96,7 @@ def int8_backend(x: torch.Tensor) -> str:
     """ "native", "torch" (aten._weight_int8pack_mm) or "dequant" for small batches of x's device."""
     if not x.is_cpu:
         return "dequant"
-    if native.load() is not None:
+    if kernel_library.load() is not None:
         return "native"
     return "torch" if _cpu_has_avx512() else "dequant"
 
@@ -111,7 +111,7 @@ def int8_matmul(
     """x (..., K) @ (weight (N, K) int8 * scale (N,)).T + bias -> (..., N) in x's dtype."""
     if backend == "dequant" or x.numel() >= DEQUANT_MIN_ROWS * x.size(-1):
         if backend == "native":
-            w = native.int8_dequantize(weight, scale).to(x.dtype)
+            w = linear_ops.int8_dequantize(weight, scale).to(x.dtype)
         else:
             w = (weight.to(torch.float32) * scale[:, None]).to(x.dtype)
         return F.linear(x, w, bias)
@@ -122,12 +122,12 @@ def int8_matmul(
         and (bias is None or bias.dtype == x.dtype)
     )
     if backend == "native" and is_plain:
-        return native.int8_linear(x, weight, scale, bias)  # the decode hot path: no copies
+        return linear_ops.int8_linear(x, weight, scale, bias)  # the decode hot path: no copies
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.size(-1))
     if backend == "native":
         b = bias.float().contiguous() if bias is not None else None
-        y = native.int8_linear(x2.float().contiguous(), weight, scale, b)
+        y = linear_ops.int8_linear(x2.float().contiguous(), weight, scale, b)
     elif backend == "torch":
         y = torch.ops.aten._weight_int8pack_mm(x2.float().contiguous(), weight, scale)
         if bias is not None:

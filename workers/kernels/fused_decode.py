@@ -42,13 +42,15 @@ from typing import Protocol
 
 import torch
 
-from workers.layers import gguf_blocks, native
+from workers.kernels import kernel_library, linear_ops
+from workers.kernels.kernel_library import TernDecodeLayer, TernDecodeStep, TernLinear
 from workers.layers.attention import Attention, AttentionMetadata
-from workers.layers.kernel_library import TernDecodeLayer, TernDecodeStep, TernLinear
 from workers.layers.linear import NATIVE_F32_MAX_ROWS, LinearBase
 from workers.layers.lora import LoraBatch
+from workers.layers.moe import SparseMoE
 from workers.layers.norm import RMSNorm, ShardedRMSNorm
 from workers.layers.rotary import RotaryEmbedding
+from workers.quant import gguf_blocks
 
 # TernLinear.weight_format (csrc/tern_kernels.h): bfloat16-stored, GGUF blocks multiplied exactly
 # or with quantized activations (+ the block type).
@@ -86,7 +88,7 @@ def max_rows(dtype: torch.dtype) -> int:
     """Rows of the largest decode step the fused layer takes in activations of `dtype`."""
     if dtype == torch.float32:
         return NATIVE_F32_MAX_ROWS
-    return max(native.bf16_gemv_max_rows(), native.bf16_amx_max_rows())
+    return max(linear_ops.bf16_gemv_max_rows(), linear_ops.bf16_amx_max_rows())
 
 
 def _scratch_widths(fixed: TernDecodeLayer) -> tuple[int, ...]:
@@ -303,7 +305,7 @@ class FusedDecodeStack:
 
 def _entry(name: str, dtype: torch.dtype) -> Callable[..., int]:
     """The native entry `name` for activations of `dtype`."""
-    return getattr(native.load(), f"{name}_{'bf16' if dtype == torch.bfloat16 else 'f32'}")
+    return getattr(kernel_library.load(), f"{name}_{'bf16' if dtype == torch.bfloat16 else 'f32'}")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -364,7 +366,7 @@ def _linear(
         return _segmented(lin, bias)
     if lin.quant == "gguf" and dtype == torch.float32 and w.is_contiguous():
         base = WEIGHT_GGUF_Q8ACT if lin.gguf_quantize_x else WEIGHT_GGUF
-        fmt = base + native.BLOCK_TYPES[lin.block_type][0]
+        fmt = base + linear_ops.BLOCK_TYPES[lin.block_type][0]
         struct = TernLinear(w.data_ptr(), None, bias_ptr, w.size(0), lin.input_size, fmt)
         struct.packed = _packed_ptr(lin, 0)
         return struct
@@ -376,14 +378,14 @@ def _linear(
     if dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or lin.packed_weight is None:
         return None
     rows = max_rows(dtype)
-    if rows > native.bf16_gemv_max_rows() and not native.amx_fits(rows, w.size(0), w.size(1)):
+    if rows > linear_ops.bf16_gemv_max_rows() and not linear_ops.amx_fits(rows, w.size(0), w.size(1)):
         return None  # dense_linear would take oneDNN for some row counts
     return TernLinear(w.data_ptr(), None, bias_ptr, w.size(0), w.size(1), 0)
 
 
 def _add_lora(struct: TernLinear, lin: LinearBase) -> bool:
     """Let `struct` add lin's LoRA adapters after its product (after every segment's); False
-    where native.lora_add would refuse the stack (the module path then says why)."""
+    where lora_ops.lora_add would refuse the stack (the module path then says why)."""
     lora = lin.lora
     a, b, seg_rows = lora.a, lora.b, lora.seg_rows
     if not all(t.is_cpu and t.is_contiguous() for t in (a, b, seg_rows)):
@@ -409,7 +411,7 @@ def _segmented(lin: LinearBase, bias: torch.Tensor | None) -> TernLinear:
     for i, seg in enumerate(lin.gguf_segments):
         rows = gguf_blocks.segment_rows(lin.weight, seg, lin.input_size)
         seg_bias = bias[seg.row_start :].data_ptr() if bias is not None else None
-        fmt = base + native.BLOCK_TYPES[seg.block_type][0]
+        fmt = base + linear_ops.BLOCK_TYPES[seg.block_type][0]
         segments.append(TernLinear(rows.data_ptr(), None, seg_bias, seg.rows, lin.input_size, fmt))
         segments[-1].packed = _packed_ptr(lin, i)
     for seg, nxt in zip(segments, segments[1:]):
@@ -473,14 +475,14 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
     ctx = spec.qkv.ctx
     dtype = spec.qkv.dtype  # the activations'
     cache_dtype = a.kv_cache.dtype  # theirs, or int8 rows (uint8)
-    if native.load() is None:
+    if kernel_library.load() is None:
         return None, "the kernels are off"
     if not a.uses_decode_kernel or dtype not in (torch.float32, torch.bfloat16):
         return None, f"the activations are {dtype} or the KV cache not on tern's decode kernel"
     if cache_dtype not in (dtype, torch.uint8):
         return None, f"a {cache_dtype} KV cache under {dtype} activations"
-    if dtype == torch.bfloat16 and native.bf16_gemv_max_rows() == 0:
-        return None, f"the {native.active_tier_name()} kernels have no AVX512-BF16 few-row linear"
+    if dtype == torch.bfloat16 and linear_ops.bf16_gemv_max_rows() == 0:
+        return None, f"the {kernel_library.active_tier_name()} kernels have no AVX512-BF16 few-row linear"
     if ctx.tp_size > 1 and (
         ctx.tp_shm is None
         or max_rows(dtype) * spec.o.weight.size(0) * dtype.itemsize > ctx.tp_shm.slot_bytes
@@ -528,3 +530,20 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
     # NOTE: the struct copies each linear's head; their segments' structs must outlive it.
     layer._segments = [getattr(lin, "_segments", None) for lin in linears]
     return layer, ""
+
+
+def kernel_report(model: torch.nn.Module, device: torch.device) -> str:
+    """Which CPU kernels this worker runs and whether its decoder layers run fused, for the
+    start-up log (once the KV cache is allocated: the fused path depends on it)."""
+    if device.type != "cpu":
+        return "kernels: not used on " + device.type
+    fused = fused_layers(model)
+    reasons = {r for r in (f.off_reason() for f in fused)}
+    moe = any(isinstance(m, SparseMoE) for m in model.modules())
+    if not fused:
+        state = "off, reason: this model has no softmax-attention decoder layers"
+    elif reasons == {None}:
+        state = "on" + (" (then each layer's experts, grouped by expert)" if moe else "")
+    else:
+        state = "off, reason: " + "; ".join(sorted(r for r in reasons if r is not None))
+    return f"{kernel_library.describe()}, fused decode layer: {state}"

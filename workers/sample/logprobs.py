@@ -3,7 +3,7 @@ one, or the prompt's next token) with its rank, plus the k most likely tokens.
 
 Which distribution they describe is --logprobs-mode's (vLLM's names): "raw_logprobs", the default,
 is the log_softmax of the raw logits (before the grammar, logit bias, penalties and temperature);
-"processed_logprobs" is the distribution the sampler drew from (workers/layers/sampler.py computes
+"processed_logprobs" is the distribution the sampler drew from (workers/sample/sampler.py computes
 it), so that a trainer gets log p(token) under the behaviour policy. Prompt logprobs are always raw:
 prompt tokens are not sampled (vLLM says the same of its modes).
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from enginecore.messages import Logprobs, PromptLogprobs, SamplingParams, ScheduledRequest
-from workers.layers.logits_processors import TokenHistory
+from workers.sample.logits_processors import TokenHistory
 
 # Prompt rows through the LM head at a time: 256 x a 150K vocabulary is ~150 MB of float32.
 _PROMPT_ROWS_PER_SLICE = 256

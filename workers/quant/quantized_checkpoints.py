@@ -18,7 +18,7 @@ value is scale * (q - zero). The layouts (config.json's `quantization_config`):
 - compressed-tensors "pack-quantized" (llm-compressor's W4A16): weight_packed (N, K / 8) packed
   along K, each value stored as q + 8 (symmetric int4), weight_scale (N, K / G); every value
   scale * (stored - 8). Asymmetric int4 is refused.
-Each layer becomes INT4_ZP blocks (workers/layers/int4_blocks.py: a group of 128 is four blocks
+Each layer becomes INT4_ZP blocks (workers/quant/int4_blocks.py: a group of 128 is four blocks
 with its scale and zero) that the block kernels multiply as stored; the rest of the checkpoint
 (embeddings, norms, an unquantized LM head) loads as it is.
 - compressed-tensors "int-quantized" int8 weights (W8A8, W8A16: weight (N, K) int8, weight_scale
@@ -42,8 +42,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workers.layers import int4_blocks
-from workers.layers.gguf_blocks import GGUFBlocks
+from workers.quant import int4_blocks
+from workers.quant.gguf_blocks import GGUFBlocks
 
 logger = logging.getLogger(__name__)
 

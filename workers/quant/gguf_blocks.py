@@ -1,6 +1,6 @@
 """Block-quantized weights kept as they are stored: GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32
 values) and Q4_K, Q5_K, Q6_K (super-blocks of 256), and tern's INT4_ZP (int4_blocks.py: GPTQ,
-AWQ, --quantization int4): native.BLOCK_TYPES.
+AWQ, --quantization int4): linear_ops.BLOCK_TYPES.
 
 A linear layer that keeps them (`LinearBase.keep_gguf_blocks`) holds its rows' blocks as one uint8
 parameter (N, K / block values * block bytes); tensor parallelism shards rows, or columns at block
@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers import int4_blocks, kquants, native
+from workers.kernels import kernel_library, linear_ops
+from workers.quant import int4_blocks, kquants
 
 # Rows from which a product dequantizes the whole weight and calls torch's GEMM, per kernel tier:
 # below, the kernels' tiles (dequantized into L1, register-blocked) win (measured on 2048 x 2048
@@ -49,12 +50,12 @@ BF16_MIN_ROWS = 384
 
 
 def dequant_min_rows() -> int:
-    return DEQUANT_MIN_ROWS.get(native.active_tier_name(), DEQUANT_MIN_ROWS_WIDER)
+    return DEQUANT_MIN_ROWS.get(kernel_library.active_tier_name(), DEQUANT_MIN_ROWS_WIDER)
 
 
 def block_values(block_type: str) -> int:
     """Values per block (or K-quant super-block) of `block_type`."""
-    return native.BLOCK_TYPES[block_type][1]
+    return linear_ops.BLOCK_TYPES[block_type][1]
 
 
 class GGUFBlocks:
@@ -95,8 +96,8 @@ class GGUFBlocks:
         if start % values or length % values or self.input_perm is not None:
             # not at block boundaries, or columns permuted: the values themselves
             return self.materialize().narrow(1, start, length)
-        start_byte = native.gguf_row_bytes(self.block_type, start)
-        cols = self.blocks.narrow(1, start_byte, native.gguf_row_bytes(self.block_type, length))
+        start_byte = linear_ops.gguf_row_bytes(self.block_type, start)
+        cols = self.blocks.narrow(1, start_byte, linear_ops.gguf_row_bytes(self.block_type, length))
         return GGUFBlocks(cols, self.block_type, length)
 
     def materialize(self) -> torch.Tensor:
@@ -112,7 +113,7 @@ class GGUFBlocks:
 def new_parameter(rows: int, cols: int, block_type: str) -> nn.Parameter:
     """A zeroed (rows, row bytes) uint8 parameter: the blocks of a (rows, cols) weight (zero
     blocks dequantize to zeros)."""
-    nbytes = native.gguf_row_bytes(block_type, cols)
+    nbytes = linear_ops.gguf_row_bytes(block_type, cols)
     return nn.Parameter(torch.zeros(rows, nbytes, dtype=torch.uint8), requires_grad=False)
 
 
@@ -134,20 +135,20 @@ def segments_of(row_counts: list[int], block_types: list[str], cols: int) -> lis
     for rows, block_type in zip(row_counts, block_types, strict=True):
         segments.append(Segment(row, rows, block_type, byte))
         row += rows
-        byte += rows * native.gguf_row_bytes(block_type, cols)
+        byte += rows * linear_ops.gguf_row_bytes(block_type, cols)
     return segments
 
 
 def new_segmented_parameter(segments: list[Segment], cols: int) -> nn.Parameter:
     """A zeroed flat uint8 parameter holding every segment's rows of blocks."""
     last = segments[-1]
-    nbytes = last.byte_start + last.rows * native.gguf_row_bytes(last.block_type, cols)
+    nbytes = last.byte_start + last.rows * linear_ops.gguf_row_bytes(last.block_type, cols)
     return nn.Parameter(torch.zeros(nbytes, dtype=torch.uint8), requires_grad=False)
 
 
 def segment_rows(flat: torch.Tensor, segment: Segment, cols: int) -> torch.Tensor:
     """The (rows, row bytes) view of one segment in a segmented parameter."""
-    row_bytes = native.gguf_row_bytes(segment.block_type, cols)
+    row_bytes = linear_ops.gguf_row_bytes(segment.block_type, cols)
     return flat.narrow(0, segment.byte_start, segment.rows * row_bytes).view(-1, row_bytes)
 
 
@@ -179,8 +180,8 @@ def _qtype(block_type: str):
 
 def dequantize(blocks: torch.Tensor, block_type: str, cols: int) -> torch.Tensor:
     """(N, row bytes) uint8 -> the (N, K) float32 weight, as the gguf package computes it."""
-    if blocks.is_cpu and native.load() is not None:
-        return native.gguf_dequantize(blocks, block_type, cols)
+    if blocks.is_cpu and kernel_library.load() is not None:
+        return linear_ops.gguf_dequantize(blocks, block_type, cols)
     import gguf
 
     if block_type == "INT4_ZP":
@@ -220,9 +221,9 @@ def repack_x8(blocks: torch.Tensor, block_type: str, cols: int) -> torch.Tensor 
     """The blocks' rows repacked in groups of 8 for the quantized-activation products of a few
     rows (csrc/linear_gguf.c: ~3x faster at one row), or None where the kernels cannot read them
     (off, not on the CPU, or the weight discarded by sleep)."""
-    if not blocks.is_cpu or blocks.numel() == 0 or native.load() is None:
+    if not blocks.is_cpu or blocks.numel() == 0 or kernel_library.load() is None:
         return None
-    return native.gguf_repack_x8(blocks, block_type, cols)
+    return linear_ops.gguf_repack_x8(blocks, block_type, cols)
 
 
 def repack_layer(
@@ -250,11 +251,11 @@ def linear(
     arithmetic from 32 rows bfloat16 products."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cols)
-    native_ok = x.is_cpu and native.load() is not None
+    native_ok = x.is_cpu and kernel_library.load() is not None
     # The fast path: the kernels at any number of rows (integer products from the repacked rows;
     # bfloat16 tiles from 32 rows where the tier has them), but torch's bfloat16 GEMM for long
     # prefills on those tiers; a build without AVX2 (baseline) takes the float32 products.
-    tier = native.active_tier_name() if quantize_x and native_ok else None
+    tier = kernel_library.active_tier_name() if quantize_x and native_ok else None
     kernels_at_any_rows = packed is not None and tier not in (None, "baseline")
     if tier in BF16_TIERS and x2.size(0) >= BF16_MIN_ROWS:
         w = dequantize(blocks, block_type, cols).to(torch.bfloat16)
@@ -265,5 +266,5 @@ def linear(
         y = F.linear(x2.float(), w, None if bias is None else bias.float())
     else:
         b = None if bias is None else bias.float().contiguous()
-        y = native.gguf_linear(x2.float().contiguous(), blocks, block_type, b, quantize_x, packed)
+        y = linear_ops.gguf_linear(x2.float().contiguous(), blocks, block_type, b, quantize_x, packed)
     return y.to(x.dtype).view(*lead, -1)

@@ -6,7 +6,7 @@ in that file. llama.cpp's tensor names (`blk.N.attn_q.weight`, ...) map to Huggi
 transformers' own GGUF tables (the names of a meta-device Hugging Face model of the same config),
 and its per-architecture processors undo what llama.cpp's converter did (Llama's q/k rotary
 permutation, Gemma's norm offset, MoE experts stacked as `ffn_*_exps`). The block types tern's
-kernels multiply as stored (Q8_0, Q4_0, Q4_1: workers/layers/gguf_blocks.py) arrive as their rows
+kernels multiply as stored (Q8_0, Q4_0, Q4_1: workers/quant/gguf_blocks.py) arrive as their rows
 of blocks for the linear layers that keep them; every other block type is dequantized to float32
 by the `gguf` package as its tensor is read, with one log line naming the types.
 """
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from enginecore.config import GGUF_SOURCE_FILE
-from workers.layers.gguf_blocks import GGUFBlocks
-from workers.layers.native import BLOCK_TYPES
+from workers.kernels.linear_ops import BLOCK_TYPES
+from workers.quant.gguf_blocks import GGUFBlocks
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from enginecore.messages import SamplingParams
-from workers.layers import native
-from workers.layers.logits_processors import (
+from workers.kernels import sampling_ops
+from workers.sample.logits_processors import (
     LogitsProcessorTensors,
     TokenHistory,
     apply_logits_processors,
@@ -159,7 +159,7 @@ def row_key(seed: int, sample_index: int) -> int:
 
 def exponential_noise(row_keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Exp(1) noise (N, K) float32 for token ids (N, K) or (K,): a pure function of (row key, id)."""
-    u = native.exponential_uniforms(row_keys, token_ids)  # the same bits, ~30x faster
+    u = sampling_ops.exponential_uniforms(row_keys, token_ids)  # the same bits, ~30x faster
     if u is None:
         h = mix32(row_keys[:, None] ^ mix32(token_ids + 0x632BE5AB))
         # 24 bits fit a float32 exactly; +0.5 keeps u above 0.

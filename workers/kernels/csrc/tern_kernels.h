@@ -1,12 +1,12 @@
-/* tern's CPU kernels: the one contract between the C sources and workers/layers/native.py.
+/* tern's CPU kernels: the one contract between the C sources and the bindings (workers/kernels/).
  *
  * Every exported function is declared between TERN_EXPORTS_BEGIN and TERN_EXPORTS_END, one
- * declaration per statement; native.py reads that block to declare the functions' ctypes
+ * declaration per statement; kernel_library.py reads that block to declare the functions' ctypes
  * signatures (void, int, int64_t, float, double and pointers only), so a prototype changed here
  * is a signature changed there. The structs the fused decode layer takes are mirrored by ctypes
- * Structures whose sizes native.py checks against tern_struct_sizes() at load.
+ * Structures whose sizes kernel_library.py checks against tern_struct_sizes() at load.
  *
- * The sources are compiled once per instruction-set tier (native.py: baseline, avx2, avx512,
+ * The sources are compiled once per instruction-set tier (kernel_library.py: baseline, avx2, avx512,
  * avx512_bf16, amx); each file keeps its tiers side by side behind the helpers of simd.h, and a
  * build without an instruction still exports every function (returning "unavailable" where the
  * kernel needs it). Threads: OpenMP, the runtime torch already loaded, so torch.set_num_threads

@@ -20,13 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-import msgspec
 import torch
 
-from enginecore.messages import SamplingParams, ScheduledRequest
-from workers.layers.attention import AttentionMetadata, build_attention_metadata
-from workers.layers.logits_processors import DraftedHistory, TokenHistory
-from workers.layers.sampler import Sampler, SamplingTensors
+from enginecore.messages import ScheduledRequest
+from workers.sample.logits_processors import DraftedHistory, TokenHistory
 
 T = TypeVar("T")
 
@@ -93,43 +90,3 @@ class SampleRows:
             spans.append((lo, lo + a + 1))
             lo += len(drafts) + 1
         return spans
-
-
-def sample_drafts(
-    sampler: Sampler,
-    logits: torch.Tensor,
-    reqs: Sequence[ScheduledRequest],
-    params: Sequence[SamplingParams],
-    j: int,
-) -> list[int]:
-    """A model draft (workers/draft_model.py, workers/head_drafter.py) for output index
-    sample_index + j of each request, from the draft's logits (N, vocab) float32: sampled as the
-    served model will sample that position (its seed's noise, temperature, top-k/p, min-p, logit
-    bias, min_tokens; penalties left out), so that where the two agree the same token is drawn
-    and the draft is kept; greedy requests take the argmax."""
-    plain = [
-        msgspec.structs.replace(p, repetition_penalty=1.0, frequency_penalty=0.0,
-                                presence_penalty=0.0)
-        for p in params
-    ]  # fmt: skip
-    tensors = SamplingTensors.from_params(
-        plain, [r.sample_index + j for r in reqs], logits.size(-1), logits.device
-    )
-    return sampler(logits, tensors).tolist()
-
-
-def draft_step_inputs(
-    starts: list[int],
-    chunks: list[list[int]],
-    tables: list[list[int]],
-    block_size: int,
-    device: torch.device,
-) -> tuple[torch.Tensor, AttentionMetadata]:
-    """A drafter's forward over `chunks` (token ids from positions `starts`, through the served
-    model's block tables) -> (ids, attention metadata); short chunks attend as decode rows."""
-    meta = build_attention_metadata(
-        starts, [len(c) for c in chunks], tables, block_size, device,
-        decode_rows=[len(c) <= 16 for c in chunks],
-    )  # fmt: skip
-    ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=device)
-    return ids, meta

@@ -12,7 +12,7 @@ the next step, before the served model runs (`propose`):
 2. its output at the last of them guesses the token after the one this step computes: the first
    draft. Each further draft feeds the previous draft with the head's own output in place of the
    served model's features, one position on.
-Drafts are sampled as the served model samples (workers/speculative.py `sample_drafts`); every
+Drafts are sampled as the served model samples (workers/spec/verification.py `sample_drafts`); every
 rank of a tensor-parallel group runs the same head steps on the same all-reduced features and so
 drafts the same tokens. A request whose prefix came from the cache finds the head's KV there as
 the prefix's first request left it (the position before a block boundary may hold another
@@ -30,8 +30,8 @@ from torch import nn
 
 from enginecore.messages import SamplingParams, ScheduledRequest
 from workers.layers.attention import Attention
-from workers.layers.sampler import Sampler
-from workers.speculative import draft_step_inputs, sample_drafts
+from workers.sample.sampler import Sampler
+from workers.spec.drafter import draft_step_inputs, sample_drafts
 
 
 @dataclass
@@ -75,26 +75,40 @@ class HeadDrafter:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.block_size * a.num_kv_heads * a.head_dim * elem
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def allocate_states(self, num_rows: int, num_blocks: int) -> None:
+        """Its own KV of `num_blocks` blocks (request_state.RequestStateHolder)."""
         self._computed.clear()
         if self.own_kv is not None:
             a = self.own_kv
             shape = (2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
             a.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-    def release_kv_cache(self) -> None:
+    def copy_states(self, src: list[int], dst: list[int]) -> None:
+        """Nothing to copy: its KV follows the served model's block tables."""
+
+    def drafted(self, row: int) -> None:
+        return None
+
+    def take_back(self, row: int, states: object, kept: int) -> None:
+        """Nothing to take back: a rejected draft's KV is written over."""
+
+    def free_states(self) -> None:
         self._computed.clear()
         if self.own_kv is not None:
             self.own_kv.kv_cache = torch.empty(0)
+
+    def own_weights(self) -> torch.nn.Module | None:
+        return self.head if self.own_kv is not None else None
 
     def forget(self, request_id: str) -> None:
         self._computed.pop(request_id, None)
 
     def record(
-        self, reqs: list[ScheduledRequest], features: torch.Tensor, starts: list[int]
+        self, reqs: list[ScheduledRequest], features: torch.Tensor | None, starts: list[int]
     ) -> None:
         """The served model's features (T, features) of the step; `starts`: each request's first
         row in them (query_start_loc)."""
+        assert features is not None, "a head drafts from the served model's features"
         for i, r in enumerate(reqs):
             rows = features[starts[i] : starts[i + 1]]
             self._computed[r.req_id] = _Computed(r.start_pos, r.token_ids, rows)
