@@ -77,7 +77,7 @@ class WorkerFailed(RuntimeError):
 class Executor(Protocol):
     num_kv_blocks: int
     max_model_len: int
-    kv_cache_windows: list[int | None]  # per KV-cache group (workers/runner/kv_cache_groups.py)
+    kv_cache_windows: list[int | None]  # per KV-cache group (workers/models/kv_cache_groups.py)
     # Hybrid models with prefix caching: linear-attention state checkpoints, and every how many
     # tokens they are taken (enginecore/state_checkpoints.py); 0 when there are none.
     num_state_checkpoints: int

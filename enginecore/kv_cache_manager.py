@@ -28,7 +28,7 @@ def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
 
 class KVCacheManager:
     """Block tables of the running requests, one per KV-cache group of the model
-    (workers/runner/kv_cache_groups.py): a group of sliding-window layers gives its blocks back to the
+    (workers/models/kv_cache_groups.py): a group of sliding-window layers gives its blocks back to the
     pool once no query can see them any more, so its share of a long request stays bounded by
     the window. Positions whose block went back read as None here and block 0 on the workers:
     window masks keep every query off them.

@@ -338,7 +338,7 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # worker never computes, and how many of them are the prompt.
     history_token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
-    # Models whose attention layers form several KV-cache groups (workers/runner/kv_cache_groups.py): the
+    # Models whose attention layers form several KV-cache groups (workers/models/kv_cache_groups.py): the
     # blocks appended to each further group's table.
     other_group_block_ids: list[list[int]] = []
     # With sampling_params, on hybrid models: the request's row in the linear-attention state pools.

@@ -1,4 +1,4 @@
-"""KV-cache groups (workers/runner/kv_cache_groups.py) and the scheduler's sliding-window block release.
+"""KV-cache groups (workers/models/kv_cache_groups.py) and the scheduler's sliding-window block release.
 
 `WindowedToyModel` is test_scheduler's paged toy model with one block table per KV-cache group: every
 group stores every token, and the next token is derived from what each group *reads back* from its
@@ -20,7 +20,7 @@ from enginecore.messages import ModelRunnerOutput, SamplingParams, SchedulerOutp
 from enginecore.request import Request
 from enginecore.scheduler import Scheduler
 from tests.unit.test_scheduler import make_config
-from workers.runner.kv_cache_groups import KVCacheGroup, cache_slots, plan_kv_cache_groups
+from workers.models.kv_cache_groups import KVCacheGroup, cache_slots, plan_kv_cache_groups
 
 VOCAB = 1000
 BLOCK = 4

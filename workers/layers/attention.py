@@ -133,7 +133,7 @@ class AttentionMetadata:
     # The sequences verifying drafts (their tokens after the first); set by the model runner
     # (hybrid models: their linear-attention states are kept per token, to take back rejections).
     draft_seqs: list[int] = field(default_factory=list)
-    # The same step through each further KV-cache group's block tables (workers/runner/kv_cache_groups.py).
+    # The same step through each further KV-cache group's block tables (workers/models/kv_cache_groups.py).
     other_kv_groups: list[AttentionMetadata] = field(default_factory=list)
 
     def for_kv_group(self, group: int) -> AttentionMetadata:
@@ -426,7 +426,7 @@ class Attention(nn.Module):
             torch.get_default_device().type == "cpu" and kernel_library.load() is not None
         )
         self.kv_cache = torch.empty(0)  # (2, num_blocks, block_size, Hkv, D) once allocated
-        self.kv_slot = 0  # its slot in the model runner's cache (workers/runner/kv_cache_groups.py)
+        self.kv_slot = 0  # its slot in the model runner's cache (workers/models/kv_cache_groups.py)
 
     @property
     def kv_cache(self) -> torch.Tensor:

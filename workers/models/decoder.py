@@ -50,7 +50,7 @@ from workers.layers.moe import MoESpec, SparseMoE
 from workers.layers.norm import RMSNorm, ShardedRMSNorm
 from workers.layers.rotary import RopeParams, RotaryEmbedding
 from workers.models.args import ModelArgs
-from workers.runner.kv_cache_groups import cache_slots, plan_kv_cache_groups
+from workers.models.kv_cache_groups import cache_slots, plan_kv_cache_groups
 
 # The norm slots of a layer, in the order the residual stream meets them.
 NORM_SLOTS = ("input", "attn_out", "pre_mlp", "mlp_out")
@@ -307,7 +307,7 @@ class DecoderLayer(nn.Module):
             )
             setattr(self, name, norm)
         self.fused_decode = None
-        self.kv_group = 0  # its KV-cache group (workers/runner/kv_cache_groups.py), set by the model
+        self.kv_group = 0  # its KV-cache group (workers/models/kv_cache_groups.py), set by the model
         if kind.mixer != "attention":
             return
         attn, mlp = self.self_attn, self.mlp

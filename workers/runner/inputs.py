@@ -17,7 +17,7 @@ from workers.layers.attention import AttentionMetadata, build_attention_metadata
 from workers.layers.lora import LoraBatch
 from workers.layers.pooler import PoolingState
 from workers.layers.request_state import RequestStateHolder
-from workers.runner.kv_cache_groups import KVCacheGroup
+from workers.models.kv_cache_groups import KVCacheGroup
 from workers.sample.logits_processors import TokenHistory
 from workers.spec.drafter import Drafter
 

@@ -1,7 +1,7 @@
 """The paged KV cache and the linear-attention state pools: how big they are and their allocation.
 
 One tensor (slots, 2, num_blocks, block_size, Hkv, D) holds every attention layer's K and V of
-this stage (a layer's slot: workers/runner/kv_cache_groups.py); a hybrid model's linear-attention
+this stage (a layer's slot: workers/models/kv_cache_groups.py); a hybrid model's linear-attention
 layers keep a pool of states, a row per sequence that can run at once (--max-num-seqs) and then
 the prefix cache's state checkpoints (enginecore/state_checkpoints.py); a drafter with its own KV
 (a draft model, an EAGLE-3 head) sizes and allocates its own beside them.

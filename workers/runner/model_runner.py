@@ -49,9 +49,9 @@ from workers.kernels import fused_decode
 from workers.layers.attention import AttentionMetadata
 from workers.layers.pooler import Pooler, PoolingState
 from workers.models.args import load_model_args
+from workers.models.kv_cache_groups import KVCacheGroup
 from workers.runner.inputs import StepInputs
 from workers.runner.kv_cache import KVCache
-from workers.runner.kv_cache_groups import KVCacheGroup
 from workers.runner.loading import (
     ServedWeights,
     build_drafter,
