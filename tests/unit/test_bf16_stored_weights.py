@@ -43,7 +43,9 @@ def test_kernel_matches_float32_linear(rows: int, out_features: int, in_features
     b = torch.randn(out_features, generator=g)
     expected = F.linear(x, w.float(), b)
     torch.testing.assert_close(linear_ops.bf16w_linear(x, w, b), expected, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(linear_ops.bf16w_linear(x, w, None), expected - b, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        linear_ops.bf16w_linear(x, w, None), expected - b, atol=1e-4, rtol=1e-4
+    )
     # dense_linear routes float32 rows against a bfloat16 weight here, and many rows to BLAS
     torch.testing.assert_close(dense_linear(x, w, b), expected, atol=1e-4, rtol=1e-4)
     many = torch.randn(70, in_features, generator=g)

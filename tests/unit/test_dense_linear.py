@@ -59,8 +59,12 @@ def test_bf16_few_row_kernel_matches_f_linear(
             linear_ops.bf16_gemv(x, w, b)
         return
     # float32 accumulation in another order: one bfloat16 rounding step apart at most
-    torch.testing.assert_close(linear_ops.bf16_gemv(x, w, b), F.linear(x, w, b), atol=0.02, rtol=0.01)
-    torch.testing.assert_close(linear_ops.bf16_gemv(x, w, None), F.linear(x, w), atol=0.02, rtol=0.01)
+    torch.testing.assert_close(
+        linear_ops.bf16_gemv(x, w, b), F.linear(x, w, b), atol=0.02, rtol=0.01
+    )
+    torch.testing.assert_close(
+        linear_ops.bf16_gemv(x, w, None), F.linear(x, w), atol=0.02, rtol=0.01
+    )
     with pytest.raises(ValueError, match="does not fit"):
         linear_ops.bf16_gemv(x[:, 1:].contiguous(), w, None)
     with pytest.raises(ValueError, match="rows"):
@@ -75,7 +79,9 @@ def test_bf16_amx_kernel_matches_f_linear(rows: int, out_features: int, in_featu
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     b = torch.randn(out_features, generator=g).bfloat16()
     ref = F.linear(x.float(), w.float(), b.float()).bfloat16()
-    if linear_ops.bf16_amx_max_rows() == 0:  # a tier (or CPU, or OS) without AMX says so, and refuses
+    if (
+        linear_ops.bf16_amx_max_rows() == 0
+    ):  # a tier (or CPU, or OS) without AMX says so, and refuses
         assert not linear_ops.amx_fits(rows, out_features, in_features)
         with pytest.raises(ValueError, match="not a supported shape"):
             linear_ops.bf16_amx_linear(x, w, b)

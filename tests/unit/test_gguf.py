@@ -246,7 +246,9 @@ def test_the_fast_paths_products_are_its_quantized_rows_times_the_weight(
         x = torch.randn(m, k) * torch.logspace(-2, 1, k // 32).repeat_interleave(32)
         want = _quantized_rows(x).double() @ dequantized.T + bias.double()
         with use_tier(tier):
-            got = linear_ops.gguf_linear(x, blocks, block_type, bias, quantize_x=True, packed=packed)
+            got = linear_ops.gguf_linear(
+                x, blocks, block_type, bias, quantize_x=True, packed=packed
+            )
         close = {"rtol": 1e-4, "atol": 1e-4 * want.abs().max()}
         torch.testing.assert_close(got.double(), want, **close)
 

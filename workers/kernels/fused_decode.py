@@ -378,7 +378,9 @@ def _linear(
     if dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or lin.packed_weight is None:
         return None
     rows = max_rows(dtype)
-    if rows > linear_ops.bf16_gemv_max_rows() and not linear_ops.amx_fits(rows, w.size(0), w.size(1)):
+    if rows > linear_ops.bf16_gemv_max_rows() and not linear_ops.amx_fits(
+        rows, w.size(0), w.size(1)
+    ):
         return None  # dense_linear would take oneDNN for some row counts
     return TernLinear(w.data_ptr(), None, bias_ptr, w.size(0), w.size(1), 0)
 
@@ -482,7 +484,10 @@ def _build_fixed(spec: DecodeLayerSpec) -> tuple[TernDecodeLayer | None, str]:
     if cache_dtype not in (dtype, torch.uint8):
         return None, f"a {cache_dtype} KV cache under {dtype} activations"
     if dtype == torch.bfloat16 and linear_ops.bf16_gemv_max_rows() == 0:
-        return None, f"the {kernel_library.active_tier_name()} kernels have no AVX512-BF16 few-row linear"
+        return (
+            None,
+            f"the {kernel_library.active_tier_name()} kernels have no AVX512-BF16 few-row linear",
+        )
     if ctx.tp_size > 1 and (
         ctx.tp_shm is None
         or max_rows(dtype) * spec.o.weight.size(0) * dtype.itemsize > ctx.tp_shm.slot_bytes

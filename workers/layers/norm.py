@@ -64,7 +64,12 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
         kernel_ok = self.is_plain or x.dtype == torch.float32
-        if kernel_ok and elementwise_ops.usable(x, residual) and x.dim() == 2 and _contiguous(x, residual):
+        if (
+            kernel_ok
+            and elementwise_ops.usable(x, residual)
+            and x.dim() == 2
+            and _contiguous(x, residual)
+        ):
             out, summed = elementwise_ops.rms_norm(x, self.kernel_weight(), self.eps, residual)
             return out if residual is None else (out, summed)
         if residual is None:

@@ -186,7 +186,9 @@ class RotaryEmbedding(nn.Module):
         """Rotate q (T, H, D) and k (T, Hkv, D) by their tokens' positions (T,)."""
         if elementwise_ops.usable(q, k) and _heads_contiguous(q) and _heads_contiguous(k):
             # NOTE: in place: q and k are this layer's fresh projections (views of its qkv output).
-            elementwise_ops.rotary_neox_(q, k, positions, self.cos_cache, self.sin_cache, self.interleaved)
+            elementwise_ops.rotary_neox_(
+                q, k, positions, self.cos_cache, self.sin_cache, self.interleaved
+            )
             return q, k
         cos = self.cos_cache[positions].unsqueeze(1)  # (T, 1, R/2)
         sin = self.sin_cache[positions].unsqueeze(1)

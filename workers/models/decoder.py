@@ -224,7 +224,9 @@ class DecoderAttention(nn.Module):
             q, k = self.rotary_emb(meta.positions, q, k)
         o = self.attn(q, k, v, meta).flatten(1)  # (T, H D)
         if gate is not None:
-            if elementwise_ops.usable(o, gate) and o.is_contiguous():  # the fused layer's arithmetic
+            if (
+                elementwise_ops.usable(o, gate) and o.is_contiguous()
+            ):  # the fused layer's arithmetic
                 elementwise_ops.sigmoid_gate_(o, gate)
             else:
                 o = o * torch.sigmoid(gate)
@@ -307,7 +309,9 @@ class DecoderLayer(nn.Module):
             )
             setattr(self, name, norm)
         self.fused_decode = None
-        self.kv_group = 0  # its KV-cache group (workers/models/kv_cache_groups.py), set by the model
+        self.kv_group = (
+            0  # its KV-cache group (workers/models/kv_cache_groups.py), set by the model
+        )
         if kind.mixer != "attention":
             return
         attn, mlp = self.self_attn, self.mlp

@@ -266,5 +266,7 @@ def linear(
         y = F.linear(x2.float(), w, None if bias is None else bias.float())
     else:
         b = None if bias is None else bias.float().contiguous()
-        y = linear_ops.gguf_linear(x2.float().contiguous(), blocks, block_type, b, quantize_x, packed)
+        y = linear_ops.gguf_linear(
+            x2.float().contiguous(), blocks, block_type, b, quantize_x, packed
+        )
     return y.to(x.dtype).view(*lead, -1)

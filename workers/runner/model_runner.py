@@ -392,4 +392,3 @@ class ModelRunner:
         return ModelRunnerOutput(
             step.step_id, [], [], pooled={req_id: row for (req_id, _), row in zip(ending, rows)}
         )
-
