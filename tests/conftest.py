@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: tiny random-weight checkpoints of each supported architecture.
+"""Shared pytest fixtures: tiny random-weight checkpoints of each supported architecture, and the
+lanes (docs/testing.md).
 
 The checkpoints borrow the default model's tokenizer (vocab 49152) when that model has been
 prepared, so tests that go through text can use them; otherwise they have a 512-token vocabulary
@@ -8,6 +9,9 @@ and no tokenizer. Torch runs on few threads: the machine's cores are shared.
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +21,56 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 torch.set_num_threads(1)
+
+# --------------------------------------------------------------------------- lanes
+# What a test needs, as a marker (registered in pyproject.toml; `-m unit`, `-m "unit or server"`):
+# unit: in-process; server: requests to a server from the `shared_server` factory (one per
+# argument list, shared by modules); multiproc: a server of its own (weight updates, pauses,
+# sleeps, faults, LoRA loading), several servers, or engine cores and workers as processes;
+# system: the minutes-long whole-system runs in tests/system.
+LANES = ("unit", "server", "multiproc", "system")
+
+
+def lane_of(item: pytest.Item) -> str:
+    """By folder; in tests/integration, by fixture: a test that reaches `shared_server` (through
+    its module's `server` fixture) is in the server lane, any other is multiproc."""
+    folder = Path(item.path).relative_to(ROOT / "tests").parts[0]
+    if folder == "integration":
+        return "server" if "shared_server" in getattr(item, "fixturenames", ()) else "multiproc"
+    return {"dist": "multiproc", "system": "system"}.get(folder, "unit")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if ROOT / "tests" in Path(item.path).parents and not any(
+            item.get_closest_marker(lane) for lane in LANES
+        ):
+            item.add_marker(lane_of(item))
+
+
+# Each test's time (setup + call + teardown) and lane, written as JSON to $TERN_TEST_TIMINGS at
+# the end of the session; scripts/test turns the runs' files into tests/timings/<cpu tier>.txt.
+_TIMES: dict[str, dict] = {}
+_START = time.monotonic()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not os.environ.get("TERN_TEST_TIMINGS"):
+        return
+    lane = next((lane for lane in LANES if lane in report.keywords), "?")
+    entry = _TIMES.setdefault(report.nodeid, {"seconds": 0.0, "lane": lane, "outcome": "passed"})
+    entry["seconds"] += report.duration
+    if report.outcome != "passed" and entry["outcome"] == "passed":
+        entry["outcome"] = report.outcome
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = os.environ.get("TERN_TEST_TIMINGS")
+    if not path or hasattr(session.config, "workerinput"):  # xdist workers: the controller writes
+        return
+    record = {"wall_seconds": time.monotonic() - _START, "tests": _TIMES}
+    Path(path).write_text(json.dumps(record))
 
 
 def _load_tiny_model_module():

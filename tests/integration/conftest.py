@@ -2,7 +2,10 @@
 
 `launch_server(*args)` starts one and returns a TernServer once /health answers 200; every server
 started is stopped at the end of the test (SIGTERM, then SIGKILL), and the fixture then checks with
-psutil that none of its processes survived.
+psutil that none of its processes survived. `module_server` does the same for a server that one
+module's tests share (and change: weight updates, pauses, faults...); `shared_server` keeps one
+server per argument list for the modules that only send requests (the server lane,
+docs/testing.md).
 """
 
 from __future__ import annotations
@@ -71,41 +74,50 @@ def module_server() -> Iterator[Callable[..., TernServer]]:
 
 
 _SHARED = pytest.StashKey[dict]()
+# How many shared servers stay up between modules, the most recently asked for (each holds its
+# model and KV cache); the others are stopped, and started again if a later module asks.
+KEEP_SHARED = 3
 
 
 @pytest.fixture(scope="session")
 def shared_server(request: pytest.FixtureRequest) -> Iterator[Callable[..., TernServer]]:
-    """launch(*args) -> TernServer, one per argument list for the integration tests: for modules
-    that start a server with the same arguments and only send it requests (no weight updates,
-    pauses, sleeps or faults), so each such server starts once. All are stopped and checked when
-    the last integration test is done (pytest_runtest_teardown below)."""
+    """launch(*args) -> TernServer, one per argument list: for modules that only send their
+    server requests (no weight updates, pauses, sleeps, faults or LoRA loading, which would make
+    the tests of the modules sharing it depend on their order), so modules that launch with the
+    same arguments share one server. Between modules the KEEP_SHARED servers asked for last stay
+    up; all are stopped and checked when no integration test follows (pytest_runtest_teardown)."""
     servers: dict[tuple[str, ...], TernServer] = request.config.stash.setdefault(_SHARED, {})
 
     def launch(*args: str) -> TernServer:
-        if args not in servers:
+        if args in servers:
+            servers[args] = servers.pop(args)  # the most recently asked for last
+        else:
             servers[args] = TernServer(list(args))
             servers[args].wait_ready()
         return servers[args]
 
     yield launch
-    _stop_shared(request.config)
+    _stop_shared(request.config, keep=0)
 
 
-def _stop_shared(config: pytest.Config) -> None:
+def _stop_shared(config: pytest.Config, keep: int) -> None:
+    """Stops and checks all but the `keep` shared servers asked for last."""
     servers = config.stash.get(_SHARED, {})
-    running = list(servers.values())
-    servers.clear()
-    if running:
-        _stop_all(running)
+    stopping = list(servers)[: max(len(servers) - keep, 0)]
+    if stopping:
+        _stop_all([servers.pop(args) for args in stopping])
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """Stops the shared servers once no integration test follows (they would otherwise idle
-    through the unit tests), after the last test's own fixtures are torn down."""
+    """After a module's last test (and its fixtures' teardown): stops the shared servers beyond
+    KEEP_SHARED, or all of them when no integration test follows (they would otherwise idle
+    through the unit tests)."""
     yield
     if nextitem is None or Path(__file__).parent not in Path(nextitem.path).parents:
-        _stop_shared(item.config)
+        _stop_shared(item.config, keep=0)
+    elif nextitem.path != item.path:
+        _stop_shared(item.config, keep=KEEP_SHARED)
 
 
 @pytest.fixture

@@ -34,13 +34,13 @@ THINK_TEMPLATE = """\
 
 @pytest.fixture(scope="module")
 def server(
-    module_server: Any, tiny_llama: Path, tokenizer_dir: Path | None, tmp_path_factory
+    shared_server: Any, tiny_llama: Path, tokenizer_dir: Path | None, tmp_path_factory
 ) -> Any:
     if tokenizer_dir is None:
         pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
     template = tmp_path_factory.mktemp("template") / "think.jinja"
     template.write_text(THINK_TEMPLATE)
-    return module_server(
+    return shared_server(
         "--model", str(tiny_llama), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
         "--served-model-name", *NAMES, "--chat-template", str(template),
     )  # fmt: skip

@@ -20,10 +20,10 @@ pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def server(module_server: Any, tiny_llama: Path, tokenizer_dir: Path | None) -> Any:
+def server(shared_server: Any, tiny_llama: Path, tokenizer_dir: Path | None) -> Any:
     if tokenizer_dir is None:
         pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
-    return module_server(
+    return shared_server(
         "--model", str(tiny_llama), "--dtype", "float32", "--max-model-len", "1024",
         "--served-model-name", "tiny",
     )  # fmt: skip

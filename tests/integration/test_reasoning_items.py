@@ -15,8 +15,8 @@ PROMPT = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def server(module_server: Any) -> Any:
-    return module_server("--reasoning-parser", "deepseek_r1")
+def server(shared_server: Any) -> Any:
+    return shared_server("--reasoning-parser", "deepseek_r1")
 
 
 def test_responses_reasoning_items(server: Any) -> None:

@@ -38,8 +38,8 @@ def model_dir(tiny_llama: Path, tokenizer_dir: Path | None) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(module_server: Any, model_dir: Path) -> Any:
-    return module_server(
+def server(shared_server: Any, model_dir: Path) -> Any:
+    return shared_server(
         "--model", str(model_dir), "--dtype", "float32", "--max-model-len", "1024",
         "--served-model-name", MODEL,
     )  # fmt: skip

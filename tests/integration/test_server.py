@@ -43,8 +43,8 @@ def tiny_model(tiny_llama: Path, tokenizer_dir: Path | None) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(module_server: Any, tiny_model: Path) -> Any:
-    return module_server(
+def server(shared_server: Any, tiny_model: Path) -> Any:
+    return shared_server(
         "--model", str(tiny_model), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN)
     )
 

@@ -29,8 +29,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(module_server: Any, tiny_llama_with_tokenizer: Path) -> Any:
-    return module_server(
+def server(shared_server: Any, tiny_llama_with_tokenizer: Path) -> Any:
+    return shared_server(
         "--model", str(tiny_llama_with_tokenizer), "--dtype", "float32", "--max-model-len", "512",
         "--served-model-name", "tiny",
     )  # fmt: skip

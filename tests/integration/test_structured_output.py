@@ -128,8 +128,8 @@ def _launch(module_server: Any, model_dir: Path, *extra: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def server(module_server: Any, model_dir: Path) -> Any:
-    return _launch(module_server, model_dir, "--max-model-len", "1024")
+def server(shared_server: Any, model_dir: Path) -> Any:
+    return _launch(shared_server, model_dir, "--max-model-len", "1024")
 
 
 @pytest.fixture(scope="module")

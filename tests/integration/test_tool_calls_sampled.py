@@ -32,8 +32,8 @@ QUESTION = "What is the weather in Paris?"
 
 
 @pytest.fixture(scope="module")
-def server(module_server: Any, tiny_llama_with_tokenizer: Path) -> Any:
-    return module_server(
+def server(shared_server: Any, tiny_llama_with_tokenizer: Path) -> Any:
+    return shared_server(
         "--model", str(tiny_llama_with_tokenizer), "--dtype", "float32",
         "--served-model-name", MODEL, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     )  # fmt: skip

@@ -20,12 +20,12 @@ IMAGE = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAAD
 
 @pytest.fixture(scope="module")
 def server(
-    module_server: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None
+    shared_server: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None
 ) -> Any:
     if tokenizer_dir is None:
         pytest.skip("needs the default model's tokenizer")
     model_dir = make_tiny_model("gemma3_vl", tmp_path_factory.mktemp("vl"), tokenizer_dir)
-    return module_server("--model", str(model_dir), "--served-model-name", "vl")
+    return shared_server("--model", str(model_dir), "--served-model-name", "vl")
 
 
 def test_text_is_served_and_images_are_400(server: Any) -> None:

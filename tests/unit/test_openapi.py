@@ -1,5 +1,5 @@
 """The OpenAPI document: every route the app registers is in it; requests and errors refer
-to their msgspec structs' schemas. (tests/integration/test_fuzz.py loads it with schemathesis,
+to their msgspec structs' schemas. (tests/system/test_fuzz.py loads it with schemathesis,
 which checks it as an OpenAPI document.)"""
 
 from __future__ import annotations
