@@ -67,8 +67,8 @@ _EXPERT_PROJ: dict[str, tuple[str, str]] = {
 _STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint's *.safetensors files, one at a time."""
+def _safetensors_files(model_dir: str | Path) -> Iterator[Any]:
+    """Each of the checkpoint's *.safetensors files, open (a safe_open handle)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")
@@ -78,8 +78,14 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
         except Exception as e:  # noqa: BLE001 - SafetensorError (truncated, corrupt) or OSError
             raise ValueError(f"cannot read {file} (truncated or not safetensors?): {e}") from e
         with handle as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                yield name, f.get_tensor(name)
+            yield f
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint's *.safetensors files, one at a time."""
+    for f in _safetensors_files(model_dir):
+        for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            yield name, f.get_tensor(name)
 
 
 class LazyWeight:
@@ -111,17 +117,9 @@ class LazyWeight:
 
 def iter_safetensors_lazy(model_dir: str | Path) -> Iterator[tuple[str, LazyWeight]]:
     """Every tensor of the checkpoint, unread: each loader reads only the slice it keeps."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {model_dir}")
-    for file in files:
-        try:
-            handle = safe_open(str(file), framework="pt")
-        except Exception as e:  # noqa: BLE001 - SafetensorError (truncated, corrupt) or OSError
-            raise ValueError(f"cannot read {file} (truncated or not safetensors?): {e}") from e
-        with handle as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                yield name, LazyWeight(f.get_slice(name))
+    for f in _safetensors_files(model_dir):
+        for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            yield name, LazyWeight(f.get_slice(name))
 
 
 def _is_tied(model: nn.Module) -> bool:
