@@ -1,6 +1,8 @@
 """Writes tests/timings/<cpu tier><suffix>.txt from the JSON files scripts/test's pytest runs wrote
 (tests/conftest.py): the wall time of each run and of the whole, each lane's test count and summed
-time, and the 40 slowest tests. Usage: test_timings.py DIR WALL_SECONDS UNIT_WORKERS SUFFIX"""
+time, and the 40 slowest tests. A whole run (no suffix) also writes tests/timings/<cpu tier>.json:
+every test's call time, from which `scripts/test --fast` leaves out the slow ones.
+Usage: test_timings.py DIR WALL_SECONDS UNIT_WORKERS SUFFIX"""
 
 from __future__ import annotations
 
@@ -61,6 +63,9 @@ def main(folder: str, wall: str, workers: str, suffix: str) -> None:
     out.parent.mkdir(exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     print(f"scripts/test: timings in {out.relative_to(ROOT)}")
+    if not suffix:
+        calls = {nodeid: round(t.get("call", t["seconds"]), 2) for nodeid, t in sorted(tests.items())}
+        out.with_suffix(".json").write_text(json.dumps(calls, indent=0) + "\n")
 
 
 if __name__ == "__main__":

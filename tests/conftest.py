@@ -41,12 +41,29 @@ def lane_of(item: pytest.Item) -> str:
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if ROOT / "tests" in Path(item.path).parents and not any(
             item.get_closest_marker(lane) for lane in LANES
         ):
             item.add_marker(lane_of(item))
+    limit = os.environ.get("TERN_FAST_MAX_S")
+    if limit:
+        _deselect_slow(config, items, float(limit))
+
+
+def _deselect_slow(config: pytest.Config, items: list[pytest.Item], limit: float) -> None:
+    """`scripts/test --fast`: leaves out the tests whose call took more than `limit` seconds in the
+    last whole run on this CPU tier (tests/timings/<tier>.json; a test not recorded there runs)."""
+    timings = ROOT / "tests" / "timings" / f"{_load_script('test_timings').cpu_tier()}.json"
+    if not timings.is_file():
+        return
+    call_seconds = json.loads(timings.read_text())
+    slow = [item for item in items if call_seconds.get(item.nodeid, 0.0) > limit]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        slow_ids = {id(item) for item in slow}
+        items[:] = [item for item in items if id(item) not in slow_ids]
 
 
 # Each test's time (setup + call + teardown) and lane, written as JSON to $TERN_TEST_TIMINGS at
@@ -59,8 +76,12 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if not os.environ.get("TERN_TEST_TIMINGS"):
         return
     lane = next((lane for lane in LANES if lane in report.keywords), "?")
-    entry = _TIMES.setdefault(report.nodeid, {"seconds": 0.0, "lane": lane, "outcome": "passed"})
+    entry = _TIMES.setdefault(
+        report.nodeid, {"seconds": 0.0, "call": 0.0, "lane": lane, "outcome": "passed"}
+    )
     entry["seconds"] += report.duration
+    if report.when == "call":
+        entry["call"] = report.duration
     if report.outcome != "passed" and entry["outcome"] == "passed":
         entry["outcome"] = report.outcome
 
@@ -73,16 +94,14 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     Path(path).write_text(json.dumps(record))
 
 
-def _load_tiny_model_module():
-    spec = importlib.util.spec_from_file_location(
-        "make_tiny_model", ROOT / "scripts/make_tiny_model.py"
-    )
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"scripts/{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-make_tiny_model = _load_tiny_model_module().make_tiny_model
+make_tiny_model = _load_script("make_tiny_model").make_tiny_model
 
 
 def _prepared_tokenizer_dir() -> Path | None:
@@ -133,8 +152,8 @@ def _zoo_fixture(arch: str) -> Callable[..., Path]:
 
 # tiny_mistral, tiny_gemma3, ...: one fixture per family of the model zoo; tiny_qwen3_moe, ...:
 # one per mixture-of-experts family.
-ZOO_FIXTURES = tuple(f"tiny_{arch}" for arch in _load_tiny_model_module().ZOO_ARCHS)
-MOE_FIXTURES = tuple(f"tiny_{arch}" for arch in _load_tiny_model_module().MOE_ARCHS)
+ZOO_FIXTURES = tuple(f"tiny_{arch}" for arch in _load_script("make_tiny_model").ZOO_ARCHS)
+MOE_FIXTURES = tuple(f"tiny_{arch}" for arch in _load_script("make_tiny_model").MOE_ARCHS)
 for _name in ZOO_FIXTURES + MOE_FIXTURES:
     globals()[_name] = _zoo_fixture(_name.removeprefix("tiny_"))
 
@@ -142,7 +161,7 @@ for _name in ZOO_FIXTURES + MOE_FIXTURES:
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_mtp(tiny_qwen3_5: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen3.5 with a random multi-token-prediction head (`mtp.*`), as releases have."""
-    return _load_tiny_model_module().add_mtp_head(
+    return _load_script("make_tiny_model").add_mtp_head(
         tiny_qwen3_5, tmp_path_factory.mktemp("tiny_qwen3_5_mtp")
     )
 
@@ -150,7 +169,7 @@ def tiny_qwen3_5_mtp(tiny_qwen3_5: Path, tmp_path_factory: pytest.TempPathFactor
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_moe_mtp(tiny_qwen3_5_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen3.5-MoE with a random multi-token-prediction head (its layer has experts)."""
-    return _load_tiny_model_module().add_mtp_head(
+    return _load_script("make_tiny_model").add_mtp_head(
         tiny_qwen3_5_moe, tmp_path_factory.mktemp("tiny_qwen3_5_moe_mtp")
     )
 
@@ -158,7 +177,7 @@ def tiny_qwen3_5_moe_mtp(tiny_qwen3_5_moe: Path, tmp_path_factory: pytest.TempPa
 @pytest.fixture(scope="session")
 def tiny_llama_eagle3(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random EAGLE-3 head for the tiny Llama (features before its layers 0, 1 and 2)."""
-    return _load_tiny_model_module().make_eagle3_head(
+    return _load_script("make_tiny_model").make_eagle3_head(
         tiny_llama, tmp_path_factory.mktemp("tiny_llama_eagle3"), [0, 1, 2]
     )
 
