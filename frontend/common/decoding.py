@@ -84,8 +84,10 @@ def _field_markers(cls: type, marker: type) -> dict[str, Any]:
     }
 
 
+@functools.cache
 def unsupported_fields(cls: type) -> dict[str, tuple[Any, ...]]:
-    """Field name -> the values that mean "not used", of every Unsupported field of `cls`."""
+    """Field name -> the values that mean "not used", of every Unsupported field of `cls` (once
+    per request type: every request is checked against it)."""
     return {name: m.allowed for name, m in field_markers(cls, Unsupported).items()}
 
 
