@@ -101,7 +101,11 @@ def _load_script(name: str):
     return module
 
 
-make_tiny_model = _load_script("make_tiny_model").make_tiny_model
+def _load_tiny_model_module():
+    return _load_script("make_tiny_model")
+
+
+make_tiny_model = _load_tiny_model_module().make_tiny_model
 
 
 def _prepared_tokenizer_dir() -> Path | None:
@@ -152,8 +156,8 @@ def _zoo_fixture(arch: str) -> Callable[..., Path]:
 
 # tiny_mistral, tiny_gemma3, ...: one fixture per family of the model zoo; tiny_qwen3_moe, ...:
 # one per mixture-of-experts family.
-ZOO_FIXTURES = tuple(f"tiny_{arch}" for arch in _load_script("make_tiny_model").ZOO_ARCHS)
-MOE_FIXTURES = tuple(f"tiny_{arch}" for arch in _load_script("make_tiny_model").MOE_ARCHS)
+ZOO_FIXTURES = tuple(f"tiny_{arch}" for arch in _load_tiny_model_module().ZOO_ARCHS)
+MOE_FIXTURES = tuple(f"tiny_{arch}" for arch in _load_tiny_model_module().MOE_ARCHS)
 for _name in ZOO_FIXTURES + MOE_FIXTURES:
     globals()[_name] = _zoo_fixture(_name.removeprefix("tiny_"))
 
@@ -161,7 +165,7 @@ for _name in ZOO_FIXTURES + MOE_FIXTURES:
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_mtp(tiny_qwen3_5: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen3.5 with a random multi-token-prediction head (`mtp.*`), as releases have."""
-    return _load_script("make_tiny_model").add_mtp_head(
+    return _load_tiny_model_module().add_mtp_head(
         tiny_qwen3_5, tmp_path_factory.mktemp("tiny_qwen3_5_mtp")
     )
 
@@ -169,7 +173,7 @@ def tiny_qwen3_5_mtp(tiny_qwen3_5: Path, tmp_path_factory: pytest.TempPathFactor
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_moe_mtp(tiny_qwen3_5_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen3.5-MoE with a random multi-token-prediction head (its layer has experts)."""
-    return _load_script("make_tiny_model").add_mtp_head(
+    return _load_tiny_model_module().add_mtp_head(
         tiny_qwen3_5_moe, tmp_path_factory.mktemp("tiny_qwen3_5_moe_mtp")
     )
 
@@ -177,7 +181,7 @@ def tiny_qwen3_5_moe_mtp(tiny_qwen3_5_moe: Path, tmp_path_factory: pytest.TempPa
 @pytest.fixture(scope="session")
 def tiny_llama_eagle3(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random EAGLE-3 head for the tiny Llama (features before its layers 0, 1 and 2)."""
-    return _load_script("make_tiny_model").make_eagle3_head(
+    return _load_tiny_model_module().make_eagle3_head(
         tiny_llama, tmp_path_factory.mktemp("tiny_llama_eagle3"), [0, 1, 2]
     )
 
