@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from torch import nn
+
 
 @runtime_checkable
 class RequestStateHolder(Protocol):
@@ -31,3 +33,8 @@ class RequestStateHolder(Protocol):
 
     def free_states(self) -> None:
         """Gives the state's memory back (sleep); allocate_states brings it back."""
+
+
+def state_holders(model: nn.Module) -> list[RequestStateHolder]:
+    """The model's modules that keep per-request state, in module order."""
+    return [m for m in model.modules() if isinstance(m, RequestStateHolder)]

@@ -16,7 +16,7 @@ from enginecore.messages import SamplingParams, ScheduledRequest, SchedulerOutpu
 from workers.layers.attention import AttentionMetadata, build_attention_metadata
 from workers.layers.lora import LoraBatch
 from workers.layers.pooler import PoolingState
-from workers.layers.request_state import RequestStateHolder
+from workers.layers.request_state import RequestStateHolder, state_holders
 from workers.models.kv_cache_groups import KVCacheGroup
 from workers.sample.logits_processors import TokenHistory
 from workers.spec.drafter import Drafter
@@ -62,7 +62,7 @@ class StepInputs:
         max_model_len: int,
     ) -> None:
         self.kv_cache_groups = model.model.kv_cache_groups
-        self.holders = [m for m in model.modules() if isinstance(m, RequestStateHolder)]
+        self.holders = state_holders(model)
         self.lora_batch = lora_batch
         self.draft = draft
         self.max_model_len = max_model_len

@@ -17,7 +17,7 @@ from enginecore.config import Config
 from workers.distributed import ParallelContext, shard_heads, stage_layers
 from workers.layers.attention import Attention
 from workers.layers.gated_delta_net import CHUNK, GatedDeltaNet
-from workers.layers.request_state import RequestStateHolder
+from workers.layers.request_state import RequestStateHolder, state_holders
 from workers.models.args import ModelArgs
 from workers.quant import kv_int8
 from workers.spec.drafter import Drafter
@@ -57,7 +57,7 @@ class KVCache:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.linear_layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
         self.draft = draft
-        self.holders = [m for m in model.modules() if isinstance(m, RequestStateHolder)]
+        self.holders = state_holders(model)
         if draft is not None:
             self.holders.append(draft)
 
