@@ -10,8 +10,8 @@ Step 2 serves two kinds of sequences, with no Python loop over sequences:
 - the rest (`AttentionGroup`), in up to two groups of one `scaled_dot_product_attention` call each:
   prompts computed from their first token (no cached context) attend this step's own K/V, padded to
   (G, max_q), with `is_causal` (no mask, and the flash kernel skips the blocks above the diagonal);
-  the others (later chunks, prefix-cache hits) gather whole cache blocks into a padded
-  (G, max_blocks * block_size) context under a boolean mask.
+  the others (later chunks, prefix-cache hits, prompts with bidirectional spans) gather whole
+  cache blocks into a padded (G, max_blocks * block_size) context under a boolean mask.
 Indices and masks are computed once per step and shared by all layers. The cache layout of one
 layer is (2, num_blocks, block_size, num_kv_heads, head_dim).
 
@@ -23,6 +23,12 @@ their prefill scores explicitly; the decode kernel caps its scores itself. So do
 attention sinks (gpt-oss: one learned logit per head that joins each query's softmax with no value,
 so a query may attend to "nothing"): an extra score column in prefill, the kernel's starting point
 in decode.
+
+Some prompt spans attend bidirectionally (Gemma 3's image tokens, as Hugging Face's
+`blockwise_overlay`): a query inside a span also sees the span's later keys, so its mask ends at the
+span's end instead of at itself, while a sliding window still counts back from the query's own
+position (HF: AND(window, OR(causal, span))). Their sequences take the masked group, never
+`is_causal` nor decode rows; a step without spans builds exactly the tensors it did before.
 """
 
 from __future__ import annotations
@@ -160,17 +166,55 @@ def build_attention_metadata(
     device: torch.device,
     other_group_tables: list[list[list[int]]] | None = None,
     decode_rows: list[bool] | None = None,
+    bidirectional_spans: list[list[tuple[int, int]]] | None = None,
 ) -> AttentionMetadata:
     """Positions, slots, and per-group gather indices and masks for one step; with
     `other_group_tables` (each further KV-cache group's tables, per sequence) also the step as
     those groups' layers see it (`for_kv_group`). `decode_rows`: the sequences whose tokens are
     computed as decode queries, one row each (a few tokens verifying drafts: the decode kernels
-    take them, not the prefill path)."""
+    take them, not the prefill path). `bidirectional_spans`: per sequence, its prompt's spans
+    (start position, length) whose tokens attend to each other both ways (`_spans_in_step`)."""
+    spans = _spans_in_step(bidirectional_spans, start_pos, query_lens)
     if not other_group_tables and all(n == 1 for n in query_lens):
         return _decode_only_metadata(start_pos, block_tables, block_size, device)
     return _general_metadata(
-        start_pos, query_lens, block_tables, block_size, device, other_group_tables, decode_rows
+        start_pos,
+        query_lens,
+        block_tables,
+        block_size,
+        device,
+        other_group_tables,
+        decode_rows,
+        spans,
     )
+
+
+def _spans_in_step(
+    spans: list[list[tuple[int, int]]] | None, start_pos: list[int], query_lens: list[int]
+) -> dict[int, list[tuple[int, int]]]:
+    """{sequence: [(first, end) positions]} of the spans that change this step's attention. As HF
+    groups runs of image tokens, touching spans are one span; a one-token span is plain causal,
+    and a span outside the step's chunk changes none of its queries, so both are dropped."""
+    found: dict[int, list[tuple[int, int]]] = {}
+    for seq, seq_spans in enumerate(spans or []):
+        merged: list[list[int]] = []
+        for first, length in sorted(seq_spans):
+            if merged and first <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], first + length)
+            else:
+                merged.append([first, first + length])
+        chunk_first, chunk_end = start_pos[seq], start_pos[seq] + query_lens[seq]
+        for first, end in merged:
+            if end - first < 2 or end <= chunk_first or first >= chunk_end:
+                continue
+            if first < chunk_first or end > chunk_end:
+                # NOTE: its queries in another step could not see all of its keys.
+                raise ValueError(
+                    f"sequence {seq}: bidirectional span [{first}, {end}) is split by the step's "
+                    f"chunk [{chunk_first}, {chunk_end})"
+                )
+            found.setdefault(seq, []).append((first, end))
+    return found
 
 
 def _general_metadata(
@@ -181,7 +225,9 @@ def _general_metadata(
     device: torch.device,
     other_group_tables: list[list[list[int]]] | None,
     decode_rows: list[bool] | None,
+    spans: dict[int, list[tuple[int, int]]] | None = None,
 ) -> AttentionMetadata:
+    spans = spans or {}
     num_seqs = len(query_lens)
     context_lens = [s + q for s, q in zip(start_pos, query_lens)]
     tables = _padded_tables(block_tables)  # (B, max_blocks)
@@ -199,7 +245,8 @@ def _general_metadata(
     def slots_through(tables: torch.Tensor) -> torch.Tensor:
         return _slots(tables[seq_of_token], positions.unsqueeze(-1), block_size).squeeze(-1)
 
-    as_rows = decode_rows or [False] * num_seqs
+    # A decode row's context ends at itself: a sequence with spans never takes that path.
+    as_rows = [r and i not in spans for i, r in enumerate(decode_rows or [False] * num_seqs)]
     decode_seqs = [i for i, n in enumerate(query_lens) if n == 1 or as_rows[i]]
     other_seqs = [i for i, n in enumerate(query_lens) if not (n == 1 or as_rows[i])]
     decode = None
@@ -218,13 +265,14 @@ def _general_metadata(
             is_whole_batch=not other_seqs,
         )
     groups = []
-    fresh = [i for i in other_seqs if start_pos[i] == 0]
-    cached = [i for i in other_seqs if start_pos[i] != 0]
+    # Masked: a context in the cache, or spans that plain causal attention cannot express.
+    fresh = [i for i in other_seqs if start_pos[i] == 0 and i not in spans]
+    cached = [i for i in other_seqs if start_pos[i] != 0 or i in spans]
     if fresh:
         groups.append(_to_device(_build_fresh_group(fresh, query_lens, query_start_loc), device))
     if cached:
         group = _build_group(
-            cached, query_lens, context_lens, tables, starts, query_start_loc, block_size
+            cached, query_lens, context_lens, tables, starts, query_start_loc, block_size, spans
         )
         groups.append(_to_device(group, device))
         cached_idx = torch.tensor(cached, dtype=torch.int64)
@@ -357,6 +405,7 @@ def _build_group(
     starts: torch.Tensor,
     query_start_loc: torch.Tensor,
     block_size: int,
+    spans: dict[int, list[tuple[int, int]]],
 ) -> AttentionGroup:
     idx = torch.tensor(seqs, dtype=torch.int64)
     q_gather, q_valid, q_rows, max_q = _padded_queries(seqs, query_lens, query_start_loc)
@@ -367,9 +416,11 @@ def _build_group(
 
     kv_pos = torch.arange(max_ctx)  # (max_ctx,)
     kv_valid = kv_pos[None, :] < ctx_len[:, None]  # (G, max_ctx)
-    # Query i of a sequence sits at position start + i and sees keys 0..start + i (causal).
+    # Query i of a sequence sits at position start + i and sees keys 0..start + i (causal), or
+    # up to the end of the bidirectional span it is in.
     q_pos = starts[idx][:, None] + q_off[None, :]  # (G, max_q)
-    mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # (G, max_q, max_ctx)
+    last_key = _last_keys(q_pos, seqs, starts, spans)  # (G, max_q)
+    mask = kv_pos[None, None, :] <= last_key[:, :, None]  # (G, max_q, max_ctx)
     mask &= kv_valid[:, None, :]
     # Padded query rows must not be fully masked (SDPA would produce NaN); they are discarded.
     mask[:, :, 0] |= ~q_valid
@@ -382,6 +433,23 @@ def _build_group(
         max_q=max_q,
         q_pos=q_pos[:, :, None],
     )
+
+
+def _last_keys(
+    q_pos: torch.Tensor,
+    seqs: list[int],
+    starts: torch.Tensor,
+    spans: dict[int, list[tuple[int, int]]],
+) -> torch.Tensor:
+    """(G, max_q) the last key position each query row sees: itself, or the end of its span."""
+    if not any(i in spans for i in seqs):
+        return q_pos
+    last = q_pos.clone()
+    for row, seq in enumerate(seqs):
+        for first, end in spans.get(seq, ()):
+            start = int(starts[seq])
+            last[row, first - start : end - start] = end - 1
+    return last
 
 
 def _to_device(g: AttentionGroup, device: torch.device) -> AttentionGroup:
