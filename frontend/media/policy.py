@@ -32,7 +32,8 @@ class MediaPolicy:
     allowed_local_media_path: Path | None = None
     # Host names (or IP literals) http(s) URLs may name, matched exactly; empty: no fetches at all.
     allowed_media_domains: tuple[str, ...] = ()
-    limit_per_prompt: dict[str, int] = field(default_factory=default_limit_per_prompt)
+    # hash=False: the dict would make the policy (and FrontendConfig, which holds it) unhashable.
+    limit_per_prompt: dict[str, int] = field(default_factory=default_limit_per_prompt, hash=False)
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # width * height, checked before decoding
     fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
@@ -44,7 +45,8 @@ class MediaPolicy:
         if folder is not None and not folder.is_absolute():
             raise ValueError(f"allowed_local_media_path must be absolute, not {folder}")
         for modality, limit in self.limit_per_prompt.items():
-            if modality not in MODALITIES or not isinstance(limit, int) or limit < 0:
+            is_count = isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0
+            if modality not in MODALITIES or not is_count:
                 raise ValueError(f"limit_per_prompt: bad entry {modality!r}: {limit!r}")
         if self.max_image_bytes < 1 or self.max_image_pixels < 1:
             raise ValueError("max_image_bytes and max_image_pixels must be positive")

@@ -75,8 +75,10 @@ def read_local_file(url: str, policy: MediaPolicy, param: str) -> bytes:
     if not requested.is_absolute() or not path.is_relative_to(folder.resolve()):
         raise bad_request(f"{requested} is outside the allowed local media folder", param)
     try:
-        # O_NOFOLLOW: a symlink swapped in after the check above is not followed.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        # O_NOFOLLOW: a symlink swapped in after the check above is not followed; O_NONBLOCK: a
+        # FIFO does not wait for a writer (regular files read the same either way).
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        fd = os.open(path, flags)
     except (OSError, ValueError):
         raise bad_request(f"{requested}: no such file in the allowed folder", param) from None
     try:

@@ -9,6 +9,7 @@ import base64
 import datetime
 import http.server
 import io
+import os
 import ssl
 import struct
 import threading
@@ -95,6 +96,7 @@ def media_dir(tmp_path: Path) -> Path:
     (folder / "escape.png").symlink_to(tmp_path / "secret.png")
     (folder / "inside.png").symlink_to(folder / "red image.png")
     (folder / "sub").mkdir()
+    os.mkfifo(folder / "fifo.png")  # opening it blocking would wait for a writer forever
     return folder
 
 
@@ -114,6 +116,7 @@ def test_file_url_refusals(media_dir: Path) -> None:
     assert outside in refusal(load, "file:///etc/passwd", policy)
     assert "no such file" in refusal(load, f"file://{media_dir}/missing.png", policy)
     assert "not a regular file" in refusal(load, f"file://{media_dir}/sub", policy)
+    assert "not a regular file" in refusal(load, f"file://{media_dir}/fifo.png", policy)
     assert "local path" in refusal(load, f"file://otherhost{media_dir}/red%20image.png", policy)
     assert "--allowed-local-media-path" in refusal(
         load, f"file://{media_dir}/red%20image.png", MediaPolicy()
