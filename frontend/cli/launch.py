@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 
 from enginecore.config import Config
-from frontend.cli import cache, lora, model, output, parallel, scheduler, server, speculative
+from frontend.cli import cache, lora, media, model, output, parallel, scheduler, server, speculative
 
 # Their argparse groups, in --help's order.
-CLI_MODULES = (model, server, scheduler, cache, output, lora, speculative, parallel)
+CLI_MODULES = (model, server, scheduler, cache, output, lora, speculative, parallel, media)
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,8 @@
 """`tern launch` flags of the HTTP server: its address, who may call it (API keys, remote control,
 CORS), its limits on bodies and connections, the Responses API's store and uvicorn's log level.
 Builds the ServerConfig (the address, which every process gets) and the FrontendConfig (HTTP-only
-settings: names, access, limits, template). TERN_API_KEY and TERN_ADMIN_API_KEY are read here, once.
+settings: names, access, limits, template, media policy). TERN_API_KEY and TERN_ADMIN_API_KEY are
+read here, once.
 """
 
 from __future__ import annotations
@@ -9,12 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from enginecore.config import Config, ServerConfig
+from frontend.cli.media import media_policy_from_args
 from frontend.cli.output import chat_options_from_args, load_chat_template
 from frontend.common.http_protocol import DEFAULT_KEEP_ALIVE_S
+from frontend.media.policy import MediaPolicy
 from frontend.text.chat_options import ChatOptions
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
@@ -39,6 +42,7 @@ class FrontendConfig:
     generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
     uvicorn_log_level: str = "warning"
     max_stored_responses: int = 1000  # /v1/responses kept for GET and previous_response_id
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # where request images may come from
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -183,6 +187,7 @@ def frontend_config_from_args(args: argparse.Namespace, config: Config) -> Front
         generation_config=args.generation_config,
         uvicorn_log_level=args.uvicorn_log_level,
         max_stored_responses=args.max_stored_responses,
+        media=media_policy_from_args(args),
     )
 
 
