@@ -241,7 +241,7 @@ GEMMA3_CHAT_TEMPLATE = (
     "{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}<start_of_image>"
     "{% elif part['type'] == 'text' %}{{ part['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
-    "{% if message['role'] == 'system' %}\n\n{% else %}<end_of_turn>\n{% endif %}"
+    "{% if message['role'] == 'system' %}{{ '\\n\\n' }}{% else %}<end_of_turn>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 # The tokens each processor expands images into, added to the tokenizer as special tokens.
