@@ -10,7 +10,11 @@ Three flavours, each exercising a different path of the worker's model code:
   qwen3_5): each with what its family changes on (sliding windows of 8 tokens, softcapping, NoPE
   layers, multipliers, yarn / longrope / dynamic rope, Gated DeltaNet layers; `_zoo_config_kwargs`);
 - "gemma3_vl", "qwen3_5_vl": *ForConditionalGeneration, the tiny gemma3 / qwen3_5 beside a random
-  one-layer vision tower.
+  one-layer vision tower; "llava": LlavaForConditionalGeneration, the tiny llama beside a random
+  two-layer CLIP. llava and gemma3_vl take 32 px images (16 and 4 placeholder tokens) and, with a
+  tokenizer, carry their processor (LlavaProcessor / Gemma3Processor: the tokenizer with the image
+  tokens added, a PIL image processor, a chat template rendering image parts), the text vocabulary
+  padded to 49216 past the added tokens.
 All have hidden size 64, 4 heads / 2 KV heads, and vocab 49152 with the tokenizer files of
 `tokenizer_dir` copied in, else vocab 512 and no tokenizer.
 
@@ -63,9 +67,9 @@ _FAMILIES = {
     "qwen3_5_moe": "Qwen3_5Moe",  # Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM
     "gpt_oss": "GptOss",
 }
-# gemma3_vl / qwen3_5_vl: *ForConditionalGeneration, the tiny gemma3 / qwen3_5 beside a random
-# one-layer vision tower.
-ARCHS = (*_FAMILIES, "gemma3_vl", "qwen3_5_vl")
+# gemma3_vl / qwen3_5_vl / llava: *ForConditionalGeneration, the tiny gemma3 / qwen3_5 / llama
+# beside a random vision tower (`_make_with_vision_tower`).
+ARCHS = (*_FAMILIES, "gemma3_vl", "qwen3_5_vl", "llava")
 # Mixture-of-experts families: 8 experts, top 2.
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3_5_moe", "gpt_oss")
 # The families added for the 2026 model zoo: each exercises what its DecoderSpec changes, with a
@@ -212,41 +216,164 @@ def _moe_config_kwargs(arch: str) -> dict[str, Any] | None:
     return None
 
 
-def _make_with_vision_tower(
-    arch: str, out_dir: Path, tokenizer_dir: Path | None, seed: int
-) -> Path:
-    import torch
+# With a tokenizer, the multimodal checkpoints add their image tokens to it (ids 49152...) and pad
+# the text vocabulary past them, as released ones do; without one, the last ids of 512 stand in.
+_PADDED_VOCAB = 49152 + 64
+# The processors' chat templates: each family's turn format, rendering {"type": "image"} parts
+# as the placeholder its processor expands (LLaVA 1.5's "USER: <image>\n... ASSISTANT:", Gemma 3's
+# turns with <start_of_image>), the system prompt in front of the first turn.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ part['text'] + ' ' }}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else 'user' %}"
+    "{% if not (loop.index0 == 1 and messages[0]['role'] == 'system') %}"
+    "<start_of_turn>{{ role }}\n{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<start_of_image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message['role'] == 'system' %}{{ '\\n\\n' }}{% else %}<end_of_turn>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+# The tokens each processor expands images into, added to the tokenizer as special tokens.
+_IMAGE_TOKENS = {
+    "llava": {"image_token": "<image>"},
+    "gemma3_vl": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
+                  "eoi_token": "<end_of_image>"},
+}  # fmt: skip
+
+
+def _image_tokenizer(arch: str, tokenizer_dir: Path | None) -> Any:
+    """The default model's tokenizer with `arch`'s image tokens added (None without one)."""
     import transformers
 
-    vocab_size = 49152 if tokenizer_dir is not None else 512
+    if tokenizer_dir is None:
+        return None
+    return transformers.AutoTokenizer.from_pretrained(
+        tokenizer_dir, extra_special_tokens=_IMAGE_TOKENS[arch]
+    )
+
+
+def _image_token_ids(arch: str, tokenizer: Any) -> dict[str, int]:
+    """Config field -> id of each image token: the tokenizer's, else the last ids of 512."""
+    fields = {"image_token": "image_token_index", "boi_token": "boi_token_index",
+              "eoi_token": "eoi_token_index"}  # fmt: skip
+    names = list(_IMAGE_TOKENS[arch])
+    if tokenizer is None:
+        return {fields[n]: 511 - i for i, n in enumerate(names)}
+    return {fields[n]: tokenizer.convert_tokens_to_ids(_IMAGE_TOKENS[arch][n]) for n in names}
+
+
+def _multimodal_config(arch: str, vocab_size: int, token_ids: dict[str, int]) -> Any:
+    """LLaVA: the tiny llama beside a 2-layer CLIP (32 px, patch 8: 16 image tokens, the class
+    token dropped, features of the last layer but one). Gemma 3: the tiny gemma3 beside a 1-layer
+    SigLIP (32 px, patch 8: a 4x4 grid pooled to 2x2 = 4 image tokens). Qwen3.5: 1-layer tower."""
+    import transformers
+
+    if arch == "llava":
+        text = transformers.LlamaConfig(**_config_kwargs("llama", vocab_size))
+        vision = transformers.CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            image_size=32, patch_size=8, projection_dim=32,
+        )  # fmt: skip
+        return transformers.LlavaConfig(
+            text_config=text.to_dict(), vision_config=vision.to_dict(), vision_feature_layer=-2,
+            vision_feature_select_strategy="default", projector_hidden_act="gelu",
+            multimodal_projector_bias=True, tie_word_embeddings=True, image_seq_length=16,
+            **token_ids,
+        )  # fmt: skip
     if arch == "gemma3_vl":
         text = transformers.Gemma3TextConfig(**_config_kwargs("gemma3", vocab_size))
         vision = transformers.SiglipVisionConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            image_size=32, patch_size=8,
+            image_size=32, patch_size=8, vision_use_head=False,
         )  # fmt: skip
-        config = transformers.Gemma3Config(
+        return transformers.Gemma3Config(
             text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
-            image_token_index=vocab_size - 1, boi_token_index=vocab_size - 2,
-            eoi_token_index=vocab_size - 3,
+            **token_ids,
         )  # fmt: skip
-        model_class = transformers.Gemma3ForConditionalGeneration
-    else:
-        text = transformers.Qwen3_5TextConfig(**_config_kwargs("qwen3_5", vocab_size))
-        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-                  "out_hidden_size": 64, "patch_size": 4, "spatial_merge_size": 2,
-                  "temporal_patch_size": 2, "num_position_embeddings": 16}  # fmt: skip
-        config = transformers.Qwen3_5Config(
-            text_config=text.to_dict(), vision_config=vision,
-            image_token_id=vocab_size - 1, video_token_id=vocab_size - 2,
-            vision_start_token_id=vocab_size - 3, vision_end_token_id=vocab_size - 4,
+    text = transformers.Qwen3_5TextConfig(**_config_kwargs("qwen3_5", vocab_size))
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+              "out_hidden_size": 64, "patch_size": 4, "spatial_merge_size": 2,
+              "temporal_patch_size": 2, "num_position_embeddings": 16}  # fmt: skip
+    return transformers.Qwen3_5Config(
+        text_config=text.to_dict(), vision_config=vision,
+        image_token_id=vocab_size - 1, video_token_id=vocab_size - 2,
+        vision_start_token_id=vocab_size - 3, vision_end_token_id=vocab_size - 4,
+    )  # fmt: skip
+
+
+def _processor(arch: str, tokenizer: Any, config: Any) -> Any:
+    """The checkpoint's processor: its image processor (PIL backend) sized to the tiny tower."""
+    import transformers
+
+    side = config.vision_config.image_size
+    if arch == "llava":
+        image_processor = transformers.CLIPImageProcessorPil(
+            size={"shortest_edge": side}, crop_size={"height": side, "width": side}
+        )
+        return transformers.LlavaProcessor(
+            image_processor=image_processor, tokenizer=tokenizer,
+            patch_size=config.vision_config.patch_size, num_additional_image_tokens=1,
+            vision_feature_select_strategy=config.vision_feature_select_strategy,
+            chat_template=LLAVA_CHAT_TEMPLATE,
         )  # fmt: skip
-        model_class = transformers.Qwen3_5ForConditionalGeneration
+    image_processor = transformers.Gemma3ImageProcessorPil(size={"height": side, "width": side})
+    return transformers.Gemma3Processor(
+        image_processor=image_processor, tokenizer=tokenizer,
+        image_seq_length=config.mm_tokens_per_image, chat_template=GEMMA3_CHAT_TEMPLATE,
+    )  # fmt: skip
+
+
+def _randomise_vision(model: Any) -> None:
+    """What from_config leaves at 1 or 0 in the vision part and a trained checkpoint does not:
+    every LayerNorm's scale, Gemma 3's projection (zeros)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "vision_tower" not in name and "multi_modal_projector" not in name:
+                continue
+            if name.endswith("mm_input_projection_weight"):
+                p.normal_(0.0, INIT_STD)
+            elif "norm" in name and name.endswith(".weight") and p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+
+
+def _make_with_vision_tower(
+    arch: str, out_dir: Path, tokenizer_dir: Path | None, seed: int
+) -> Path:
+    """*ForConditionalGeneration; llava and gemma3_vl with their processor beside (given a
+    tokenizer): AutoProcessor.from_pretrained(out_dir) expands their images' placeholders."""
+    import torch
+    import transformers
+
+    with_processor = arch in _IMAGE_TOKENS and tokenizer_dir is not None
+    vocab_size = _PADDED_VOCAB if with_processor else 49152 if tokenizer_dir is not None else 512
+    tokenizer = _image_tokenizer(arch, tokenizer_dir) if with_processor else None
+    token_ids = _image_token_ids(arch, tokenizer) if arch in _IMAGE_TOKENS else {}
+    config = _multimodal_config(arch, vocab_size, token_ids)
+    model_class = {"llava": transformers.LlavaForConditionalGeneration,
+                   "gemma3_vl": transformers.Gemma3ForConditionalGeneration,
+                   "qwen3_5_vl": transformers.Qwen3_5ForConditionalGeneration}[arch]  # fmt: skip
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
     _perturb(model)
+    if arch in _IMAGE_TOKENS:
+        _randomise_vision(model)
     model.save_pretrained(out_dir, safe_serialization=True)
     _copy_tokenizer(out_dir, tokenizer_dir)
+    if with_processor:  # over the copied tokenizer files: the tokenizer with its image tokens
+        _processor(arch, tokenizer, config).save_pretrained(out_dir)
     return out_dir
 
 
@@ -323,7 +450,7 @@ def make_tiny_model(
         raise ValueError(
             f"unknown head {head!r} for {arch} (one of {sorted(HEADS)}; score_mlp: qwen2)"
         )
-    if arch in ("gemma3_vl", "qwen3_5_vl"):
+    if arch in ("gemma3_vl", "qwen3_5_vl", "llava"):
         return _make_with_vision_tower(arch, out_dir, tokenizer_dir, seed)
     family = _FAMILIES[arch]
     config_class = getattr(transformers, f"{family}Config")
