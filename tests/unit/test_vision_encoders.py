@@ -196,3 +196,26 @@ def test_encode_takes_the_whole_image_then_its_crops() -> None:
     torch.testing.assert_close(both, torch.cat(alone), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="num_crops"):
         encoder.encode({"pixel_values": pictures, "num_crops": torch.tensor([0])})
+
+
+@pytest.mark.parametrize("layers", [-1, [0, -2, -1]])
+def test_llava_keeps_the_class_token_and_stacks_layers(layers: int | list[int]) -> None:
+    """ "full" keeps CLIP's class token (17 rows for 16 patches) and a list of layers is
+    concatenated, as HF's; weights by the names a live transformers-5 model holds them under."""
+    config = transformers.LlavaConfig(
+        text_config=transformers.LlamaConfig(hidden_size=64, num_hidden_layers=1).to_dict(),
+        vision_config=transformers.CLIPVisionConfig(**LLAVA_CONFIG["vision_config"]).to_dict(),
+        vision_feature_layer=layers, vision_feature_select_strategy="full",
+        multimodal_projector_bias=False, projector_hidden_act="quick_gelu",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlavaForConditionalGeneration(config).eval()
+    encoder = build_image_encoder({**config.to_dict(), "architectures": [type(hf).__name__]})
+    loaded = encoder.load_weights(hf.state_dict().items())
+    assert loaded == {name for name, _ in encoder.named_parameters()}
+    pixel_values = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        expected = hf.get_image_features(pixel_values=pixel_values).pooler_output[0]
+        got = encoder.encode({"pixel_values": pixel_values})
+    assert got.shape == (17, 64)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

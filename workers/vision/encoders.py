@@ -46,6 +46,7 @@ class ImageEncoder(nn.Module):
         self.vision_tower = vision_tower
         self.multi_modal_projector = multi_modal_projector
         self.image_token_id = image_token_id
+        self._parameter_names = frozenset(name for name, _ in self.named_parameters())
 
     def encode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """One image's processor outputs -> (num_placeholder_tokens, text hidden size)."""
@@ -81,10 +82,6 @@ class ImageEncoder(nn.Module):
                 raise ValueError(f"checkpoint tensor {checkpoint_name} has no place in the encoder")
             return name
         return None
-
-    @property
-    def _parameter_names(self) -> set[str]:
-        return {name for name, _ in self.named_parameters()}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy the encoder's tensors out of a checkpoint's (name, tensor) stream, skipping the
