@@ -65,6 +65,7 @@ class EngineCore:
             if config.model.enable_return_routed_experts
             else None,
             num_experts=executor.routing_shape.num_experts if executor.routing_shape else 0,
+            whole_image_spans=self.model_task.whole_image_spans,
         )
         self._rng = random.Random()
         self.grammars = GrammarCompiler(
@@ -137,6 +138,7 @@ class EngineCore:
             params,
             req.arrival_time or None,
             req.structured_output,
+            mm_items=req.mm_items,
         )
         if req.lora_name is not None:
             try:
@@ -296,7 +298,31 @@ class EngineCore:
             return None
         if req.sampling_params.max_tokens < 1:
             return "max_tokens must be at least 1"
+        if req.mm_items:
+            error = self._validate_mm_items(req)
+            if error is not None:
+                return error
         return _validate_sampling(req.sampling_params, vocab)
+
+    def _validate_mm_items(self, req: EngineCoreRequest) -> str | None:
+        task = self.model_task
+        if not task.takes_images:
+            return f"{task.architecture} is served without image inputs"
+        if req.pooling:
+            return "a pooling request cannot carry images"
+        n, last_end = len(req.prompt_token_ids), 0
+        budget = self.config.scheduler.max_num_batched_tokens
+        for item in req.mm_items:
+            for start, length in item.spans:
+                if start < last_end or length < 1 or start + length > n:
+                    return "image placeholder spans must be in order, inside the prompt"
+                if task.whole_image_spans and length > budget:
+                    return (
+                        f"an image takes {length} tokens, computed in one step on this model; "
+                        f"--max-num-batched-tokens is {budget}"
+                    )
+                last_end = start + length
+        return None
 
 
 def _validate_sampling(p: SamplingParams, vocab_size: int) -> str | None:

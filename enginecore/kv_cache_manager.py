@@ -3,8 +3,9 @@
 The scheduler uses three verbs: `find_cached_prefix`, `allocate_slots`, `free`. Reference
 counts, hashing and eviction stay behind them.
 
-A full block is identified by a chained hash: hash(parent block's hash, the block's token ids), so a
-block matches only when the whole prefix before it matches too.
+A full block is identified by a chained hash: hash(parent block's hash, the block's token ids, the
+content hashes of the images whose placeholders it holds), so a block matches only when the whole
+prefix before it matches too, images included.
 """
 
 from __future__ import annotations
@@ -19,10 +20,14 @@ from enginecore.routing import RoutingCache
 from enginecore.state_checkpoints import StateCheckpoints
 
 
-def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
+def hash_block(parent: bytes | None, token_ids: list[int], mm_hashes: Sequence[str] = ()) -> bytes:
+    """`mm_hashes`: the images whose placeholders the block holds: the same placeholder ids
+    standing for another image are another block."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"root")
     h.update(array("q", token_ids).tobytes())
+    for mm_hash in mm_hashes:
+        h.update(mm_hash.encode())
     return h.digest()
 
 
@@ -45,8 +50,12 @@ class KVCacheManager:
         group_windows: Sequence[int | None] = (None,),
         checkpoints: StateCheckpoints | None = None,
         routing: RoutingCache | None = None,
+        whole_image_spans: bool = False,
     ) -> None:
+        """whole_image_spans: a cached prefix never ends inside an image's placeholders (models
+        that attend inside them in both directions: model_task.WHOLE_IMAGE_SPAN_ARCHITECTURES)."""
         self.block_size = block_size
+        self.whole_image_spans = whole_image_spans
         self.enable_prefix_caching = enable_prefix_caching
         self.checkpoints = checkpoints
         self.routing = routing
@@ -98,6 +107,7 @@ class KVCacheManager:
                 for h in hashes[self._first_visible_block(n * self.block_size, window) : n]
             )
             and (checkpoints is None or checkpoints.is_ready(hashes[n - 1]))
+            and not (self.whole_image_spans and request.image_span_at(n * self.block_size))
         ):
             n -= 1
         hits = []
@@ -240,7 +250,10 @@ class KVCacheManager:
             # A request on a LoRA adapter chains from the adapter's own root: its blocks are
             # never another adapter's (or the base model's).
             root = request.lora.cache_root if request.lora is not None else None
-            hashes.append(hash_block(hashes[-1] if hashes else root, tokens))
+            mm_hashes = (
+                request.mm_hashes_in(start, start + self.block_size) if request.mm_items else ()
+            )
+            hashes.append(hash_block(hashes[-1] if hashes else root, tokens, mm_hashes))
 
 
 def servable_len(

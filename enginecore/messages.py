@@ -172,6 +172,36 @@ class StructuredOutputSpec(msgspec.Struct, omit_defaults=True):
     reasoning_end_token_ids: list[int] = []
 
 
+class TensorData(msgspec.Struct, array_like=True):
+    """A tensor by value: dtype name (torch's, e.g. "float32"), shape and raw bytes (row-major)."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One image of a prompt, as the frontend's processor made it (frontend/media/processing.py).
+
+    `spans` are the runs of placeholder tokens its encoder output fills, as (first position, tokens),
+    in prompt order: the encoder's rows fill them one after the other (Gemma 3's pan & scan crops
+    are several runs). `content_hash` names the processed tensors: the prefix cache keys the blocks
+    its placeholders fill by it, and the workers' encoder cache keeps its output under it.
+    `tensors` are the processor's outputs for this item (pixel_values, ...); the engine core drops
+    them once the workers hold the item, and sends them again after a preemption."""
+
+    modality: str
+    content_hash: str
+    spans: list[tuple[int, int]]
+    tensors: dict[str, TensorData] = {}
+
+    @property
+    def end(self) -> int:
+        """The position after its last placeholder."""
+        start, length = self.spans[-1]
+        return start + length
+
+
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -183,6 +213,8 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     # nothing sampled (sampling_params unused). Its one output carries `pooled` and finishes (STOP)
     # once every prompt token is computed; its KV blocks are freed then.
     pooling: bool = False
+    # The prompt's images, in prompt order (models whose images tern serves, enginecore/model_task.py).
+    mm_items: list[MultiModalItem] = []
 
 
 class EngineCoreAbort(msgspec.Struct):
@@ -357,6 +389,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Speculative decoding with a draft model: the workers draft this many tokens after token_ids
     # with it (workers/spec/draft_model.py), then verify them as above.
     num_model_drafts: int = 0
+    # With sampling_params: the request's images whose placeholders are still to be computed (with
+    # their tensors); the worker keeps them until the request finishes or is preempted.
+    mm_items: list[MultiModalItem] = []
 
 
 class SchedulerOutput(msgspec.Struct, omit_defaults=True):

@@ -78,6 +78,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma3ForConditionalGeneration": ("gemma3", "lm_head"),
     "Qwen3_5ForConditionalGeneration": ("qwen3_5", "lm_head"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "lm_head"),
+    "LlavaForConditionalGeneration": ("llama", "lm_head"),
 }
 # Families with linear-attention layers.
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
@@ -86,7 +87,15 @@ MULTIMODAL_ARCHITECTURES = (
     "Gemma3ForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
+    "LlavaForConditionalGeneration",
 )
+# Of those, the ones whose images tern serves too (an encoder in workers/vision/); the others serve
+# their language model only.
+IMAGE_INPUT_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+# Of those, the ones whose language model attends in both directions inside each image's
+# placeholders (Hugging Face's Gemma 3): an image's run of placeholders is never split across prefill
+# chunks nor cut by a prefix-cache hit.
+WHOLE_IMAGE_SPAN_ARCHITECTURES: tuple[str, ...] = ()
 
 # Head -> the tasks it serves, the one `--task auto` picks first.
 _TASKS_OF_HEAD = {
@@ -109,6 +118,10 @@ class ModelTask:
     # Linear-attention layers (Qwen3.5): each sequence also carries a recurrent state, which a
     # prefix-cache hit could not restore (see EngineCore).
     has_linear_attention: bool = False
+    # Its image inputs are served (IMAGE_INPUT_ARCHITECTURES); and each image's placeholders must be
+    # computed in one step (WHOLE_IMAGE_SPAN_ARCHITECTURES).
+    takes_images: bool = False
+    whole_image_spans: bool = False
 
     @property
     def is_pooling(self) -> bool:
@@ -142,6 +155,11 @@ def is_multimodal(hf: dict[str, Any]) -> bool:
     return bool(hf.get("architectures")) and hf["architectures"][0] in MULTIMODAL_ARCHITECTURES
 
 
+def takes_images(hf: dict[str, Any]) -> bool:
+    """Whether tern serves the checkpoint's image inputs (config.json, the outer one)."""
+    return bool(hf.get("architectures")) and hf["architectures"][0] in IMAGE_INPUT_ARCHITECTURES
+
+
 def architecture_of(hf: dict[str, Any]) -> str:
     archs = hf.get("architectures") or []
     if not archs or archs[0] not in ARCHITECTURES:
@@ -165,6 +183,7 @@ def num_labels_of(hf: dict[str, Any]) -> int:
 def model_task(hf: dict[str, Any], requested: str = "auto") -> ModelTask:
     """The task `requested` (--task) resolves to for this config.json; ValueError if the model
     cannot serve it."""
+    images = takes_images(hf)
     hf = text_config_of(hf)
     arch = architecture_of(hf)
     head = ARCHITECTURES[arch][1]
@@ -186,7 +205,11 @@ def model_task(hf: dict[str, Any], requested: str = "auto") -> ModelTask:
         names = {int(k): str(v) for k, v in (hf.get("id2label") or {}).items()}
         id2label = {i: names.get(i, f"LABEL_{i}") for i in range(num_labels)}
     linear = ARCHITECTURES[arch][0] in HYBRID_FAMILIES
-    return ModelTask(arch, head, task, int(hf["hidden_size"]), num_labels, id2label, linear)
+    return ModelTask(
+        arch, head, task, int(hf["hidden_size"]), num_labels, id2label, linear,
+        takes_images=images and task == "generate",
+        whole_image_spans=images and arch in WHOLE_IMAGE_SPAN_ARCHITECTURES,
+    )  # fmt: skip
 
 
 def read_model_task(model_dir: str | Path, requested: str = "auto") -> ModelTask:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from enginecore.messages import (
     FinishReason,
     Logprobs,
+    MultiModalItem,
     PromptLogprobs,
     SamplingParams,
     StructuredOutputSpec,
@@ -42,8 +43,10 @@ class Request:
         arrival_time: float | None = None,
         structured_output: StructuredOutputSpec | None = None,
         pooling_type: str | None = None,
+        mm_items: list[MultiModalItem] | None = None,
     ) -> None:
-        """`pooling_type`: LAST, MEAN or CLS for a pooling request (sampling_params unused)."""
+        """`pooling_type`: LAST, MEAN or CLS for a pooling request (sampling_params unused).
+        `mm_items`: the prompt's images, in prompt order."""
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
@@ -76,6 +79,7 @@ class Request:
         self.routing: RequestRouting | None = None
         # The LoRA adapter version it runs on (enginecore/lora.py), set by the engine core.
         self.lora: Adapter | None = None
+        self.mm_items = mm_items or []
 
     @property
     def num_tokens(self) -> int:
@@ -109,6 +113,23 @@ class Request:
         if self.pooling_type in ("MEAN", "CLS"):
             return True
         return self.sampling_params.prompt_logprobs is not None
+
+    def image_span_at(self, pos: int) -> tuple[int, int] | None:
+        """The run of image placeholders position `pos` falls strictly inside (after its first
+        token), as (start, end); None when a chunk may start or end at `pos`."""
+        for item in self.mm_items:
+            for start, length in item.spans:
+                if start < pos < start + length:
+                    return start, start + length
+        return None
+
+    def mm_hashes_in(self, start: int, end: int) -> list[str]:
+        """The content hashes of the images with placeholders in positions [start, end)."""
+        return [
+            item.content_hash
+            for item in self.mm_items
+            if any(s < end and start < s + n for s, n in item.spans)
+        ]
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -49,6 +49,7 @@ class Scheduler:
         state_checkpoint_interval: int = 0,
         routing_shape: RoutingShape | None = None,
         num_experts: int = 0,
+        whole_image_spans: bool = False,
     ) -> None:
         """num_state_slots: hybrid models' per-sequence linear-attention states (one per
         sequence that can run): a request takes one when it starts running and gives it back
@@ -56,7 +57,11 @@ class Scheduler:
         (enginecore/state_checkpoints.py) are what a cached prefix resumes from.
 
         routing_shape: record every request's routing (--enable-return-routed-experts,
-        enginecore/routing.py). num_experts: per MoE layer (the tokens each takes are counted)."""
+        enginecore/routing.py). num_experts: per MoE layer (the tokens each takes are counted).
+
+        whole_image_spans: each image's placeholders are computed in one step (models that attend
+        inside them in both directions): a chunk ends before an image it cannot hold whole."""
+        self.whole_image_spans = whole_image_spans
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_loras = config.lora.max_loras if config.lora.enabled else 0
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
@@ -101,8 +106,9 @@ class Scheduler:
         if self.routing_shape is not None and caching:
             routing = RoutingCache(num_kv_blocks, self.block_size, self.routing_shape.row_bytes)
         return KVCacheManager(
-            num_kv_blocks, self.block_size, caching, kv_cache_windows, checkpoints, routing
-        )
+            num_kv_blocks, self.block_size, caching, kv_cache_windows, checkpoints, routing,
+            self.whole_image_spans,
+        )  # fmt: skip
 
     # ----------------------------------------------------------------------------- requests in and out
 
@@ -181,8 +187,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            assert num_new > 0, request.request_id
+            num_new = self._chunk_len(request, request.num_computed_tokens, budget)
+            if num_new == 0:  # its next image does not fit in what is left of the step
+                i += 1
+                continue
             drafts = drafts_of.get(request.request_id, [])[: max(budget - num_new, 0)]
             # Drafts never preempt anybody: without room for them the sequence decodes plainly.
             new_block_ids = None
@@ -220,7 +228,9 @@ class Scheduler:
             cached_blocks, num_cached = None, 0
             if not request.skips_prefix_cache:
                 cached_blocks, num_cached = self.kv.find_cached_prefix(request)
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = self._chunk_len(request, num_cached, budget)
+            if num_new == 0:
+                break  # its first image does not fit in what is left of the step
             new_block_ids = self.kv.allocate_slots(request, num_new, cached_blocks)
             if new_block_ids is None:
                 break
@@ -237,6 +247,18 @@ class Scheduler:
             scheduled.append(chunk)
             budget -= num_new
         self.waiting.extendleft(reversed(not_ready))
+
+    def _chunk_len(self, request: Request, start: int, budget: int) -> int:
+        """The tokens a request computes this step from `start` within `budget`: all it has left
+        that fit, ending before an image's placeholders when they must be computed whole and do
+        not fit (0: none this step)."""
+        num_new = min(request.num_tokens - start, budget)
+        assert num_new > 0, request.request_id
+        if self.whole_image_spans and request.mm_items:
+            span = request.image_span_at(start + num_new)
+            if span is not None:
+                num_new = span[0] - start
+        return num_new
 
     def _start_running(self, request: Request, num_cached: int) -> None:
         """A request taken from the waiting queue runs from its cached prefix on."""
@@ -350,6 +372,8 @@ class Scheduler:
             num_draft_tokens=len(drafts_sent),
             num_model_drafts=len(drafts) if on_workers else 0,
         )
+        if is_new and request.mm_items:
+            scheduled.mm_items = [item for item in request.mm_items if item.end > start]
         if is_new and request.sampling_params.needs_history:
             scheduled.history_token_ids = list(request.all_token_ids)
             scheduled.num_prompt_tokens = request.num_prompt_tokens

@@ -25,6 +25,7 @@ import uvicorn
 import uvloop
 
 from enginecore.config import Config
+from enginecore.model_task import read_model_task
 from frontend.cli.launch import config_from_args, make_parser
 from frontend.cli.server import FrontendConfig, frontend_config_from_args
 from frontend.common.http_protocol import KeepAliveSafeHttpProtocol
@@ -130,6 +131,12 @@ class Launcher:
             engine, tokenizer, names, ready.max_model_len, ready.vocab_size, metrics,
             records_routing=config.model.enable_return_routed_experts,
         )  # fmt: skip
+        if read_model_task(config.model.path, config.model.task).takes_images:
+            from frontend.media.processing import ImageProcessor
+            from frontend.media.prompts import ImagePrompts
+
+            processor = ImageProcessor(config.model.path)
+            serving.images = ImagePrompts(processor, self.frontend_config.media)
         app = build_app(config, self.frontend_config, engine, serving)
         uv_config = uvicorn.Config(
             app,

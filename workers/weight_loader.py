@@ -145,8 +145,15 @@ def _expert_of(parts: list[str]) -> bool:
     return len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit()
 
 
+# Modules that keep Hugging Face's layout whole (the image encoder, workers/vision/): their
+# q/k/v and MLP projections are not fused, so their names map to themselves.
+_VERBATIM_PREFIXES = ("vision.",)
+
+
 def _map_name(name: str) -> tuple[str, object]:
     """Hugging Face name -> (tern parameter name, shard id or None)."""
+    if name.startswith(_VERBATIM_PREFIXES):
+        return name, None
     parts = name.split(".")
     if _expert_of(parts) and parts[-2] in _EXPERT_PROJ and parts[-1] == "weight":
         stacked, kind = _EXPERT_PROJ[parts[-2]]

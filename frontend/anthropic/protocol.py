@@ -5,10 +5,11 @@ take), and the response.
 Conversions: `system` (a string or text blocks) becomes a system message; a user turn's
 `tool_result` blocks become `tool` messages (before the turn's text, as Anthropic orders them); an
 assistant turn's `tool_use` blocks become its tool_calls, its `thinking` blocks are dropped (they
-are the model's earlier reasoning, not prompt text). Tools are `{name, description,
-input_schema}`; tool_choice auto / any (a call is required) / tool (that one) / none, with
-`disable_parallel_tool_use`. A `tool_result` for a tool_use_id no earlier `tool_use` has, image
-and document blocks, server tools and every field this server does not implement are 400s naming
+are the model's earlier reasoning, not prompt text); a user turn's `image` blocks (base64 or url
+sources) become OpenAI `image_url` parts, which models served without images refuse. Tools are
+`{name, description, input_schema}`; tool_choice auto / any (a call is required) / tool (that one)
+/ none, with `disable_parallel_tool_use`. A `tool_result` for a tool_use_id no earlier `tool_use`
+has, document blocks, server tools and every field this server does not implement are 400s naming
 them.
 """
 
@@ -209,6 +210,7 @@ def _chat_turn(i: int, message: Any, known_ids: set[str]) -> list[dict[str, Any]
     if not isinstance(content, list):
         raise bad_request("content must be a string or a list of blocks", f"{param}.content")
     texts: list[str] = []
+    images: list[dict[str, Any]] = []  # text and image_url parts, when the turn has an image
     results: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(content):
@@ -216,6 +218,9 @@ def _chat_turn(i: int, message: Any, known_ids: set[str]) -> list[dict[str, Any]
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             texts.append(_text_of([block], where.rsplit("[", 1)[0]))
+            images.append({"type": "text", "text": texts[-1]})
+        elif kind == "image" and role == "user":
+            images.append({"type": "image_url", "image_url": {"url": _image_url(block, where)}})
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue
         elif kind == "tool_use" and role == "assistant":
@@ -226,12 +231,28 @@ def _chat_turn(i: int, message: Any, known_ids: set[str]) -> list[dict[str, Any]
         else:
             raise bad_request(f"a {role} block of type {kind!r} is not supported", f"{where}.type")
     out = list(results)
-    if texts or calls or not results:
+    if len(images) > len(texts):  # OpenAI's parts, for the server's image path
+        out.append({"role": role, "content": images})
+    elif texts or calls or not results:
         turn: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
         if calls:
             turn["tool_calls"] = calls
         out.append(turn)
     return out
+
+
+def _image_url(block: dict[str, Any], where: str) -> str:
+    """An image block's source as a URL: base64 data as a data: URL, a url source as it is."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str):
+        media_type = source.get("media_type")
+        if not isinstance(media_type, str):
+            raise bad_request("a base64 image source needs a media_type", f"{where}.source")
+        return f"data:{media_type};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise bad_request("an image block needs a base64 or url source", f"{where}.source")
 
 
 def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:

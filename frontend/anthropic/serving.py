@@ -20,6 +20,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from enginecore.messages import MultiModalItem
 from frontend.anthropic.protocol import (
     ContentBlock,
     CountTokensRequest,
@@ -48,7 +49,9 @@ class MessagesServing:
         self.chat = chat
         self.serving = chat.serving
 
-    def _plan_and_render(self, req: MessagesBase) -> tuple[ToolPlan, str, list[int]]:
+    async def _plan_and_render(
+        self, req: MessagesBase
+    ) -> tuple[ToolPlan, str, list[int], list[MultiModalItem]]:
         s = self.serving
         s.check_model(req.model)
         tool_choice, parallel = req.chat_tool_choice()
@@ -57,20 +60,26 @@ class MessagesServing:
         )
         thinking = req.enable_thinking()
         kwargs = None if thinking is None else {"enable_thinking": thinking}
+        images = [] if s.images is not None else None
         prompt_text = s.tokenizer.render_chat(
-            normalize_messages(req.chat_messages()), chat_template_kwargs=kwargs, tools=plan.tools
+            normalize_messages(req.chat_messages(), images),
+            chat_template_kwargs=kwargs,
+            tools=plan.tools,
         )
-        return plan, prompt_text, s.tokenizer.encode(prompt_text, add_special_tokens=False)
+        if images:
+            ids, items = await self.chat.image_prompt(prompt_text, images, None, "messages")
+            return plan, prompt_text, ids, items
+        return plan, prompt_text, s.tokenizer.encode(prompt_text, add_special_tokens=False), []
 
     async def count_tokens(self, http_request: Request) -> Response:
         req = decode_request(await http_request.body(), CountTokensRequest)
-        _, _, ids = self._plan_and_render(req)
+        _, _, ids, _ = await self._plan_and_render(req)
         return json_response(CountTokensResponse(len(ids)))
 
     async def create(self, http_request: Request) -> Response:
         s = self.serving
         req = decode_request(await http_request.body(), MessagesRequest)
-        plan, prompt_text, prompt_ids = self._plan_and_render(req)
+        plan, prompt_text, prompt_ids, mm_items = await self._plan_and_render(req)
         if req.thinking is not None and req.thinking.get("type") == "enabled":
             if self.chat.options.reasoning_parser is None:
                 raise APIError(
@@ -80,7 +89,7 @@ class MessagesServing:
         message_id, keys, headers = s.request_ids(http_request, "msg_")
         group = s.start(
             message_id, keys, req.to_sampling(), [prompt_ids], "messages",
-            structured_output=constraint, lora=s.check_model(req.model),
+            structured_output=constraint, lora=s.check_model(req.model), mm_items=mm_items,
         )  # fmt: skip
         parser = self.chat.choice_parser(plan, opens)
         draft = _Draft(message_id, group.model_name)

@@ -15,6 +15,7 @@ import functools
 import json
 import re
 import typing
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -26,12 +27,22 @@ T = TypeVar("T")
 M = TypeVar("M")
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Why a part other than text is refused on a model served without image inputs.
+_TEXT_ONLY = {"image_url": "this model is served without image inputs"}
 MAX_LOGPROBS = 20  # most likely tokens per position (vLLM's default --max-logprobs)
 
 _PARAM_RE = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
 _FIELD_RE = re.compile(r"field `([A-Za-z_][A-Za-z0-9_]*)`")
 
 _decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image part of a request: its URL and the request field that holds it (for errors)."""
+
+    url: str
+    param: str
 
 
 def decode_request(body: bytes, typ: type[T]) -> T:
@@ -124,7 +135,9 @@ def check_spaces_between_special_tokens(req: Any) -> None:
         )
 
 
-def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def normalize_messages(
+    messages: list[dict[str, Any]], images: list[ImageRef] | None = None
+) -> list[dict[str, Any]]:
     """Chat messages as chat templates expect them, from any form OpenAI's API allows.
 
     `content` is always there and a string (templates index it): text-part lists are joined,
@@ -132,13 +145,17 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     `refusal` stands in for its content; tool calls' arguments become objects. Raises APIError
     (400, param messages[i].<field>) for what the API forbids: a missing or unknown role, content
     missing where it is required, non-text parts, tool calls off an assistant message.
+
+    `images`: when given (the model takes images), `image_url` parts are allowed: a message with
+    one keeps its content as a list of text and `{"type": "image"}` parts (the form image-aware
+    chat templates read), and each image's URL is appended to `images` in prompt order.
     """
     if not messages:
         raise bad_request("messages must not be empty", "messages")
-    return [_normalize_message(i, m) for i, m in enumerate(messages)]
+    return [_normalize_message(i, m, images) for i, m in enumerate(messages)]
 
 
-def _normalize_message(i: int, message: Any) -> dict[str, Any]:
+def _normalize_message(i: int, message: Any, images: list[ImageRef] | None) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise bad_request("each message must be an object", f"messages[{i}]")
     role = message.get("role")
@@ -154,7 +171,7 @@ def _normalize_message(i: int, message: Any) -> dict[str, Any]:
         if value is not None and not isinstance(value, str):
             raise bad_request(f"{name} must be a string", f"messages[{i}].{name}")
     out = {k: v for k, v in message.items() if k != "refusal"}
-    out["content"] = _content_text(i, role, message)
+    out["content"] = _content(i, role, message, images)
     if role == "developer":  # OpenAI's newer name for system instructions; templates know system
         out["role"] = "system"
     if message.get("tool_calls") is not None:
@@ -162,6 +179,38 @@ def _normalize_message(i: int, message: Any) -> dict[str, Any]:
     elif "tool_calls" in out:
         del out["tool_calls"]  # null: templates test for the key
     return out
+
+
+def _content(
+    i: int, role: str, message: dict[str, Any], images: list[ImageRef] | None
+) -> str | list[dict[str, Any]]:
+    """The message's content: one string, or with images the list of its text and image parts."""
+    content = message.get("content")
+    if images is None or not isinstance(content, list):
+        return _content_text(i, role, message)
+    if not any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+        return _content_text(i, role, message)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        param = f"messages[{i}].content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            images.append(ImageRef(_image_url(part, param), param))
+            parts.append({"type": "image"})
+        else:
+            raise bad_request(f"content part type {kind!r} is not supported with images", param)
+    return parts
+
+
+def _image_url(part: dict[str, Any], param: str) -> str:
+    """An image_url part's URL (`detail` is accepted and ignored, as vLLM does)."""
+    image_url = part.get("image_url")
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str) or not url:
+        raise bad_request("an image_url part needs image_url.url, a string", param)
+    return url
 
 
 def _content_text(i: int, role: str, message: dict[str, Any]) -> str:
@@ -182,7 +231,10 @@ def _content_text(i: int, role: str, message: dict[str, Any]) -> str:
         # An assistant's parts may be refusals (OpenAI's ChatCompletionContentPartRefusal).
         key = "refusal" if kind == "refusal" and role == "assistant" else "text"
         if kind != key:
-            raise bad_request(f"content part type {kind!r} is not supported (text only)", param)
+            raise bad_request(
+                f"content part type {kind!r} is not supported ({_TEXT_ONLY.get(kind, 'text only')})",
+                param,
+            )
         if not isinstance(part.get(key), str):
             raise bad_request(f"a {kind} content part needs a string {key!r}", param)
         texts.append(part[key])

@@ -17,8 +17,9 @@ from msgspec import UNSET
 from starlette.requests import Request
 from starlette.responses import Response
 
-from enginecore.messages import Logprobs
-from frontend.common.decoding import decode_request
+from enginecore.messages import Logprobs, MultiModalItem
+from frontend.common.decoding import ImageRef, decode_request
+from frontend.common.errors import bad_request
 from frontend.common.http import json_response, sse
 from frontend.common.protocol import DeltaMessage, PromptLogprobsList
 from frontend.openai.protocol import (
@@ -47,13 +48,19 @@ class ChatServing(ChatPath):
         req = decode_request(await http_request.body(), ChatCompletionRequest)
         lora = s.lora_of(req)
         plan = self.plan(req)
-        prompt_text, prompt_ids = self.render(req, plan)
+        images = [] if s.images is not None else None
+        if images is None and req.mm_processor_kwargs is not None:
+            raise bad_request("this model is served without image inputs", "mm_processor_kwargs")
+        prompt_text, prompt_ids = self.render(req, plan, images)
+        mm_items = []
+        if images:
+            prompt_ids, mm_items = await self.chat_image_prompt(req, prompt_text, images)
         constraint, opens_reasoning = self.after_reasoning(plan.constraint, prompt_text)
         request_id, keys, headers = s.request_ids(http_request, "chatcmpl-", req.request_id)
         group = s.start(
             request_id, keys, req.to_sampling(), [prompt_ids], "messages",
             n=req.n or 1, logprobs=req.num_logprobs, prompt_logprobs=req.prompt_logprobs,
-            structured_output=constraint, lora=lora,
+            structured_output=constraint, lora=lora, mm_items=mm_items,
         )  # fmt: skip
         view = _ChatView(
             req, TokenStrings(s.tokenizer.backend, bool(req.return_tokens_as_token_ids))
@@ -96,16 +103,20 @@ class ChatServing(ChatPath):
             self.options,
         )  # fmt: skip
 
-    def render(self, req: ChatCompletionRequest, plan: ToolPlan) -> tuple[str, list[int]]:
+    def render(
+        self, req: ChatCompletionRequest, plan: ToolPlan, images: list[ImageRef] | None = None
+    ) -> tuple[str, list[int]]:
         """The prompt (text, token ids) a chat request runs: its messages through the chat
-        template (or its prompt_token_ids), truncated as it asks."""
+        template (or its prompt_token_ids), truncated as it asks. `images`: where the model takes
+        images, the list the image parts' URLs are appended to (the ids are then the text's
+        before its image markers are expanded: image_prompt)."""
         s = self.serving
         if req.prompt_token_ids is not None:
             prompt_ids = s.encode_prompt(req.prompt_token_ids, False, "prompt_token_ids")
             prompt_text = s.tokenizer.decode(prompt_ids, skip_special_tokens=False)
         else:
             prompt_text = s.tokenizer.render_chat(
-                req.normalized_messages(),
+                req.normalized_messages(images),
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 chat_template_kwargs=req.chat_template_kwargs,
@@ -113,6 +124,18 @@ class ChatServing(ChatPath):
             )
             prompt_ids = s.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
         return prompt_text, truncate_prompt(prompt_ids, req.truncate_prompt_tokens, s.max_model_len)
+
+    async def chat_image_prompt(
+        self, req: ChatCompletionRequest, prompt_text: str, images: list[ImageRef]
+    ) -> tuple[list[int], list[MultiModalItem]]:
+        """The prompt's token ids with its images' placeholders, and the images' items."""
+        if req.truncate_prompt_tokens is not None:
+            raise bad_request(
+                "truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens"
+            )
+        return await self.image_prompt(
+            prompt_text, images, req.mm_processor_kwargs, "messages", req.add_special_tokens
+        )
 
     async def _stream(
         self,

@@ -18,6 +18,7 @@ from msgspec import UNSET, UnsetType
 
 from enginecore.messages import StructuredOutputSpec
 from frontend.common.decoding import (
+    ImageRef,
     Unsupported,
     check_num_logprobs,
     check_spaces_between_special_tokens,
@@ -104,7 +105,6 @@ class _RequestBase(PeerFields, forbid_unknown_fields=True, kw_only=True):
     cache_salt: Annotated[Any, Unsupported(None)] = UNSET
     kv_transfer_params: Annotated[Any, Unsupported(None)] = UNSET
     vllm_xargs: Annotated[Any, Unsupported(None)] = UNSET
-    mm_processor_kwargs: Annotated[Any, Unsupported(None)] = UNSET
     media_io_kwargs: Annotated[Any, Unsupported(None)] = UNSET
     metadata: Annotated[Any, Unsupported(None)] = UNSET
     store: Annotated[Any, Unsupported(None, False)] = UNSET
@@ -168,6 +168,8 @@ class _RequestBase(PeerFields, forbid_unknown_fields=True, kw_only=True):
 
 class ChatCompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=True):
     messages: list[dict[str, Any]] = []
+    # Passed to the model's image processor with the request's images (as vLLM).
+    mm_processor_kwargs: dict[str, Any] | None = None
     # The prompt as token ids: the chat template is skipped (and messages are not rendered).
     prompt_token_ids: list[int] | None = None
     max_completion_tokens: int | None = None
@@ -219,14 +221,16 @@ class ChatCompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=Tr
                 "continue_final_message",
             )
 
-    def normalized_messages(self) -> list[dict[str, Any]]:
-        """The messages as the chat template expects them: text-part lists joined into strings."""
-        return normalize_messages(self.messages)
+    def normalized_messages(self, images: list[ImageRef] | None = None) -> list[dict[str, Any]]:
+        """The messages as the chat template expects them: text-part lists joined into strings
+        (see normalize_messages for `images`)."""
+        return normalize_messages(self.messages, images)
 
 
 class CompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=True):
     prompt: str | list[Any]
     add_special_tokens: bool = True
+    mm_processor_kwargs: Annotated[Any, Unsupported(None)] = UNSET  # completions carry no images
     logprobs: int | None = None  # the sampled token's, and this many most likely tokens'
 
     suffix: Annotated[Any, Unsupported(None, "")] = UNSET

@@ -23,7 +23,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend.common.decoding import decode_request
+from frontend.common.decoding import decode_request, normalize_messages
 from frontend.common.errors import APIError, bad_request
 from frontend.common.http import json_response, sse_json
 from frontend.engine.client import EngineDeadError
@@ -96,13 +96,18 @@ class ResponsesServing:
             req.chat_tools(), req.chat_tool_choice(), req.parallel_tool_calls,
             req.output_constraint(), self.chat.options,
         )  # fmt: skip
-        prompt_text = s.tokenizer.render_chat(messages, tools=plan.tools)
-        prompt_ids = s.tokenizer.encode(prompt_text, add_special_tokens=False)
+        images = [] if s.images is not None else None
+        prompt_text = s.tokenizer.render_chat(
+            normalize_messages(messages, images), tools=plan.tools
+        )
+        prompt_ids, mm_items = s.tokenizer.encode(prompt_text, add_special_tokens=False), []
+        if images:
+            prompt_ids, mm_items = await self.chat.image_prompt(prompt_text, images, None, "input")
         constraint, opens = self.chat.after_reasoning(plan.constraint, prompt_text)
         response_id, keys, headers = s.request_ids(http_request, "resp_", req.request_id)
         group = s.start(
             response_id, keys, req.to_sampling(), [prompt_ids], "input",
-            structured_output=constraint, lora=lora,
+            structured_output=constraint, lora=lora, mm_items=mm_items,
         )  # fmt: skip
         params = group.gens[0].params
         draft = _Draft(req, response_id, group.model_name, params.temperature, params.top_p)

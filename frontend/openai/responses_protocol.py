@@ -22,7 +22,7 @@ import msgspec
 from msgspec import UNSET
 
 from enginecore.messages import StructuredOutputSpec
-from frontend.common.decoding import Unsupported, check_unsupported, normalize_messages
+from frontend.common.decoding import Unsupported, check_unsupported
 from frontend.common.errors import bad_request
 from frontend.serving.sampling import RequestSampling, stop_list
 from frontend.text.structured_outputs import from_response_format, structured_output_spec
@@ -147,8 +147,9 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         )
 
     def messages(self, history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-        """The chat messages the prompt is rendered from: instructions, the previous response's
-        conversation (`history`), then the input."""
+        """The chat messages the prompt is rendered from, in chat completions' shape (images as
+        image_url parts): instructions, the previous response's conversation (`history`), then
+        the input."""
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
@@ -161,7 +162,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
             known = {c["id"] for m in messages for c in m.get("tool_calls") or []}
             for i, item in enumerate(self.input):
                 _add_item(messages, i, item, known)
-        return normalize_messages(messages)
+        return messages
 
 
 def _add_item(messages: list[dict[str, Any]], i: int, item: Any, known_calls: set[str]) -> None:
@@ -225,6 +226,21 @@ def _parts_text(i: int, parts: list[Any], field: str = "content") -> str:
     return "\n".join(texts)
 
 
+def _chat_parts(i: int, parts: list[Any]) -> list[dict[str, Any]]:
+    """A message's parts with an `input_image` as chat completions' text and image_url parts
+    (`detail` is accepted and ignored, as vLLM does; file_id images are not served)."""
+    out = []
+    for j, part in enumerate(parts):
+        param = f"input[{i}].content[{j}]"
+        if part.get("type") == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise bad_request("an input_image needs image_url (file_id is not served)", param)
+            out.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            out.append({"type": "text", "text": _parts_text(i, [part])})
+    return out
+
+
 def _input_message(i: int, item: dict[str, Any]) -> dict[str, Any]:
     role = item.get("role")
     if role not in _ROLES:
@@ -232,7 +248,11 @@ def _input_message(i: int, item: dict[str, Any]) -> dict[str, Any]:
             f"role must be one of {', '.join(_ROLES)}, not {role!r}", f"input[{i}].role"
         )
     content = item.get("content")
-    if isinstance(content, list):
+    if isinstance(content, list) and any(
+        isinstance(part, dict) and part.get("type") == "input_image" for part in content
+    ):
+        content = _chat_parts(i, content)
+    elif isinstance(content, list):
         content = _parts_text(i, content)
     elif not isinstance(content, str):
         raise bad_request("content must be a string or a list of parts", f"input[{i}].content")

@@ -132,6 +132,7 @@ class InfoServing:
             "engine": {
                 "model_summary": ready.model_summary,
                 "task": ready.task,
+                "input_modalities": ["text", "image"] if self.serving.images else ["text"],
                 "num_kv_blocks": ready.num_kv_blocks,
                 "block_size": ready.block_size,
                 "max_model_len": ready.max_model_len,
@@ -191,7 +192,7 @@ class InfoServing:
             "is_generation": self.ready.task == "generate",
             "preferred_sampling_params": None,
             "weight_version": control.weight_version,
-            "has_image_understanding": False,
+            "has_image_understanding": self.serving.images is not None,
             "has_audio_understanding": False,
             "architectures": [self.ready.model_summary.split(":")[0]],
             "model_type": _model_type(self.config.model.path),

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from enginecore.messages import SamplingParams, StructuredOutputSpec
+from enginecore.messages import MultiModalItem, SamplingParams, StructuredOutputSpec
 from frontend.common.errors import APIError, bad_request, engine_dead_error
 from frontend.common.http import REQUEST_ID_HEADER, sse
 from frontend.engine.client import EngineClient, EngineDeadError
@@ -37,6 +37,7 @@ _DONE = b"data: [DONE]\n\n"
 
 if TYPE_CHECKING:
     from frontend.common.metrics import Metrics
+    from frontend.media.prompts import ImagePrompts
     from frontend.text.tokenizer import Tokenizer
 
 
@@ -65,6 +66,8 @@ class OpenAIServing:
         self.metrics = metrics
         self.records_routing = records_routing
         self.inflight = InflightRequests()
+        # The image path (frontend/media/), where the model's images are served.
+        self.images: ImagePrompts | None = None
         # The LoRA adapters served ({name: {"version", "loaded", "path"}}), as the engine core's
         # control state last said (frontend/control/serving.py refreshes it); None: LoRA is off.
         self.adapters: dict[str, dict[str, Any]] | None = None
@@ -164,6 +167,7 @@ class OpenAIServing:
         discard_output: bool = False,
         structured_output: StructuredOutputSpec | None = None,
         lora: str | None | Sequence[str | None] = None,
+        mm_items: Sequence[MultiModalItem] = (),
     ) -> RequestGroup:
         """Checks every prompt, then starts n engine requests per prompt (all or none): samples
         0..n-1 of prompt 0, then of prompt 1... (frontend/serving/sampling.py says how they differ).
@@ -172,6 +176,7 @@ class OpenAIServing:
         prompt token show (None: no logprobs). `discard_output`: see Generation.
         `structured_output`: the grammar every sample's output follows.
         `lora`: the LoRA adapter every prompt runs on, or one per prompt (None: the base model).
+        `mm_items`: the images of the (one) prompt (frontend/media/).
         """
         loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
         if len(loras) != len(prompts):
@@ -194,7 +199,7 @@ class OpenAIServing:
                     )
                     gen = Generation(
                         self.engine, next(engine_ids), prompt_ids, p, detokenizer, self.metrics,
-                        discard_output, structured_output, lora_name,
+                        discard_output, structured_output, lora_name, list(mm_items),
                     )  # fmt: skip
                     gens.append(gen)
         except EngineDeadError as e:

@@ -7,9 +7,12 @@ The routes themselves (their requests, their answers) live in their API packages
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
-from enginecore.messages import StructuredOutputSpec
+from enginecore.messages import MultiModalItem, StructuredOutputSpec
+from frontend.common.decoding import ImageRef
 from frontend.serving.base import OpenAIServing
 from frontend.text.chat_options import ChatOptions
 from frontend.text.chat_output import ChoiceParser
@@ -48,6 +51,20 @@ class ChatPath:
                 constraint, reasoning_end_token_ids=self._reasoning_end_ids
             )
         return constraint, opens
+
+    async def image_prompt(
+        self,
+        prompt_text: str,
+        images: list[ImageRef],
+        options: dict[str, Any] | None,
+        param: str,
+        add_special_tokens: bool = False,
+    ) -> tuple[list[int], list[MultiModalItem]]:
+        """A rendered chat prompt with image markers -> its token ids with the images'
+        placeholders, and the images' items (frontend/media/)."""
+        images_path = self.serving.images
+        assert images_path is not None, "image parts are only collected where images are served"
+        return await images_path.make(prompt_text, images, options, param, add_special_tokens)
 
     def choice_parser(
         self, plan: ToolPlan, opens_reasoning: bool, include_reasoning: bool = True

@@ -23,6 +23,7 @@ from enginecore.messages import (
     EngineCoreRequest,
     FinishReason,
     Logprobs,
+    MultiModalItem,
     SamplingParams,
     StructuredOutputSpec,
 )
@@ -54,8 +55,10 @@ class Generation:
         discard_output: bool = False,
         structured_output: StructuredOutputSpec | None = None,
         lora_name: str | None = None,
+        mm_items: list[MultiModalItem] | None = None,
     ) -> None:
-        """`lora_name`: the LoRA adapter it runs on (None: the base model).
+        """`lora_name`: the LoRA adapter it runs on (None: the base model). `mm_items`: its
+        prompt's images.
         `discard_output`: the output is not wanted (completions' echo with max_tokens 0): the
         request runs only for its prompt logprobs, and finishes with "length" and no tokens."""
         self.engine = engine
@@ -95,6 +98,7 @@ class Generation:
                 arrival_time=time.time(),
                 structured_output=structured_output,
                 lora_name=lora_name,
+                mm_items=mm_items or [],
             )
         )
 

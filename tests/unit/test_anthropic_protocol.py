@@ -73,8 +73,12 @@ def test_tools_and_tool_choice() -> None:
     ("fields", "param"),
     [
         (
-            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
             "messages[0].content[0].type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "messages[0].content[0].source",
         ),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": 1.5}, "temperature"),

@@ -87,7 +87,7 @@ def test_responses_input_forms_become_chat_messages() -> None:
     [
         ({"type": "function_call_output", "call_id": "x", "output": "1"}, "input[0].call_id"),
         (
-            {"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]},
+            {"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]},
             "input[0].content[0]",
         ),
         ({"role": "wizard", "content": "hi"}, "input[0].role"),

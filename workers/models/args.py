@@ -17,6 +17,7 @@ from enginecore.model_task import (
     is_multimodal,
     model_task,
     num_labels_of,
+    takes_images,
     text_config_of,
 )
 from workers.layers.rotary import RopeParams
@@ -46,14 +47,19 @@ class ModelArgs:
     task: str = "generate"
     expert_parallel: bool = False  # --enable-expert-parallel (set by the model runner)
     # Released with a vision tower (*ForConditionalGeneration): the language model's weights are
-    # under its prefix, the vision tower's are skipped.
+    # under its prefix; the vision tower's are skipped unless tern serves its images (takes_images:
+    # the first pipeline stage then builds the image encoder from image_config, the outer config.json).
     multimodal: bool = False
+    takes_images: bool = False
+    image_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # The whole config.json (its text part), for what only one family reads: its DecoderSpec.
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], task: str = "auto") -> ModelArgs:
-        multimodal = is_multimodal(hf)
+        multimodal, outer = is_multimodal(hf), hf
+        task = model_task(hf, task).task
+        images = takes_images(outer) and task == "generate"
         hf = text_config_of(hf)
         architecture = architecture_of(hf)
         heads = hf["num_attention_heads"]
@@ -74,9 +80,11 @@ class ModelArgs:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
             num_labels=num_labels_of(hf),
-            task=model_task(hf, task).task,
+            task=task,
             hf_config=hf,
             multimodal=multimodal,
+            takes_images=images,
+            image_config=outer if images else {},
         )
 
 

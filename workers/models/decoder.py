@@ -11,7 +11,9 @@ linear attention (workers/layers/gated_delta_net.py) and that attention has an o
 names mirror Hugging Face (`model.layers.N.self_attn.qkv_proj`, ...) so the weight loader only maps
 q/k/v and gate/up (and splits checkpoints that store them fused: Phi-3, GLM-4). Pooling models put
 another head on the same DecoderModel: workers/models/pooling.py. Checkpoints released with a vision
-tower (`*ForConditionalGeneration`) load their language model (`language_model_name`).
+tower (`*ForConditionalGeneration`) load their language model (`language_model_name`), and where
+tern serves their images (LLaVA) the first stage also holds the image encoder (`vision`), whose rows
+replace the image placeholders' embeddings.
 
 Every softmax-attention layer of these families can take the fused decode path
 (workers/kernels/fused_decode.py: norms where the spec puts them, q/k norms, rotation whole, partial,
@@ -45,12 +47,14 @@ from workers.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     copy_checked,
+    default_weight_loader,
 )
 from workers.layers.moe import MoESpec, SparseMoE
 from workers.layers.norm import RMSNorm, ShardedRMSNorm
 from workers.layers.rotary import RopeParams, RotaryEmbedding
 from workers.models.args import ModelArgs
 from workers.models.kv_cache_groups import cache_slots, plan_kv_cache_groups
+from workers.vision.encoders import build_image_encoder
 
 # The norm slots of a layer, in the order the residual stream meets them.
 NORM_SLOTS = ("input", "attn_out", "pre_mlp", "mlp_out")
@@ -455,6 +459,7 @@ class DecoderModel(nn.Module):
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
         intermediate: torch.Tensor | None = None,
+        image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """(T,) ids, or on later stages the previous stage's (2, T, hidden) -> see DecoderForCausalLM."""
         if self.embed_tokens is not None:
@@ -462,6 +467,11 @@ class DecoderModel(nn.Module):
             if self.spec.embed_scale != 1.0:
                 # NOTE: the scale rounded to the activations' dtype first, as Hugging Face's Gemma.
                 x = x * torch.tensor(self.spec.embed_scale).to(x.dtype)
+            if image_embeds is not None:
+                # The image encoder's rows replace its placeholders' embeddings (after the scale,
+                # which Hugging Face applies to the text's only).
+                rows, features = image_embeds
+                x = x.index_copy(0, rows, features.to(x.dtype))
         else:
             assert intermediate is not None, (
                 "a later pipeline stage needs the previous one's output"
@@ -538,6 +548,15 @@ class DecoderForCausalLM(nn.Module):
         self.spec = spec
         self.model = DecoderModel(args, ctx, spec)
         self.mtp: nn.Module | None = None  # the multi-token-prediction head, when it drafts
+        # The image encoder (workers/vision/), on the first pipeline stage of a model whose images
+        # tern serves: its parameters are the model's (loaded, updated and slept with them).
+        self.vision = (
+            build_image_encoder(args.image_config)
+            if args.takes_images and ctx.is_first_stage
+            else None
+        )
+        for param in self.vision.parameters() if self.vision is not None else ():
+            param.weight_loader = default_weight_loader  # unsharded: copied whole on every rank
         self.lm_head = None
         if ctx.is_last_stage:
             self.lm_head = ParallelLMHead(
@@ -551,11 +570,13 @@ class DecoderForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
         intermediate: torch.Tensor | None = None,
+        image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Token ids (T,) -> final hidden states (T, hidden) on the last pipeline stage, hidden
         states and residual stacked (2, T, hidden) on the others. Positions come from `meta`;
-        `intermediate` is the previous stage's output (None on the first stage)."""
-        return self.model(input_ids, meta, intermediate)
+        `intermediate` is the previous stage's output (None on the first stage); `image_embeds`
+        (first stage), the flat batch's image placeholder rows (R,) and their features (R, hidden)."""
+        return self.model(input_ids, meta, intermediate, image_embeds)
 
     def local_weight_name(self, name: str) -> str | None:
         """The name this stage loads checkpoint tensor `name` as, or None if another stage holds it.
@@ -564,6 +585,8 @@ class DecoderForCausalLM(nn.Module):
         """
         if name.startswith("mtp."):  # Qwen3.5's multi-token-prediction head, if it drafts
             return name if self.mtp is not None else None
+        if self.vision is not None and (local := self.vision.local_weight_name(name)) is not None:
+            return "vision." + local
         if self.args.multimodal and (name := language_model_name(name)) is None:
             return None
         parts = name.split(".")

@@ -60,9 +60,10 @@ class DecoderForPooling(nn.Module):
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
         intermediate: torch.Tensor | None = None,
+        image_embeds: None = None,
     ) -> torch.Tensor:
         """As DecoderForCausalLM's: final hidden states (T, hidden) on the last stage, hidden states
-        and residual (2, T, hidden) on the others."""
+        and residual (2, T, hidden) on the others (pooling models take no images)."""
         return self.model(input_ids, meta, intermediate)
 
     def local_weight_name(self, name: str) -> str | None:

@@ -215,8 +215,13 @@ class StepInputs:
             out.append(r)
         return out
 
-    def build(self, reqs: list[ScheduledRequest]) -> tuple[torch.Tensor, AttentionMetadata]:
-        """The step's token ids (T,) and attention metadata; sets the step's LoRA slots."""
+    def build(
+        self,
+        reqs: list[ScheduledRequest],
+        bidirectional_spans: list[list[tuple[int, int]]] | None = None,
+    ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The step's token ids (T,) and attention metadata; sets the step's LoRA slots.
+        `bidirectional_spans`: per request, the prompt runs its attention sees both ways."""
         input_ids = torch.tensor(
             [t for r in reqs for t in r.token_ids], dtype=torch.int64, device=self.device
         )
@@ -229,6 +234,7 @@ class StepInputs:
             self.device,
             [[t[g] for t in tables] for g in range(1, len(self.kv_cache_groups))],
             [self.config.model.batch_invariant or r.num_draft_tokens > 0 for r in reqs],
+            bidirectional_spans,
         )
         if self.lora_batch is not None:
             self.lora_batch.slots = self._token_lora_slots(reqs)

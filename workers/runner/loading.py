@@ -8,7 +8,7 @@ update, rollback, sleep and wake-up); the step never reads it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -227,7 +227,9 @@ def describe_model(
         params += f", tp {tp} x pp {pp}"
     if pooler is not None:
         params += f", task {a.task} ({pooler.pooling_type} pooling)"
-    if a.multimodal:
+    if a.takes_images:
+        params += ", with its image encoder"
+    elif a.multimodal:
         params += ", its language model only (image inputs are not served)"
     dtype_name = str(dtype).removeprefix("torch.")
     if weight_dtype != dtype:
@@ -245,10 +247,14 @@ class ServedWeights:
     def __init__(self, model: torch.nn.Module, draft: Drafter | None) -> None:
         self.model = model
         self.draft = draft.own_weights() if draft is not None else None
+        # Called after every change of the weights (what was derived from the old ones is stale).
+        self.on_change: list[Callable[[], None]] = []
 
     def repack(self) -> None:
         """Re-derive the layers' packed copies of their weights (linear.pack_weight): after every
         change of the weights (update, rollback) and when they are discarded or come back."""
+        for callback in self.on_change:
+            callback()
         for model in self._models():
             for module in model.modules():
                 if isinstance(module, (LinearBase, ParallelLMHead, RMSNorm)):

@@ -44,12 +44,14 @@ from enginecore.messages import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from enginecore.model_task import WHOLE_IMAGE_SPAN_ARCHITECTURES
 from workers.distributed import ParallelContext
 from workers.kernels import fused_decode
 from workers.layers.attention import AttentionMetadata
 from workers.layers.pooler import Pooler, PoolingState
 from workers.models.args import load_model_args
 from workers.models.kv_cache_groups import KVCacheGroup
+from workers.runner.images import ImageInputs
 from workers.runner.inputs import StepInputs
 from workers.runner.kv_cache import KVCache
 from workers.runner.loading import (
@@ -114,6 +116,8 @@ class ModelRunner:
         self.sampler = Sampler()
         # Speculative decoding's drafter on the workers, if any (loading.build_drafter).
         self.draft: Drafter | None = None
+        # The running requests' images and their encoder outputs (models whose images are served).
+        self.images: ImageInputs | None = None
         self._processed_logprobs = config.model.logprobs_mode == "processed_logprobs"
         # Seconds spent in each phase of the last step (scripts/bench_step.py reads it).
         self.last_step_timings: dict[str, float] = {}
@@ -138,6 +142,10 @@ class ModelRunner:
             self.config, model, self.args, self.parallel, self.device, self.dtype
         )
         self.weights = ServedWeights(model, self.draft)
+        if self.args.takes_images:
+            whole = self.args.architecture in WHOLE_IMAGE_SPAN_ARCHITECTURES
+            self.images = ImageInputs(model.vision, self.device, bidirectional=whole)
+            self.weights.on_change.append(self.images.weights_changed)
         self.cache.bind(model, self.draft)
         self.inputs.bind(model, lora_batch, self.draft, self.max_model_len)
         self.weights.repack()
@@ -239,13 +247,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         empty = ModelRunnerOutput(step.step_id, [], [])
         self.inputs.update(step)
+        if self.images is not None:
+            self.images.update(step)
         reqs = step.requests
         if not reqs:
             return empty, None
         self.inputs.validate(reqs)
         if self.draft is not None:
             reqs = self.inputs.add_model_drafts(reqs)
-        input_ids, meta = self.inputs.build(reqs)
+        spans = self.images.bidirectional_spans(reqs) if self.images is not None else None
+        input_ids, meta = self.inputs.build(reqs, spans)
         t1 = time.perf_counter()
         timings["prepare"] = t1 - t0
         hidden, routes = self._forward(reqs, input_ids, meta)
@@ -289,9 +300,14 @@ class ModelRunner:
             if routing.layers_before:
                 shape = (num_tokens, routing.layers_before, routing.top_k)
                 earlier_routes = p.recv_from_prev_stage(shape, torch.int16, self.device)
+        t0 = time.perf_counter()  # the image encoder's share of the forward, timed apart
+        image_embeds = None
+        if self.images is not None and self.images.encoder is not None:
+            image_embeds = self.images.embeddings(reqs)
+        self.last_step_timings["encode"] = time.perf_counter() - t0
         # Every step's routing is counted (tern:moe_expert_tokens); requests get it on demand.
         routing.start()
-        hidden = self.model(input_ids, meta, intermediate)
+        hidden = self.model(input_ids, meta, intermediate, image_embeds)
         self.inputs.keep_drafted_states(reqs, meta.draft_seqs)
         if self.draft is not None:  # (a pooling model has no MTP head)
             mtp = getattr(self.model, "mtp", None)

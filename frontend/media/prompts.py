@@ -1,0 +1,44 @@
+"""A chat prompt's images from request to engine: the image parts' URLs (collected in order by
+frontend/common/decoding.py), checked against --limit-mm-per-prompt, fetched or decoded under the
+server's media policy, and processed with the prompt's text (processing.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from enginecore.messages import MultiModalItem
+from frontend.common.decoding import ImageRef
+from frontend.media.images import decode_image
+from frontend.media.limits import check_limits
+from frontend.media.policy import MediaPolicy
+from frontend.media.processing import ImageProcessor
+from frontend.media.sources import load_media_bytes
+
+
+class ImagePrompts:
+    """The server's image path: its media policy and the model's processor."""
+
+    def __init__(self, processor: ImageProcessor, policy: MediaPolicy) -> None:
+        self.processor = processor
+        self.policy = policy
+
+    async def make(
+        self,
+        text: str,
+        refs: list[ImageRef],
+        options: dict[str, Any] | None,
+        param: str,
+        add_special_tokens: bool = False,
+    ) -> tuple[list[int], list[MultiModalItem]]:
+        """The prompt's token ids (placeholders expanded) and its images' items. `text` is the
+        chat template's output, with one image marker per ref; `options`: mm_processor_kwargs."""
+        check_limits({"image": len(refs)}, self.policy, param)
+        images = []
+        for ref in refs:
+            data = await load_media_bytes(ref.url, self.policy, ref.param)
+            images.append(await asyncio.to_thread(decode_image, data, self.policy, ref.param))
+        # NOTE: off the event loop: preprocessing an image takes milliseconds of CPU.
+        return await asyncio.to_thread(
+            self.processor.process, text, images, options or {}, param, add_special_tokens
+        )

@@ -1,0 +1,228 @@
+"""Images in, through a real server, against Hugging Face: a tiny random LLaVA (a CLIP tower and a
+projector before a Llama; its processor saved beside it) answers chat requests with images, each
+greedy answer token for token the one `LlavaForConditionalGeneration.generate` gives in float32.
+
+The server computes prompts in chunks of 32 tokens (an image is 16 placeholders: chunks split
+images), keeps 10 KV blocks of 16 (concurrent requests preempt each other), and allows two images
+per prompt and local files under one folder. Two different images give different answers, so no
+test passes with the image ignored."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import make_tiny_model
+
+MAX_TOKENS = 8
+
+
+def _image(seed: int, size: tuple[int, int] = (40, 48)) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def _data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
+    if tokenizer_dir is None:
+        pytest.skip("needs the default model's tokenizer")
+    return make_tiny_model("llava", tmp_path_factory.mktemp("llava"), tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("media")
+    _image(7).save(folder / "seven.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(shared_server: Any, llava_dir: Path, media_dir: Path) -> Any:
+    return shared_server(
+        "--model", str(llava_dir), "--served-model-name", "vl",
+        "--max-num-batched-tokens", "32", "--num-gpu-blocks-override", "10",
+        "--limit-mm-per-prompt", json.dumps({"image": 2}),
+        "--allowed-local-media-path", str(media_dir),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def client(server: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+
+
+class _HF:
+    """Hugging Face's answers for the same messages and images."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import transformers
+
+        self.processor = transformers.AutoProcessor.from_pretrained(model_dir)
+        self.model = transformers.LlavaForConditionalGeneration.from_pretrained(
+            model_dir, dtype=torch.float32
+        ).eval()
+
+    def greedy(self, text: str, images: list[Image.Image]) -> list[int]:
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        prompt = self.processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+        inputs = self.processor(
+            text=[prompt], images=[images] if images else None, add_special_tokens=False,
+            return_tensors="pt",
+        )  # fmt: skip
+        with torch.inference_mode():
+            out = self.model.generate(
+                **inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
+            )
+        return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@pytest.fixture(scope="module")
+def hf(llava_dir: Path) -> _HF:
+    return _HF(llava_dir)
+
+
+def _ask(client: openai.OpenAI, text: str, urls: list[str], **kwargs: Any) -> Any:
+    content = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    content.append({"type": "text", "text": text})
+    return client.chat.completions.create(
+        model="vl", messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS,
+        temperature=0, logprobs=True, extra_body={"return_token_ids": True}, **kwargs,
+    )  # fmt: skip
+
+
+def _tokens(response: Any) -> list[int]:
+    return response.choices[0].token_ids
+
+
+def test_one_image_is_hf_exact_and_the_image_matters(client: openai.OpenAI, hf: _HF) -> None:
+    text = "What is in this picture? Describe it in a few words."
+    first = _ask(client, text, [_data_url(_image(1))])
+    other = _ask(client, text, [_data_url(_image(2))])
+    assert _tokens(first) == hf.greedy(text, [_image(1)])
+    assert _tokens(other) == hf.greedy(text, [_image(2)])
+    assert _tokens(first) != _tokens(other)
+    assert first.usage.prompt_tokens > 16  # the image's placeholders are prompt tokens
+
+
+def test_two_images_jpeg_and_a_local_file(client: openai.OpenAI, hf: _HF, media_dir: Path) -> None:
+    text = "Compare the two pictures."
+    jpeg = _image(3)
+    buf = io.BytesIO()
+    jpeg.save(buf, format="JPEG")
+    decoded = Image.open(io.BytesIO(buf.getvalue())).convert("RGB")  # what the server sees
+    urls = [_data_url(jpeg, "JPEG"), (media_dir / "seven.png").as_uri()]
+    r = _ask(client, text, urls)
+    assert _tokens(r) == hf.greedy(text, [decoded, _image(7)])
+
+
+def test_prefix_hit_with_the_same_image_and_none_with_another(
+    client: openai.OpenAI, hf: _HF
+) -> None:
+    text = "A long question about this picture, asked twice with the same words and image."
+    url = _data_url(_image(4))
+    first = _ask(client, text, [url])
+    again = _ask(client, text, [url])
+    assert _tokens(again) == _tokens(first) == hf.greedy(text, [_image(4)])
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+    # The same placeholder ids standing for another image: no block holding them may hit.
+    other = _ask(client, text, [_data_url(_image(5))])
+    assert _tokens(other) == hf.greedy(text, [_image(5)])
+    cached = other.usage.prompt_tokens_details.cached_tokens or 0
+    assert cached <= _first_placeholder(first)
+
+
+def _first_placeholder(response: Any) -> int:
+    """Where the image's placeholders start in the prompt (the tokens before can be shared)."""
+    ids = response.prompt_token_ids
+    image_token = max(set(ids), key=ids.count)  # 16 placeholders: the most frequent id
+    return ids.index(image_token)
+
+
+def test_a_batch_mixing_text_and_images_with_preemption(client: openai.OpenAI, hf: _HF) -> None:
+    """Eight requests at once in 10 blocks: they preempt each other and all finish HF-exact."""
+    jobs = [(f"Picture number {i}, what do you see?", [i + 10] if i % 2 else []) for i in range(8)]
+
+    def run(job: tuple[str, list[int]]) -> list[int]:
+        text, seeds = job
+        return _tokens(_ask(client, text, [_data_url(_image(s)) for s in seeds]))
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(run, jobs))
+    for (text, seeds), answer in zip(jobs, answers):
+        assert answer == hf.greedy(text, [_image(s) for s in seeds])
+
+
+def test_logprobs_match_hf(client: openai.OpenAI, hf: _HF) -> None:
+    text = "Logprobs of an answer about a picture."
+    r = _ask(client, text, [_data_url(_image(6))])
+    content = [{"type": "image"}, {"type": "text", "text": text}]
+    prompt = hf.processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    inputs = hf.processor(text=[prompt], images=[[_image(6)]], add_special_tokens=False,
+                          return_tensors="pt")  # fmt: skip
+    ids = torch.tensor([[*inputs["input_ids"][0].tolist(), *_tokens(r)]])
+    with torch.inference_mode():
+        logits = hf.model(
+            input_ids=ids, pixel_values=inputs["pixel_values"],
+            attention_mask=torch.ones_like(ids),
+        ).logits[0].float()  # fmt: skip
+    n = inputs["input_ids"].shape[1]
+    expected = torch.log_softmax(logits[n - 1 : -1], -1)
+    for i, item in enumerate(r.choices[0].logprobs.content):
+        assert abs(item.logprob - expected[i, _tokens(r)[i]].item()) < 1e-3
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("data:image/png;base64,@@not base64@@", "base64"),
+        ("data:image/png;base64," + base64.b64encode(b"plain text, not pixels").decode(), "image"),
+        ("file:///etc/hostname", "allowed"),
+        ("http://127.0.0.1:1/cat.png", "allowed"),
+        ("ftp://example.com/cat.png", "ftp"),
+    ],
+)
+def test_bad_images_are_400_naming_the_part(
+    client: openai.OpenAI, server: Any, url: str, message: str
+) -> None:
+    parts = [{"type": "text", "text": "What is this?"},
+             {"type": "image_url", "image_url": {"url": url}}]  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="vl", messages=[{"role": "user", "content": parts}], max_tokens=4
+        )
+    assert info.value.body["param"] == "messages[0].content[1]"
+    assert message in info.value.body["message"]
+    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+
+
+def test_too_many_images_is_400(client: openai.OpenAI) -> None:
+    urls = [_data_url(_image(i)) for i in range(3)]
+    with pytest.raises(openai.BadRequestError) as info:
+        _ask(client, "Three pictures.", urls)
+    assert "2" in info.value.body["message"]
+
+
+def test_server_info_says_it_takes_images(server: Any) -> None:
+    info = server.server_info()
+    assert info["engine"]["input_modalities"] == ["text", "image"]
