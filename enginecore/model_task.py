@@ -91,11 +91,11 @@ MULTIMODAL_ARCHITECTURES = (
 )
 # Of those, the ones whose images tern serves too (an encoder in workers/vision/); the others serve
 # their language model only.
-IMAGE_INPUT_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+IMAGE_INPUT_ARCHITECTURES = ("LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration")
 # Of those, the ones whose language model attends in both directions inside each image's
 # placeholders (Hugging Face's Gemma 3): an image's run of placeholders is never split across prefill
 # chunks nor cut by a prefix-cache hit.
-WHOLE_IMAGE_SPAN_ARCHITECTURES: tuple[str, ...] = ()
+WHOLE_IMAGE_SPAN_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 
 # Head -> the tasks it serves, the one `--task auto` picks first.
 _TASKS_OF_HEAD = {

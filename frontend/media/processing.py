@@ -10,6 +10,7 @@ TensorData), never pickled.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,11 @@ from PIL import Image
 
 from enginecore.messages import MultiModalItem, TensorData
 from frontend.common.errors import bad_request
+
+# Image-processor settings a request may not set: where the outputs go and in what form.
+_RESERVED_OPTIONS = ("return_tensors", "device", "data_format", "input_data_format")
+# The largest number a request's mm_processor_kwargs may hold (sizes in pixels, crop counts).
+MAX_OPTION_SIZE = 4096
 
 
 class ImageProcessor:
@@ -30,7 +36,13 @@ class ImageProcessor:
             self.hf = AutoProcessor.from_pretrained(str(model_path))
         except Exception as e:
             raise ValueError(f"cannot load the image processor of {model_path}: {e}") from e
-        self.placeholder_id = int(self.hf.image_token_id)
+        # The token the model's encoder rows replace: config.json's, as the model reads it (a
+        # processor's image_token_id may name the begin-of-image marker instead).
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        placeholder = config.get("image_token_id", config.get("image_token_index"))
+        if not isinstance(placeholder, int):
+            raise ValueError(f"{model_path}/config.json names no image_token_id")
+        self.placeholder_id = placeholder
         # The text that stands for one image in a prompt (Gemma 3's processor expands its
         # begin-of-image token; LLaVA's its image token).
         self.marker = getattr(self.hf, "boi_token", None) or self.hf.image_token
@@ -76,12 +88,20 @@ class ImageProcessor:
         return prompt_ids, items
 
     def _check_options(self, options: dict[str, Any]) -> None:
-        known = self.hf.image_processor.to_dict()
-        unknown = sorted(k for k in options if k not in known)
+        """mm_processor_kwargs may set what the image processor takes per call, but not where
+        its outputs go, nor sizes that would make one request's tensors huge."""
+        image_processor = self.hf.image_processor
+        valid = getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {})
+        unknown = sorted(k for k in options if k not in valid or k in _RESERVED_OPTIONS)
         if unknown:
             raise bad_request(
                 f"mm_processor_kwargs: {', '.join(unknown)} is not a setting of this model's "
-                f"image processor ({type(self.hf.image_processor).__name__})",
+                f"image processor ({type(image_processor).__name__})",
+                "mm_processor_kwargs",
+            )
+        if _largest_int(options) > MAX_OPTION_SIZE:
+            raise bad_request(
+                f"mm_processor_kwargs: sizes above {MAX_OPTION_SIZE} are not served",
                 "mm_processor_kwargs",
             )
 
@@ -101,6 +121,14 @@ class ImageProcessor:
             if name not in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
         }
         return tensors, num_rows
+
+
+def _largest_int(value: Any) -> int:
+    if isinstance(value, dict):
+        return max(map(_largest_int, value.values()), default=0)
+    if isinstance(value, (list, tuple)):
+        return max(map(_largest_int, value), default=0)
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
 
 
 def _placeholder_runs(ids: list[int], placeholder: int) -> list[tuple[int, int]]:

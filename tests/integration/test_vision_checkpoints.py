@@ -1,6 +1,7 @@
-"""A checkpoint released with a vision tower (Gemma3ForConditionalGeneration, tiny and random) served
-by a real server: its language model answers text, the start-up log says image inputs are not
-served, and a request with an image part is a 400 naming that part, on chat and on Messages."""
+"""Checkpoints released with a vision tower, tiny and random, served by a real server: one whose
+images tern does not serve (Qwen3_5ForConditionalGeneration) answers text, the start-up log says
+image inputs are not served, and a request with an image part is a 400 naming that part, on chat
+and on Messages; Gemma 3's language model keeps its sliding layers' windows."""
 
 from __future__ import annotations
 
@@ -18,17 +19,31 @@ from tests.conftest import make_tiny_model
 IMAGE = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYAAAAAYAAjCB0C8AAAAASUVORK5CYII="
 
 
+def _serve(
+    arch: str, shared_server: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Any
+) -> Any:
+    if tokenizer_dir is None:
+        pytest.skip("needs the default model's tokenizer")
+    model_dir = make_tiny_model(arch, tmp_path_factory.mktemp(arch), tokenizer_dir)
+    return shared_server("--model", str(model_dir), "--served-model-name", "vl")
+
+
 @pytest.fixture(scope="module")
 def server(
     shared_server: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None
 ) -> Any:
-    if tokenizer_dir is None:
-        pytest.skip("needs the default model's tokenizer")
-    model_dir = make_tiny_model("gemma3_vl", tmp_path_factory.mktemp("vl"), tokenizer_dir)
-    return shared_server("--model", str(model_dir), "--served-model-name", "vl")
+    return _serve("gemma3_vl", shared_server, tmp_path_factory, tokenizer_dir)
 
 
-def test_text_is_served_and_images_are_400(server: Any) -> None:
+@pytest.fixture(scope="module")
+def text_only_server(
+    shared_server: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None
+) -> Any:
+    return _serve("qwen3_5_vl", shared_server, tmp_path_factory, tokenizer_dir)
+
+
+def test_text_is_served_and_images_are_400(text_only_server: Any) -> None:
+    server = text_only_server
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     r = client.chat.completions.create(
         model="vl", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
