@@ -48,7 +48,7 @@ def main(folder: str, wall: str, workers: str, suffix: str) -> None:
         f" {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"total wall time: {int(wall)} s (setup_env included)",
         *(f"run {name}: {run['wall_seconds']:.0f} s wall" for name, run in runs.items()),
-        f"unit lane workers (pytest-xdist): {workers}",
+        f"unit and server lanes workers (pytest-xdist): {workers}",
         "",
         "lane        tests   summed s  (setup + call + teardown of each test)",
         *(f"{lane:<10} {len(s):>6} {sum(s):>10.1f}" for lane, s in sorted(lanes.items())),
