@@ -93,7 +93,10 @@ class ImageInputs:
 
     def embeddings(self, reqs: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The flat batch's placeholder rows (R,) and the encoder features that fill them
-        (R, hidden), encoding the images not cached; None when no chunk holds a placeholder."""
+        (R, hidden), encoding the images not cached; None when no chunk holds a placeholder, and
+        on later pipeline stages (they take the first stage's hidden states)."""
+        if self.encoder is None:
+            return None
         rows: list[torch.Tensor] = []
         features: list[torch.Tensor] = []
         first = 0  # the chunk's first row in the flat batch
@@ -134,7 +137,7 @@ class ImageInputs:
         output = self.cache.get(item.content_hash)
         if output is not None:
             return output
-        assert self.encoder is not None, "only the first pipeline stage encodes images"
+        assert self.encoder is not None
         if not item.tensors:
             raise ValueError(f"image {item.content_hash[:12]} arrived without its tensors")
         tensors = {name: tensor_from_data(t, self.device) for name, t in item.tensors.items()}

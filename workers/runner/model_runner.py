@@ -6,8 +6,9 @@ stop conditions or text. Each step it
 1. forgets finished requests, starts or extends the block tables of the scheduled ones;
 2. flattens every scheduled token (prefill chunks and decodes mixed) into one batch and builds the
    attention metadata (positions, cache slots, block tables, gather indices) for it;
-3. runs the model once and the LM head only on the last token of the requests that sample (and
-   on the prompt positions of requests that asked for prompt logprobs);
+3. runs the image encoder on the images the step's chunks reach first (images.py), the model once,
+   and the LM head only on the last token of the requests that sample (and on the prompt positions
+   of requests that asked for prompt logprobs);
 4. samples those rows (logits processors first) and returns the tokens in batch order, with the
    logprobs of the requests that asked for them.
 A pooling model (--task embed, classify, reward) samples nothing: step 3 adds each request's
@@ -23,8 +24,9 @@ all-gather and return an empty output. Pooled vectors travel the same way: every
 pools (the hidden states are replicated after the all-reduce) and runs the head, the driver returns.
 
 The runner is the step; what it holds lives beside it in workers/runner/: the requests' states and
-each step's batch (inputs.py), the KV cache and state pools (kv_cache.py), the model's loading,
-dtypes and weights (loading.py), the MoE routing capture (routing.py).
+each step's batch (inputs.py), their images and the encoder cache (images.py), the KV cache and
+state pools (kv_cache.py), the model's loading, dtypes and weights (loading.py), the MoE routing
+capture (routing.py).
 """
 
 from __future__ import annotations
@@ -301,9 +303,7 @@ class ModelRunner:
                 shape = (num_tokens, routing.layers_before, routing.top_k)
                 earlier_routes = p.recv_from_prev_stage(shape, torch.int16, self.device)
         t0 = time.perf_counter()  # the image encoder's share of the forward, timed apart
-        image_embeds = None
-        if self.images is not None and self.images.encoder is not None:
-            image_embeds = self.images.embeddings(reqs)
+        image_embeds = self.images.embeddings(reqs) if self.images is not None else None
         self.last_step_timings["encode"] = time.perf_counter() - t0
         # Every step's routing is counted (tern:moe_expert_tokens); requests get it on demand.
         routing.start()
