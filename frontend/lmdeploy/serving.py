@@ -20,8 +20,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from enginecore.messages import Logprobs
-from frontend.common.decoding import decode_request
+from enginecore.messages import Logprobs, MultiModalItem
+from frontend.common.decoding import ImageRef, decode_request
 from frontend.common.errors import APIError, bad_request
 from frontend.common.http import json_response, sse
 from frontend.lmdeploy.protocol import (
@@ -54,12 +54,16 @@ class LMDeployServing:
             assert req.input_ids is not None
             prompt_ids = s.encode_prompt(req.input_ids, False, "input_ids")
             param = "input_ids"
+        refs = req.image_refs()
+        mm_items: list[MultiModalItem] = []
+        if refs:
+            prompt_ids, mm_items = await self._image_prompt(req, prompt_ids, refs)
         request_id, keys, headers = s.request_ids(http_request, "generate-")
         logprobs = 0 if req.return_logprob else None  # the sampled token's only
         group = s.start(
             request_id, keys, req.to_sampling(), [prompt_ids], param, session_id=session_id, logprobs=logprobs,
             structured_output=structured_output_spec(req.response_format),
-            lora=s.check_adapter(req.adapter_name, "adapter_name"),
+            lora=s.check_adapter(req.adapter_name, "adapter_name"), mm_items=mm_items,
         )  # fmt: skip
         if req.stream:
             return s.sse_response(self._generate_stream(group), group, headers)
@@ -71,6 +75,20 @@ class LMDeployServing:
         return json_response(
             GenerateResponse(texts[0], gen.output_token_ids, meta), headers=headers
         )
+
+    async def _image_prompt(
+        self, req: GenerateRequest, prompt_ids: list[int], refs: list[ImageRef]
+    ) -> tuple[list[int], list[MultiModalItem]]:
+        """A prompt with images: text with one image marker per image goes through the model's
+        processor (as the chat routes' rendered prompts do); token ids are kept as they are (an
+        RL trainer's processor expanded them, as LMDeploy takes them) and the images fill their
+        placeholder runs."""
+        images = self.serving.images
+        if images is None:
+            raise bad_request("this model is served without image inputs", "image_data")
+        if req.prompt is not None:
+            return await images.make(req.prompt, refs, None, "image_data", True)
+        return prompt_ids, await images.items_for_ids(prompt_ids, refs, None, "image_data")
 
     def _session_id(self, requested: int | None) -> int:
         inflight = self.serving.inflight
