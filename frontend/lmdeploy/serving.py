@@ -1,6 +1,8 @@
 """LMDeploy's native routes: POST /generate and POST /abort_request.
 
-/generate takes text (tokenized as is, no chat template) or token ids and answers
+/generate takes text (tokenized as is, no chat template) or token ids, with `image_data` for models
+served with images (text holds one image marker per image; token ids come expanded by the
+client's own HF processor: ImagePrompts.make_for_generate), and answers
 {"text", "output_ids", "meta_info"}; streamed, each SSE event carries the new text and token ids, and
 the stream ends with [DONE], as LMDeploy's does. A /generate request runs under a session id (the
 client's, or a new one) by which /abort_request can stop it; any request can also be aborted by its
@@ -21,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from enginecore.messages import Logprobs, MultiModalItem
-from frontend.common.decoding import ImageRef, decode_request
+from frontend.common.decoding import decode_request
 from frontend.common.errors import APIError, bad_request
 from frontend.common.http import json_response, sse
 from frontend.lmdeploy.protocol import (
@@ -57,7 +59,10 @@ class LMDeployServing:
         refs = req.image_refs()
         mm_items: list[MultiModalItem] = []
         if refs:
-            prompt_ids, mm_items = await self._image_prompt(req, prompt_ids, refs)
+            if s.images is None:
+                raise bad_request("this model is served without image inputs", "image_data")
+            prompt = req.prompt if req.prompt is not None else prompt_ids
+            prompt_ids, mm_items = await s.images.make_for_generate(prompt, refs, "image_data")
         request_id, keys, headers = s.request_ids(http_request, "generate-")
         logprobs = 0 if req.return_logprob else None  # the sampled token's only
         group = s.start(
@@ -75,20 +80,6 @@ class LMDeployServing:
         return json_response(
             GenerateResponse(texts[0], gen.output_token_ids, meta), headers=headers
         )
-
-    async def _image_prompt(
-        self, req: GenerateRequest, prompt_ids: list[int], refs: list[ImageRef]
-    ) -> tuple[list[int], list[MultiModalItem]]:
-        """A prompt with images: text with one image marker per image goes through the model's
-        processor (as the chat routes' rendered prompts do); token ids are kept as they are (an
-        RL trainer's processor expanded them, as LMDeploy takes them) and the images fill their
-        placeholder runs."""
-        images = self.serving.images
-        if images is None:
-            raise bad_request("this model is served without image inputs", "image_data")
-        if req.prompt is not None:
-            return await images.make(req.prompt, refs, None, "image_data", True)
-        return prompt_ids, await images.items_for_ids(prompt_ids, refs, None, "image_data")
 
     def _session_id(self, requested: int | None) -> int:
         inflight = self.serving.inflight

@@ -47,6 +47,9 @@ class ImageProcessor:
         mm_processor_kwargs, passed to the processor as vLLM does (only the image processor's own
         settings: anything else is a 400)."""
         self._check_options(options)
+        # NOTE: SGLang refuses more markers than images but drops images beyond the markers
+        # with a warning (base_processor.py submit_data_loading_tasks); both are refused here:
+        # a dropped image would give an answer about a picture the model never saw.
         num_markers = prompt.count(self.marker)
         if num_markers != len(images):
             raise bad_request(

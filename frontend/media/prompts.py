@@ -41,15 +41,19 @@ class ImagePrompts:
             self.processor.process, text, images, options or {}, param, add_special_tokens
         )
 
-    async def items_for_ids(
-        self, ids: list[int], refs: list[ImageRef], options: dict[str, Any] | None, param: str
-    ) -> list[MultiModalItem]:
-        """The images' items in token ids another processor already expanded (kept as they
-        are: ImageProcessor.items_for_ids)."""
+    async def make_for_generate(
+        self, prompt: str | list[int], refs: list[ImageRef], param: str
+    ) -> tuple[list[int], list[MultiModalItem]]:
+        """A /generate prompt (SGLang's, LMDeploy's) with images: text holds one image marker per
+        image and is processed as a chat prompt is, special tokens added as both servers
+        tokenize their text; token ids were expanded by another HF processor (an RL trainer's)
+        and are kept as they are, the images' items filling their placeholder runs
+        (ImageProcessor.items_for_ids)."""
+        if isinstance(prompt, str):
+            return await self.make(prompt, refs, None, param, add_special_tokens=True)
         images = await self.load(refs, param)
-        return await asyncio.to_thread(
-            self.processor.items_for_ids, ids, images, options or {}, param
-        )
+        items = await asyncio.to_thread(self.processor.items_for_ids, prompt, images, {}, param)
+        return prompt, items
 
     async def load(self, refs: list[ImageRef], param: str) -> list[Image.Image]:
         """One prompt's images, counted against --limit-mm-per-prompt, fetched or decoded."""

@@ -2,7 +2,10 @@
 as SGLang's).
 
 A request is one prompt or a batch (text, or token ids: tokenized with special tokens, no chat
-template), each sampled n times, prompt by prompt. One prompt with n = 1 answers one
+template), each sampled n times, prompt by prompt. Models served with images take `image_data`
+(SGLangGenerateRequest.image_refs reads its shapes): text holds one image marker per image, token
+ids come expanded by the client's own HF processor (RL trainers'), ImagePrompts.make_for_generate.
+One prompt with n = 1 answers one
 {"text", "output_ids", "meta_info"}; a batch or n > 1 answers a list of them, prompt 0's samples
 first. meta_info has SGLang's keys: id (the request's `rid`; `rid_i` for item i of a batch under one
 rid; a random hex id per sample when n > 1, as SGLang regenerates them), finish_reason ({"type":
@@ -132,14 +135,7 @@ class SGLangServing:
         mm_items: list[MultiModalItem] = []
         if refs:
             assert s.images is not None  # checked by generate
-            if isinstance(prompt, str):
-                # The text holds one image marker per image, as SGLang's processors want it.
-                # SGLang refuses more markers than images but only warns about more images than
-                # markers and drops them; tern refuses both (an image that is dropped would be
-                # an answer about a picture the model never saw).
-                ids, mm_items = await s.images.make(prompt, refs, None, "image_data", True)
-            else:
-                mm_items = await s.images.items_for_ids(ids, refs, None, "image_data")
+            ids, mm_items = await s.images.make_for_generate(prompt, refs, "image_data")
         limit = params.max_new_tokens
         room = s.max_model_len - len(ids)
         if limit is not None and room >= 1:  # else sampling_params names the prompt's length
