@@ -12,11 +12,13 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from frontend.common.decoding import (
+    ImageRef,
     Unsupported,
     check_spaces_between_special_tokens,
     check_unsupported,
 )
 from frontend.common.errors import bad_request
+from frontend.media.sources import image_data_url
 from frontend.serving.sampling import LMDEPLOY_RULES, RequestSampling, stop_list
 
 
@@ -46,7 +48,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     response_format: dict[str, Any] | None = None
     adapter_name: str | None = None  # the LoRA adapter to run on (None: the base model)
 
-    image_data: Annotated[Any, Unsupported(None)] = UNSET
+    # One image or a list of the prompt's images (LMDeploy's ImageDataFormat; items are strings
+    # here: a URL, a file path or base64, see image_refs).
+    image_data: Any = UNSET
     top_logprobs_num: Annotated[Any, Unsupported(None, 0)] = UNSET
     logprob_start_len: Annotated[Any, Unsupported(None, -1)] = UNSET
     return_routed_experts: Annotated[Any, Unsupported(None, False)] = UNSET
@@ -69,6 +73,18 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             repetition_penalty=self.repetition_penalty,
             rules=LMDEPLOY_RULES,
         )
+
+    def image_refs(self) -> list[ImageRef]:
+        """The prompt's images: none for null or [], else one string or a list of them."""
+        data = self.image_data
+        if data is UNSET or data is None:
+            return []
+        if not isinstance(data, list):
+            return [ImageRef(image_data_url(data, "image_data"), "image_data")]
+        return [
+            ImageRef(image_data_url(item, f"image_data[{i}]"), f"image_data[{i}]")
+            for i, item in enumerate(data)
+        ]
 
     def validate(self) -> None:
         check_unsupported(self)

@@ -1,6 +1,8 @@
 """LMDeploy's native routes: POST /generate and POST /abort_request.
 
-/generate takes text (tokenized as is, no chat template) or token ids and answers
+/generate takes text (tokenized as is, no chat template) or token ids, with `image_data` for models
+served with images (text holds one image marker per image; token ids come expanded by the
+client's own HF processor: ImagePrompts.make_for_generate), and answers
 {"text", "output_ids", "meta_info"}; streamed, each SSE event carries the new text and token ids, and
 the stream ends with [DONE], as LMDeploy's does. A /generate request runs under a session id (the
 client's, or a new one) by which /abort_request can stop it; any request can also be aborted by its
@@ -20,7 +22,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from enginecore.messages import Logprobs
+from enginecore.messages import Logprobs, MultiModalItem
 from frontend.common.decoding import decode_request
 from frontend.common.errors import APIError, bad_request
 from frontend.common.http import json_response, sse
@@ -54,12 +56,19 @@ class LMDeployServing:
             assert req.input_ids is not None
             prompt_ids = s.encode_prompt(req.input_ids, False, "input_ids")
             param = "input_ids"
+        refs = req.image_refs()
+        mm_items: list[MultiModalItem] = []
+        if refs:
+            if s.images is None:
+                raise bad_request("this model is served without image inputs", "image_data")
+            prompt = req.prompt if req.prompt is not None else prompt_ids
+            prompt_ids, mm_items = await s.images.make_for_generate(prompt, refs, "image_data")
         request_id, keys, headers = s.request_ids(http_request, "generate-")
         logprobs = 0 if req.return_logprob else None  # the sampled token's only
         group = s.start(
             request_id, keys, req.to_sampling(), [prompt_ids], param, session_id=session_id, logprobs=logprobs,
             structured_output=structured_output_spec(req.response_format),
-            lora=s.check_adapter(req.adapter_name, "adapter_name"),
+            lora=s.check_adapter(req.adapter_name, "adapter_name"), mm_items=mm_items,
         )  # fmt: skip
         if req.stream:
             return s.sse_response(self._generate_stream(group), group, headers)

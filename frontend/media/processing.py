@@ -59,6 +59,16 @@ class ImageProcessor:
         mm_processor_kwargs, passed to the processor as vLLM does (only the image processor's own
         settings: anything else is a 400)."""
         self._check_options(options)
+        # NOTE: SGLang refuses more markers than images but drops images beyond the markers
+        # with a warning (base_processor.py submit_data_loading_tasks); both are refused here:
+        # a dropped image would give an answer about a picture the model never saw.
+        num_markers = prompt.count(self.marker)
+        if num_markers != len(images):
+            raise bad_request(
+                f"the prompt holds {num_markers} image marker(s) {self.marker!r} for "
+                f"{len(images)} image(s): put one marker where each image goes",
+                param,
+            )
         try:
             whole = self.hf(
                 text=[prompt], images=[images] if images else None,
@@ -68,7 +78,45 @@ class ImageProcessor:
         except (ValueError, TypeError, KeyError) as e:
             raise bad_request(f"the image processor failed: {e}", param) from e
         prompt_ids = [int(t) for t in whole["input_ids"][0]]
-        runs = _placeholder_runs(prompt_ids, self.placeholder_id)
+        items = self._match_runs(prompt_ids, per_image)
+        if items is None:
+            raise bad_request(
+                "the prompt's image placeholders do not match its images (does the text itself "
+                f"hold {self.marker!r}?)",
+                param,
+            )
+        return prompt_ids, items
+
+    def items_for_ids(
+        self, ids: list[int], images: list[Image.Image], options: dict[str, Any], param: str
+    ) -> list[MultiModalItem]:
+        """The items of `images` in token ids some other processor already expanded (an RL
+        trainer's own HF processor): the ids are kept as they are, each image takes the next
+        placeholder runs its tensors fill, in order. Any mismatch between the placeholders and
+        the images is a 400 naming `param`."""
+        self._check_options(options)
+        try:
+            per_image = [self._image_tensors(image, options) for image in images]
+        except (ValueError, TypeError, KeyError) as e:
+            raise bad_request(f"the image processor failed: {e}", param) from e
+        items = self._match_runs(ids, per_image)
+        if items is None:
+            found = sum(length for _, length in _placeholder_runs(ids, self.placeholder_id))
+            needed = sum(num_rows for _, num_rows in per_image)
+            raise bad_request(
+                f"the token ids hold {found} image placeholders (token {self.placeholder_id}) but "
+                f"the {len(images)} image(s) need {needed}: the ids must be expanded by this "
+                "model's processor, one run of placeholders per image",
+                param,
+            )
+        return items
+
+    def _match_runs(
+        self, ids: list[int], per_image: list[tuple[dict[str, TensorData], int]]
+    ) -> list[MultiModalItem] | None:
+        """One item per image, each over the next placeholder runs that hold exactly its number
+        of placeholders; None when the runs and the images do not match one to one."""
+        runs = _placeholder_runs(ids, self.placeholder_id)
         items = []
         for tensors, num_rows in per_image:
             spans, taken = [], 0
@@ -77,15 +125,9 @@ class ImageProcessor:
                 spans.append((start, length))
                 taken += length
             if taken != num_rows:
-                break
+                return None
             items.append(MultiModalItem("image", _content_hash(tensors), spans, tensors))
-        if len(items) != len(images) or runs:
-            raise bad_request(
-                "the prompt's image placeholders do not match its images (does the text itself "
-                f"hold {self.marker!r}?)",
-                param,
-            )
-        return prompt_ids, items
+        return None if runs else items
 
     def _check_options(self, options: dict[str, Any]) -> None:
         """mm_processor_kwargs may set what the image processor takes per call, but not where

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from PIL import Image
+
 from enginecore.messages import MultiModalItem
 from frontend.common.decoding import ImageRef
 from frontend.media.images import decode_image
@@ -33,12 +35,31 @@ class ImagePrompts:
     ) -> tuple[list[int], list[MultiModalItem]]:
         """The prompt's token ids (placeholders expanded) and its images' items. `text` is the
         chat template's output, with one image marker per ref; `options`: mm_processor_kwargs."""
+        images = await self.load(refs, param)
+        # NOTE: off the event loop: preprocessing an image takes milliseconds of CPU.
+        return await asyncio.to_thread(
+            self.processor.process, text, images, options or {}, param, add_special_tokens
+        )
+
+    async def make_for_generate(
+        self, prompt: str | list[int], refs: list[ImageRef], param: str
+    ) -> tuple[list[int], list[MultiModalItem]]:
+        """A /generate prompt (SGLang's, LMDeploy's) with images: text holds one image marker per
+        image and is processed as a chat prompt is, special tokens added as both servers
+        tokenize their text; token ids were expanded by another HF processor (an RL trainer's)
+        and are kept as they are, the images' items filling their placeholder runs
+        (ImageProcessor.items_for_ids)."""
+        if isinstance(prompt, str):
+            return await self.make(prompt, refs, None, param, add_special_tokens=True)
+        images = await self.load(refs, param)
+        items = await asyncio.to_thread(self.processor.items_for_ids, prompt, images, {}, param)
+        return prompt, items
+
+    async def load(self, refs: list[ImageRef], param: str) -> list[Image.Image]:
+        """One prompt's images, counted against --limit-mm-per-prompt, fetched or decoded."""
         check_limits({"image": len(refs)}, self.policy, param)
         images = []
         for ref in refs:
             data = await load_media_bytes(ref.url, self.policy, ref.param)
             images.append(await asyncio.to_thread(decode_image, data, self.policy, ref.param))
-        # NOTE: off the event loop: preprocessing an image takes milliseconds of CPU.
-        return await asyncio.to_thread(
-            self.processor.process, text, images, options or {}, param, add_special_tokens
-        )
+        return images

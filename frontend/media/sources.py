@@ -35,6 +35,30 @@ async def load_media_bytes(url: str, policy: MediaPolicy, param: str) -> bytes:
     )
 
 
+# SGLang's load_image (python/sglang/srt/utils/common.py) reads a string that ends so as a file.
+_IMAGE_FILE_ENDINGS = ("png", "jpg", "jpeg", "webp", "gif")
+
+
+def image_data_url(item: object, param: str) -> str:
+    """One item of a /generate `image_data` (SGLang's, LMDeploy's) as a media URL, by SGLang's
+    load_image rules: an http(s), data: or file: URL as it is; a string ending in an image
+    extension is a file path (a file: URL: only under --allowed-local-media-path); anything else
+    is base64 without the data: prefix (a data: URL: the same byte and pixel caps)."""
+    if not isinstance(item, str) or not item:
+        raise bad_request(
+            "image_data items must be strings: a URL, a file path or base64 image bytes", param
+        )
+    scheme = item.partition(":")[0].lower() if ":" in item[:8] else ""
+    if scheme in ("http", "https", "data", "file"):
+        return item
+    if item.lower().endswith(_IMAGE_FILE_ENDINGS):
+        path = Path(item)
+        if not path.is_absolute():
+            raise bad_request(f"the image path {item!s:.200} must be absolute", param)
+        return path.as_uri()
+    return "data:image;base64," + item
+
+
 def decode_data_url(url: str, policy: MediaPolicy, param: str) -> bytes:
     """`data:[<media type>][;params];base64,<payload>`; only base64 payloads are taken."""
     header, sep, payload = url[len("data:") :].partition(",")

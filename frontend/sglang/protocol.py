@@ -19,12 +19,14 @@ from msgspec import UNSET, UnsetType
 
 from frontend.common.decoding import (
     MAX_LOGPROBS,
+    ImageRef,
     Unsupported,
     check_spaces_between_special_tokens,
     check_unsupported,
     decode_request,
 )
 from frontend.common.errors import APIError, bad_request
+from frontend.media.sources import image_data_url
 from frontend.serving.sampling import SGLANG_RULES, RequestSampling, stop_list
 
 ANY_JSON = "$$ANY$$"  # SGLang's json_schema for "any JSON value"
@@ -143,10 +145,13 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     conversation_id: str | None = None
     no_logs: bool | None = False
 
-    # Fields tern cannot honour: multimodal inputs, LoRA ids (lora_path, an adapter's name, is
+    # Images: one for a single prompt, a list (a single prompt's images, or one per prompt of a
+    # batch), or a list of lists (each prompt's images); see image_refs.
+    image_data: Any = UNSET
+
+    # Fields tern cannot honour: other multimodal inputs, LoRA ids (lora_path, an adapter's name, is
     # honoured), sessions, disaggregation and routing, hidden states, extra outputs...
     input_embeds: Annotated[Any, Unsupported(None)] = UNSET
-    image_data: Annotated[Any, Unsupported(None, [])] = UNSET
     video_data: Annotated[Any, Unsupported(None, [])] = UNSET
     audio_data: Annotated[Any, Unsupported(None, [])] = UNSET
     mm_hashes: Annotated[Any, Unsupported(None)] = UNSET
@@ -225,6 +230,37 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
         assert self.input_ids is not None
         return [list(p) for p in self.input_ids] if self.is_batch else [list(self.input_ids)]
 
+    def image_refs(self) -> list[list[ImageRef]]:
+        """Each prompt's images, as SGLang's GenerateReqInput._normalize_image_data reads
+        image_data (io_struct.py): null or [] is none; a string is one image (for every prompt of
+        a batch); a single prompt's list is its images; a batch's list has one entry per prompt:
+        a list of images, one image, or null."""
+        data, num_prompts = self.image_data, len(self.prompts())
+        if data is UNSET or data is None or data == []:
+            return [[] for _ in range(num_prompts)]
+        if not isinstance(data, list):
+            return [[ImageRef(image_data_url(data, "image_data"), "image_data")]] * num_prompts
+        if not self.is_batch:
+            if len(data) == 1 and isinstance(data[0], list):  # [[...]]: a batch of one
+                return [_refs(data[0], "image_data[0]")]
+            return [_refs(data, "image_data")]
+        if len(data) != num_prompts:
+            raise bad_request(
+                f"image_data has {len(data)} entries for {num_prompts} prompts (give one per "
+                "prompt, a list of images or null)",
+                "image_data",
+            )
+        refs = []
+        for i, entry in enumerate(data):
+            param = f"image_data[{i}]"
+            if entry is None:
+                refs.append([])
+            elif isinstance(entry, list):
+                refs.append(_refs(entry, param))
+            else:
+                refs.append([ImageRef(image_data_url(entry, param), param)])
+        return refs
+
     def sampling_params_list(self) -> list[SGLangSamplingParams]:
         """One per prompt."""
         sp = self.sampling_params
@@ -296,6 +332,15 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
         raise bad_request(
             "input_ids must be a list of token ids or a list of such lists", "input_ids"
         )
+
+
+def _refs(items: list[Any], param: str) -> list[ImageRef]:
+    """One prompt's images; null entries are none (SGLang's [None])."""
+    return [
+        ImageRef(image_data_url(item, f"{param}[{j}]"), f"{param}[{j}]")
+        for j, item in enumerate(items)
+        if item is not None
+    ]
 
 
 def _is_int(x: Any) -> bool:

@@ -2,7 +2,10 @@
 as SGLang's).
 
 A request is one prompt or a batch (text, or token ids: tokenized with special tokens, no chat
-template), each sampled n times, prompt by prompt. One prompt with n = 1 answers one
+template), each sampled n times, prompt by prompt. Models served with images take `image_data`
+(SGLangGenerateRequest.image_refs reads its shapes): text holds one image marker per image, token
+ids come expanded by the client's own HF processor (RL trainers'), ImagePrompts.make_for_generate.
+One prompt with n = 1 answers one
 {"text", "output_ids", "meta_info"}; a batch or n > 1 answers a list of them, prompt 0's samples
 first. meta_info has SGLang's keys: id (the request's `rid`; `rid_i` for item i of a batch under one
 rid; a random hex id per sample when n > 1, as SGLang regenerates them), finish_reason ({"type":
@@ -42,7 +45,8 @@ from msgspec import UNSET, UnsetType
 from starlette.requests import Request
 from starlette.responses import Response
 
-from enginecore.messages import Logprobs, StructuredOutputSpec
+from enginecore.messages import Logprobs, MultiModalItem, StructuredOutputSpec
+from frontend.common.decoding import ImageRef
 from frontend.common.errors import bad_request
 from frontend.common.http import REQUEST_ID_HEADER, json_response, sse
 from frontend.serving.base import OpenAIServing
@@ -78,6 +82,7 @@ class _Prompt:
     params: SGLangSamplingParams  # max_new_tokens clamped to the context (>= 1)
     is_prefill_only: bool  # max_new_tokens 0: nothing is generated
     structured_output: StructuredOutputSpec | None
+    mm_items: list[MultiModalItem]  # the prompt's images
 
 
 class SGLangServing:
@@ -94,9 +99,12 @@ class SGLangServing:
                 "--enable-return-routed-experts",
                 "return_routed_experts",
             )
+        refs = req.image_refs()
+        if any(refs) and s.images is None:
+            raise bad_request("this model is served without image inputs", "image_data")
         prompts = [
-            self._prompt(req, p, params)
-            for p, params in zip(req.prompts(), req.sampling_params_list())
+            await self._prompt(req, p, params, prompt_refs)
+            for p, params, prompt_refs in zip(req.prompts(), req.sampling_params_list(), refs)
         ]
         items = _items(req, prompts, s.max_model_len)
         keys = self._keys(req, items)
@@ -115,11 +123,19 @@ class SGLangServing:
         outputs = [view.output(g, item, t) for g, item, t in zip(group.gens, items, texts)]
         return json_response(outputs if is_list else outputs[0], headers=headers)
 
-    def _prompt(
-        self, req: SGLangGenerateRequest, prompt: str | list[int], params: SGLangSamplingParams
+    async def _prompt(
+        self,
+        req: SGLangGenerateRequest,
+        prompt: str | list[int],
+        params: SGLangSamplingParams,
+        refs: list[ImageRef],
     ) -> _Prompt:
         s = self.serving
         ids = s.encode_prompt(prompt, True, req.prompt_param)
+        mm_items: list[MultiModalItem] = []
+        if refs:
+            assert s.images is not None  # checked by generate
+            ids, mm_items = await s.images.make_for_generate(prompt, refs, "image_data")
         limit = params.max_new_tokens
         room = s.max_model_len - len(ids)
         if limit is not None and room >= 1:  # else sampling_params names the prompt's length
@@ -128,7 +144,7 @@ class SGLangServing:
         s.sampling_params(
             bounded.to_sampling(), ids, req.prompt_param
         )  # its 400s, before anything starts
-        return _Prompt(ids, bounded, params.max_new_tokens == 0, _constraint(params))
+        return _Prompt(ids, bounded, params.max_new_tokens == 0, _constraint(params), mm_items)
 
     def _keys(self, req: SGLangGenerateRequest, items: list[_Item]) -> list[str]:
         """Every id /abort_request finds the request by; a client's rid must not be in flight."""
@@ -162,7 +178,7 @@ class SGLangServing:
                         first.id, keys, p.params.to_sampling(), [p.ids], req.prompt_param, n=n, logprobs=k,
                         prompt_logprobs=k if wants_prompt else None,
                         discard_output=p.is_prefill_only, structured_output=p.structured_output,
-                        lora=loras[i],
+                        lora=loras[i], mm_items=p.mm_items,
                     )
                 )  # fmt: skip
         except BaseException:

@@ -10,16 +10,22 @@ docs/testing.md).
 
 from __future__ import annotations
 
+import base64
+import io
+import json
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import psutil
 import pytest
+from PIL import Image
 
 from frontend.client.launched_server import LaunchedServer
+from tests.conftest import make_tiny_model
 
 
 class TernServer(LaunchedServer):
@@ -154,3 +160,51 @@ def no_length_finish(server: Any) -> Iterator[None]:
     before = length_finishes(server)
     yield
     assert length_finishes(server) == before, "a request ended by length (max_tokens)"
+
+
+# --------------------------------------------------------------------------- images
+# The tiny LLaVA server that test_images.py (chat) and test_generate_images.py (/generate) share:
+# one argument list, so one server.
+
+
+def random_image(seed: int, size: tuple[int, int] = (40, 48)) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def image_bytes(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(image_bytes(image, fmt)).decode()
+
+
+@pytest.fixture(scope="session")
+def llava_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
+    if tokenizer_dir is None:
+        pytest.skip("needs the default model's tokenizer")
+    return make_tiny_model("llava", tmp_path_factory.mktemp("llava"), tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The server's --allowed-local-media-path: seven.png is random_image(7)."""
+    folder = tmp_path_factory.mktemp("media")
+    random_image(7).save(folder / "seven.png")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def llava_server_args(llava_dir: Path, media_dir: Path) -> tuple[str, ...]:
+    """Chunks of 32 tokens (an image is 16 placeholders: chunks split images), 10 KV blocks of 16
+    (concurrent requests preempt each other), two images per prompt, local files under one
+    folder."""
+    return (
+        "--model", str(llava_dir), "--served-model-name", "vl",
+        "--max-num-batched-tokens", "32", "--num-gpu-blocks-override", "10",
+        "--limit-mm-per-prompt", json.dumps({"image": 2}),
+        "--allowed-local-media-path", str(media_dir),
+    )  # fmt: skip

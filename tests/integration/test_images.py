@@ -11,56 +11,25 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import openai
 import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import make_tiny_model
+from tests.integration.conftest import data_url as _data_url
+from tests.integration.conftest import random_image as _image
 
 MAX_TOKENS = 8
 
 
-def _image(seed: int, size: tuple[int, int] = (40, 48)) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def _data_url(image: Image.Image, fmt: str = "PNG") -> str:
-    buf = io.BytesIO()
-    image.save(buf, format=fmt)
-    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 @pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
-    if tokenizer_dir is None:
-        pytest.skip("needs the default model's tokenizer")
-    return make_tiny_model("llava", tmp_path_factory.mktemp("llava"), tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("media")
-    _image(7).save(folder / "seven.png")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def server(shared_server: Any, llava_dir: Path, media_dir: Path) -> Any:
-    return shared_server(
-        "--model", str(llava_dir), "--served-model-name", "vl",
-        "--max-num-batched-tokens", "32", "--num-gpu-blocks-override", "10",
-        "--limit-mm-per-prompt", json.dumps({"image": 2}),
-        "--allowed-local-media-path", str(media_dir),
-    )  # fmt: skip
+def server(shared_server: Any, llava_server_args: tuple[str, ...]) -> Any:
+    return shared_server(*llava_server_args)
 
 
 @pytest.fixture(scope="module")

@@ -38,8 +38,9 @@ LMDEPLOY_GENERATE_EXAMPLE: dict[str, Any] = {
     "top_k": 1,
     "top_p": 1.0,
 }
-# What of it this server cannot honour: images and MoE routing (return_logprob is served); and
-# LMDeploy itself refuses a request with both prompt and input_ids.
+# What of it these tests' text-only servers cannot honour: images (image_data is served for image
+# models: tests/integration/test_generate_images.py) and MoE routing (return_logprob is served);
+# and LMDeploy itself refuses a request with both prompt and input_ids.
 NOT_YET = {"image_data": None, "return_routed_experts": False}
 
 
