@@ -9,11 +9,15 @@ embeddings, in prompt order: (num_placeholder_tokens, text hidden size).
 - Gemma 3: `pixel_values` (1 + num_crops, 3, S, S): the whole image, then its pan-and-scan crops,
   which is the order the processor writes their placeholder runs in the prompt -> mm_tokens_per_image
   rows per picture, concatenated.
+- Idefics3 / SmolVLM: `pixel_values` (1, N, 3, S, S) and `pixel_attention_mask` (1, N, S, S): the
+  tiles row by row, then the whole image (or the whole image alone, unsplit) -> (S / patch /
+  scale_factor)^2 rows per picture, concatenated: the order of the processor's `<image>` runs.
 
 Weights: the encoder takes the same stream of checkpoint tensors as the language model;
 `local_weight_name` says which are its own (transformers-5 `model.vision_tower.*` /
 `model.multi_modal_projector.*`, or the older names without `model.`, with or without the tower's
-`vision_model.` level) and what its parameter is called; None for every other tensor.
+`vision_model.` level; Idefics3's `model.vision_model.*` / `model.connector.*`) and what its
+parameter is called; None for every other tensor.
 
 Tensor parallelism: the encoder is replicated whole on every rank (no sharding): it is small next
 to the language model, runs once per image, and each rank then holds the rows it scatters.
@@ -28,6 +32,11 @@ import torch
 from torch import nn
 
 from workers.vision.clip import CLIPVisionTransformer, clip_vision_config
+from workers.vision.idefics3 import (
+    Idefics3Connector,
+    Idefics3VisionTransformer,
+    idefics3_vision_config,
+)
 from workers.vision.projectors import Gemma3MultiModalProjector, LlavaMultiModalProjector
 from workers.vision.siglip import SiglipVisionTransformer, siglip_vision_config
 
@@ -39,6 +48,14 @@ _UNUSED_TOWER_TENSORS = ("embeddings.position_ids", "head.")
 
 
 class ImageEncoder(nn.Module):
+    """A vision tower and the projector after it. The checkpoint's prefixes of each, in the order
+    tried, and the submodule that holds its tensors:"""
+
+    CHECKPOINT_PREFIXES: tuple[tuple[tuple[str, ...], str], ...] = (
+        (_TOWER_PREFIXES, "vision_tower."),
+        (_PROJECTOR_PREFIXES, "multi_modal_projector."),
+    )
+
     def __init__(
         self, vision_tower: nn.Module, multi_modal_projector: nn.Module, image_token_id: int
     ):
@@ -67,8 +84,7 @@ class ImageEncoder(nn.Module):
         """This module's parameter for a checkpoint tensor; None for the language model's (and
         for the tower's tensors no encoder runs). A tower or projector tensor this module has no
         parameter for is a ValueError: a checkpoint it would silently half-load."""
-        for prefixes, local in ((_TOWER_PREFIXES, "vision_tower."),
-                                (_PROJECTOR_PREFIXES, "multi_modal_projector.")):  # fmt: skip
+        for prefixes, local in self.CHECKPOINT_PREFIXES:
             prefix = next((p for p in prefixes if checkpoint_name.startswith(p)), None)
             if prefix is None:
                 continue
@@ -103,6 +119,36 @@ class ImageEncoder(nn.Module):
         return loaded
 
 
+class Idefics3ImageEncoder(ImageEncoder):
+    """Idefics3 / SmolVLM: the tower is `model.vision_model`, the projector `model.connector`.
+    One image is `pixel_values` (1, N, 3, S, S) and `pixel_attention_mask` (1, N, S, S): its
+    tiles row by row, then the whole image shrunk to one tile (or the whole image alone when it
+    is not split), the order of the `<image>` runs the processor writes (each after
+    `<fake_token_around_image><row_r_col_c>`, the whole image's after `<global-img>`)."""
+
+    CHECKPOINT_PREFIXES = (
+        (("model.vision_model.", "vision_model."), "vision_tower."),
+        (("model.connector.", "connector."), "multi_modal_projector."),
+    )
+
+    def encode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """-> (N * rows a picture, text hidden size), pictures in processor order."""
+        pixel_values = tensors["pixel_values"]
+        pixel_values = pixel_values.reshape(-1, *pixel_values.shape[-3:])  # (N, 3, S, S)
+        mask = tensors.get("pixel_attention_mask")
+        if mask is not None:
+            mask = mask.reshape(-1, *mask.shape[-2:])  # (N, S, S)
+            if mask.shape[0] != pixel_values.shape[0]:
+                raise ValueError(
+                    f"pixel_attention_mask has {mask.shape[0]} pictures, pixel_values "
+                    f"{pixel_values.shape[0]}"
+                )
+            mask = mask.to(pixel_values.device)
+        weight = next(self.parameters())
+        features = self.vision_tower(pixel_values.to(weight.device, weight.dtype), mask)
+        return self.multi_modal_projector(features).flatten(0, 1)
+
+
 def image_token_id_of(hf_config: dict[str, Any], default: int) -> int:
     return int(hf_config.get("image_token_id", hf_config.get("image_token_index", default)))
 
@@ -134,9 +180,19 @@ def _gemma3(hf: dict[str, Any]) -> ImageEncoder:
     return ImageEncoder(SiglipVisionTransformer(config), projector, image_token_id_of(hf, 262144))
 
 
+def _idefics3(hf: dict[str, Any]) -> ImageEncoder:
+    config = idefics3_vision_config(hf.get("vision_config") or {})
+    text_hidden = (hf.get("text_config") or {}).get("hidden_size", 4096)  # LlamaConfig's default
+    connector = Idefics3Connector(config.hidden_size, text_hidden, hf.get("scale_factor", 2))
+    return Idefics3ImageEncoder(
+        Idefics3VisionTransformer(config), connector, image_token_id_of(hf, 128257)
+    )
+
+
 _BUILDERS = {
     "LlavaForConditionalGeneration": _llava,
     "Gemma3ForConditionalGeneration": _gemma3,
+    "Idefics3ForConditionalGeneration": _idefics3,
 }
 
 
