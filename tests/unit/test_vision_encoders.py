@@ -313,3 +313,101 @@ def test_llava_keeps_the_class_token_and_stacks_layers(layers: int | list[int]) 
         got = encoder.encode({"pixel_values": pixel_values})
     assert got.shape == (17, 64)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+ONEVISION_GRIDS = [[32, 32], [32, 64], [64, 32], [64, 64]]
+
+
+@pytest.fixture(scope="module")
+def onevision() -> tuple[Any, Any, ImageEncoder]:
+    """A random LLaVA-OneVision (2-layer SigLIP, 32 px views of 16 patches, grids up to 2 x 2
+    views, shrunk past 2 views' worth), its PIL image processor and the encoder loaded from the
+    model's transformers-5 tensor names. (Its full processor needs torchvision for videos.)"""
+    config = transformers.LlavaOnevisionConfig(
+        text_config=transformers.Qwen2Config(
+            hidden_size=64, num_hidden_layers=1, vocab_size=128, intermediate_size=64,
+            num_attention_heads=4, num_key_value_heads=2,
+        ).to_dict(),
+        vision_config=transformers.SiglipVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            image_size=32, patch_size=8, vision_use_head=False,
+        ).to_dict(),
+        vision_feature_layer=-1, vision_feature_select_strategy="full",
+        image_grid_pinpoints=ONEVISION_GRIDS, vision_aspect_ratio="anyres_max_2",
+        image_token_index=100, video_token_index=101,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlavaOnevisionForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3)
+    encoder = build_image_encoder({**config.to_dict(), "architectures": [type(hf).__name__]})
+    loaded = encoder.load_weights(hf.state_dict().items())
+    assert loaded == {name for name, _ in encoder.named_parameters()}
+    image_processor = transformers.LlavaOnevisionImageProcessorPil(
+        size={"height": 32, "width": 32}, image_grid_pinpoints=ONEVISION_GRIDS
+    )
+    return hf, image_processor, encoder.eval()
+
+
+@pytest.mark.parametrize(
+    ("size", "rows"),
+    [((40, 56), 16 + 4 * 7), ((64, 64), 16 + 5 * 6), ((20, 90), 16 + 2 * 9),
+     ((24, 64), 16 + 4 * 9), ((64, 24), 16 + 8 * 5)],
+)  # fmt: skip
+def test_llava_onevision_anyres_rows_match_hf(
+    onevision: tuple[Any, Any, ImageEncoder], size: tuple[int, int], rows: int
+) -> None:
+    """One image alone: the base view's 16 rows, then its grid of views (2 x 2: 8 x 8 patches;
+    1 x 2: 4 x 8; 2 x 1: 8 x 4) unpadded to the image's aspect (40 x 56: 6 of 8 rows; 20 x 90: 2 of
+    4), shrunk when over 2 views' worth (6 x 8 -> 4 x 6, 8 x 8 -> 5 x 5), each row then a newline;
+    as HF's features and the rows it scatters."""
+    hf, image_processor, encoder = onevision
+    tensors = dict(image_processor([random_image(*size, seed=sum(size))], return_tensors="pt"))
+    with torch.no_grad():
+        got = encoder.encode(tensors)
+        expected = hf.model.get_image_features(**tensors).pooler_output[0]
+    assert got.shape == (rows, 64)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    input_ids = torch.tensor([[1, 2, *[100] * rows, 3]])
+    scattered = hf_scattered_rows(hf, {"input_ids": input_ids, **tensors}, 100)
+    torch.testing.assert_close(got, scattered, atol=1e-5, rtol=0)
+
+
+def test_llava_onevision_images_sharing_a_prompt_are_their_base_view(
+    onevision: tuple[Any, Any, ImageEncoder],
+) -> None:
+    """Two images in one prompt: each is its base view and one newline (17 rows), as HF encodes a
+    two-image sample. NOTE: the processor pads such an image to a square before resizing it, so
+    its tensors are not those it has alone: each image's item must carry the tensors of its
+    prompt (pixel_values[i], image_sizes[i], batch_num_images)."""
+    hf, image_processor, encoder = onevision
+    images = [random_image(40, 56, seed=7), random_image(64, 24, seed=8)]
+    sample = dict(image_processor([images], return_tensors="pt"))
+    assert sample["batch_num_images"].tolist() == [2]
+    with torch.no_grad():
+        expected = hf.model.get_image_features(**sample).pooler_output
+        got = [
+            encoder.encode({"pixel_values": sample["pixel_values"][i : i + 1],
+                            "image_sizes": sample["image_sizes"][i : i + 1],
+                            "batch_num_images": sample["batch_num_images"]})
+            for i in range(2)
+        ]  # fmt: skip
+    assert [g.shape[0] for g in got] == [17, 17]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=0)
+    assert (got[0] - got[1]).abs().max() > 1e-2
+    alone = image_processor([images[0]], return_tensors="pt")["pixel_values"]
+    assert (alone[0, 0] - sample["pixel_values"][0, 0]).abs().max() > 1e-2  # not the same view
+
+
+def test_llava_onevision_checkpoint_names(onevision: tuple[Any, Any, ImageEncoder]) -> None:
+    _, _, encoder = onevision
+    for name in ("model.image_newline", "image_newline"):  # transformers 5, llava-hf's releases
+        assert encoder.local_weight_name(name) == "multi_modal_projector.image_newline"
+        assert language_model_name(name) is None
+    assert (
+        encoder.local_weight_name("vision_tower.vision_model.post_layernorm.bias")
+        == "vision_tower.post_layernorm.bias"
+    )
+    assert encoder.local_weight_name("model.language_model.norm.weight") is None

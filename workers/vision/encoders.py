@@ -12,11 +12,15 @@ embeddings, in prompt order: (num_placeholder_tokens, text hidden size).
 - Idefics3 / SmolVLM: `pixel_values` (1, N, 3, S, S) and `pixel_attention_mask` (1, N, S, S): the
   tiles row by row, then the whole image (or the whole image alone, unsplit) -> (S / patch /
   scale_factor)^2 rows per picture, concatenated: the order of the processor's `<image>` runs.
+- LLaVA-OneVision: `pixel_values` (1, N, 3, S, S), `image_sizes` (1, 2), `batch_num_images` ->
+  the base view's rows, then the grid's unpadded rows each followed by `image_newline`; or, for an
+  image sharing its prompt (batch_num_images > 1), the base view's rows and one newline.
 
 Weights: the encoder takes the same stream of checkpoint tensors as the language model;
 `local_weight_name` says which are its own (transformers-5 `model.vision_tower.*` /
 `model.multi_modal_projector.*`, or the older names without `model.`, with or without the tower's
-`vision_model.` level; Idefics3's `model.vision_model.*` / `model.connector.*`) and what its
+`vision_model.` level; Idefics3's `model.vision_model.*` / `model.connector.*`; LLaVA-OneVision's
+`model.image_newline`) and what its
 parameter is called; None for every other tensor.
 
 Tensor parallelism: the encoder is replicated whole on every rank (no sharding): it is small next
@@ -37,6 +41,7 @@ from workers.vision.idefics3 import (
     Idefics3VisionTransformer,
     idefics3_vision_config,
 )
+from workers.vision.llava_onevision import LlavaOnevisionProjector
 from workers.vision.projectors import Gemma3MultiModalProjector, LlavaMultiModalProjector
 from workers.vision.siglip import SiglipVisionTransformer, siglip_vision_config
 
@@ -149,6 +154,37 @@ class Idefics3ImageEncoder(ImageEncoder):
         return self.multi_modal_projector(features).flatten(0, 1)
 
 
+class LlavaOnevisionImageEncoder(ImageEncoder):
+    """LLaVA-OneVision: one image is `pixel_values` (1, N, 3, S, S) (the base view, then the
+    grid's tiles, then padding to the batch's N), `image_sizes` (1, 2) and `batch_num_images`; its
+    rows are laid out by the projector (llava_onevision.py). The checkpoint's `image_newline` is
+    the projector's."""
+
+    CHECKPOINT_PREFIXES = (
+        *ImageEncoder.CHECKPOINT_PREFIXES,
+        (("model.image_newline", "image_newline"), "multi_modal_projector.image_newline"),
+    )
+
+    def encode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        pixel_values = tensors["pixel_values"]
+        pixel_values = pixel_values.reshape(-1, *pixel_values.shape[-3:])  # (N, 3, S, S)
+        height, width = (int(v) for v in tensors["image_sizes"].reshape(-1, 2)[0])
+        shared = tensors.get("batch_num_images")
+        shares_prompt = shared is not None and int(shared.reshape(-1)[0]) > 1
+        num_pictures = (
+            1 if shares_prompt else self.multi_modal_projector.num_pictures((height, width))
+        )
+        if num_pictures > pixel_values.shape[0]:
+            raise ValueError(
+                f"a {height}x{width} image is {num_pictures} pictures, pixel_values holds "
+                f"{pixel_values.shape[0]}"
+            )
+        weight = next(self.parameters())
+        features = self.vision_tower(pixel_values[:num_pictures].to(weight.device, weight.dtype))
+        pictures = self.multi_modal_projector(features)  # (N, P, text hidden)
+        return self.multi_modal_projector.layout(pictures, (height, width))
+
+
 def image_token_id_of(hf_config: dict[str, Any], default: int) -> int:
     return int(hf_config.get("image_token_id", hf_config.get("image_token_index", default)))
 
@@ -189,10 +225,33 @@ def _idefics3(hf: dict[str, Any]) -> ImageEncoder:
     )
 
 
+def _llava_onevision(hf: dict[str, Any]) -> ImageEncoder:
+    vision = hf.get("vision_config") or {}
+    if vision.get("model_type", "siglip_vision_model") != "siglip_vision_model":
+        raise ValueError(f"LLaVA-OneVision with a {vision['model_type']} tower is not supported")
+    # LlavaOnevisionConfig's SigLIP (so400m, 384 px, patch 14), for what config.json leaves out.
+    vision = {"hidden_size": 1152, "intermediate_size": 4304, "patch_size": 14, "image_size": 384,
+              "num_hidden_layers": 26, "num_attention_heads": 16, **vision}  # fmt: skip
+    config = siglip_vision_config(vision)
+    tower = SiglipVisionTransformer(
+        config, hf.get("vision_feature_layer", -1), hf.get("vision_feature_select_strategy", "full")
+    )
+    if not hf.get("image_grid_pinpoints"):
+        raise ValueError("LLaVA-OneVision's config.json has no image_grid_pinpoints")
+    text_hidden = (hf.get("text_config") or {}).get("hidden_size", 4096)  # Qwen2Config's default
+    projector = LlavaOnevisionProjector(
+        tower.feature_size, text_hidden, hf.get("projector_hidden_act", "gelu"),
+        hf.get("multimodal_projector_bias", True), config.image_size, config.patches_per_side,
+        hf["image_grid_pinpoints"], hf.get("vision_aspect_ratio", "anyres_max_9"),
+    )  # fmt: skip
+    return LlavaOnevisionImageEncoder(tower, projector, image_token_id_of(hf, 151646))
+
+
 _BUILDERS = {
     "LlavaForConditionalGeneration": _llava,
     "Gemma3ForConditionalGeneration": _gemma3,
     "Idefics3ForConditionalGeneration": _idefics3,
+    "LlavaOnevisionForConditionalGeneration": _llava_onevision,
 }
 
 

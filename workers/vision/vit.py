@@ -57,6 +57,16 @@ class VisionConfig:
         return self.image_size // self.patch_size
 
 
+def feature_layer_indices(feature_layers: int | list[int], num_hidden_layers: int) -> list[int]:
+    """config.json's `vision_feature_layer` (one index or several, into Hugging Face's
+    `hidden_states`: 0 is the encoder's input, -1 the last layer's output) -> indices >= 0."""
+    num_states = num_hidden_layers + 1
+    layers = [feature_layers] if isinstance(feature_layers, int) else list(feature_layers)
+    if not all(-num_states <= i < num_states for i in layers):
+        raise ValueError(f"vision_feature_layer {feature_layers} out of {num_states} states")
+    return [i % num_states for i in layers]
+
+
 class VisionAttention(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
