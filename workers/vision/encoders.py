@@ -14,14 +14,15 @@ embeddings, in prompt order: (num_placeholder_tokens, text hidden size).
   scale_factor)^2 rows per picture, concatenated: the order of the processor's `<image>` runs.
 - LLaVA-OneVision: `pixel_values` (1, N, 3, S, S), `image_sizes` (1, 2), `batch_num_images` ->
   the base view's rows, then the grid's unpadded rows each followed by `image_newline`; or, for an
-  image sharing its prompt (batch_num_images > 1), the base view's rows and one newline.
+  image sharing its prompt (batch_num_images > 1), the base view's rows and one newline. NOTE: the
+  processor pads such an image to a square first, so its tensors must be its share of the
+  prompt's output, not the image processed alone.
 
 Weights: the encoder takes the same stream of checkpoint tensors as the language model;
 `local_weight_name` says which are its own (transformers-5 `model.vision_tower.*` /
 `model.multi_modal_projector.*`, or the older names without `model.`, with or without the tower's
 `vision_model.` level; Idefics3's `model.vision_model.*` / `model.connector.*`; LLaVA-OneVision's
-`model.image_newline`) and what its
-parameter is called; None for every other tensor.
+`model.image_newline`) and what its parameter is called; None for every other tensor.
 
 Tensor parallelism: the encoder is replicated whole on every rank (no sharding): it is small next
 to the language model, runs once per image, and each rank then holds the rows it scatters.
@@ -53,8 +54,8 @@ _UNUSED_TOWER_TENSORS = ("embeddings.position_ids", "head.")
 
 
 class ImageEncoder(nn.Module):
-    """A vision tower and the projector after it. The checkpoint's prefixes of each, in the order
-    tried, and the submodule that holds its tensors:"""
+    """A vision tower and the projector after it. CHECKPOINT_PREFIXES: for each, the checkpoint's
+    prefixes of its tensors (tried in order) and the submodule that holds them here."""
 
     CHECKPOINT_PREFIXES: tuple[tuple[tuple[str, ...], str], ...] = (
         (_TOWER_PREFIXES, "vision_tower."),
