@@ -79,6 +79,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3_5ForConditionalGeneration": ("qwen3_5", "lm_head"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "lm_head"),
     "LlavaForConditionalGeneration": ("llama", "lm_head"),
+    "Idefics3ForConditionalGeneration": ("llama", "lm_head"),  # SmolVLM: a Llama text model
+    "LlavaOnevisionForConditionalGeneration": ("qwen2", "lm_head"),
 }
 # Families with linear-attention layers.
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
@@ -88,10 +90,17 @@ MULTIMODAL_ARCHITECTURES = (
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
     "LlavaForConditionalGeneration",
+    "Idefics3ForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration",
 )
 # Of those, the ones whose images tern serves too (an encoder in workers/vision/); the others serve
 # their language model only.
-IMAGE_INPUT_ARCHITECTURES = ("LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration")
+IMAGE_INPUT_ARCHITECTURES = (
+    "LlavaForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+    "Idefics3ForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration",
+)
 # Of those, the ones whose language model attends in both directions inside each image's
 # placeholders (Hugging Face's Gemma 3): an image's run of placeholders is never split across prefill
 # chunks nor cut by a prefix-cache hit.

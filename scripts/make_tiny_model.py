@@ -11,9 +11,12 @@ Three flavours, each exercising a different path of the worker's model code:
   layers, multipliers, yarn / longrope / dynamic rope, Gated DeltaNet layers; `_zoo_config_kwargs`);
 - "gemma3_vl", "qwen3_5_vl": *ForConditionalGeneration, the tiny gemma3 / qwen3_5 beside a random
   one-layer vision tower; "llava": LlavaForConditionalGeneration, the tiny llama beside a random
-  two-layer CLIP. llava and gemma3_vl take 32 px images (16 and 4 placeholder tokens) and, with a
-  tokenizer, carry their processor (LlavaProcessor / Gemma3Processor: the tokenizer with the image
-  tokens added, a PIL image processor, a chat template rendering image parts), the text vocabulary
+  two-layer CLIP; "idefics3": Idefics3ForConditionalGeneration (SmolVLM's), the tiny llama
+  (untied) beside a random two-layer SigLIP-style tower and pixel-shuffle connector. llava and
+  gemma3_vl take 32 px images (16 and 4 placeholder tokens), idefics3 32 px tiles (4 tokens each:
+  an image is up to 2 x 2 tiles and the whole image) and, with a tokenizer, carry their processor
+  (LlavaProcessor / Gemma3Processor / Idefics3Processor: the tokenizer with the image tokens
+  added, a PIL image processor, a chat template rendering image parts), the text vocabulary
   padded to 49216 past the added tokens.
 All have hidden size 64, 4 heads / 2 KV heads, and vocab 49152 with the tokenizer files of
 `tokenizer_dir` copied in, else vocab 512 and no tokenizer.
@@ -67,9 +70,9 @@ _FAMILIES = {
     "qwen3_5_moe": "Qwen3_5Moe",  # Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM
     "gpt_oss": "GptOss",
 }
-# gemma3_vl / qwen3_5_vl / llava: *ForConditionalGeneration, the tiny gemma3 / qwen3_5 / llama
-# beside a random vision tower (`_make_with_vision_tower`).
-ARCHS = (*_FAMILIES, "gemma3_vl", "qwen3_5_vl", "llava")
+# gemma3_vl / qwen3_5_vl / llava / idefics3: *ForConditionalGeneration, the tiny gemma3 / qwen3_5 /
+# llama / llama beside a random vision tower (`_make_with_vision_tower`).
+ARCHS = (*_FAMILIES, "gemma3_vl", "qwen3_5_vl", "llava", "idefics3")
 # Mixture-of-experts families: 8 experts, top 2.
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3_5_moe", "gpt_oss")
 # The families added for the 2026 model zoo: each exercises what its DecoderSpec changes, with a
@@ -244,12 +247,26 @@ GEMMA3_CHAT_TEMPLATE = (
     "{% if message['role'] == 'system' %}{{ '\\n\\n' }}{% else %}<end_of_turn>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
+# SmolVLM's: "<|im_start|>User:<image>What is this?<end_of_utterance>\nAssistant:".
+IDEFICS3_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}{{ ': ' + message['content'] }}{% else %}"
+    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
 # The tokens each processor expands images into, added to the tokenizer as special tokens.
 _IMAGE_TOKENS = {
     "llava": {"image_token": "<image>"},
     "gemma3_vl": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
                   "eoi_token": "<end_of_image>"},
+    "idefics3": {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+                 "global_image_token": "<global-img>",
+                 "end_of_utterance_token": "<end_of_utterance>"},
 }  # fmt: skip
+# Idefics3's tile tags (Idefics3Processor writes <row_r_col_c> before tile (r, c)'s run).
+_IDEFICS3_TILE_TOKENS = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
 
 
 def _image_tokenizer(arch: str, tokenizer_dir: Path | None) -> Any:
@@ -258,16 +275,21 @@ def _image_tokenizer(arch: str, tokenizer_dir: Path | None) -> Any:
 
     if tokenizer_dir is None:
         return None
-    return transformers.AutoTokenizer.from_pretrained(
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
         tokenizer_dir, extra_special_tokens=_IMAGE_TOKENS[arch]
     )
+    if arch == "idefics3":
+        tokenizer.add_tokens(_IDEFICS3_TILE_TOKENS, special_tokens=True)
+    return tokenizer
 
 
 def _image_token_ids(arch: str, tokenizer: Any) -> dict[str, int]:
     """Config field -> id of each image token: the tokenizer's, else the last ids of 512."""
     fields = {"image_token": "image_token_index", "boi_token": "boi_token_index",
               "eoi_token": "eoi_token_index"}  # fmt: skip
-    names = list(_IMAGE_TOKENS[arch])
+    if arch == "idefics3":  # Idefics3Config's one image token field (the others: processor only)
+        fields = {"image_token": "image_token_id"}
+    names = [n for n in _IMAGE_TOKENS[arch] if n in fields]
     if tokenizer is None:
         return {fields[n]: 511 - i for i, n in enumerate(names)}
     return {fields[n]: tokenizer.convert_tokens_to_ids(_IMAGE_TOKENS[arch][n]) for n in names}
@@ -276,8 +298,23 @@ def _image_token_ids(arch: str, tokenizer: Any) -> dict[str, int]:
 def _multimodal_config(arch: str, vocab_size: int, token_ids: dict[str, int]) -> Any:
     """LLaVA: the tiny llama beside a 2-layer CLIP (32 px, patch 8: 16 image tokens, the class
     token dropped, features of the last layer but one). Gemma 3: the tiny gemma3 beside a 1-layer
-    SigLIP (32 px, patch 8: a 4x4 grid pooled to 2x2 = 4 image tokens). Qwen3.5: 1-layer tower."""
+    SigLIP (32 px, patch 8: a 4x4 grid pooled to 2x2 = 4 image tokens). Idefics3: the tiny llama
+    (untied) beside a 2-layer SigLIP-style tower (32 px tiles, patch 8, pixel shuffle by 2: 4 image
+    tokens a tile). Qwen3.5: 1-layer tower."""
     import transformers
+
+    if arch == "idefics3":
+        text = transformers.LlamaConfig(
+            **{**_config_kwargs("llama", vocab_size), "tie_word_embeddings": False}
+        )
+        vision = transformers.Idefics3VisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            image_size=32, patch_size=8, initializer_range=INIT_STD,
+        )  # fmt: skip
+        return transformers.Idefics3Config(
+            text_config=text.to_dict(), vision_config=vision.to_dict(), scale_factor=2,
+            tie_word_embeddings=False, **token_ids,
+        )  # fmt: skip
 
     if arch == "llava":
         text = transformers.LlamaConfig(**_config_kwargs("llama", vocab_size))
@@ -317,6 +354,15 @@ def _processor(arch: str, tokenizer: Any, config: Any) -> Any:
     import transformers
 
     side = config.vision_config.image_size
+    if arch == "idefics3":  # images up to 2 x 2 tiles of 32 px, then the whole image as one tile
+        image_processor = transformers.Idefics3ImageProcessorPil(
+            size={"longest_edge": 2 * side}, max_image_size={"longest_edge": side}
+        )
+        per_tile = (side // config.vision_config.patch_size // config.scale_factor) ** 2
+        return transformers.Idefics3Processor(
+            image_processor=image_processor, tokenizer=tokenizer, image_seq_len=per_tile,
+            chat_template=IDEFICS3_CHAT_TEMPLATE,
+        )  # fmt: skip
     if arch == "llava":
         image_processor = transformers.CLIPImageProcessorPil(
             size={"shortest_edge": side}, crop_size={"height": side, "width": side}
@@ -336,12 +382,14 @@ def _processor(arch: str, tokenizer: Any, config: Any) -> Any:
 
 def _randomise_vision(model: Any) -> None:
     """What from_config leaves at 1 or 0 in the vision part and a trained checkpoint does not:
-    every LayerNorm's scale, Gemma 3's projection (zeros)."""
+    every LayerNorm's scale, Gemma 3's projection (zeros). Idefics3 names its tower vision_model
+    and its projector connector."""
     import torch
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "vision_tower" not in name and "multi_modal_projector" not in name:
+            vision_parts = ("vision_tower", "multi_modal_projector", "vision_model", "connector")
+            if not any(part in name for part in vision_parts):
                 continue
             if name.endswith("mm_input_projection_weight"):
                 p.normal_(0.0, INIT_STD)
@@ -364,7 +412,8 @@ def _make_with_vision_tower(
     config = _multimodal_config(arch, vocab_size, token_ids)
     model_class = {"llava": transformers.LlavaForConditionalGeneration,
                    "gemma3_vl": transformers.Gemma3ForConditionalGeneration,
-                   "qwen3_5_vl": transformers.Qwen3_5ForConditionalGeneration}[arch]  # fmt: skip
+                   "qwen3_5_vl": transformers.Qwen3_5ForConditionalGeneration,
+                   "idefics3": transformers.Idefics3ForConditionalGeneration}[arch]  # fmt: skip
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
     _perturb(model)
@@ -450,7 +499,7 @@ def make_tiny_model(
         raise ValueError(
             f"unknown head {head!r} for {arch} (one of {sorted(HEADS)}; score_mlp: qwen2)"
         )
-    if arch in ("gemma3_vl", "qwen3_5_vl", "llava"):
+    if arch in ("gemma3_vl", "qwen3_5_vl", "llava", "idefics3"):
         return _make_with_vision_tower(arch, out_dir, tokenizer_dir, seed)
     family = _FAMILIES[arch]
     config_class = getattr(transformers, f"{family}Config")

@@ -1,7 +1,8 @@
-"""workers/vision against Hugging Face: the tiny LLaVA (CLIP, 16 tokens an image) and Gemma 3 (SigLIP,
-4 tokens a picture, pan & scan crops after the whole image) checkpoints, their images run through
-the processor saved beside them; `ImageEncoder.encode` of each image gives the rows HF scatters
-into that image's placeholder tokens, as many as the processor wrote."""
+"""workers/vision against Hugging Face: the tiny LLaVA (CLIP, 16 tokens an image), Gemma 3 (SigLIP,
+4 tokens a picture, pan & scan crops after the whole image) and Idefics3 (SmolVLM's: 4 tokens a
+tile, its tiles then the whole image) checkpoints, their images run through the processor saved
+beside them; `ImageEncoder.encode` of each image gives the rows HF scatters into that image's
+placeholder tokens, as many as the processor wrote."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from tests.conftest import make_tiny_model
+from workers.models.decoder import language_model_name
 from workers.vision import ImageEncoder, build_image_encoder
 
 HF_CLASSES = {
     "llava": transformers.LlavaForConditionalGeneration,
     "gemma3_vl": transformers.Gemma3ForConditionalGeneration,
+    "idefics3": transformers.Idefics3ForConditionalGeneration,
 }
 
 
@@ -62,7 +65,8 @@ def hf_scattered_rows(
     def capture(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
         seen["inputs_embeds"] = kwargs["inputs_embeds"]
 
-    handle = hf.model.language_model.register_forward_pre_hook(capture, with_kwargs=True)
+    language_model = getattr(hf.model, "language_model", None) or hf.model.text_model
+    handle = language_model.register_forward_pre_hook(capture, with_kwargs=True)
     try:
         with torch.no_grad():
             hf(**inputs)
@@ -96,8 +100,9 @@ def check_against_hf(arch: str, checkpoint: Any, images: list[Image.Image], **im
     assert num_placeholders == sum(f.shape[0] for f in features)
     assert all(f.shape[1] == hf.config.text_config.hidden_size for f in features)
     # The images' pictures, one after the other, are what the processor batches.
+    pixels = {k: v for k, v in inputs.items() if k.startswith("pixel_")}  # Idefics3's mask too
     with torch.no_grad():
-        hf_features = hf.get_image_features(pixel_values=inputs["pixel_values"]).pooler_output
+        hf_features = hf.get_image_features(**pixels).pooler_output
     hf_rows = torch.cat(list(hf_features)).reshape(-1, hf.config.text_config.hidden_size)
     torch.testing.assert_close(torch.cat(features), hf_rows, atol=1e-5, rtol=0)
     scattered = hf_scattered_rows(hf, dict(inputs), encoder.image_token_id)
@@ -105,11 +110,11 @@ def check_against_hf(arch: str, checkpoint: Any, images: list[Image.Image], **im
     return text, inputs, features
 
 
-@pytest.mark.parametrize("arch", ["llava", "gemma3_vl"])
+@pytest.mark.parametrize("arch", ["llava", "gemma3_vl", "idefics3"])
 def test_encoder_gives_the_rows_hf_scatters(arch: str, checkpoint: Any) -> None:
     images = [random_image(40, 56, seed=1), random_image(64, 48, seed=2)]
     _, _, features = check_against_hf(arch, checkpoint, images)
-    rows = {"llava": 16, "gemma3_vl": 4}[arch]
+    rows = {"llava": 16, "gemma3_vl": 4, "idefics3": 20}[arch]  # idefics3: 2 x 2 tiles + whole
     assert [f.shape[0] for f in features] == [rows, rows]
     assert (features[0] - features[1]).abs().max() > 1e-2  # two images, two sets of features
 
@@ -128,6 +133,95 @@ def test_gemma3_pan_and_scan_crops_follow_the_whole_image(checkpoint: Any) -> No
     assert prompt.count("<start_of_image>") == 5 and "here are some crops" in prompt
     crops = features[0].reshape(4, 4, -1)
     assert all((crops[0] - crops[i]).abs().max() > 1e-2 for i in (1, 2, 3))
+
+
+def test_idefics3_tiles_then_the_whole_image(checkpoint: Any) -> None:
+    """A 24 x 64 image is 1 x 2 tiles and the whole (12 rows), a 40 x 56 one 2 x 2 and the whole
+    (20): each tile's 4 rows after its <row_r_col_c>, the whole image's after <global-img>; one
+    image through the processor alone gives the tensors it has in the two-image prompt."""
+    images = [random_image(24, 64, seed=3), random_image(40, 56, seed=4)]
+    _, inputs, features = check_against_hf("idefics3", checkpoint, images)
+    assert [f.shape[0] for f in features] == [12, 20]
+    _, _, processor, _ = checkpoint("idefics3")
+    prompt = processor.decode(inputs["input_ids"][0])
+    assert prompt.count("<global-img>") == 2 and prompt.count("<row_1_col_2>") == 2
+    assert prompt.count("<row_2_col_2>") == 1
+    alone = [processor(text=["<image>"], images=[[im]], return_tensors="pt") for im in images]
+    torch.testing.assert_close(
+        torch.cat([a["pixel_values"] for a in alone], dim=1), inputs["pixel_values"]
+    )
+    pictures = features[1].reshape(5, 4, -1)  # 4 tiles, then the whole image
+    assert all((pictures[i] - pictures[j]).abs().max() > 1e-2 for i in range(5) for j in range(i))
+
+
+def test_idefics3_unsplit_images_are_one_picture(checkpoint: Any) -> None:
+    images = [random_image(24, 64, seed=5), random_image(64, 64, seed=6)]
+    _, _, features = check_against_hf("idefics3", checkpoint, images, do_image_splitting=False)
+    assert [f.shape[0] for f in features] == [4, 4]
+
+
+def test_idefics3_padded_pictures_and_scaled_positions_match_hf() -> None:
+    """Pictures smaller than the tower's grid read its position embeddings at scaled positions, and
+    padding (pixel_attention_mask 0) is attended by no patch: as Hugging Face's, with the tower's
+    64 px grid under 32 px pictures, one of them half padding."""
+    vision = transformers.Idefics3VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        image_size=64, patch_size=8,
+    )  # fmt: skip
+    config = transformers.Idefics3Config(
+        text_config=transformers.LlamaConfig(
+            hidden_size=64, num_hidden_layers=1, vocab_size=128, intermediate_size=64
+        ).to_dict(),
+        vision_config=vision.to_dict(), scale_factor=2, image_token_id=100,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.Idefics3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3)
+    encoder = build_image_encoder({**config.to_dict(), "architectures": [type(hf).__name__]})
+    loaded = encoder.load_weights(hf.state_dict().items())
+    assert loaded == {name for name, _ in encoder.named_parameters()}
+    pixel_values = torch.randn(1, 2, 3, 32, 32)
+    mask = torch.ones(1, 2, 32, 32, dtype=torch.long)
+    mask[0, 1, 16:, :] = 0  # the second picture's bottom half is padding
+    mask[0, 1, :, 24:] = 0
+    pixel_values[0, 1] *= mask[0, 1]
+    tensors = {"pixel_values": pixel_values, "pixel_attention_mask": mask}
+    with torch.no_grad():
+        expected = torch.cat(hf.get_image_features(**tensors).pooler_output)
+        got = encoder.encode(tensors)
+    assert got.shape == (8, 64)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_idefics3_checkpoint_names() -> None:
+    """The tower is model.vision_model, the projector model.connector; the text model's tensors
+    (model.text_model.*) load into the language model under its own names."""
+    encoder = build_image_encoder(
+        {"architectures": ["Idefics3ForConditionalGeneration"], "image_token_id": 5,
+         "text_config": {"hidden_size": 64}, "scale_factor": 2,
+         "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, "image_size": 32, "patch_size": 8}}
+    )  # fmt: skip
+    assert encoder.image_token_id == 5
+    assert encoder.multi_modal_projector.modality_projection.proj.in_features == 128
+    layer = "encoder.layers.0.mlp.fc1.weight"
+    assert encoder.local_weight_name("model.vision_model." + layer) == "vision_tower." + layer
+    assert (
+        encoder.local_weight_name("model.connector.modality_projection.proj.weight")
+        == "multi_modal_projector.modality_projection.proj.weight"
+    )
+    for name in ("model.text_model.embed_tokens.weight", "lm_head.weight"):
+        assert encoder.local_weight_name(name) is None
+    with pytest.raises(ValueError, match="no place"):
+        encoder.local_weight_name("model.vision_model.encoder.layers.1.mlp.fc1.weight")
+    assert language_model_name("model.text_model.layers.0.mlp.up_proj.weight") == (
+        "model.layers.0.mlp.up_proj.weight"
+    )
+    assert language_model_name("model.vision_model." + layer) is None
+    assert language_model_name("model.connector.modality_projection.proj.weight") is None
+    assert language_model_name("lm_head.weight") == "lm_head.weight"
 
 
 LLAVA_CONFIG = {
@@ -219,3 +313,101 @@ def test_llava_keeps_the_class_token_and_stacks_layers(layers: int | list[int]) 
         got = encoder.encode({"pixel_values": pixel_values})
     assert got.shape == (17, 64)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+ONEVISION_GRIDS = [[32, 32], [32, 64], [64, 32], [64, 64]]
+
+
+@pytest.fixture(scope="module")
+def onevision() -> tuple[Any, Any, ImageEncoder]:
+    """A random LLaVA-OneVision (2-layer SigLIP, 32 px views of 16 patches, grids up to 2 x 2
+    views, shrunk past 2 views' worth), its PIL image processor and the encoder loaded from the
+    model's transformers-5 tensor names. (Its full processor needs torchvision for videos.)"""
+    config = transformers.LlavaOnevisionConfig(
+        text_config=transformers.Qwen2Config(
+            hidden_size=64, num_hidden_layers=1, vocab_size=128, intermediate_size=64,
+            num_attention_heads=4, num_key_value_heads=2,
+        ).to_dict(),
+        vision_config=transformers.SiglipVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            image_size=32, patch_size=8, vision_use_head=False,
+        ).to_dict(),
+        vision_feature_layer=-1, vision_feature_select_strategy="full",
+        image_grid_pinpoints=ONEVISION_GRIDS, vision_aspect_ratio="anyres_max_2",
+        image_token_index=100, video_token_index=101,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlavaOnevisionForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3)
+    encoder = build_image_encoder({**config.to_dict(), "architectures": [type(hf).__name__]})
+    loaded = encoder.load_weights(hf.state_dict().items())
+    assert loaded == {name for name, _ in encoder.named_parameters()}
+    image_processor = transformers.LlavaOnevisionImageProcessorPil(
+        size={"height": 32, "width": 32}, image_grid_pinpoints=ONEVISION_GRIDS
+    )
+    return hf, image_processor, encoder.eval()
+
+
+@pytest.mark.parametrize(
+    ("size", "rows"),
+    [((40, 56), 16 + 4 * 7), ((64, 64), 16 + 5 * 6), ((20, 90), 16 + 2 * 9),
+     ((24, 64), 16 + 4 * 9), ((64, 24), 16 + 8 * 5)],
+)  # fmt: skip
+def test_llava_onevision_anyres_rows_match_hf(
+    onevision: tuple[Any, Any, ImageEncoder], size: tuple[int, int], rows: int
+) -> None:
+    """One image alone: the base view's 16 rows, then its grid of views (2 x 2: 8 x 8 patches;
+    1 x 2: 4 x 8; 2 x 1: 8 x 4) unpadded to the image's aspect (40 x 56: 6 of 8 rows; 20 x 90: 2 of
+    4), shrunk when over 2 views' worth (6 x 8 -> 4 x 6, 8 x 8 -> 5 x 5), each row then a newline;
+    as HF's features and the rows it scatters."""
+    hf, image_processor, encoder = onevision
+    tensors = dict(image_processor([random_image(*size, seed=sum(size))], return_tensors="pt"))
+    with torch.no_grad():
+        got = encoder.encode(tensors)
+        expected = hf.model.get_image_features(**tensors).pooler_output[0]
+    assert got.shape == (rows, 64)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    input_ids = torch.tensor([[1, 2, *[100] * rows, 3]])
+    scattered = hf_scattered_rows(hf, {"input_ids": input_ids, **tensors}, 100)
+    torch.testing.assert_close(got, scattered, atol=1e-5, rtol=0)
+
+
+def test_llava_onevision_images_sharing_a_prompt_are_their_base_view(
+    onevision: tuple[Any, Any, ImageEncoder],
+) -> None:
+    """Two images in one prompt: each is its base view and one newline (17 rows), as HF encodes a
+    two-image sample. NOTE: the processor pads such an image to a square before resizing it, so
+    its tensors are not those it has alone: each image's item must carry the tensors of its
+    prompt (pixel_values[i], image_sizes[i], batch_num_images)."""
+    hf, image_processor, encoder = onevision
+    images = [random_image(40, 56, seed=7), random_image(64, 24, seed=8)]
+    sample = dict(image_processor([images], return_tensors="pt"))
+    assert sample["batch_num_images"].tolist() == [2]
+    with torch.no_grad():
+        expected = hf.model.get_image_features(**sample).pooler_output
+        got = [
+            encoder.encode({"pixel_values": sample["pixel_values"][i : i + 1],
+                            "image_sizes": sample["image_sizes"][i : i + 1],
+                            "batch_num_images": sample["batch_num_images"]})
+            for i in range(2)
+        ]  # fmt: skip
+    assert [g.shape[0] for g in got] == [17, 17]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=0)
+    assert (got[0] - got[1]).abs().max() > 1e-2
+    alone = image_processor([images[0]], return_tensors="pt")["pixel_values"]
+    assert (alone[0, 0] - sample["pixel_values"][0, 0]).abs().max() > 1e-2  # not the same view
+
+
+def test_llava_onevision_checkpoint_names(onevision: tuple[Any, Any, ImageEncoder]) -> None:
+    _, _, encoder = onevision
+    for name in ("model.image_newline", "image_newline"):  # transformers 5, llava-hf's releases
+        assert encoder.local_weight_name(name) == "multi_modal_projector.image_newline"
+        assert language_model_name(name) is None
+    assert (
+        encoder.local_weight_name("vision_tower.vision_model.post_layernorm.bias")
+        == "vision_tower.post_layernorm.bias"
+    )
+    assert encoder.local_weight_name("model.language_model.norm.weight") is None

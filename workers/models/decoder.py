@@ -508,17 +508,20 @@ class DecoderModel(nn.Module):
 
 
 # Where checkpoints released with a vision tower keep the language model: transformers 5 names
-# first, then the earlier ones (Gemma 3 as Google released it).
+# first, then the earlier ones (Gemma 3 as Google released it); Idefics3 / SmolVLM's text model.
 _LANGUAGE_MODEL_PREFIXES = (
     ("model.language_model.", "model."),
+    ("model.text_model.", "model."),
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
 )
-# The vision tower and its projector (Gemma 3's, Qwen3.5's), and Qwen3.5's multi-token-prediction
-# head (loaded only when it drafts: DecoderForCausalLM.local_weight_name).
+# The vision tower and its projector (Gemma 3's, Qwen3.5's, Idefics3's vision_model and connector,
+# LLaVA-OneVision's image_newline), and Qwen3.5's multi-token-prediction head (loaded only when it
+# drafts: DecoderForCausalLM.local_weight_name).
 _SKIPPED_PREFIXES = (
     "model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
-    "multi_modal_projector.", "model.visual.", "visual.", "mtp.",
+    "multi_modal_projector.", "model.visual.", "visual.", "model.vision_model.",
+    "model.connector.", "model.image_newline", "image_newline", "mtp.",
 )  # fmt: skip
 
 

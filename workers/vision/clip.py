@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.vision.vit import VisionConfig, VisionEncoder
+from workers.vision.vit import VisionConfig, VisionEncoder, feature_layer_indices
 
 # transformers' CLIPVisionConfig defaults, for the fields a released config.json leaves out.
 CLIP_VISION_DEFAULTS = {
@@ -59,11 +59,7 @@ class CLIPVisionTransformer(nn.Module):
             raise ValueError(
                 f"vision_feature_select_strategy {select_strategy!r} (one of {SELECT_STRATEGIES})"
             )
-        num_states = config.num_hidden_layers + 1  # the encoder's input, then each layer's output
-        layers = [feature_layers] if isinstance(feature_layers, int) else list(feature_layers)
-        if not all(-num_states <= i < num_states for i in layers):
-            raise ValueError(f"vision_feature_layer {feature_layers} out of {num_states} states")
-        self.feature_layers = [i % num_states for i in layers]
+        self.feature_layers = feature_layer_indices(feature_layers, config.num_hidden_layers)
         self.drops_class_token = select_strategy == "default"
         self.embeddings = CLIPVisionEmbeddings(config)
         self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)

@@ -9,11 +9,20 @@ embeddings, in prompt order: (num_placeholder_tokens, text hidden size).
 - Gemma 3: `pixel_values` (1 + num_crops, 3, S, S): the whole image, then its pan-and-scan crops,
   which is the order the processor writes their placeholder runs in the prompt -> mm_tokens_per_image
   rows per picture, concatenated.
+- Idefics3 / SmolVLM: `pixel_values` (1, N, 3, S, S) and `pixel_attention_mask` (1, N, S, S): the
+  tiles row by row, then the whole image (or the whole image alone, unsplit) -> (S / patch /
+  scale_factor)^2 rows per picture, concatenated: the order of the processor's `<image>` runs.
+- LLaVA-OneVision: `pixel_values` (1, N, 3, S, S), `image_sizes` (1, 2), `batch_num_images` ->
+  the base view's rows, then the grid's unpadded rows each followed by `image_newline`; or, for an
+  image sharing its prompt (batch_num_images > 1), the base view's rows and one newline. NOTE: the
+  processor pads such an image to a square first, so its tensors must be its share of the
+  prompt's output, not the image processed alone.
 
 Weights: the encoder takes the same stream of checkpoint tensors as the language model;
 `local_weight_name` says which are its own (transformers-5 `model.vision_tower.*` /
 `model.multi_modal_projector.*`, or the older names without `model.`, with or without the tower's
-`vision_model.` level) and what its parameter is called; None for every other tensor.
+`vision_model.` level; Idefics3's `model.vision_model.*` / `model.connector.*`; LLaVA-OneVision's
+`model.image_newline`) and what its parameter is called; None for every other tensor.
 
 Tensor parallelism: the encoder is replicated whole on every rank (no sharding): it is small next
 to the language model, runs once per image, and each rank then holds the rows it scatters.
@@ -28,6 +37,12 @@ import torch
 from torch import nn
 
 from workers.vision.clip import CLIPVisionTransformer, clip_vision_config
+from workers.vision.idefics3 import (
+    Idefics3Connector,
+    Idefics3VisionTransformer,
+    idefics3_vision_config,
+)
+from workers.vision.llava_onevision import LlavaOnevisionProjector
 from workers.vision.projectors import Gemma3MultiModalProjector, LlavaMultiModalProjector
 from workers.vision.siglip import SiglipVisionTransformer, siglip_vision_config
 
@@ -39,6 +54,14 @@ _UNUSED_TOWER_TENSORS = ("embeddings.position_ids", "head.")
 
 
 class ImageEncoder(nn.Module):
+    """A vision tower and the projector after it. CHECKPOINT_PREFIXES: for each, the checkpoint's
+    prefixes of its tensors (tried in order) and the submodule that holds them here."""
+
+    CHECKPOINT_PREFIXES: tuple[tuple[tuple[str, ...], str], ...] = (
+        (_TOWER_PREFIXES, "vision_tower."),
+        (_PROJECTOR_PREFIXES, "multi_modal_projector."),
+    )
+
     def __init__(
         self, vision_tower: nn.Module, multi_modal_projector: nn.Module, image_token_id: int
     ):
@@ -67,8 +90,7 @@ class ImageEncoder(nn.Module):
         """This module's parameter for a checkpoint tensor; None for the language model's (and
         for the tower's tensors no encoder runs). A tower or projector tensor this module has no
         parameter for is a ValueError: a checkpoint it would silently half-load."""
-        for prefixes, local in ((_TOWER_PREFIXES, "vision_tower."),
-                                (_PROJECTOR_PREFIXES, "multi_modal_projector.")):  # fmt: skip
+        for prefixes, local in self.CHECKPOINT_PREFIXES:
             prefix = next((p for p in prefixes if checkpoint_name.startswith(p)), None)
             if prefix is None:
                 continue
@@ -103,6 +125,67 @@ class ImageEncoder(nn.Module):
         return loaded
 
 
+class Idefics3ImageEncoder(ImageEncoder):
+    """Idefics3 / SmolVLM: the tower is `model.vision_model`, the projector `model.connector`.
+    One image is `pixel_values` (1, N, 3, S, S) and `pixel_attention_mask` (1, N, S, S): its
+    tiles row by row, then the whole image shrunk to one tile (or the whole image alone when it
+    is not split), the order of the `<image>` runs the processor writes (each after
+    `<fake_token_around_image><row_r_col_c>`, the whole image's after `<global-img>`)."""
+
+    CHECKPOINT_PREFIXES = (
+        (("model.vision_model.", "vision_model."), "vision_tower."),
+        (("model.connector.", "connector."), "multi_modal_projector."),
+    )
+
+    def encode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """-> (N * rows a picture, text hidden size), pictures in processor order."""
+        pixel_values = tensors["pixel_values"]
+        pixel_values = pixel_values.reshape(-1, *pixel_values.shape[-3:])  # (N, 3, S, S)
+        mask = tensors.get("pixel_attention_mask")
+        if mask is not None:
+            mask = mask.reshape(-1, *mask.shape[-2:])  # (N, S, S)
+            if mask.shape[0] != pixel_values.shape[0]:
+                raise ValueError(
+                    f"pixel_attention_mask has {mask.shape[0]} pictures, pixel_values "
+                    f"{pixel_values.shape[0]}"
+                )
+            mask = mask.to(pixel_values.device)
+        weight = next(self.parameters())
+        features = self.vision_tower(pixel_values.to(weight.device, weight.dtype), mask)
+        return self.multi_modal_projector(features).flatten(0, 1)
+
+
+class LlavaOnevisionImageEncoder(ImageEncoder):
+    """LLaVA-OneVision: one image is `pixel_values` (1, N, 3, S, S) (the base view, then the
+    grid's tiles, then padding to the batch's N), `image_sizes` (1, 2) and `batch_num_images`; its
+    rows are laid out by the projector (llava_onevision.py). The checkpoint's `image_newline` is
+    the projector's."""
+
+    CHECKPOINT_PREFIXES = (
+        *ImageEncoder.CHECKPOINT_PREFIXES,
+        (("model.image_newline", "image_newline"), "multi_modal_projector.image_newline"),
+    )
+
+    def encode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        pixel_values = tensors["pixel_values"]
+        pixel_values = pixel_values.reshape(-1, *pixel_values.shape[-3:])  # (N, 3, S, S)
+        height, width = (int(v) for v in tensors["image_sizes"].reshape(-1, 2)[0])
+        shared = tensors.get("batch_num_images")
+        shares_prompt = shared is not None and int(shared.reshape(-1)[0]) > 1
+        num_pictures = (
+            1 if shares_prompt else self.multi_modal_projector.num_pictures((height, width))
+        )
+        if num_pictures > pixel_values.shape[0]:
+            raise ValueError(
+                f"a {height}x{width} image is {num_pictures} pictures, pixel_values holds "
+                f"{pixel_values.shape[0]}"
+            )
+        weight = next(self.parameters())
+        features = self.vision_tower(pixel_values[:num_pictures].to(weight.device, weight.dtype))
+        pictures = self.multi_modal_projector(features)  # (N, P, text hidden)
+        return self.multi_modal_projector.layout(pictures, (height, width))
+
+
 def image_token_id_of(hf_config: dict[str, Any], default: int) -> int:
     return int(hf_config.get("image_token_id", hf_config.get("image_token_index", default)))
 
@@ -134,9 +217,42 @@ def _gemma3(hf: dict[str, Any]) -> ImageEncoder:
     return ImageEncoder(SiglipVisionTransformer(config), projector, image_token_id_of(hf, 262144))
 
 
+def _idefics3(hf: dict[str, Any]) -> ImageEncoder:
+    config = idefics3_vision_config(hf.get("vision_config") or {})
+    text_hidden = (hf.get("text_config") or {}).get("hidden_size", 4096)  # LlamaConfig's default
+    connector = Idefics3Connector(config.hidden_size, text_hidden, hf.get("scale_factor", 2))
+    return Idefics3ImageEncoder(
+        Idefics3VisionTransformer(config), connector, image_token_id_of(hf, 128257)
+    )
+
+
+def _llava_onevision(hf: dict[str, Any]) -> ImageEncoder:
+    vision = hf.get("vision_config") or {}
+    if vision.get("model_type", "siglip_vision_model") != "siglip_vision_model":
+        raise ValueError(f"LLaVA-OneVision with a {vision['model_type']} tower is not supported")
+    # LlavaOnevisionConfig's SigLIP (so400m, 384 px, patch 14), for what config.json leaves out.
+    vision = {"hidden_size": 1152, "intermediate_size": 4304, "patch_size": 14, "image_size": 384,
+              "num_hidden_layers": 26, "num_attention_heads": 16, **vision}  # fmt: skip
+    config = siglip_vision_config(vision)
+    tower = SiglipVisionTransformer(
+        config, hf.get("vision_feature_layer", -1), hf.get("vision_feature_select_strategy", "full")
+    )
+    if not hf.get("image_grid_pinpoints"):
+        raise ValueError("LLaVA-OneVision's config.json has no image_grid_pinpoints")
+    text_hidden = (hf.get("text_config") or {}).get("hidden_size", 4096)  # Qwen2Config's default
+    projector = LlavaOnevisionProjector(
+        tower.feature_size, text_hidden, hf.get("projector_hidden_act", "gelu"),
+        hf.get("multimodal_projector_bias", True), config.image_size, config.patches_per_side,
+        hf["image_grid_pinpoints"], hf.get("vision_aspect_ratio", "anyres_max_9"),
+    )  # fmt: skip
+    return LlavaOnevisionImageEncoder(tower, projector, image_token_id_of(hf, 151646))
+
+
 _BUILDERS = {
     "LlavaForConditionalGeneration": _llava,
     "Gemma3ForConditionalGeneration": _gemma3,
+    "Idefics3ForConditionalGeneration": _idefics3,
+    "LlavaOnevisionForConditionalGeneration": _llava_onevision,
 }
 
 

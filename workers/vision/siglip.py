@@ -1,6 +1,7 @@
-"""SigLIP's vision transformer as Gemma 3 uses it: patch convolution (with bias), learned position
-embeddings, no class token and no LayerNorm before the encoder, `post_layernorm` on the last hidden
-state, which is what the projector takes. The attention-pooling head some SigLIP checkpoints carry
+"""SigLIP's vision transformer as Gemma 3 and LLaVA-OneVision use it: patch convolution (with bias),
+learned position embeddings, no class token and no LayerNorm before the encoder; Gemma 3's
+projector takes `post_layernorm` of the last hidden state, LLaVA-OneVision's the hidden states its
+`vision_feature_layer` selects. The attention-pooling head some SigLIP checkpoints carry
 (`vision_use_head`) is not built: Gemma 3 never runs it."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.vision.vit import VisionConfig, VisionEncoder
+from workers.vision.vit import VisionConfig, VisionEncoder, feature_layer_indices
 
 # transformers' SiglipVisionConfig defaults, for the fields a released config.json leaves out.
 SIGLIP_VISION_DEFAULTS = {
@@ -44,12 +45,37 @@ class SiglipVisionEmbeddings(nn.Module):
 
 
 class SiglipVisionTransformer(nn.Module):
-    def __init__(self, config: VisionConfig):
+    """Gemma 3 takes the normed last hidden state; LLaVA-OneVision (`feature_layers` given) the
+    hidden states it selects, unnormed, side by side, the first patch dropped under "default" as
+    Hugging Face drops CLIP's class token."""
+
+    def __init__(
+        self,
+        config: VisionConfig,
+        feature_layers: int | list[int] | None = None,
+        select_strategy: str = "full",
+    ):
         super().__init__()
+        self.feature_layers = (
+            None
+            if feature_layers is None
+            else feature_layer_indices(feature_layers, config.num_hidden_layers)
+        )
+        self.drops_first_patch = select_strategy == "default"
         self.embeddings = SiglipVisionEmbeddings(config)
         self.encoder = VisionEncoder(config)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
+    @property
+    def feature_size(self) -> int:
+        num_layers = 1 if self.feature_layers is None else len(self.feature_layers)
+        return self.post_layernorm.normalized_shape[0] * num_layers
+
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """(B, C, S, S) -> the normed last hidden state, (B, P, H), patches in row-major order."""
-        return self.post_layernorm(self.encoder(self.embeddings(pixel_values))[-1])
+        """(B, C, S, S) -> (B, P, feature_size), patches in row-major order."""
+        x = self.embeddings(pixel_values)
+        if self.feature_layers is None:
+            return self.post_layernorm(self.encoder(x)[-1])
+        hidden_states = self.encoder(x, num_layers=max(self.feature_layers))
+        features = torch.cat([hidden_states[i] for i in self.feature_layers], dim=-1)
+        return features[:, 1:] if self.drops_first_patch else features

@@ -57,6 +57,16 @@ class VisionConfig:
         return self.image_size // self.patch_size
 
 
+def feature_layer_indices(feature_layers: int | list[int], num_hidden_layers: int) -> list[int]:
+    """config.json's `vision_feature_layer` (one index or several, into Hugging Face's
+    `hidden_states`: 0 is the encoder's input, -1 the last layer's output) -> indices >= 0."""
+    num_states = num_hidden_layers + 1
+    layers = [feature_layers] if isinstance(feature_layers, int) else list(feature_layers)
+    if not all(-num_states <= i < num_states for i in layers):
+        raise ValueError(f"vision_feature_layer {feature_layers} out of {num_states} states")
+    return [i % num_states for i in layers]
+
+
 class VisionAttention(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
@@ -67,14 +77,17 @@ class VisionAttention(nn.Module):
         self.v_proj = nn.Linear(h, h)
         self.out_proj = nn.Linear(h, h)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, H) -> (B, N, H)
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, N, H) -> (B, N, H); `key_mask` (B, N), True where a patch is image (not padding):
+        every patch attends to those only."""
         b, n, _ = x.shape
 
         def heads(t: torch.Tensor) -> torch.Tensor:  # (B, N, H) -> (B, heads, N, head_dim)
             return t.view(b, n, self.num_heads, -1).transpose(1, 2)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        out = F.scaled_dot_product_attention(q, k, v)  # every patch sees every patch
+        mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, N)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # both ways
         return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
@@ -97,8 +110,8 @@ class VisionEncoderLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = VisionMLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, H)
-        x = x + self.self_attn(self.layer_norm1(x))
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x), key_mask)  # (B, N, H)
         return x + self.mlp(self.layer_norm2(x))
 
 
@@ -111,10 +124,16 @@ class VisionEncoder(nn.Module):
             VisionEncoderLayer(config) for _ in range(config.num_hidden_layers)
         )
 
-    def forward(self, x: torch.Tensor, num_layers: int | None = None) -> list[torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        num_layers: int | None = None,
+        key_mask: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
         """Hidden states as Hugging Face indexes them: [input, after layer 1, ...], through the
-        first `num_layers` layers (all by default: the later ones are skipped when unused)."""
+        first `num_layers` layers (all by default: the later ones are skipped when unused);
+        `key_mask` (B, N) marks the patches attention may read (None: all)."""
         hidden_states = [x]
         for layer in self.layers[:num_layers]:
-            hidden_states.append(layer(hidden_states[-1]))
+            hidden_states.append(layer(hidden_states[-1], key_mask))
         return hidden_states
