@@ -79,6 +79,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3_5ForConditionalGeneration": ("qwen3_5", "lm_head"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "lm_head"),
     "LlavaForConditionalGeneration": ("llama", "lm_head"),
+    "Mistral3ForConditionalGeneration": ("llama", "lm_head"),  # a Mistral text model
     "Idefics3ForConditionalGeneration": ("llama", "lm_head"),  # SmolVLM: a Llama text model
     "LlavaOnevisionForConditionalGeneration": ("qwen2", "lm_head"),
 }
@@ -92,6 +93,7 @@ MULTIMODAL_ARCHITECTURES = (
     "LlavaForConditionalGeneration",
     "Idefics3ForConditionalGeneration",
     "LlavaOnevisionForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
 )
 # Of those, the ones whose images tern serves too (an encoder in workers/vision/); the others serve
 # their language model only.
@@ -100,6 +102,7 @@ IMAGE_INPUT_ARCHITECTURES = (
     "Gemma3ForConditionalGeneration",
     "Idefics3ForConditionalGeneration",
     "LlavaOnevisionForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
 )
 # Of those, the ones whose language model attends in both directions inside each image's
 # placeholders (Hugging Face's Gemma 3): an image's run of placeholders is never split across prefill

@@ -17,6 +17,9 @@ embeddings, in prompt order: (num_placeholder_tokens, text hidden size).
   image sharing its prompt (batch_num_images > 1), the base view's rows and one newline. NOTE: the
   processor pads such an image to a square first, so its tensors must be its share of the
   prompt's output, not the image processed alone.
+- Mistral 3 (Pixtral): `pixel_values` (1, 3, H', W') padded beyond `image_sizes` (1, 2) -> one row
+  per 2x2 block of patches, row by row: the `[IMG]` runs the processor separates with
+  `[IMG_BREAK]`.
 
 Weights: the encoder takes the same stream of checkpoint tensors as the language model;
 `local_weight_name` says which are its own (transformers-5 `model.vision_tower.*` /
@@ -43,6 +46,11 @@ from workers.vision.idefics3 import (
     idefics3_vision_config,
 )
 from workers.vision.llava_onevision import LlavaOnevisionProjector
+from workers.vision.pixtral import (
+    Mistral3MultiModalProjector,
+    PixtralConfig,
+    PixtralVisionTransformer,
+)
 from workers.vision.projectors import Gemma3MultiModalProjector, LlavaMultiModalProjector
 from workers.vision.siglip import SiglipVisionTransformer, siglip_vision_config
 
@@ -186,6 +194,26 @@ class LlavaOnevisionImageEncoder(ImageEncoder):
         return self.multi_modal_projector.layout(pictures, (height, width))
 
 
+class Mistral3ImageEncoder(ImageEncoder):
+    """Mistral 3: the Pixtral tower at the image's own size, then the projector's 2x2 merge."""
+
+    def encode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        pixel_values = tensors["pixel_values"].reshape(-1, *tensors["pixel_values"].shape[-3:])
+        height, width = (int(v) for v in tensors["image_sizes"].reshape(-1, 2)[0])
+        if (
+            pixel_values.shape[0] != 1
+            or height > pixel_values.shape[-2]
+            or (width > pixel_values.shape[-1])
+        ):
+            raise ValueError(
+                f"one {height}x{width} image expected, pixel_values is {tuple(pixel_values.shape)}"
+            )
+        weight = next(self.parameters())
+        features = self.vision_tower(pixel_values.to(weight.device, weight.dtype), (height, width))
+        patch = self.vision_tower.config.patch_size
+        return self.multi_modal_projector(features, height // patch, width // patch)
+
+
 def image_token_id_of(hf_config: dict[str, Any], default: int) -> int:
     return int(hf_config.get("image_token_id", hf_config.get("image_token_index", default)))
 
@@ -248,11 +276,34 @@ def _llava_onevision(hf: dict[str, Any]) -> ImageEncoder:
     return LlavaOnevisionImageEncoder(tower, projector, image_token_id_of(hf, 151646))
 
 
+def _mistral3(hf: dict[str, Any]) -> ImageEncoder:
+    vision = hf.get("vision_config") or {}
+    if vision.get("model_type", "pixtral") != "pixtral":
+        raise ValueError(f"Mistral 3 with a {vision['model_type']} tower is not supported")
+    layer = hf.get("vision_feature_layer", -1)
+    if not isinstance(layer, int):
+        raise ValueError("Mistral 3 with several vision feature layers is not supported")
+    config = PixtralConfig.from_hf(vision)
+    text = hf.get("text_config") or {}
+    projector = Mistral3MultiModalProjector(
+        config.hidden_size,
+        text.get("hidden_size", 5120),
+        hf.get("spatial_merge_size", 2),
+        text.get("rms_norm_eps", 1e-5),
+        hf.get("projector_hidden_act", "gelu"),
+        hf.get("multimodal_projector_bias", False),
+    )  # fmt: skip  (Mistral3Config's defaults)
+    return Mistral3ImageEncoder(
+        PixtralVisionTransformer(config, layer), projector, image_token_id_of(hf, 10)
+    )
+
+
 _BUILDERS = {
     "LlavaForConditionalGeneration": _llava,
     "Gemma3ForConditionalGeneration": _gemma3,
     "Idefics3ForConditionalGeneration": _idefics3,
     "LlavaOnevisionForConditionalGeneration": _llava_onevision,
+    "Mistral3ForConditionalGeneration": _mistral3,
 }
 
 
