@@ -9,33 +9,20 @@ end inside one; pan & scan (mm_processor_kwargs) adds one placeholder run per cr
 
 from __future__ import annotations
 
-import base64
-import io
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import openai
 import pytest
-import torch
 from PIL import Image
 
 from tests.conftest import make_tiny_model
+from tests.integration.conftest import data_url, random_image
+from tests.integration.hf_vision import HFVision
 
 MAX_TOKENS = 8
 PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8,
                 "pan_and_scan_max_num_crops": 4, "pan_and_scan_min_ratio_to_activate": 1.2}  # fmt: skip
-
-
-def _image(seed: int, size: tuple[int, int] = (40, 48)) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def _data_url(image: Image.Image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 @pytest.fixture(scope="module")
@@ -54,50 +41,14 @@ def client(shared_server: Any, gemma_dir: Path) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
 
 
-class _HF:
-    def __init__(self, model_dir: Path) -> None:
-        import transformers
-
-        self.processor = transformers.AutoProcessor.from_pretrained(model_dir)
-        self.model = transformers.Gemma3ForConditionalGeneration.from_pretrained(
-            model_dir, dtype=torch.float32
-        ).eval()
-
-    def greedy(self, text: str, images: list[Image.Image], **options: Any) -> list[int]:
-        return self.answer(text, images, **options)[0]
-
-    def answer(
-        self, text: str, images: list[Image.Image], **options: Any
-    ) -> tuple[list[int], list[float]]:
-        """The greedy tokens and their logprobs."""
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-        prompt = self.processor.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-        )
-        inputs = self.processor(
-            text=[prompt], images=[images] if images else None, add_special_tokens=False,
-            return_tensors="pt", **options,
-        )  # fmt: skip
-        with torch.inference_mode():
-            out = self.model.generate(
-                **inputs, max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
-                return_dict_in_generate=True,
-            )  # fmt: skip
-        tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-        logprobs = [
-            torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)
-        ]
-        return tokens, logprobs
-
-
 @pytest.fixture(scope="module")
-def hf(gemma_dir: Path) -> _HF:
-    return _HF(gemma_dir)
+def hf(gemma_dir: Path) -> HFVision:
+    return HFVision(gemma_dir, "Gemma3ForConditionalGeneration", MAX_TOKENS)
 
 
 def _ask(client: openai.OpenAI, text: str, images: list[Image.Image], **extra: Any) -> Any:
     content: list[dict[str, Any]] = [
-        {"type": "image_url", "image_url": {"url": _data_url(image)}} for image in images
+        {"type": "image_url", "image_url": {"url": data_url(image)}} for image in images
     ]
     content.append({"type": "text", "text": text})
     return client.chat.completions.create(
@@ -106,26 +57,26 @@ def _ask(client: openai.OpenAI, text: str, images: list[Image.Image], **extra: A
     )  # fmt: skip
 
 
-def test_images_are_hf_exact_and_matter(client: openai.OpenAI, hf: _HF) -> None:
+def test_images_are_hf_exact_and_matter(client: openai.OpenAI, hf: HFVision) -> None:
     text = "Describe what the picture shows, in a sentence or two."
-    one, other = _ask(client, text, [_image(1)]), _ask(client, text, [_image(2)])
+    one, other = _ask(client, text, [random_image(1)]), _ask(client, text, [random_image(2)])
     for response, seed in ((one, 1), (other, 2)):
-        tokens, logprobs = hf.answer(text, [_image(seed)])
+        tokens, logprobs = hf.answer(text, [random_image(seed)])
         assert response.choices[0].token_ids == tokens
         # Within 1e-3 of Hugging Face's, whose prefill attends both ways inside an image.
         assert _logprobs(response) == pytest.approx(logprobs, abs=1e-3)
     # The tiny random model answers newlines whatever it sees: the image shows in the logprobs.
     assert _logprobs(one) != pytest.approx(_logprobs(other), abs=1e-4)
-    two = _ask(client, text, [_image(1), _image(3)])
-    assert two.choices[0].token_ids == hf.greedy(text, [_image(1), _image(3)])
+    two = _ask(client, text, [random_image(1), random_image(3)])
+    assert two.choices[0].token_ids == hf.greedy(text, [random_image(1), random_image(3)])
 
 
 def _logprobs(response: Any) -> list[float]:
     return [item.logprob for item in response.choices[0].logprobs.content]
 
 
-def test_pan_and_scan_crops(client: openai.OpenAI, hf: _HF) -> None:
-    wide = _image(4, (32, 96))
+def test_pan_and_scan_crops(client: openai.OpenAI, hf: HFVision) -> None:
+    wide = random_image(4, (32, 96))
     text = "A wide picture."
     r = _ask(client, text, [wide], mm_processor_kwargs=PAN_AND_SCAN)
     tokens, logprobs = hf.answer(text, [wide], **PAN_AND_SCAN)
@@ -135,16 +86,20 @@ def test_pan_and_scan_crops(client: openai.OpenAI, hf: _HF) -> None:
 
 
 def test_a_repeated_image_hits_the_prefix_cache_and_stays_exact(
-    client: openai.OpenAI, hf: _HF
+    client: openai.OpenAI, hf: HFVision
 ) -> None:
     text = "The same picture twice, with a question long enough to fill a few blocks of tokens."
-    first = _ask(client, text, [_image(5)])
-    again = _ask(client, text, [_image(5)])
-    assert again.choices[0].token_ids == first.choices[0].token_ids == hf.greedy(text, [_image(5)])
+    first = _ask(client, text, [random_image(5)])
+    again = _ask(client, text, [random_image(5)])
+    assert (
+        again.choices[0].token_ids
+        == first.choices[0].token_ids
+        == hf.greedy(text, [random_image(5)])
+    )
     assert again.usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_unknown_processor_kwargs_are_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        _ask(client, "Hi", [_image(6)], mm_processor_kwargs={"rm_rf": True})
+        _ask(client, "Hi", [random_image(6)], mm_processor_kwargs={"rm_rf": True})
     assert info.value.body["param"] == "mm_processor_kwargs"

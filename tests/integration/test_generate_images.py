@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from tests.integration.conftest import data_url, image_bytes, random_image
+from tests.integration.hf_vision import HFVision
 
 MAX_TOKENS = 8
 GREEDY = {"temperature": 0, "max_new_tokens": MAX_TOKENS}
@@ -29,47 +30,29 @@ def server(shared_server: Any, llava_server_args: tuple[str, ...]) -> Any:
     return shared_server(*llava_server_args)
 
 
-class _HF:
-    """Hugging Face's prompts (its processor) and greedy answers for the same images."""
-
-    def __init__(self, model_dir: Path) -> None:
-        import transformers
-
-        self.processor = transformers.AutoProcessor.from_pretrained(model_dir)
-        self.model = transformers.LlavaForConditionalGeneration.from_pretrained(
-            model_dir, dtype=torch.float32
-        ).eval()
+class _Trainer(HFVision):
+    """Hugging Face as an RL trainer uses it: its own prompt text and expanded ids."""
 
     def text(self, question: str) -> str:
         """A chat prompt with one image marker, as a trainer renders it."""
-        content = [{"type": "image"}, {"type": "text", "text": question}]
-        return self.processor.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-        )
+        return self.prompt(question, 1)
 
     def expanded_ids(self, text: str, image: Image.Image, add_special_tokens: bool) -> list[int]:
         """The trainer's own processor's ids: the marker expanded to the image's placeholders."""
-        out = self.processor(
-            text=[text], images=[[image]], add_special_tokens=add_special_tokens,
-            return_tensors="pt",
-        )  # fmt: skip
-        return out["input_ids"][0].tolist()
+        return self.inputs(text, [image], add_special_tokens)["input_ids"][0].tolist()
 
-    def greedy(self, ids: list[int], image: Image.Image) -> list[int]:
+    def greedy_ids(self, ids: list[int], image: Image.Image) -> list[int]:
         pixels = self.processor.image_processor(images=[image], return_tensors="pt")
         input_ids = torch.tensor([ids])
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=input_ids, pixel_values=pixels["pixel_values"],
-                attention_mask=torch.ones_like(input_ids), max_new_tokens=MAX_TOKENS,
-                do_sample=False, pad_token_id=0,
-            )  # fmt: skip
-        return out[0, len(ids) :].tolist()
+        return self.generate(
+            input_ids=input_ids, pixel_values=pixels["pixel_values"],
+            attention_mask=torch.ones_like(input_ids),
+        )[0]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def hf(llava_dir: Path) -> _HF:
-    return _HF(llava_dir)
+def hf(llava_dir: Path) -> _Trainer:
+    return _Trainer(llava_dir, "LlavaForConditionalGeneration", MAX_TOKENS)
 
 
 def _post(server: Any, body: dict[str, Any]) -> httpx.Response:
@@ -86,7 +69,7 @@ def _raw_base64(image: Image.Image) -> str:
     return base64.b64encode(image_bytes(image)).decode()
 
 
-def test_sglang_text_with_image_data(server: Any, hf: _HF) -> None:
+def test_sglang_text_with_image_data(server: Any, hf: _Trainer) -> None:
     """SGLang's text form: the text holds the marker, the server's processor expands it (with
     the special tokens SGLang's tokenization adds)."""
     text = hf.text("What is in this picture?")
@@ -94,23 +77,23 @@ def test_sglang_text_with_image_data(server: Any, hf: _HF) -> None:
     outs = [_ok(server, {**body, "sampling_params": GREEDY}) for body in bodies]
     for seed, out in zip((1, 2), outs):
         ids = hf.expanded_ids(text, random_image(seed), add_special_tokens=True)
-        assert out["output_ids"] == hf.greedy(ids, random_image(seed))
+        assert out["output_ids"] == hf.greedy_ids(ids, random_image(seed))
         assert out["meta_info"]["prompt_tokens"] == len(ids)
     assert outs[0]["output_ids"] != outs[1]["output_ids"]
 
 
-def test_sglang_expanded_input_ids_with_raw_base64(server: Any, hf: _HF) -> None:
+def test_sglang_expanded_input_ids_with_raw_base64(server: Any, hf: _Trainer) -> None:
     """What verl and slime send: ids their HF processor expanded, and the image as base64."""
     ids = hf.expanded_ids(hf.text("Describe the picture."), random_image(3), False)
     out = _ok(
         server,
         {"input_ids": ids, "image_data": [_raw_base64(random_image(3))], "sampling_params": GREEDY},
     )
-    assert out["output_ids"] == hf.greedy(ids, random_image(3))
+    assert out["output_ids"] == hf.greedy_ids(ids, random_image(3))
     assert out["meta_info"]["prompt_tokens"] == len(ids)
 
 
-def test_sglang_batch_of_two_prompts_each_with_its_image(server: Any, hf: _HF) -> None:
+def test_sglang_batch_of_two_prompts_each_with_its_image(server: Any, hf: _Trainer) -> None:
     text = hf.text("Two prompts, two pictures.")
     ids = [hf.expanded_ids(text, random_image(s), False) for s in (4, 5)]
     body = {
@@ -119,19 +102,19 @@ def test_sglang_batch_of_two_prompts_each_with_its_image(server: Any, hf: _HF) -
         "sampling_params": GREEDY,
     }
     outs = _ok(server, body)
-    assert [o["output_ids"] for o in outs] == [hf.greedy(ids[0], random_image(4)),
-                                               hf.greedy(ids[1], random_image(5))]  # fmt: skip
+    assert [o["output_ids"] for o in outs] == [hf.greedy_ids(ids[0], random_image(4)),
+                                               hf.greedy_ids(ids[1], random_image(5))]  # fmt: skip
     assert outs[0]["output_ids"] != outs[1]["output_ids"]
 
 
-def test_lmdeploy_input_ids_with_a_local_file(server: Any, hf: _HF, media_dir: Path) -> None:
+def test_lmdeploy_input_ids_with_a_local_file(server: Any, hf: _Trainer, media_dir: Path) -> None:
     """LMDeploy's body (no SGLang-only keys): the image a path under the allowed folder."""
     ids = hf.expanded_ids(hf.text("What does the file show?"), random_image(7), False)
     body = {"input_ids": ids, "image_data": str(media_dir / "seven.png"), "max_tokens": MAX_TOKENS,
             "temperature": 0}  # fmt: skip
     out = _ok(server, body)
     assert set(out) == {"text", "output_ids", "meta_info"}
-    assert out["output_ids"] == hf.greedy(ids, random_image(7))
+    assert out["output_ids"] == hf.greedy_ids(ids, random_image(7))
 
 
 @pytest.mark.parametrize(
@@ -146,7 +129,7 @@ def test_lmdeploy_input_ids_with_a_local_file(server: Any, hf: _HF, media_dir: P
     ],
 )
 def test_bad_image_data_is_400_naming_it(
-    server: Any, hf: _HF, image_data: Any, message: str
+    server: Any, hf: _Trainer, image_data: Any, message: str
 ) -> None:
     ids = hf.expanded_ids(hf.text("Bad."), random_image(9), False)
     for body in (
@@ -159,7 +142,7 @@ def test_bad_image_data_is_400_naming_it(
         assert error["param"].startswith("image_data") and message in error["message"], error
 
 
-def test_placeholders_that_do_not_match_the_images_are_400(server: Any, hf: _HF) -> None:
+def test_placeholders_that_do_not_match_the_images_are_400(server: Any, hf: _Trainer) -> None:
     text = hf.text("Mismatch.")
     one_image = hf.expanded_ids(text, random_image(1), False)
     unexpanded = hf.processor.tokenizer(text, add_special_tokens=False)["input_ids"]

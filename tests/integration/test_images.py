@@ -18,11 +18,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
 from PIL import Image
 
 from tests.integration.conftest import data_url as _data_url
 from tests.integration.conftest import random_image as _image
+from tests.integration.hf_vision import HFVision
 
 MAX_TOKENS = 8
 
@@ -37,36 +37,9 @@ def client(server: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
 
 
-class _HF:
-    """Hugging Face's answers for the same messages and images."""
-
-    def __init__(self, model_dir: Path) -> None:
-        import transformers
-
-        self.processor = transformers.AutoProcessor.from_pretrained(model_dir)
-        self.model = transformers.LlavaForConditionalGeneration.from_pretrained(
-            model_dir, dtype=torch.float32
-        ).eval()
-
-    def greedy(self, text: str, images: list[Image.Image]) -> list[int]:
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-        prompt = self.processor.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-        )
-        inputs = self.processor(
-            text=[prompt], images=[images] if images else None, add_special_tokens=False,
-            return_tensors="pt",
-        )  # fmt: skip
-        with torch.inference_mode():
-            out = self.model.generate(
-                **inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
-            )
-        return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-
 @pytest.fixture(scope="module")
-def hf(llava_dir: Path) -> _HF:
-    return _HF(llava_dir)
+def hf(llava_dir: Path) -> HFVision:
+    return HFVision(llava_dir, "LlavaForConditionalGeneration", MAX_TOKENS)
 
 
 def _ask(client: openai.OpenAI, text: str, urls: list[str], **kwargs: Any) -> Any:
@@ -82,7 +55,7 @@ def _tokens(response: Any) -> list[int]:
     return response.choices[0].token_ids
 
 
-def test_one_image_is_hf_exact_and_the_image_matters(client: openai.OpenAI, hf: _HF) -> None:
+def test_one_image_is_hf_exact_and_the_image_matters(client: openai.OpenAI, hf: HFVision) -> None:
     text = "What is in this picture? Describe it in a few words."
     first = _ask(client, text, [_data_url(_image(1))])
     other = _ask(client, text, [_data_url(_image(2))])
@@ -92,7 +65,9 @@ def test_one_image_is_hf_exact_and_the_image_matters(client: openai.OpenAI, hf: 
     assert first.usage.prompt_tokens > 16  # the image's placeholders are prompt tokens
 
 
-def test_two_images_jpeg_and_a_local_file(client: openai.OpenAI, hf: _HF, media_dir: Path) -> None:
+def test_two_images_jpeg_and_a_local_file(
+    client: openai.OpenAI, hf: HFVision, media_dir: Path
+) -> None:
     text = "Compare the two pictures."
     jpeg = _image(3)
     buf = io.BytesIO()
@@ -104,7 +79,7 @@ def test_two_images_jpeg_and_a_local_file(client: openai.OpenAI, hf: _HF, media_
 
 
 def test_prefix_hit_with_the_same_image_and_none_with_another(
-    client: openai.OpenAI, hf: _HF
+    client: openai.OpenAI, hf: HFVision
 ) -> None:
     text = "A long question about this picture, asked twice with the same words and image."
     url = _data_url(_image(4))
@@ -126,7 +101,9 @@ def _first_placeholder(response: Any) -> int:
     return ids.index(image_token)
 
 
-def test_a_batch_mixing_text_and_images_with_preemption(client: openai.OpenAI, hf: _HF) -> None:
+def test_a_batch_mixing_text_and_images_with_preemption(
+    client: openai.OpenAI, hf: HFVision
+) -> None:
     """Eight requests at once in 10 blocks: they preempt each other and all finish HF-exact."""
     jobs = [(f"Picture number {i}, what do you see?", [i + 10] if i % 2 else []) for i in range(8)]
 
@@ -140,25 +117,14 @@ def test_a_batch_mixing_text_and_images_with_preemption(client: openai.OpenAI, h
         assert answer == hf.greedy(text, [_image(s) for s in seeds])
 
 
-def test_logprobs_match_hf(client: openai.OpenAI, hf: _HF) -> None:
+def test_logprobs_match_hf(client: openai.OpenAI, hf: HFVision) -> None:
     text = "Logprobs of an answer about a picture."
     r = _ask(client, text, [_data_url(_image(6))])
-    content = [{"type": "image"}, {"type": "text", "text": text}]
-    prompt = hf.processor.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    tokens, logprobs = hf.answer(text, [_image(6)])
+    assert _tokens(r) == tokens
+    assert [item.logprob for item in r.choices[0].logprobs.content] == pytest.approx(
+        logprobs, abs=1e-3
     )
-    inputs = hf.processor(text=[prompt], images=[[_image(6)]], add_special_tokens=False,
-                          return_tensors="pt")  # fmt: skip
-    ids = torch.tensor([[*inputs["input_ids"][0].tolist(), *_tokens(r)]])
-    with torch.inference_mode():
-        logits = hf.model(
-            input_ids=ids, pixel_values=inputs["pixel_values"],
-            attention_mask=torch.ones_like(ids),
-        ).logits[0].float()  # fmt: skip
-    n = inputs["input_ids"].shape[1]
-    expected = torch.log_softmax(logits[n - 1 : -1], -1)
-    for i, item in enumerate(r.choices[0].logprobs.content):
-        assert abs(item.logprob - expected[i, _tokens(r)[i]].item()) < 1e-3
 
 
 @pytest.mark.parametrize(
