@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from enginecore.executor import free_port
 from frontend.client.trainer import TernAPIError, TrainerClient
 from tests.conftest import make_tiny_model
-from tests.integration.test_images import MAX_TOKENS, _data_url, _HF, _image, _tokens
+from tests.integration.test_images import _HF, MAX_TOKENS, _data_url, _image, _tokens
 from tests.integration.test_rl import _trainer
 
 pytestmark = pytest.mark.timeout(600)
@@ -97,9 +97,7 @@ def test_tp2_pp2_answers_with_images_are_hf_exact(
     assert expected[0] != hf.greedy(ASKS[0][0], [_image(5)])  # the image matters
 
 
-def test_dp2_answers_with_images_are_hf_exact(
-    launch_server: Any, llava_dir: Path, hf: _HF
-) -> None:
+def test_dp2_answers_with_images_are_hf_exact(launch_server: Any, llava_dir: Path, hf: _HF) -> None:
     server = launch_server("--model", str(llava_dir), "--dp", "2", *_COMMON)
     asks = ASKS + [(text, seeds[::-1]) for text, seeds in ASKS]  # both replicas get images
     assert _ask_all(_client(server), asks) == _expected(hf, asks)
@@ -146,7 +144,9 @@ def adapter_dir(llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     import transformers
 
     torch.manual_seed(3)
-    base = transformers.LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32)
+    base = transformers.LlavaForConditionalGeneration.from_pretrained(
+        llava_dir, dtype=torch.float32
+    )
     config = peft.LoraConfig(
         r=8, lora_alpha=16, init_lora_weights=False, lora_dropout=0.0,
         target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)",
