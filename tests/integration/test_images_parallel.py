@@ -5,19 +5,22 @@ and two images token for token `LlavaForConditionalGeneration.generate`'s in flo
 of 32 tokens that split the 16-placeholder images.
 
 A third server takes weight updates that carry the vision tower's tensors (from disk, as
-tensors, from a trainer's process group, and one refused and rolled back): after each, the answers
-with images are HF's on the new weights, so neither the old tower nor the encoder cache's outputs
-of the old weights were served. It also serves a PEFT LoRA adapter on the language model, asked
-with an image in the same batch as a base-model image request (HF: PeftModel over the LLaVA).
+tensors, through /dev/shm, from a trainer's process group, and one refused and rolled back): after
+each, the answers with images are HF's on the new weights, so neither the old tower nor the
+encoder cache's outputs of the old weights were served. It also serves a PEFT LoRA adapter on the
+language model, asked with an image in the same batch as a base-model image request (HF:
+PeftModel over the LLaVA).
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
@@ -101,6 +104,11 @@ def test_dp2_answers_with_images_are_hf_exact(launch_server: Any, llava_dir: Pat
     server = launch_server("--model", str(llava_dir), "--dp", "2", *_COMMON)
     asks = ASKS + [(text, seeds[::-1]) for text, seeds in ASKS]  # both replicas get images
     assert _ask_all(_client(server), asks) == _expected(hf, asks)
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    computed = re.findall(
+        r"^tern:replica_prompt_tokens_computed_total\{[^}]*\} (\S+)$", metrics, re.M
+    )
+    assert len(computed) == 2 and all(float(n) > 0 for n in computed), computed
 
 
 # --------------------------------------------------------------------------- updates and LoRA
@@ -223,6 +231,13 @@ def test_weight_updates_carry_the_vision_tower(
     with pytest.raises(TernAPIError):
         trainer.update_weights_from_tensors(bad, bucket_bytes=1)
     assert _ask_all(client, ASKS) == expected_perturbed
+
+    # Through /dev/shm, the original tower back under the new language model.
+    trainer.update_weights_from_tensors(
+        {n: t for n, t in original.items() if _is_vision(n)}, load_format="shm"
+    )
+    lm_only = {**perturbed, **{n: t for n, t in original.items() if _is_vision(n)}}
+    assert _ask_all(client, ASKS) == _expected(_hf_on(hf, lm_only), ASKS)
 
     # A trainer's process group (gloo here) broadcasts the original checkpoint back.
     ctx = multiprocessing.get_context("spawn")
