@@ -122,6 +122,11 @@ def _place(model: nn.Module, hf_name: str, a: torch.Tensor, b: torch.Tensor, slo
     if local is None:
         return  # another pipeline stage's layer
     param_name, shard_id = local
+    if param_name.startswith("vision."):  # PEFT's q_proj/v_proj targets match both towers
+        raise LoraError(
+            f"adapter module {hf_name!r} is in the image encoder: tern serves LoRA on the "
+            "language model only (target its modules, e.g. a regex on 'language_model')"
+        )
     module_name = param_name.removesuffix(".weight")
     try:
         layer = model.get_submodule(module_name)

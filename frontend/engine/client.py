@@ -193,7 +193,7 @@ class EngineClient:
             raise EngineDeadError(self.dead_reason)
         if not self.is_replicated:
             return self.replicas[0].add_request(request)
-        index = self.balancer.choose(request.prompt_token_ids, self._loads())
+        index = self.balancer.choose(request.prompt_token_ids, self._loads(), request.mm_items)
         stream = self.replicas[index].add_request(request)
         stream.replica = index
         return stream

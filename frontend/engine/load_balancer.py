@@ -7,14 +7,15 @@ replica's KV-cache usage from its last SchedulerStats (long prompts fill it befo
 it), then a rotating index, so that idle replicas take turns.
 
 Prefix affinity. The first MAX_AFFINITY_BLOCKS full blocks of a prompt are hashed as a chain (the
-hash of block i covers blocks 0..i, as the KV cache's own block hashes do), and each hash remembers
-which replicas were sent a prompt starting so (an LRU of MAX_ENTRIES hashes). A new prompt goes to
-the least loaded replica among those holding its longest remembered prefix, if that one has at
-most AFFINITY_SLACK more requests in flight than the least loaded replica of all; otherwise to the
-least loaded, which then holds the prefix too (a popular prefix spreads over the replicas as load
-requires). What a replica evicted from its cache is unknown here: the memory is a guess, right
-often enough to pay (scripts/bench_dp.py --shared-prefix measures the hit rate) and harmless when
-wrong (the prompt is computed). It is forgotten for a replica that dies, and for every replica when
+hash of block i covers blocks 0..i and the images whose placeholders they hold, as the KV cache's
+own block hashes do: the same placeholder ids standing for another image are another prefix), and
+each hash remembers which replicas were sent a prompt starting so (an LRU of MAX_ENTRIES hashes).
+A new prompt goes to the least loaded replica among those holding its longest remembered prefix,
+if that one has at most AFFINITY_SLACK more requests in flight than the least loaded replica of
+all; otherwise to the least loaded, which then holds the prefix too (a popular prefix spreads
+over the replicas as load requires). What a replica evicted from its cache is unknown here: the
+memory is a guess, right often enough to pay (scripts/bench_dp.py --shared-prefix measures the
+hit rate) and harmless when wrong (the prompt is computed). It is forgotten for a replica that dies, and for every replica when
 their caches are reset (weight updates, reset_prefix_cache, sleep).
 This module knows nothing about processes or sockets.
 """
@@ -24,6 +25,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from enginecore.messages import MultiModalItem
 
 MAX_AFFINITY_BLOCKS = 64
 MAX_ENTRIES = 1 << 16
@@ -50,8 +53,14 @@ class LoadBalancer:
         self._holders: OrderedDict[int, int] = OrderedDict()  # prefix hash -> bitmask of replicas
         self._turn = 0
 
-    def choose(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad | None]) -> int:
-        """The replica for a prompt; `loads[i]` is None for a replica that cannot serve (dead)."""
+    def choose(
+        self,
+        prompt_token_ids: Sequence[int],
+        loads: Sequence[ReplicaLoad | None],
+        images: Sequence[MultiModalItem] = (),
+    ) -> int:
+        """The replica for a prompt (and its images); `loads[i]` is None for a replica that cannot
+        serve (dead)."""
         alive = [i for i, load in enumerate(loads) if load is not None]
         if not alive:
             raise ValueError("no replica can serve")
@@ -63,7 +72,7 @@ class LoadBalancer:
             return load.num_in_flight, round(load.kv_cache_usage, 2), (i - self._turn) % len(loads)
 
         least = min(alive, key=key)
-        hashes = self._prefix_hashes(prompt_token_ids)
+        hashes = self._prefix_hashes(prompt_token_ids, images)
         chosen, reason = least, "load"
         alive_mask = sum(1 << i for i in alive)
         for h in reversed(hashes):  # the longest remembered prefix first
@@ -91,11 +100,19 @@ class LoadBalancer:
             else:
                 del self._holders[h]
 
-    def _prefix_hashes(self, token_ids: Sequence[int]) -> list[int]:
+    def _prefix_hashes(
+        self, token_ids: Sequence[int], images: Sequence[MultiModalItem] = ()
+    ) -> list[int]:
         n = min(len(token_ids) // self.block_size, MAX_AFFINITY_BLOCKS)
         hashes, h = [], 0
         for b in range(n):
-            h = hash((h, tuple(token_ids[b * self.block_size : (b + 1) * self.block_size])))
+            lo, hi = b * self.block_size, (b + 1) * self.block_size
+            held = tuple(
+                item.content_hash
+                for item in images
+                if any(start < hi and lo < start + length for start, length in item.spans)
+            )
+            h = hash((h, tuple(token_ids[lo:hi]), held))
             hashes.append(h)
         return hashes
 

@@ -17,6 +17,7 @@ from enginecore.messages import (
     InitWeightsUpdateGroup,
     LoadLora,
     LoadLoraAdapter,
+    MultiModalItem,
     PauseGeneration,
     ResumeGeneration,
     UpdateOptions,
@@ -69,6 +70,29 @@ def test_a_cached_prefix_wins_within_the_slack_and_spreads_beyond_it() -> None:
     assert lb.choose(longer + [6], [ReplicaLoad(2, 0.0), ReplicaLoad(2, 0.0)]) == other
     lb.forget()
     assert not lb._holders
+
+
+def test_the_same_placeholders_with_another_image_are_another_prefix() -> None:
+    """A prompt's blocks are remembered with the images their placeholders stand for, as the
+    replicas' own prefix caches key them: another image under the same ids has no affinity."""
+    lb = LoadBalancer(2, BLOCK)
+    prompt = [9] * (2 * BLOCK) + [1]  # both full blocks are an image's placeholders
+
+    def image(content_hash: str) -> list[MultiModalItem]:
+        return [MultiModalItem("image", content_hash, [(0, 2 * BLOCK)])]
+
+    first = lb.choose(prompt, idle(), image("cat"))
+    loads: list[ReplicaLoad | None] = [ReplicaLoad(0, 0.0), ReplicaLoad(0, 0.0)]
+    loads[first] = ReplicaLoad(AFFINITY_SLACK, 0.0)
+    assert lb.choose(prompt, loads, image("cat")) == first  # busier, but holds the blocks
+    assert lb.choose(prompt, loads, image("dog")) == 1 - first  # nothing of it cached anywhere
+    assert lb.num_routed[first]["prefix"] == 1 and lb.num_routed[1 - first]["load"] == 1
+    # Text before the image is shared whatever the image.
+    text_then_image = [1, 2, 3, 4] + [9] * BLOCK + [1]
+    after_text = [MultiModalItem("image", "cat", [(BLOCK, BLOCK)])]
+    other_image = [MultiModalItem("image", "dog", [(BLOCK, BLOCK)])]
+    cat, dog = (lb._prefix_hashes(text_then_image, i) for i in (after_text, other_image))
+    assert cat[0] == dog[0] and cat[1] != dog[1]
 
 
 class FakeReplica:
