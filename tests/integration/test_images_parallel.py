@@ -29,7 +29,8 @@ from safetensors.torch import load_file
 from enginecore.executor import free_port
 from frontend.client.trainer import TernAPIError, TrainerClient
 from tests.conftest import make_tiny_model
-from tests.integration.test_images import _HF, MAX_TOKENS, _data_url, _image, _tokens
+from tests.integration.hf_vision import HFVision
+from tests.integration.test_images import MAX_TOKENS, _data_url, _image, _tokens
 from tests.integration.test_rl import _trainer
 
 pytestmark = pytest.mark.timeout(600)
@@ -60,8 +61,8 @@ def llava_perturbed(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Pat
 
 
 @pytest.fixture(scope="module")
-def hf(llava_dir: Path) -> _HF:
-    return _HF(llava_dir)
+def hf(llava_dir: Path) -> HFVision:
+    return HFVision(llava_dir, "LlavaForConditionalGeneration", MAX_TOKENS)
 
 
 def _client(server: Any) -> openai.OpenAI:
@@ -85,12 +86,12 @@ def _ask_all(client: openai.OpenAI, asks: list[tuple[str, list[int]]], **kw: Any
         return list(pool.map(lambda a: _ask(client, *a, **kw), asks))
 
 
-def _expected(hf: _HF, asks: list[tuple[str, list[int]]]) -> list[list[int]]:
+def _expected(hf: HFVision, asks: list[tuple[str, list[int]]]) -> list[list[int]]:
     return [hf.greedy(text, [_image(s) for s in seeds]) for text, seeds in asks]
 
 
 def test_tp2_pp2_answers_with_images_are_hf_exact(
-    launch_server: Any, llava_dir: Path, hf: _HF
+    launch_server: Any, llava_dir: Path, hf: HFVision
 ) -> None:
     server = launch_server("--model", str(llava_dir), "--tp", "2", "--pp", "2", *_COMMON)
     client = _client(server)
@@ -100,7 +101,9 @@ def test_tp2_pp2_answers_with_images_are_hf_exact(
     assert expected[0] != hf.greedy(ASKS[0][0], [_image(5)])  # the image matters
 
 
-def test_dp2_answers_with_images_are_hf_exact(launch_server: Any, llava_dir: Path, hf: _HF) -> None:
+def test_dp2_answers_with_images_are_hf_exact(
+    launch_server: Any, llava_dir: Path, hf: HFVision
+) -> None:
     server = launch_server("--model", str(llava_dir), "--dp", "2", *_COMMON)
     asks = ASKS + [(text, seeds[::-1]) for text, seeds in ASKS]  # both replicas get images
     assert _ask_all(_client(server), asks) == _expected(hf, asks)
@@ -136,7 +139,7 @@ def _hf_name(name: str) -> str:
     return name
 
 
-def _hf_on(hf: _HF, state: dict[str, torch.Tensor]) -> _HF:
+def _hf_on(hf: HFVision, state: dict[str, torch.Tensor]) -> HFVision:
     """`hf` with its weights replaced by `state` (a checkpoint's tensors)."""
     renamed = {_hf_name(n): t for n, t in state.items()}
     missing, unexpected = hf.model.load_state_dict(renamed, strict=False)
@@ -178,7 +181,7 @@ def rl_server(module_server: Any, llava_dir: Path, adapter_dir: Path) -> Any:
 
 
 def test_lora_on_the_language_model_with_images_in_the_batch(
-    rl_server: Any, llava_dir: Path, adapter_dir: Path, hf: _HF
+    rl_server: Any, llava_dir: Path, adapter_dir: Path, hf: HFVision
 ) -> None:
     import peft
 
@@ -189,8 +192,8 @@ def test_lora_on_the_language_model_with_images_in_the_batch(
         on_adapter = pool.submit(_ask, _client(rl_server), text, seeds, "ad")
         on_base = pool.submit(_ask, _client(rl_server), text, seeds, "vl")
         answers = on_adapter.result(), on_base.result()
-    lora = _HF.__new__(_HF)
-    lora.processor = hf.processor
+    lora = HFVision.__new__(HFVision)
+    lora.processor, lora.max_tokens = hf.processor, hf.max_tokens
     lora.model = peft.PeftModel.from_pretrained(
         hf.model, adapter_dir, is_trainable=False
     ).eval()  # fmt: skip
@@ -203,7 +206,7 @@ def test_lora_on_the_language_model_with_images_in_the_batch(
 
 
 def test_weight_updates_carry_the_vision_tower(
-    rl_server: Any, llava_dir: Path, llava_perturbed: Path, hf: _HF
+    rl_server: Any, llava_dir: Path, llava_perturbed: Path, hf: HFVision
 ) -> None:
     client, trainer = _client(rl_server), TrainerClient(rl_server.base_url)
     original, perturbed = _state(llava_dir), _state(llava_perturbed)
