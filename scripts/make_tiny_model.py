@@ -244,11 +244,22 @@ GEMMA3_CHAT_TEMPLATE = (
     "{% if message['role'] == 'system' %}{{ '\\n\\n' }}{% else %}<end_of_turn>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # The tokens each processor expands images into, added to the tokenizer as special tokens.
 _IMAGE_TOKENS = {
     "llava": {"image_token": "<image>"},
     "gemma3_vl": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
                   "eoi_token": "<end_of_image>"},
+    "qwen3_5_vl": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                   "vision_start_token": "<|vision_start|>",
+                   "vision_end_token": "<|vision_end|>"},
 }  # fmt: skip
 
 
@@ -267,6 +278,8 @@ def _image_token_ids(arch: str, tokenizer: Any) -> dict[str, int]:
     """Config field -> id of each image token: the tokenizer's, else the last ids of 512."""
     fields = {"image_token": "image_token_index", "boi_token": "boi_token_index",
               "eoi_token": "eoi_token_index"}  # fmt: skip
+    if arch == "qwen3_5_vl":  # Qwen3_5Config names them *_token_id
+        fields = {name: name + "_id" for name in _IMAGE_TOKENS[arch]}
     names = list(_IMAGE_TOKENS[arch])
     if tokenizer is None:
         return {fields[n]: 511 - i for i, n in enumerate(names)}
@@ -301,14 +314,20 @@ def _multimodal_config(arch: str, vocab_size: int, token_ids: dict[str, int]) ->
             text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
             **token_ids,
         )  # fmt: skip
-    text = transformers.Qwen3_5TextConfig(**_config_kwargs("qwen3_5", vocab_size))
+    # M-RoPE over 12 of each head's 16 dims: 6 frequencies, 2 each for t, h and w, interleaved.
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "mrope_section": [2, 2, 2], "mrope_interleaved": True}  # fmt: skip
+    text = transformers.Qwen3_5TextConfig(
+        **{**_config_kwargs("qwen3_5", vocab_size), "rope_parameters": rope}
+    )
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
               "out_hidden_size": 64, "patch_size": 4, "spatial_merge_size": 2,
               "temporal_patch_size": 2, "num_position_embeddings": 16}  # fmt: skip
     return transformers.Qwen3_5Config(
         text_config=text.to_dict(), vision_config=vision,
-        image_token_id=vocab_size - 1, video_token_id=vocab_size - 2,
-        vision_start_token_id=vocab_size - 3, vision_end_token_id=vocab_size - 4,
+        **{"image_token_id": vocab_size - 1, "video_token_id": vocab_size - 2,
+           "vision_start_token_id": vocab_size - 3, "vision_end_token_id": vocab_size - 4,
+           **token_ids},
     )  # fmt: skip
 
 
@@ -334,6 +353,24 @@ def _processor(arch: str, tokenizer: Any, config: Any) -> Any:
     )  # fmt: skip
 
 
+def _save_qwen_processor_parts(tokenizer: Any, config: Any, out_dir: Path) -> None:
+    """Qwen3VLProcessor's parts (it cannot be built without torchvision, which its video processor
+    needs): the image processor (8 px a merged token, images resized to at most 32x32 px: up to 16
+    tokens an image), the tokenizer with the vision tokens, the chat template."""
+    import transformers
+
+    vision = config.vision_config
+    factor = vision.patch_size * vision.spatial_merge_size
+    transformers.Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+        merge_size=vision.spatial_merge_size,
+        size={"shortest_edge": 2 * factor * factor, "longest_edge": 16 * factor * factor},
+    ).save_pretrained(out_dir)  # fmt: skip
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "chat_template.jinja").write_text(QWEN_VL_CHAT_TEMPLATE)
+
+
 def _randomise_vision(model: Any) -> None:
     """What from_config leaves at 1 or 0 in the vision part and a trained checkpoint does not:
     every LayerNorm's scale, Gemma 3's projection (zeros)."""
@@ -341,7 +378,7 @@ def _randomise_vision(model: Any) -> None:
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "vision_tower" not in name and "multi_modal_projector" not in name:
+            if not any(p in name for p in ("vision_tower", "multi_modal_projector", "visual.")):
                 continue
             if name.endswith("mm_input_projection_weight"):
                 p.normal_(0.0, INIT_STD)
@@ -372,7 +409,9 @@ def _make_with_vision_tower(
         _randomise_vision(model)
     model.save_pretrained(out_dir, safe_serialization=True)
     _copy_tokenizer(out_dir, tokenizer_dir)
-    if with_processor:  # over the copied tokenizer files: the tokenizer with its image tokens
+    if with_processor and arch == "qwen3_5_vl":
+        _save_qwen_processor_parts(tokenizer, config, out_dir)
+    elif with_processor:  # over the copied tokenizer files: the tokenizer with its image tokens
         _processor(arch, tokenizer, config).save_pretrained(out_dir)
     return out_dir
 

@@ -6,6 +6,7 @@ the prompt's embeddings (Hugging Face's `get_image_features`, to fp32 rounding).
 - clip.py: CLIP's vision transformer (class token, pre-layernorm) as LLaVA selects its layers;
 - siglip.py: SigLIP's vision transformer (no class token, post-layernorm) as Gemma 3 uses it;
 - projectors.py: LLaVA's two-layer MLP and Gemma 3's pooled, normed projection;
+- qwen_vit.py: Qwen3.5's vision transformer (patch grid, 2D rotary, its own patch merger);
 - encoders.py: `build_image_encoder(hf_config)` -> an `ImageEncoder` per architecture, with the
   mapping from checkpoint tensor names to its parameters.
 

@@ -9,11 +9,14 @@ embeddings, in prompt order: (num_placeholder_tokens, text hidden size).
 - Gemma 3: `pixel_values` (1 + num_crops, 3, S, S): the whole image, then its pan-and-scan crops,
   which is the order the processor writes their placeholder runs in the prompt -> mm_tokens_per_image
   rows per picture, concatenated.
+- Qwen3.5: `pixel_values` (t h w, C T P P) patches and `image_grid_thw` (1, 3) -> one row per
+  spatial_merge_size^2 block of patches (t h w / m^2).
 
 Weights: the encoder takes the same stream of checkpoint tensors as the language model;
 `local_weight_name` says which are its own (transformers-5 `model.vision_tower.*` /
 `model.multi_modal_projector.*`, or the older names without `model.`, with or without the tower's
-`vision_model.` level) and what its parameter is called; None for every other tensor.
+`vision_model.` level; Qwen3.5's `model.visual.*`, tower and merger in one) and what its parameter
+is called; None for every other tensor.
 
 Tensor parallelism: the encoder is replicated whole on every rank (no sharding): it is small next
 to the language model, runs once per image, and each rank then holds the rows it scatters.
@@ -29,16 +32,22 @@ from torch import nn
 
 from workers.vision.clip import CLIPVisionTransformer, clip_vision_config
 from workers.vision.projectors import Gemma3MultiModalProjector, LlavaMultiModalProjector
+from workers.vision.qwen_vit import QwenVisionConfig, QwenVisionTransformer
 from workers.vision.siglip import SiglipVisionTransformer, siglip_vision_config
 
 _TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
 _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+# Checkpoint prefixes -> the module that holds those tensors.
+_LLAVA_STYLE_PREFIXES = ((_TOWER_PREFIXES, "vision_tower."),
+                         (_PROJECTOR_PREFIXES, "multi_modal_projector."))  # fmt: skip
 # Vision-tower tensors a checkpoint may carry that no encoder runs: the position ids older
 # checkpoints saved as a buffer, SigLIP's attention-pooling head (Gemma 3 takes the patches).
 _UNUSED_TOWER_TENSORS = ("embeddings.position_ids", "head.")
 
 
 class ImageEncoder(nn.Module):
+    weight_prefixes = _LLAVA_STYLE_PREFIXES
+
     def __init__(
         self, vision_tower: nn.Module, multi_modal_projector: nn.Module, image_token_id: int
     ):
@@ -67,8 +76,7 @@ class ImageEncoder(nn.Module):
         """This module's parameter for a checkpoint tensor; None for the language model's (and
         for the tower's tensors no encoder runs). A tower or projector tensor this module has no
         parameter for is a ValueError: a checkpoint it would silently half-load."""
-        for prefixes, local in ((_TOWER_PREFIXES, "vision_tower."),
-                                (_PROJECTOR_PREFIXES, "multi_modal_projector.")):  # fmt: skip
+        for prefixes, local in self.weight_prefixes:
             prefix = next((p for p in prefixes if checkpoint_name.startswith(p)), None)
             if prefix is None:
                 continue
@@ -103,6 +111,22 @@ class ImageEncoder(nn.Module):
         return loaded
 
 
+class QwenImageEncoder(ImageEncoder):
+    """Qwen3.5: the vision transformer ends in its own merger (no separate projector), and each
+    image brings its patch grid (`image_grid_thw`)."""
+
+    weight_prefixes = ((("model.visual.", "visual."), "vision_tower."),)
+
+    def encode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        grid = tensors["image_grid_thw"].reshape(-1, 3)
+        if grid.shape[0] != 1:
+            raise ValueError(f"one image's tensors, not {grid.shape[0]} images'")
+        weight = next(self.parameters())
+        patches = tensors["pixel_values"].to(weight.device, weight.dtype)
+        t, h, w = (int(v) for v in grid[0])
+        return self.multi_modal_projector(self.vision_tower(patches, (t, h, w)))
+
+
 def image_token_id_of(hf_config: dict[str, Any], default: int) -> int:
     return int(hf_config.get("image_token_id", hf_config.get("image_token_index", default)))
 
@@ -134,9 +158,15 @@ def _gemma3(hf: dict[str, Any]) -> ImageEncoder:
     return ImageEncoder(SiglipVisionTransformer(config), projector, image_token_id_of(hf, 262144))
 
 
+def _qwen3_5(hf: dict[str, Any]) -> ImageEncoder:
+    tower = QwenVisionTransformer(QwenVisionConfig.from_hf(hf.get("vision_config") or {}))
+    return QwenImageEncoder(tower, nn.Identity(), image_token_id_of(hf, 248056))
+
+
 _BUILDERS = {
     "LlavaForConditionalGeneration": _llava,
     "Gemma3ForConditionalGeneration": _gemma3,
+    "Qwen3_5ForConditionalGeneration": _qwen3_5,
 }
 
 
