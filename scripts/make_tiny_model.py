@@ -322,7 +322,8 @@ def _multimodal_config(arch: str, vocab_size: int, token_ids: dict[str, int]) ->
     )
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
               "out_hidden_size": 64, "patch_size": 4, "spatial_merge_size": 2,
-              "temporal_patch_size": 2, "num_position_embeddings": 16}  # fmt: skip
+              "temporal_patch_size": 2, "num_position_embeddings": 16,
+              "initializer_range": INIT_STD}  # fmt: skip
     return transformers.Qwen3_5Config(
         text_config=text.to_dict(), vision_config=vision,
         **{"image_token_id": vocab_size - 1, "video_token_id": vocab_size - 2,

@@ -18,6 +18,7 @@ from PIL import Image
 
 from enginecore.messages import MultiModalItem, TensorData
 from frontend.common.errors import bad_request
+from frontend.media.qwen_vl import QwenVLImageProcessor, is_qwen_vl
 
 
 class ImageProcessor:
@@ -27,12 +28,17 @@ class ImageProcessor:
         from transformers import AutoProcessor  # only servers of image models pay for its import
 
         try:
-            self.hf = AutoProcessor.from_pretrained(str(model_path))
+            self.hf = (
+                QwenVLImageProcessor(model_path)
+                if is_qwen_vl(model_path)
+                else AutoProcessor.from_pretrained(str(model_path))
+            )
         except Exception as e:
             raise ValueError(f"cannot load the image processor of {model_path}: {e}") from e
         self.placeholder_id = int(self.hf.image_token_id)
         # The text that stands for one image in a prompt (Gemma 3's processor expands its
-        # begin-of-image token; LLaVA's its image token).
+        # begin-of-image token; LLaVA's and Qwen's their image token, which Qwen's chat template
+        # writes between <|vision_start|> and <|vision_end|>).
         self.marker = getattr(self.hf, "boi_token", None) or self.hf.image_token
 
     def process(
