@@ -66,6 +66,7 @@ class EngineCore:
             else None,
             num_experts=executor.routing_shape.num_experts if executor.routing_shape else 0,
             whole_image_spans=self.model_task.whole_image_spans,
+            image_layout_tensors=self.model_task.image_layout_tensors,
         )
         self._rng = random.Random()
         self.grammars = GrammarCompiler(

@@ -103,11 +103,16 @@ IMAGE_INPUT_ARCHITECTURES = (
     "Idefics3ForConditionalGeneration",
     "LlavaOnevisionForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
 )
 # Of those, the ones whose language model attends in both directions inside each image's
 # placeholders (Hugging Face's Gemma 3): an image's run of placeholders is never split across prefill
 # chunks nor cut by a prefix-cache hit.
 WHOLE_IMAGE_SPAN_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+# Of those, the ones whose language model places every token after an image by that image's
+# layout (M-RoPE: Qwen3.5 rotates by (t, h, w) positions), and the tensors of an image that say it:
+# the workers get them for every image of a prompt, also those a prefix-cache hit skips.
+IMAGE_LAYOUT_TENSORS = {"Qwen3_5ForConditionalGeneration": ("image_grid_thw",)}
 
 # Head -> the tasks it serves, the one `--task auto` picks first.
 _TASKS_OF_HEAD = {
@@ -134,6 +139,7 @@ class ModelTask:
     # computed in one step (WHOLE_IMAGE_SPAN_ARCHITECTURES).
     takes_images: bool = False
     whole_image_spans: bool = False
+    image_layout_tensors: tuple[str, ...] = ()  # IMAGE_LAYOUT_TENSORS
 
     @property
     def is_pooling(self) -> bool:
@@ -221,6 +227,7 @@ def model_task(hf: dict[str, Any], requested: str = "auto") -> ModelTask:
         arch, head, task, int(hf["hidden_size"]), num_labels, id2label, linear,
         takes_images=images and task == "generate",
         whole_image_spans=images and arch in WHOLE_IMAGE_SPAN_ARCHITECTURES,
+        image_layout_tensors=IMAGE_LAYOUT_TENSORS.get(arch, ()) if images else (),
     )  # fmt: skip
 
 

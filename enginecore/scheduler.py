@@ -26,6 +26,7 @@ from enginecore.messages import (
     EngineCoreOutput,
     FinishReason,
     ModelRunnerOutput,
+    MultiModalItem,
     RoutingShape,
     ScheduledRequest,
     SchedulerOutput,
@@ -50,6 +51,7 @@ class Scheduler:
         routing_shape: RoutingShape | None = None,
         num_experts: int = 0,
         whole_image_spans: bool = False,
+        image_layout_tensors: tuple[str, ...] = (),
     ) -> None:
         """num_state_slots: hybrid models' per-sequence linear-attention states (one per
         sequence that can run): a request takes one when it starts running and gives it back
@@ -60,8 +62,12 @@ class Scheduler:
         enginecore/routing.py). num_experts: per MoE layer (the tokens each takes are counted).
 
         whole_image_spans: each image's placeholders are computed in one step (models that attend
-        inside them in both directions): a chunk ends before an image it cannot hold whole."""
+        inside them in both directions): a chunk ends before an image it cannot hold whole.
+        image_layout_tensors: on models whose tokens after an image are placed by its layout
+        (M-RoPE), the images a request's first chunk starts after are sent too, with only these
+        of their tensors (the encoder never runs on them)."""
         self.whole_image_spans = whole_image_spans
+        self.image_layout_tensors = image_layout_tensors
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_loras = config.lora.max_loras if config.lora.enabled else 0
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
@@ -373,11 +379,22 @@ class Scheduler:
             num_model_drafts=len(drafts) if on_workers else 0,
         )
         if is_new and request.mm_items:
-            scheduled.mm_items = [item for item in request.mm_items if item.end > start]
+            scheduled.mm_items = [self._item_sent(item, start) for item in request.mm_items]
+            scheduled.mm_items = [item for item in scheduled.mm_items if item is not None]
         if is_new and request.sampling_params.needs_history:
             scheduled.history_token_ids = list(request.all_token_ids)
             scheduled.num_prompt_tokens = request.num_prompt_tokens
         return scheduled
+
+    def _item_sent(self, item: MultiModalItem, start: int) -> MultiModalItem | None:
+        """An image as a request's first chunk, at `start`, sends it to the workers: whole when its
+        placeholders are still to compute; else its layout alone, or nothing."""
+        if item.end > start:
+            return item
+        if not self.image_layout_tensors:
+            return None
+        layout = {k: v for k, v in item.tensors.items() if k in self.image_layout_tensors}
+        return MultiModalItem(item.modality, item.content_hash, item.spans, layout)
 
     def retract_running(self) -> int:
         """Preempts every running request (SGLang's "retract" pause): their KV blocks are freed and

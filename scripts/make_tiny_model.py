@@ -256,6 +256,14 @@ IDEFICS3_CHAT_TEMPLATE = (
     "{% elif part['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}"
     "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # The tokens each processor expands images into, added to the tokenizer as special tokens.
 _IMAGE_TOKENS = {
     "llava": {"image_token": "<image>"},
@@ -264,6 +272,9 @@ _IMAGE_TOKENS = {
     "idefics3": {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
                  "global_image_token": "<global-img>",
                  "end_of_utterance_token": "<end_of_utterance>"},
+    "qwen3_5_vl": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                   "vision_start_token": "<|vision_start|>",
+                   "vision_end_token": "<|vision_end|>"},
 }  # fmt: skip
 # Idefics3's tile tags (Idefics3Processor writes <row_r_col_c> before tile (r, c)'s run).
 _IDEFICS3_TILE_TOKENS = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
@@ -289,6 +300,8 @@ def _image_token_ids(arch: str, tokenizer: Any) -> dict[str, int]:
               "eoi_token": "eoi_token_index"}  # fmt: skip
     if arch == "idefics3":  # Idefics3Config's one image token field (the others: processor only)
         fields = {"image_token": "image_token_id"}
+    if arch == "qwen3_5_vl":  # Qwen3_5Config names them *_token_id
+        fields = {name: name + "_id" for name in _IMAGE_TOKENS[arch]}
     names = [n for n in _IMAGE_TOKENS[arch] if n in fields]
     if tokenizer is None:
         return {fields[n]: 511 - i for i, n in enumerate(names)}
@@ -338,14 +351,21 @@ def _multimodal_config(arch: str, vocab_size: int, token_ids: dict[str, int]) ->
             text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
             **token_ids,
         )  # fmt: skip
-    text = transformers.Qwen3_5TextConfig(**_config_kwargs("qwen3_5", vocab_size))
+    # M-RoPE over 12 of each head's 16 dims: 6 frequencies, 2 each for t, h and w, interleaved.
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "mrope_section": [2, 2, 2], "mrope_interleaved": True}  # fmt: skip
+    text = transformers.Qwen3_5TextConfig(
+        **{**_config_kwargs("qwen3_5", vocab_size), "rope_parameters": rope}
+    )
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
               "out_hidden_size": 64, "patch_size": 4, "spatial_merge_size": 2,
-              "temporal_patch_size": 2, "num_position_embeddings": 16}  # fmt: skip
+              "temporal_patch_size": 2, "num_position_embeddings": 16,
+              "initializer_range": INIT_STD}  # fmt: skip
     return transformers.Qwen3_5Config(
         text_config=text.to_dict(), vision_config=vision,
-        image_token_id=vocab_size - 1, video_token_id=vocab_size - 2,
-        vision_start_token_id=vocab_size - 3, vision_end_token_id=vocab_size - 4,
+        **{"image_token_id": vocab_size - 1, "video_token_id": vocab_size - 2,
+           "vision_start_token_id": vocab_size - 3, "vision_end_token_id": vocab_size - 4,
+           **token_ids},
     )  # fmt: skip
 
 
@@ -380,6 +400,24 @@ def _processor(arch: str, tokenizer: Any, config: Any) -> Any:
     )  # fmt: skip
 
 
+def _save_qwen_processor_parts(tokenizer: Any, config: Any, out_dir: Path) -> None:
+    """Qwen3VLProcessor's parts (it cannot be built without torchvision, which its video processor
+    needs): the image processor (8 px a merged token, images resized to at most 32x32 px: up to 16
+    tokens an image), the tokenizer with the vision tokens, the chat template."""
+    import transformers
+
+    vision = config.vision_config
+    factor = vision.patch_size * vision.spatial_merge_size
+    transformers.Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+        merge_size=vision.spatial_merge_size,
+        size={"shortest_edge": 2 * factor * factor, "longest_edge": 16 * factor * factor},
+    ).save_pretrained(out_dir)  # fmt: skip
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "chat_template.jinja").write_text(QWEN_VL_CHAT_TEMPLATE)
+
+
 def _randomise_vision(model: Any) -> None:
     """What from_config leaves at 1 or 0 in the vision part and a trained checkpoint does not:
     every LayerNorm's scale, Gemma 3's projection (zeros). Idefics3 names its tower vision_model
@@ -388,7 +426,8 @@ def _randomise_vision(model: Any) -> None:
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            vision_parts = ("vision_tower", "multi_modal_projector", "vision_model", "connector")
+            vision_parts = ("vision_tower", "multi_modal_projector", "vision_model", "connector",
+                            "visual.")  # fmt: skip
             if not any(part in name for part in vision_parts):
                 continue
             if name.endswith("mm_input_projection_weight"):
@@ -421,7 +460,9 @@ def _make_with_vision_tower(
         _randomise_vision(model)
     model.save_pretrained(out_dir, safe_serialization=True)
     _copy_tokenizer(out_dir, tokenizer_dir)
-    if with_processor:  # over the copied tokenizer files: the tokenizer with its image tokens
+    if with_processor and arch == "qwen3_5_vl":
+        _save_qwen_processor_parts(tokenizer, config, out_dir)
+    elif with_processor:  # over the copied tokenizer files: the tokenizer with its image tokens
         _processor(arch, tokenizer, config).save_pretrained(out_dir)
     return out_dir
 

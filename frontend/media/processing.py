@@ -19,6 +19,7 @@ from PIL import Image
 
 from enginecore.messages import MultiModalItem, TensorData
 from frontend.common.errors import bad_request
+from frontend.media.qwen_vl import QwenVLImageProcessor, is_qwen_vl
 
 # Image-processor settings a request may not set: where the outputs go and in what form.
 _RESERVED_OPTIONS = ("return_tensors", "device", "data_format", "input_data_format")
@@ -33,7 +34,11 @@ class ImageProcessor:
         from transformers import AutoProcessor  # only servers of image models pay for its import
 
         try:
-            self.hf = AutoProcessor.from_pretrained(str(model_path))
+            self.hf = (
+                QwenVLImageProcessor(model_path)
+                if is_qwen_vl(model_path)
+                else AutoProcessor.from_pretrained(str(model_path))
+            )
         except Exception as e:
             raise ValueError(f"cannot load the image processor of {model_path}: {e}") from e
         # The token the model's encoder rows replace: config.json's, as the model reads it (a
@@ -44,7 +49,8 @@ class ImageProcessor:
             raise ValueError(f"{model_path}/config.json names no image_token_id")
         self.placeholder_id = placeholder
         # The text that stands for one image in a prompt (Gemma 3's processor expands its
-        # begin-of-image token; LLaVA's its image token).
+        # begin-of-image token; LLaVA's and Qwen's their image token, which Qwen's chat template
+        # writes between <|vision_start|> and <|vision_end|>).
         self.marker = getattr(self.hf, "boi_token", None) or self.hf.image_token
 
     def process(

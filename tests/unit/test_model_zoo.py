@@ -148,14 +148,16 @@ def test_a_checkpoint_with_a_vision_tower_serves_its_language_model(
     arch: str, tmp_path: Path, tokenizer_dir: Path | None
 ) -> None:
     """*ForConditionalGeneration (a random one-layer vision tower): the text answers are those of
-    Hugging Face's model on the same weights, the vision weights are skipped, the log says so."""
+    Hugging Face's model on the same weights; Gemma 3's vision weights are skipped, Qwen3.5's load
+    (its images are served); the log says which."""
     model_dir = make_tiny_model(arch, tmp_path / arch, tokenizer_dir)
     vocab = json.loads((model_dir / "config.json").read_text())["text_config"]["vocab_size"]
     prompts = make_prompts(vocab)
     out, _ = run_greedy(model_dir, prompts)
     assert out == hf_greedy(model_dir, prompts, MAX_TOKENS)
     runner = make_runner(model_dir, block_size=16)
-    assert "image inputs are not served" in runner.model_summary
+    served = "with its image encoder" if arch == "qwen3_5_vl" else "image inputs are not served"
+    assert served in runner.model_summary
     assert runner.args.architecture.endswith("ForConditionalGeneration")
 
 

@@ -25,6 +25,7 @@ HF_CLASSES = {
     "llava": transformers.LlavaForConditionalGeneration,
     "gemma3_vl": transformers.Gemma3ForConditionalGeneration,
     "idefics3": transformers.Idefics3ForConditionalGeneration,
+    "qwen3_5_vl": transformers.Qwen3_5ForConditionalGeneration,
 }
 
 
@@ -41,7 +42,11 @@ def checkpoint(
         if arch not in built:
             model_dir = make_tiny_model(arch, tmp_path_factory.mktemp(arch), tokenizer_dir)
             hf = HF_CLASSES[arch].from_pretrained(model_dir, dtype=torch.float32).eval()
-            processor = transformers.AutoProcessor.from_pretrained(model_dir)
+            processor = (  # Qwen3VLProcessor needs torchvision (videos): its image part
+                transformers.AutoImageProcessor.from_pretrained(model_dir)
+                if arch == "qwen3_5_vl"
+                else transformers.AutoProcessor.from_pretrained(model_dir)
+            )
             encoder = build_image_encoder(json.loads((model_dir / "config.json").read_text()))
             loaded = encoder.load_weights(load_file(model_dir / "model.safetensors").items())
             assert loaded == {name for name, _ in encoder.named_parameters()}
@@ -270,7 +275,6 @@ def test_checkpoint_names_map_to_the_encoder() -> None:
 
 def test_only_image_architectures_get_an_encoder() -> None:
     assert build_image_encoder({"architectures": ["LlamaForCausalLM"]}) is None
-    assert build_image_encoder({"architectures": ["Qwen3_5ForConditionalGeneration"]}) is None
     assert build_image_encoder({}) is None
     with pytest.raises(ValueError, match="mm_tokens_per_image"):
         build_image_encoder({**GEMMA3_CONFIG, "mm_tokens_per_image": 9})  # 3 does not divide 4
@@ -411,3 +415,47 @@ def test_llava_onevision_checkpoint_names(onevision: tuple[Any, Any, ImageEncode
         == "vision_tower.post_layernorm.bias"
     )
     assert encoder.local_weight_name("model.language_model.norm.weight") is None
+
+
+def test_qwen3_5_encoder_gives_the_rows_hf_scatters(checkpoint: Any) -> None:
+    """Qwen3.5's vision transformer (patch grid per image, interpolated position table, 2D rotary,
+    the merger): each image alone gives HF's get_image_features rows and those HF scatters into
+    its <|image_pad|> run; images of two shapes (2x4 and 4x3 merged tokens)."""
+    model_dir, hf, image_processor, encoder = checkpoint("qwen3_5_vl")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    images = [random_image(20, 28, seed=1), random_image(64, 48, seed=2)]
+    assert encoder.image_token_id == hf.config.image_token_id
+    ids, features = tokenizer.encode("Look:"), []
+    for image in images:
+        tensors = dict(image_processor([image], return_tensors="pt"))
+        with torch.no_grad():
+            rows = encoder.encode(tensors)
+            expected = hf.model.get_image_features(**tensors).pooler_output[0]
+        # rtol 1e-6: rows reach ~20 (decisive random weights), where fp32 rounds at ~2e-6.
+        torch.testing.assert_close(rows, expected, atol=1e-5, rtol=1e-6)
+        features.append(rows)
+        ids += [hf.config.vision_start_token_id] + [encoder.image_token_id] * rows.shape[0]
+        ids += [hf.config.vision_end_token_id]
+    assert [f.shape for f in features] == [(8, 64), (12, 64)]  # 2x4 and 4x3 merged tokens
+    batch = dict(image_processor(images, return_tensors="pt"))
+    input_ids = torch.tensor([ids])
+    inputs = {**batch, "input_ids": input_ids,
+              "mm_token_type_ids": (input_ids == encoder.image_token_id).int()}  # fmt: skip
+    scattered = hf_scattered_rows(hf, inputs, encoder.image_token_id)
+    torch.testing.assert_close(torch.cat(features), scattered, atol=1e-5, rtol=1e-6)
+
+
+def test_qwen3_5_names_map_to_the_encoder() -> None:
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "image_token_id": 5,
+              "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64,
+                                "num_heads": 2, "out_hidden_size": 64, "patch_size": 4,
+                                "num_position_embeddings": 16}}  # fmt: skip
+    qwen = build_image_encoder(config)
+    assert qwen.image_token_id == 5
+    for prefix in ("model.visual.", "visual."):
+        assert qwen.local_weight_name(prefix + "merger.linear_fc2.bias") == (
+            "vision_tower.merger.linear_fc2.bias"
+        )
+    assert qwen.local_weight_name("model.language_model.layers.0.mlp.up_proj.weight") is None
+    with pytest.raises(ValueError, match="no place"):
+        qwen.local_weight_name("model.visual.deepstack_merger_list.0.norm.weight")

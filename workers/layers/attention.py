@@ -141,6 +141,14 @@ class AttentionMetadata:
     draft_seqs: list[int] = field(default_factory=list)
     # The same step through each further KV-cache group's block tables (workers/models/kv_cache_groups.py).
     other_kv_groups: list[AttentionMetadata] = field(default_factory=list)
+    # (3, T) each token's (temporal, height, width) rotary positions on models that rotate by
+    # multimodal positions (M-RoPE), in a step with images; None otherwise (rotation by
+    # `positions`). The KV-cache slot of a token is still that of its `positions`.
+    mrope_positions: torch.Tensor | None = None
+
+    def set_mrope_positions(self, mrope_positions: torch.Tensor | None) -> None:
+        for meta in (self, *self.other_kv_groups):
+            meta.mrope_positions = mrope_positions
 
     def for_kv_group(self, group: int) -> AttentionMetadata:
         """This step as the layers of KV-cache group `group` see it (their block tables)."""

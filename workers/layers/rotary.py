@@ -179,11 +179,26 @@ class RotaryEmbedding(nn.Module):
         # NOTE: float32 regardless of the model dtype (cast per use), as Hugging Face does.
         self.register_buffer("cos_cache", freqs.cos() * scale, persistent=False)
         self.register_buffer("sin_cache", freqs.sin() * scale, persistent=False)
+        # M-RoPE (Qwen3.5): which of (temporal, height, width) positions turns each frequency.
+        section = rope.scaling.get("mrope_section")
+        self.mrope_axis = None if section is None else mrope_axis(section, freqs.shape[1])
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        mrope_positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q (T, H, D) and k (T, Hkv, D) by their tokens' positions (T,)."""
+        """Rotate q (T, H, D) and k (T, Hkv, D) by their tokens' positions (T,), or on an M-RoPE
+        model by their (temporal, height, width) positions `mrope_positions` (3, T)."""
+        if mrope_positions is not None:
+            assert self.mrope_axis is not None, "M-RoPE positions for a rotation without sections"
+            cos3, sin3 = self.cos_cache[mrope_positions], self.sin_cache[mrope_positions]
+            axis = self.mrope_axis.view(1, 1, -1).expand(1, *cos3.shape[1:])
+            cos = cos3.gather(0, axis)[0].unsqueeze(1)  # (T, 1, R/2)
+            sin = sin3.gather(0, axis)[0].unsqueeze(1)
+            return self._rotate(q, k, cos, sin)
         if elementwise_ops.usable(q, k) and _heads_contiguous(q) and _heads_contiguous(k):
             # NOTE: in place: q and k are this layer's fresh projections (views of its qkv output).
             elementwise_ops.rotary_neox_(
@@ -192,6 +207,11 @@ class RotaryEmbedding(nn.Module):
             return q, k
         cos = self.cos_cache[positions].unsqueeze(1)  # (T, 1, R/2)
         sin = self.sin_cache[positions].unsqueeze(1)
+        return self._rotate(q, k, cos, sin)
+
+    def _rotate(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.interleaved:
             cos, sin = (
                 cos.repeat_interleave(2, -1).to(q.dtype),
@@ -210,6 +230,17 @@ class RotaryEmbedding(nn.Module):
         q = torch.cat((rotate(q[..., :r], cos, sin), q[..., r:]), dim=-1)
         k = torch.cat((rotate(k[..., :r], cos, sin), k[..., r:]), dim=-1)
         return q, k
+
+
+def mrope_axis(section: list[int], num_freqs: int) -> torch.Tensor:
+    """(num_freqs,) int64, the axis (0 temporal, 1 height, 2 width) each frequency turns by, in
+    Hugging Face's interleaved layout (Qwen3.5's Qwen3_5TextRotaryEmbedding): frequency j goes to
+    height if j % 3 == 1 and j < 3 * section[1], to width if j % 3 == 2 and j < 3 * section[2],
+    else to time."""
+    axis = torch.zeros(num_freqs, dtype=torch.int64)
+    for dim in (1, 2):
+        axis[dim : section[dim] * 3 : 3] = dim
+    return axis
 
 
 def _heads_contiguous(x: torch.Tensor) -> bool:

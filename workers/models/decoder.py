@@ -225,7 +225,7 @@ class DecoderAttention(nn.Module):
         if self.qk_norm == "head":
             q, k = _per_head(self.q_norm, q), _per_head(self.k_norm, k)
         if self.rotary_emb is not None:
-            q, k = self.rotary_emb(meta.positions, q, k)
+            q, k = self.rotary_emb(meta.positions, q, k, meta.mrope_positions)
         o = self.attn(q, k, v, meta).flatten(1)  # (T, H D)
         if gate is not None:
             if (
@@ -343,7 +343,8 @@ class DecoderLayer(nn.Module):
         """(this layer's branch output, the residual stream before it is added): each layer adds
         the previous one's branch into the stream inside its first norm."""
         meta = meta.for_kv_group(self.kv_group)
-        if self.fused_decode is not None:
+        # (The fused layers rotate by `positions`: not the M-RoPE positions of a step with images.)
+        if self.fused_decode is not None and meta.mrope_positions is None:
             fused = self.fused_decode(x, residual, meta)  # one native call for small decode steps
             if fused is not None:
                 if isinstance(self.mlp, DecoderMLP):
@@ -479,7 +480,11 @@ class DecoderModel(nn.Module):
             x, residual = intermediate[0], intermediate[1]
         features = []
         stacked = None
-        if self.fused_stack is not None and not self.feature_layers:
+        if (
+            self.fused_stack is not None
+            and not self.feature_layers
+            and meta.mrope_positions is None
+        ):
             group = self.layers[self.stage_layers[0]].kv_group
             stacked = self.fused_stack(x, residual, meta.for_kv_group(group))
         if stacked is not None:

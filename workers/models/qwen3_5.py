@@ -3,7 +3,8 @@
 linear to one full by default). The full-attention layers have per-head q/k norms, a quarter of each
 head rotated (`partial_rotary_factor`), and an output gate that q_proj computes beside each query
 head; every norm multiplies by 1 + weight. Text-only positions make Qwen3.5's multimodal rope
-(`mrope_section`) the plain rotation.
+(`mrope_section`) the plain rotation; in a step with images the attention layers rotate by each
+token's (t, h, w) positions (workers/runner/mrope.py, AttentionMetadata.mrope_positions).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from collections import OrderedDict
 import torch
 
 from enginecore.messages import MultiModalItem, ScheduledRequest, SchedulerOutput, TensorData
+from workers.runner.mrope import ImageGrid, image_grids, mrope_positions
 from workers.vision.encoders import ImageEncoder
 
 # Encoder outputs kept for reuse (bytes); one 448x448 image of a 1B model is ~1 MiB of fp32 rows.
@@ -54,28 +55,52 @@ class EncoderCache:
 class ImageInputs:
     """The running requests' images and, each step, the encoder rows their placeholders take
     (first pipeline stage: `encoder`) and the spans attention sees in both directions (every
-    stage, on models that attend so inside an image: `bidirectional`)."""
+    stage, on models that attend so inside an image: `bidirectional`), and on models that rotate
+    by multimodal positions (`mrope_merge_size`: the vision tower's spatial merge size) each
+    token's (t, h, w) rotary positions (workers/runner/mrope.py)."""
 
     def __init__(
-        self, encoder: ImageEncoder | None, device: torch.device, bidirectional: bool
+        self,
+        encoder: ImageEncoder | None,
+        device: torch.device,
+        bidirectional: bool,
+        mrope_merge_size: int | None = None,
     ) -> None:
         self.encoder = encoder
         self.device = device
         self.bidirectional = bidirectional
+        self.mrope_merge_size = mrope_merge_size
         self.cache = EncoderCache()
         self.items: dict[str, list[MultiModalItem]] = {}
+        self.grids: dict[str, list[ImageGrid]] = {}  # M-RoPE models: each request's images
         self.num_encoded = 0  # images run through the encoder (the rest came from the cache)
 
     def update(self, step: SchedulerOutput) -> None:
         """Forgets the finished requests' images; keeps those of the requests (re)started."""
         for req_id in step.finished_req_ids:
             self.items.pop(req_id, None)
+            self.grids.pop(req_id, None)
         for r in step.requests:
             if r.sampling_params is not None:
+                self.grids.pop(r.req_id, None)
                 if r.mm_items:
                     self.items[r.req_id] = list(r.mm_items)
+                    if self.mrope_merge_size is not None:
+                        self.grids[r.req_id] = image_grids(r.mm_items, self.mrope_merge_size)
                 else:
                     self.items.pop(r.req_id, None)
+
+    def rope_positions(self, reqs: list[ScheduledRequest]) -> torch.Tensor | None:
+        """The flat batch's (3, T) M-RoPE positions; None when no request of the step has an
+        image (every token's three positions are then its index: the plain rotation)."""
+        if self.mrope_merge_size is None or not any(r.req_id in self.grids for r in reqs):
+            return None
+        positions = [
+            mrope_positions(self.grids.get(r.req_id, []), r.start_pos,
+                            r.start_pos + len(r.token_ids))
+            for r in reqs
+        ]  # fmt: skip
+        return torch.cat(positions, dim=1).to(self.device)
 
     def weights_changed(self) -> None:
         """Outputs of the old weights must not be served again."""

@@ -65,6 +65,7 @@ from workers.runner.loading import (
     make_batch_invariant,
     served_dtypes,
 )
+from workers.runner.mrope import mrope_merge_size
 from workers.runner.routing import RoutingCapture
 from workers.sample.logprobs import (
     logprob_rows,
@@ -146,7 +147,10 @@ class ModelRunner:
         self.weights = ServedWeights(model, self.draft)
         if self.args.takes_images:
             whole = self.args.architecture in WHOLE_IMAGE_SPAN_ARCHITECTURES
-            self.images = ImageInputs(model.vision, self.device, bidirectional=whole)
+            self.images = ImageInputs(
+                model.vision, self.device, bidirectional=whole,
+                mrope_merge_size=mrope_merge_size(self.args.image_config),
+            )  # fmt: skip
             self.weights.on_change.append(self.images.weights_changed)
         self.cache.bind(model, self.draft)
         self.inputs.bind(model, lora_batch, self.draft, self.max_model_len)
@@ -259,6 +263,8 @@ class ModelRunner:
             reqs = self.inputs.add_model_drafts(reqs)
         spans = self.images.bidirectional_spans(reqs) if self.images is not None else None
         input_ids, meta = self.inputs.build(reqs, spans)
+        if self.images is not None:
+            meta.set_mrope_positions(self.images.rope_positions(reqs))
         t1 = time.perf_counter()
         timings["prepare"] = t1 - t0
         hidden, routes = self._forward(reqs, input_ids, meta)

@@ -9,6 +9,7 @@ the prompt's embeddings (Hugging Face's `get_image_features`, to fp32 rounding).
 - idefics3.py: Idefics3's (SmolVLM's) SigLIP-style tower with variable-resolution positions and
   padding masks, and its pixel-shuffle connector;
 - projectors.py: LLaVA's two-layer MLP and Gemma 3's pooled, normed projection;
+- qwen_vit.py: Qwen3.5's vision transformer (patch grid, 2D rotary, its own patch merger);
 - encoders.py: `build_image_encoder(hf_config)` -> an `ImageEncoder` per architecture, with the
   mapping from checkpoint tensor names to its parameters.
 

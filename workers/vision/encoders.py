@@ -20,12 +20,15 @@ embeddings, in prompt order: (num_placeholder_tokens, text hidden size).
 - Mistral 3 (Pixtral): `pixel_values` (1, 3, H', W') padded beyond `image_sizes` (1, 2) -> one row
   per 2x2 block of patches, row by row: the `[IMG]` runs the processor separates with
   `[IMG_BREAK]`.
+- Qwen3.5: `pixel_values` (t h w, C T P P) patches and `image_grid_thw` (1, 3) -> one row per
+  spatial_merge_size^2 block of patches (t h w / m^2).
 
 Weights: the encoder takes the same stream of checkpoint tensors as the language model;
 `local_weight_name` says which are its own (transformers-5 `model.vision_tower.*` /
 `model.multi_modal_projector.*`, or the older names without `model.`, with or without the tower's
 `vision_model.` level; Idefics3's `model.vision_model.*` / `model.connector.*`; LLaVA-OneVision's
-`model.image_newline`) and what its parameter is called; None for every other tensor.
+`model.image_newline`; Qwen3.5's `model.visual.*`, tower and merger in
+one) and what its parameter is called; None for every other tensor.
 
 Tensor parallelism: the encoder is replicated whole on every rank (no sharding): it is small next
 to the language model, runs once per image, and each rank then holds the rows it scatters.
@@ -52,6 +55,7 @@ from workers.vision.pixtral import (
     PixtralVisionTransformer,
 )
 from workers.vision.projectors import Gemma3MultiModalProjector, LlavaMultiModalProjector
+from workers.vision.qwen_vit import QwenVisionConfig, QwenVisionTransformer
 from workers.vision.siglip import SiglipVisionTransformer, siglip_vision_config
 
 _TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
@@ -214,6 +218,22 @@ class Mistral3ImageEncoder(ImageEncoder):
         return self.multi_modal_projector(features, height // patch, width // patch)
 
 
+class QwenImageEncoder(ImageEncoder):
+    """Qwen3.5: the vision transformer ends in its own merger (no separate projector), and each
+    image brings its patch grid (`image_grid_thw`)."""
+
+    CHECKPOINT_PREFIXES = ((("model.visual.", "visual."), "vision_tower."),)
+
+    def encode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        grid = tensors["image_grid_thw"].reshape(-1, 3)
+        if grid.shape[0] != 1:
+            raise ValueError(f"one image's tensors, not {grid.shape[0]} images'")
+        weight = next(self.parameters())
+        patches = tensors["pixel_values"].to(weight.device, weight.dtype)
+        t, h, w = (int(v) for v in grid[0])
+        return self.multi_modal_projector(self.vision_tower(patches, (t, h, w)))
+
+
 def image_token_id_of(hf_config: dict[str, Any], default: int) -> int:
     return int(hf_config.get("image_token_id", hf_config.get("image_token_index", default)))
 
@@ -298,12 +318,18 @@ def _mistral3(hf: dict[str, Any]) -> ImageEncoder:
     )
 
 
+def _qwen3_5(hf: dict[str, Any]) -> ImageEncoder:
+    tower = QwenVisionTransformer(QwenVisionConfig.from_hf(hf.get("vision_config") or {}))
+    return QwenImageEncoder(tower, nn.Identity(), image_token_id_of(hf, 248056))
+
+
 _BUILDERS = {
     "LlavaForConditionalGeneration": _llava,
     "Gemma3ForConditionalGeneration": _gemma3,
     "Idefics3ForConditionalGeneration": _idefics3,
     "LlavaOnevisionForConditionalGeneration": _llava_onevision,
     "Mistral3ForConditionalGeneration": _mistral3,
+    "Qwen3_5ForConditionalGeneration": _qwen3_5,
 }
 
 

@@ -1,0 +1,144 @@
+"""Qwen3.5's images through a real server, against Hugging Face: the tiny random Qwen3.5 (Gated
+DeltaNet and gated attention layers, M-RoPE over (t, h, w) positions) beside its one-block vision
+transformer answers chat requests with images, each greedy answer token for token the one
+`Qwen3_5ForConditionalGeneration.generate` gives in float32.
+
+The server computes prompts in chunks of 16 tokens (an image is up to 16 placeholders: chunks split
+images), caches prefixes (the hybrid model resumes from state checkpoints every 16 tokens) and
+allows two images per prompt. Two different images give different answers, so no test passes with
+the image ignored."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import make_tiny_model
+
+MAX_TOKENS = 8
+
+
+def _image(seed: int, size: tuple[int, int] = (32, 32)) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def _data_url(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
+    if tokenizer_dir is None:
+        pytest.skip("needs the default model's tokenizer")
+    return make_tiny_model("qwen3_5_vl", tmp_path_factory.mktemp("qwen3_5_vl"), tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def server(shared_server: Any, qwen_dir: Path) -> Any:
+    return shared_server(
+        "--model", str(qwen_dir), "--served-model-name", "qwen-vl",
+        "--max-num-batched-tokens", "16", "--block-size", "16",
+        "--limit-mm-per-prompt", json.dumps({"image": 2}),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def client(server: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+
+
+class _HF:
+    """Hugging Face's answers for the same messages and images: its tokenizer's chat template,
+    its image processor, each <|image_pad|> expanded as Qwen3VLProcessor does."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import transformers
+
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        self.image_processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
+        self.model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(
+            model_dir, dtype=torch.float32
+        ).eval()
+
+    def greedy(self, content: list[dict[str, Any]], images: list[Image.Image]) -> list[int]:
+        prompt = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+        inputs: dict[str, Any] = {}
+        if images:
+            inputs = dict(self.image_processor(images, return_tensors="pt"))
+            for grid in inputs["image_grid_thw"]:
+                run = "<|placeholder|>" * (int(grid.prod()) // 4)
+                prompt = prompt.replace("<|image_pad|>", run, 1)
+            prompt = prompt.replace("<|placeholder|>", "<|image_pad|>")
+        ids = self.tokenizer([prompt], add_special_tokens=False, return_tensors="pt")["input_ids"]
+        image_id = self.model.config.image_token_id
+        inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids),
+                      mm_token_type_ids=(ids == image_id).int())  # fmt: skip
+        with torch.inference_mode():
+            out = self.model.generate(
+                **inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0,
+                eos_token_id=None,
+            )  # fmt: skip
+        return out[0, ids.shape[1] :].tolist()
+
+
+@pytest.fixture(scope="module")
+def hf(qwen_dir: Path) -> _HF:
+    return _HF(qwen_dir)
+
+
+def _ask(client: openai.OpenAI, parts: list[Any]) -> tuple[list[int], list[dict[str, Any]], Any]:
+    """`parts`: text, or images; -> (tern's answer, the HF-side content, the response)."""
+    content, hf_content = [], []
+    for part in parts:
+        if isinstance(part, str):
+            content.append({"type": "text", "text": part})
+            hf_content.append({"type": "text", "text": part})
+        else:
+            content.append({"type": "image_url", "image_url": {"url": _data_url(part)}})
+            hf_content.append({"type": "image"})
+    r = client.chat.completions.create(
+        model="qwen-vl", messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS,
+        temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    return r.choices[0].token_ids, hf_content, r
+
+
+def test_one_image_is_hf_exact_and_the_image_matters(client: openai.OpenAI, hf: _HF) -> None:
+    first, content, r = _ask(client, [_image(1), "What is in this picture?"])
+    other, _, _ = _ask(client, [_image(2), "What is in this picture?"])
+    assert first == hf.greedy(content, [_image(1)])
+    assert other == hf.greedy(content, [_image(2)])
+    assert first != other
+    assert r.usage.prompt_tokens > 16  # the image's placeholders are prompt tokens
+
+
+def test_two_images_and_text_after_each(client: openai.OpenAI, hf: _HF) -> None:
+    """Images of two shapes (4x4 and 3x5 merged tokens), text between and after them."""
+    images = [_image(3), _image(4, (24, 40))]
+    parts = ["Compare", images[0], "with this one:", images[1], "What differs between them?"]
+    answer, content, _ = _ask(client, parts)
+    assert answer == hf.greedy(content, images)
+
+
+def test_prefix_hits_past_an_image_stay_hf_exact(client: openai.OpenAI, hf: _HF) -> None:
+    """The same long prompt twice: the second resumes from the prefix cache past the image (its
+    text placed by the image's grid), and answers the same."""
+    parts = [_image(5), "A long question about this picture, asked twice in the same words."]
+    first, content, _ = _ask(client, parts)
+    again, _, r = _ask(client, parts)
+    assert again == first == hf.greedy(content, [_image(5)])
+    assert (r.usage.prompt_tokens_details.cached_tokens or 0) >= 32

@@ -1,0 +1,178 @@
+"""Qwen3-VL's / Qwen3.5's vision transformer (Hugging Face's Qwen3_5VisionModel, without Qwen3-VL's
+deepstack mergers, which Qwen3.5 drops): patches of (temporal, patch, patch) pixels embedded by a
+linear map (the checkpoint's Conv3d, whose stride equals its kernel), learned position embeddings
+resampled bilinearly to each image's grid, 2D rotary attention inside each frame, then the merger
+that concatenates each spatial_merge_size^2 block of patches into one text-hidden row.
+
+Patches arrive as the processor writes them: (num_patches, channels * temporal * patch * patch),
+already in merge-block order (each block's patches consecutive), the order the merger and the
+language model's placeholders read. Parameter names are Hugging Face's (`model.visual.*`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.vision.vit import activation
+
+
+@dataclass(frozen=True)
+class QwenVisionConfig:
+    depth: int = 27
+    hidden_size: int = 1152
+    hidden_act: str = "gelu_pytorch_tanh"
+    intermediate_size: int = 4304
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 16
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    out_hidden_size: int = 3584
+    num_position_embeddings: int = 2304
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_hf(cls, vision: dict[str, Any]) -> QwenVisionConfig:
+        """config.json's vision_config over Qwen3VLVisionConfig's defaults."""
+        rope = vision.get("rope_parameters") or {}
+        merged = {**vision, "rope_theta": rope.get("rope_theta", 10000.0)}
+        return cls(**{k: merged[k] for k in cls.__dataclass_fields__ if k in merged})
+
+
+def merge_block_order(grid: torch.Tensor, m: int) -> torch.Tensor:
+    """(h, w, ...) -> (h * w, ...) with each m x m block's entries consecutive."""
+    h, w = grid.shape[:2]
+    rest = grid.shape[2:]
+    return grid.reshape(h // m, m, w // m, m, *rest).transpose(1, 2).reshape(h * w, *rest)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class QwenVisionAttention(nn.Module):
+    def __init__(self, config: QwenVisionConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_frames: int
+    ) -> torch.Tensor:  # (N, H) -> (N, H)
+        n = x.shape[0]
+        q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, -1).unbind(1)  # (N, heads, D) each
+        cos, sin = cos[:, None], sin[:, None]  # (N, 1, D), float32 as HF rotates
+        q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
+        k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
+
+        def frames(t: torch.Tensor) -> torch.Tensor:  # (N, heads, D) -> (frames, heads, N/f, D)
+            return t.reshape(num_frames, n // num_frames, self.num_heads, -1).transpose(1, 2)
+
+        # NOTE: each frame attends within itself (HF's cu_seqlens: one segment per frame).
+        out = F.scaled_dot_product_attention(frames(q), frames(k), frames(v))
+        return self.proj(out.transpose(1, 2).reshape(n, -1))
+
+
+class QwenVisionMLP(nn.Module):
+    def __init__(self, config: QwenVisionConfig):
+        super().__init__()
+        self.act = activation(config.hidden_act)
+        self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class QwenVisionBlock(nn.Module):
+    def __init__(self, config: QwenVisionConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=1e-6)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=1e-6)
+        self.attn = QwenVisionAttention(config)
+        self.mlp = QwenVisionMLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_frames: int
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, num_frames)
+        return x + self.mlp(self.norm2(x))
+
+
+class QwenPatchEmbed(nn.Module):
+    def __init__(self, config: QwenVisionConfig):
+        super().__init__()
+        kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel, stride=kernel)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:  # (N, C T P P) -> (N, H)
+        # A Conv3d whose stride is its kernel, on one kernel's worth of input each: a linear map.
+        return F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)
+
+
+class QwenPatchMerger(nn.Module):
+    def __init__(self, config: QwenVisionConfig):
+        super().__init__()
+        self.merged_size = config.hidden_size * config.spatial_merge_size**2
+        self.norm = nn.LayerNorm(config.hidden_size, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.merged_size, self.merged_size)
+        self.linear_fc2 = nn.Linear(self.merged_size, config.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N / m^2, out)
+        x = self.norm(x).view(-1, self.merged_size)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class QwenVisionTransformer(nn.Module):
+    def __init__(self, config: QwenVisionConfig):
+        super().__init__()
+        self.config = config
+        self.patch_embed = QwenPatchEmbed(config)
+        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        self.grid_side = int(config.num_position_embeddings**0.5)
+        self.blocks = nn.ModuleList(QwenVisionBlock(config) for _ in range(config.depth))
+        self.merger = QwenPatchMerger(config)
+        head_dim = config.hidden_size // config.num_heads
+        quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
+        self.register_buffer("inv_freq", 1.0 / config.rope_theta**quarter, persistent=False)
+
+    def forward(self, patches: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
+        """One image's (or video's) patches (t h w, C T P P) -> (t h w / m^2, out_hidden_size)."""
+        t, h, w = grid_thw
+        if patches.shape[0] != t * h * w:
+            raise ValueError(f"{patches.shape[0]} patches for a {t}x{h}x{w} grid")
+        x = self.patch_embed(patches) + self._position_embeddings(h, w).repeat(t, 1).to(
+            patches.dtype
+        )
+        cos, sin = self._rotary(h, w, t, x.device)
+        for block in self.blocks:
+            x = block(x, cos, sin, t)
+        return self.merger(x)
+
+    def _position_embeddings(self, h: int, w: int) -> torch.Tensor:
+        """The learned (side, side) table resampled to (h, w) (bilinear, corners aligned, as HF),
+        in merge-block order: (h w, hidden)."""
+        side = self.grid_side
+        table = self.pos_embed.weight.float().T.reshape(1, -1, side, side)
+        grid = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)
+        return merge_block_order(grid[0].permute(1, 2, 0), self.config.spatial_merge_size)
+
+    def _rotary(
+        self, h: int, w: int, t: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (t h w, head_dim) float32: a quarter of the frequencies turn by the patch's
+        row, a quarter by its column, the halves repeated (rotate-half layout)."""
+        rows, cols = torch.meshgrid(
+            torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij"
+        )
+        hw = merge_block_order(torch.stack((rows, cols), -1), self.config.spatial_merge_size)
+        freqs = (hw[..., None].float() * self.inv_freq).flatten(1)  # (h w, head_dim / 2)
+        freqs = torch.cat((freqs, freqs), -1).repeat(t, 1)
+        return freqs.cos(), freqs.sin()
