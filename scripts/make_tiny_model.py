@@ -70,9 +70,11 @@ _FAMILIES = {
     "qwen3_5_moe": "Qwen3_5Moe",  # Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM
     "gpt_oss": "GptOss",
 }
-# gemma3_vl / qwen3_5_vl / llava / idefics3: *ForConditionalGeneration, the tiny gemma3 / qwen3_5 /
-# llama / llama beside a random vision tower (`_make_with_vision_tower`).
-ARCHS = (*_FAMILIES, "gemma3_vl", "qwen3_5_vl", "llava", "idefics3")
+# gemma3_vl / qwen3_5_vl / qwen3_5_moe_vl / llava / idefics3: *ForConditionalGeneration, the tiny
+# gemma3 / qwen3_5 / qwen3_5_moe / llama / llama beside a random vision tower
+# (`_make_with_vision_tower`; qwen3_5_moe_vl without a processor: its images are not served).
+_VISION_ARCHS = ("gemma3_vl", "qwen3_5_vl", "qwen3_5_moe_vl", "llava", "idefics3")
+ARCHS = (*_FAMILIES, *_VISION_ARCHS)
 # Mixture-of-experts families: 8 experts, top 2.
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3_5_moe", "gpt_oss")
 # The families added for the 2026 model zoo: each exercises what its DecoderSpec changes, with a
@@ -354,14 +356,18 @@ def _multimodal_config(arch: str, vocab_size: int, token_ids: dict[str, int]) ->
     # M-RoPE over 12 of each head's 16 dims: 6 frequencies, 2 each for t, h and w, interleaved.
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
             "mrope_section": [2, 2, 2], "mrope_interleaved": True}  # fmt: skip
-    text = transformers.Qwen3_5TextConfig(
-        **{**_config_kwargs("qwen3_5", vocab_size), "rope_parameters": rope}
-    )
+    moe = arch == "qwen3_5_moe_vl"
+    text_config = transformers.Qwen3_5MoeTextConfig if moe else transformers.Qwen3_5TextConfig
+    text = text_config(
+        **{**_config_kwargs("qwen3_5_moe" if moe else "qwen3_5", vocab_size),
+           "rope_parameters": rope}
+    )  # fmt: skip
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
               "out_hidden_size": 64, "patch_size": 4, "spatial_merge_size": 2,
               "temporal_patch_size": 2, "num_position_embeddings": 16,
               "initializer_range": INIT_STD}  # fmt: skip
-    return transformers.Qwen3_5Config(
+    config_class = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    return config_class(
         text_config=text.to_dict(), vision_config=vision,
         **{"image_token_id": vocab_size - 1, "video_token_id": vocab_size - 2,
            "vision_start_token_id": vocab_size - 3, "vision_end_token_id": vocab_size - 4,
@@ -452,6 +458,7 @@ def _make_with_vision_tower(
     model_class = {"llava": transformers.LlavaForConditionalGeneration,
                    "gemma3_vl": transformers.Gemma3ForConditionalGeneration,
                    "qwen3_5_vl": transformers.Qwen3_5ForConditionalGeneration,
+                   "qwen3_5_moe_vl": transformers.Qwen3_5MoeForConditionalGeneration,
                    "idefics3": transformers.Idefics3ForConditionalGeneration}[arch]  # fmt: skip
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
@@ -540,7 +547,7 @@ def make_tiny_model(
         raise ValueError(
             f"unknown head {head!r} for {arch} (one of {sorted(HEADS)}; score_mlp: qwen2)"
         )
-    if arch in ("gemma3_vl", "qwen3_5_vl", "llava", "idefics3"):
+    if arch in _VISION_ARCHS:
         return _make_with_vision_tower(arch, out_dir, tokenizer_dir, seed)
     family = _FAMILIES[arch]
     config_class = getattr(transformers, f"{family}Config")
