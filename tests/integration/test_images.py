@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -125,6 +126,30 @@ def test_logprobs_match_hf(client: openai.OpenAI, hf: HFVision) -> None:
     assert [item.logprob for item in r.choices[0].logprobs.content] == pytest.approx(
         logprobs, abs=1e-3
     )
+
+
+def test_responses_and_messages_take_images(
+    server: Any, client: openai.OpenAI, hf: HFVision
+) -> None:
+    """OpenAI Responses' input_image and Anthropic Messages' base64 image block, through their own
+    SDKs: the answer is Hugging Face's greedy one, decoded."""
+    text = "What does this picture show?"
+    expected = hf.processor.tokenizer.decode(hf.greedy(text, [_image(8)]), skip_special_tokens=True)
+    url = _data_url(_image(8))
+    r = client.responses.create(
+        model="vl", max_output_tokens=MAX_TOKENS, temperature=0,
+        input=[{"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                             {"type": "input_text", "text": text}]}],
+    )  # fmt: skip
+    assert r.output_text == expected
+    messages = anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0)
+    source = {"type": "base64", "media_type": "image/png", "data": url.split(",", 1)[1]}
+    m = messages.messages.create(
+        model="vl", max_tokens=MAX_TOKENS, extra_body={"temperature": 0},  # as the SDK sends it
+        messages=[{"role": "user", "content": [{"type": "image", "source": source},
+                                               {"type": "text", "text": text}]}],
+    )  # fmt: skip
+    assert m.content[0].text == expected
 
 
 @pytest.mark.parametrize(
