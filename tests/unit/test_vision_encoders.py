@@ -124,6 +124,20 @@ def test_encoder_gives_the_rows_hf_scatters(arch: str, checkpoint: Any) -> None:
     assert (features[0] - features[1]).abs().max() > 1e-2  # two images, two sets of features
 
 
+def _random_model_and_encoder(model_class: type, config: Any) -> tuple[Any, Any]:
+    """Hugging Face's model with decisive random weights, and tern's encoder loaded from them
+    (every parameter of the encoder, none left over)."""
+    torch.manual_seed(0)
+    hf = model_class(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3)
+    encoder = build_image_encoder({**config.to_dict(), "architectures": [type(hf).__name__]})
+    loaded = encoder.load_weights(hf.state_dict().items())
+    assert loaded == {name for name, _ in encoder.named_parameters()}
+    return hf, encoder
+
+
 def test_gemma3_pan_and_scan_crops_follow_the_whole_image(checkpoint: Any) -> None:
     """A 3:1 image: the whole, then 3 crops, each 4 rows, in the order of the prompt's runs."""
     wide = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8,
@@ -179,14 +193,7 @@ def test_idefics3_padded_pictures_and_scaled_positions_match_hf() -> None:
         ).to_dict(),
         vision_config=vision.to_dict(), scale_factor=2, image_token_id=100,
     )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.Idefics3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0.0, 0.3)
-    encoder = build_image_encoder({**config.to_dict(), "architectures": [type(hf).__name__]})
-    loaded = encoder.load_weights(hf.state_dict().items())
-    assert loaded == {name for name, _ in encoder.named_parameters()}
+    hf, encoder = _random_model_and_encoder(transformers.Idefics3ForConditionalGeneration, config)
     pixel_values = torch.randn(1, 2, 3, 32, 32)
     mask = torch.ones(1, 2, 32, 32, dtype=torch.long)
     mask[0, 1, 16:, :] = 0  # the second picture's bottom half is padding
@@ -340,14 +347,9 @@ def onevision() -> tuple[Any, Any, ImageEncoder]:
         image_grid_pinpoints=ONEVISION_GRIDS, vision_aspect_ratio="anyres_max_2",
         image_token_index=100, video_token_index=101,
     )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.LlavaOnevisionForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0.0, 0.3)
-    encoder = build_image_encoder({**config.to_dict(), "architectures": [type(hf).__name__]})
-    loaded = encoder.load_weights(hf.state_dict().items())
-    assert loaded == {name for name, _ in encoder.named_parameters()}
+    hf, encoder = _random_model_and_encoder(
+        transformers.LlavaOnevisionForConditionalGeneration, config
+    )
     image_processor = transformers.LlavaOnevisionImageProcessorPil(
         size={"height": 32, "width": 32}, image_grid_pinpoints=ONEVISION_GRIDS
     )
