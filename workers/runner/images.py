@@ -73,7 +73,6 @@ class ImageInputs:
         self.cache = EncoderCache()
         self.items: dict[str, list[MultiModalItem]] = {}
         self.grids: dict[str, list[ImageGrid]] = {}  # M-RoPE models: each request's images
-        self.num_encoded = 0  # images run through the encoder (the rest came from the cache)
 
     def update(self, step: SchedulerOutput) -> None:
         """Forgets the finished requests' images; keeps those of the requests (re)started."""
@@ -172,7 +171,6 @@ class ImageInputs:
             raise ValueError(
                 f"the image encoder gave {output.shape[0]} rows for {expected} placeholders"
             )
-        self.num_encoded += 1
         self.cache.put(item.content_hash, output)
         return output
 

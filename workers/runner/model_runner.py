@@ -308,9 +308,7 @@ class ModelRunner:
             if routing.layers_before:
                 shape = (num_tokens, routing.layers_before, routing.top_k)
                 earlier_routes = p.recv_from_prev_stage(shape, torch.int16, self.device)
-        t0 = time.perf_counter()  # the image encoder's share of the forward, timed apart
         image_embeds = self.images.embeddings(reqs) if self.images is not None else None
-        self.last_step_timings["encode"] = time.perf_counter() - t0
         # Every step's routing is counted (tern:moe_expert_tokens); requests get it on demand.
         routing.start()
         hidden = self.model(input_ids, meta, intermediate, image_embeds)
