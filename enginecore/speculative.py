@@ -22,8 +22,8 @@ rejections, decayed, starting from the recent sequences'), so draft j is worth p
 tokens; a step's time by its tokens is learnt from the decode steps' measured times (`StepCost`);
 the drafts, most valuable first, are taken as far as maximises the step's expected tokens per
 second. Copy-heavy sequences then verify long drafts, sequences whose drafts fail verify none (one
-probe every PROBE_EVERY steps keeps their estimate current), and a large batch, whose extra rows
-cost more, drafts less.
+probe at a sequence's first proposal and then every PROBE_EVERY steps keeps their estimate
+current), and a large batch, whose extra rows cost more, drafts less.
 No drafts at all in a step running more sequences than disable_by_batch_size.
 """
 
@@ -204,7 +204,9 @@ class _Sequence:
     def __init__(self) -> None:
         self.hits = 0.0  # accepted drafts, decayed
         self.misses = 0.0  # verifications that ended on a rejected draft, decayed
-        self.steps_without_drafts = 0
+        # A new sequence's first proposal is probed: its own record starts at once, even when the
+        # recent sequences' record says drafts do not pay (they may have drafted from elsewhere).
+        self.steps_without_drafts = PROBE_EVERY - 1
         self.ngrams: NgramIndex | None = None
         self.trie: SuffixTrie | None = None
         self.trie_nodes: list[list] = []
@@ -306,6 +308,7 @@ class Drafter:
         self._hits = GLOBAL_DECAY * self._hits + num_accepted
         self._misses = GLOBAL_DECAY * self._misses + missed
         seq = self._sequences.setdefault(request_id, _Sequence())
+        seq.steps_without_drafts = 0
         seq.hits = ACCEPTANCE_DECAY * seq.hits + num_accepted
         seq.misses = ACCEPTANCE_DECAY * seq.misses + missed
 
