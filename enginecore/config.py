@@ -306,6 +306,64 @@ class ServerConfig:
     port: int = 8000
 
 
+# Prefill/decode disaggregation (--kv-transfer-config, vLLM's keys; SGLang's --disaggregation-*).
+KV_CONNECTORS = ("TernConnector",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """A producer computes prompts and lends their KV blocks for `lease_s` (vLLM's
+    VLLM_NIXL_ABORT_REQUEST_TIMEOUT); a consumer pulls them and decodes (docs/disaggregation.md).
+    Off when `connector` is None."""
+
+    connector: str | None = None
+    role: str = "kv_both"
+    # A consumer whose pull fails: "fail" ends the request with an error (vLLM's default),
+    # "recompute" computes the prompt itself.
+    load_failure_policy: str = "fail"
+    # Where consumers reach this server's bootstrap (its lease registry): SGLang's
+    # --disaggregation-bootstrap-port, vLLM's remote_host / remote_port.
+    bootstrap_host: str = "127.0.0.1"
+    bootstrap_port: int = 8998
+    lease_s: float = 480.0
+    # A consumer waits this long for a producer's lease to appear (SGLang's one-shot dispatch
+    # reaches both at once), and this long for any answer of a producer (then deems it gone).
+    wait_s: float = 300.0
+    reply_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.connector is None:
+            return
+        if self.connector not in KV_CONNECTORS:
+            raise ValueError(
+                f"kv_connector {self.connector!r} is not served; tern has {', '.join(KV_CONNECTORS)}"
+            )
+        if self.role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}")
+        if self.load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}"
+            )
+        if not 0 < self.bootstrap_port < 65536:
+            raise ValueError("the bootstrap port must be in [1, 65535]")
+        if min(self.lease_s, self.wait_s, self.reply_timeout_s) <= 0:
+            raise ValueError("kv lease and wait times must be positive")
+
+    @property
+    def enabled(self) -> bool:
+        return self.connector is not None
+
+    @property
+    def produces(self) -> bool:
+        return self.enabled and self.role in ("kv_producer", "kv_both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.enabled and self.role in ("kv_consumer", "kv_both")
+
+
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig
@@ -316,6 +374,7 @@ class Config:
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     # Directory of this instance's IPC sockets: unique per server so that instances never collide.
     # Made by the first socket bound in it (ipc_path), not here: most Configs never bind one.
     ipc_dir: str = field(

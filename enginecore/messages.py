@@ -146,6 +146,8 @@ class RequestType(bytes, enum.Enum):
     ADD = b"\x00"
     ABORT = b"\x01"
     UTILITY = b"\x02"
+    RELEASE_KV = b"\x03"  # KVLeaseRelease: a consumer took (or gave up) a producer's blocks
+    KV_PULLED = b"\x04"  # KVPulled: the engine core's own puller thread finished a pull
 
 
 class StructuredOutputKind(str, enum.Enum):
@@ -202,6 +204,20 @@ class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
         return start + length
 
 
+class KVTransfer(msgspec.Struct, omit_defaults=True):
+    """A request's part in prefill/decode disaggregation (enginecore/kv_transfer/).
+
+    "produce": compute the prompt, then lend its full blocks under `lease_id` (until a consumer
+    releases them or the lease ends). "consume": pull the blocks lent under `lease_id` by the
+    producer whose bootstrap answers at `bootstrap_addr`, then compute the rest and decode."""
+
+    role: str  # "produce" | "consume"
+    lease_id: str
+    bootstrap_addr: str = ""  # consume: tcp://host:port of the producer's lease registry
+    # consume: the blocks the producer named (vLLM's remote_block_ids), checked against its lease
+    remote_block_ids: list[int] | None = None
+
+
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -215,10 +231,28 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     pooling: bool = False
     # The prompt's images, in prompt order (models whose images tern serves, enginecore/model_task.py).
     mm_items: list[MultiModalItem] = []
+    kv_transfer: KVTransfer | None = None
 
 
 class EngineCoreAbort(msgspec.Struct):
     request_ids: list[str]
+
+
+class KVLeaseRelease(msgspec.Struct):
+    """Frontend -> a producer's engine core: these leases' blocks go back to the pool."""
+
+    lease_ids: list[str]
+
+
+class KVPulled(msgspec.Struct, omit_defaults=True):
+    """The consumer's puller thread -> its engine core loop: a request's blocks arrived (one
+    file per worker rank, `num_blocks` blocks each) or could not be pulled (`error`)."""
+
+    request_id: str
+    paths: list[str] = []
+    num_blocks: int = 0
+    num_bytes: int = 0
+    error: str | None = None
 
 
 class UtilityCall(msgspec.Struct):
@@ -278,6 +312,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     routed_experts: RoutedExperts | None = None
     # On the last output of a request on a LoRA adapter: the adapter's version it ran on.
     lora_version: str | None = None
+    # On the last output of a producing request (KVTransfer "produce"): its prompt's full blocks,
+    # lent under its lease; empty when nothing is lent (it failed, or its prompt fills no block).
+    kv_lease_block_ids: list[int] | None = None
 
 
 class SchedulerStats(msgspec.Struct):
@@ -311,6 +348,16 @@ class SchedulerStats(msgspec.Struct):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # Prefill/decode disaggregation, totals (vLLM's external prefix cache: prompt tokens a
+    # consumer looked up at a producer, and those it pulled), pulls done and failed, and
+    # bytes pulled; on a producer, leases lent and those still held.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_pulls_total: int = 0
+    kv_pull_failures_total: int = 0
+    kv_pull_bytes_total: int = 0
+    kv_leases_total: int = 0
+    num_kv_leases: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
@@ -338,6 +385,9 @@ class EngineReady(msgspec.Struct, tag="ready"):
     pooling_type: str = "LAST"
     pooled_size: int = 0
     id2label: dict[int, str] = {}
+    # --kv-transfer-config: every rank's KV endpoint and block layout, by rank.
+    kv_endpoints: list[str] = []
+    kv_layouts: list[KVLayout] = []
 
 
 class EngineStartupFailed(msgspec.Struct, tag="failed"):
@@ -350,6 +400,17 @@ EngineStartup = EngineReady | EngineStartupFailed
 
 
 # --------------------------------------------------------------------------- core -> workers
+
+
+class KVLoad(msgspec.Struct, array_like=True):
+    """Blocks pulled from a producer, written into this step's request's table before the
+    forward pass: rank r reads `paths[r]` (its own share, every layer of its stage), skips its
+    first `skip` blocks (the prefix cache had them) and copies the rest into `block_ids`; then
+    deletes the file."""
+
+    paths: list[str]
+    skip: int
+    block_ids: list[int]
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -392,6 +453,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # With sampling_params: the request's images whose placeholders are still to be computed (with
     # their tensors); the worker keeps them until the request finishes or is preempted.
     mm_items: list[MultiModalItem] = []
+    # With sampling_params, on a consumer (prefill/decode disaggregation): its prompt's blocks
+    # computed by a producer, loaded before this step's forward pass.
+    kv_load: KVLoad | None = None
 
 
 class SchedulerOutput(msgspec.Struct, omit_defaults=True):
@@ -654,6 +718,62 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     expert_tokens: list[int] = []
 
 
+class KVLayout(msgspec.Struct, array_like=True, frozen=True):
+    """What a rank's KV blocks are: two servers exchange blocks only where these are equal."""
+
+    model: str  # architecture and shape
+    dtype: str
+    block_size: int
+    tp: int
+    pp: int
+    rank: int
+    block_shape: list[int]  # one block of every layer of the rank's stage, as the rank stores it
+
+
+class KVPull(msgspec.Struct, tag="kv_pull"):
+    """A consumer -> a producer's worker rank: the rank's share of these blocks."""
+
+    layout: KVLayout  # the consumer's rank's (the producer refuses another)
+    block_ids: list[int]
+    host: str  # the consumer's host: the same host gets the blocks in a shared-memory file
+
+
+class KVPullReply(msgspec.Struct, tag="kv_blocks", omit_defaults=True):
+    """The blocks, in the order asked: in `shm_path` (the same host; the reader deletes it) or
+    in the reply's second frame."""
+
+    error: str | None = None
+    shm_path: str = ""
+    num_bytes: int = 0
+
+
+class LeaseQuery(msgspec.Struct, tag="lease_query"):
+    """A consumer -> a producer's bootstrap: where the blocks lent under `lease_id` are."""
+
+    lease_id: str
+
+
+class LeaseRelease(msgspec.Struct, tag="lease_release"):
+    """A consumer -> a producer's bootstrap: it took the blocks, or gave up on them."""
+
+    lease_id: str
+
+
+class LeaseReply(msgspec.Struct, tag="lease", omit_defaults=True):
+    """state: "ready" (the blocks below, on the ranks at `endpoints`), "pending" (not lent yet:
+    ask again), "failed" (the producing request ended without lending: `error`)."""
+
+    state: str
+    block_ids: list[int] = []
+    num_tokens: int = 0
+    endpoints: list[str] = []  # by rank
+    layouts: list[KVLayout] = []  # by rank
+    error: str | None = None
+
+
+BootstrapRequest = LeaseQuery | LeaseRelease
+
+
 class WorkerReady(msgspec.Struct, tag="ready"):
     rank: int
     num_kv_blocks: int  # blocks that fit in --kv-cache-memory on this rank
@@ -668,6 +788,9 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     state_checkpoint_interval: int = 0
     # Mixture-of-experts models, from the driver: what a token's routing row holds.
     routing_shape: RoutingShape | None = None
+    # --kv-transfer-config: where this rank lends its KV blocks, and what they are.
+    kv_endpoint: str = ""
+    kv_layout: KVLayout | None = None
 
 
 class WorkerResult(msgspec.Struct, tag="result", omit_defaults=True):
