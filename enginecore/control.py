@@ -205,6 +205,7 @@ class EngineControl:
         self.weight_version = weight_version or str(self._num_updates)
         # flush_cache=False (SGLang's option) keeps prefixes computed with the old weights.
         if flush_cache:
+            self.core.scheduler.end_kv_leases()  # lent blocks hold the old weights' keys
             self.core.scheduler.kv.invalidate_prefix_cache()
         logger.info("weights updated: version %s", self.weight_version)
         return {
@@ -263,6 +264,7 @@ class EngineControl:
         tags = _memory_tags(op.tags) or (["kv_cache", "weights"][:level])
         self._abort_all(aborted)  # nothing in flight can continue without its cache or weights
         self._run(Sleep(level=level, tags=[t for t in tags if t != "cuda_graph"]))
+        self.core.scheduler.end_kv_leases()  # their blocks are gone
         self.core.scheduler.kv.invalidate_prefix_cache()
         self.asleep_tags |= set(tags) - {"cuda_graph"}  # it holds nothing: never kept asleep
         if "weights" in tags:

@@ -19,12 +19,14 @@ from typing import Any
 
 from enginecore.config import Config
 from enginecore.executor import Executor
+from enginecore.kv_transfer.puller import KVPuller
 from enginecore.lora import LoraError, LoraRegistry, adapter_spec, read_adapter_config
 from enginecore.messages import (
     ControlCall,
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
+    KVPulled,
     LoadLora,
     SamplingParams,
     SchedulerOutput,
@@ -82,6 +84,30 @@ class EngineCore:
         )
         self._on_adapter: dict[str, Request] = {}  # requests in flight on a LoRA adapter
         self._load_startup_adapters()
+        self.kv_puller = self._kv_puller(config, executor)
+
+    def _kv_puller(self, config: Config, executor: Executor) -> KVPuller | None:
+        """Prefill/decode disaggregation moves one full-attention KV-cache group; a consumer
+        pulls with a KVPuller."""
+        if not config.kv_transfer.enabled:
+            return None
+        refused = None
+        if self.model_task.has_linear_attention:
+            refused = "its linear-attention states do not travel with the KV blocks yet"
+        elif len(executor.kv_cache_windows) > 1:
+            refused = "its sliding-window layers form a second KV-cache group"
+        elif config.model.enable_return_routed_experts:
+            refused = "--enable-return-routed-experts: routing rows do not travel with the blocks"
+        if refused is not None:
+            raise ValueError(
+                f"--kv-transfer-config cannot serve {self.model_task.architecture}: {refused}"
+            )
+        if not config.kv_transfer.consumes:
+            return None
+        return KVPuller(
+            config.kv_transfer, executor.kv_layouts, config.cache.block_size,
+            config.ipc_path("kv_pulled"),
+        )  # fmt: skip
 
     def _hybrid_prefix_caching(self, config: Config, executor: Executor) -> Config:
         """A hybrid model caches prefixes only with room for its linear-attention state
@@ -150,11 +176,61 @@ class EngineCore:
         if req.structured_output is not None:
             future = self.grammars.submit(req.structured_output, params.eos_token_ids)
             self._compiling[req.request_id] = (request, future)
+        spec = req.kv_transfer
+        if spec is not None and spec.role == "consume":
+            assert self.kv_puller is not None  # _validate refused it otherwise
+            self.kv_puller.park(request, spec)  # scheduled once its blocks are here
+            return []
+        if spec is not None:
+            request.kv_lease_id = spec.lease_id
         self.scheduler.add_request(request)
         return []
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
-        return self._ended(self.scheduler.abort_requests(request_ids))
+        outputs = []
+        for request_id in request_ids:
+            if self.kv_puller is not None and self.kv_puller.cancel(request_id) is not None:
+                self._compiling.pop(request_id, None)
+                outputs.append(EngineCoreOutput(request_id, [], FinishReason.ABORT))
+        return self._ended(outputs + self.scheduler.abort_requests(request_ids))
+
+    def kv_pulled(self, result: KVPulled) -> list[EngineCoreOutput]:
+        """A consumer's pull ended: the request runs from the pulled blocks; or, when the pull
+        failed, fails (load_failure_policy "fail") or computes its prompt itself ("recompute")."""
+        assert self.kv_puller is not None
+        request = self.kv_puller.take(result)
+        if request is None:
+            return []  # aborted meanwhile
+        if result.error is None:
+            request.kv_pulled = result
+        else:
+            self.scheduler.record_external_lookup(request.num_prompt_tokens, 0)
+            if self.config.kv_transfer.load_failure_policy == "fail":
+                self._compiling.pop(request.request_id, None)
+                error = f"the prompt's KV cache could not be pulled from its producer: {result.error}"
+                out = EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=error)
+                return self._ended([out])
+        self.scheduler.add_request(request)
+        return []
+
+    def release_kv_leases(self, lease_ids: list[str]) -> None:
+        """A producer's consumers took (or gave up on) these leases' blocks."""
+        if self.scheduler.leases is not None:
+            for lease_id in lease_ids:
+                self.scheduler.leases.release(lease_id)
+
+    def expire_kv_leases(self) -> None:
+        if self.scheduler.leases is not None:
+            self.scheduler.leases.expire()
+
+    def fail_all(self, error: str) -> list[EngineCoreOutput]:
+        """Ends every request, those waiting for their blocks too, with an error."""
+        outputs = self.scheduler.fail_all(error)
+        if self.kv_puller is not None:
+            for request_id in list(self.kv_puller.parked):
+                self.kv_puller.cancel(request_id)
+                outputs.append(EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error))
+        return outputs
 
     def adapters(self) -> LoraRegistry:
         if self.loras is None:
@@ -216,6 +292,7 @@ class EngineCore:
         return self._ended(self.scheduler.update_from_output(step, output))
 
     def _launch(self, admit_waiting: bool) -> list[EngineCoreOutput]:
+        self.expire_kv_leases()
         if not self.scheduler.has_requests:
             return []
         failed = self._take_compiled_grammars()
@@ -266,9 +343,17 @@ class EngineCore:
         return failed
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        puller = self.kv_puller
+        if puller is not None:
+            stats.kv_pulls_total = puller.num_pulls_total
+            stats.kv_pull_failures_total = puller.num_failures_total
+            stats.kv_pull_bytes_total = puller.num_bytes_total
+        return stats
 
     def shutdown(self) -> None:
+        if self.kv_puller is not None:
+            self.kv_puller.shutdown()
         self.grammars.shutdown()
         self.executor.shutdown()
 
@@ -293,6 +378,10 @@ class EngineCore:
         vocab = self.executor.vocab_size
         if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
             return f"prompt token ids must be in [0, {vocab})"
+        if req.kv_transfer is not None:
+            error = self._validate_kv_transfer(req)
+            if error is not None:
+                return error
         if req.pooling:
             if req.structured_output is not None:
                 return "a pooling request cannot have a structured output"
@@ -304,6 +393,22 @@ class EngineCore:
             if error is not None:
                 return error
         return _validate_sampling(req.sampling_params, vocab)
+
+    def _validate_kv_transfer(self, req: EngineCoreRequest) -> str | None:
+        spec = req.kv_transfer
+        assert spec is not None
+        config = self.config.kv_transfer
+        if spec.role == "produce" and not config.produces:
+            return "this server does not produce KV caches for others (--kv-transfer-config kv_role)"
+        if spec.role == "consume" and not config.consumes:
+            return "this server does not consume others' KV caches (--kv-transfer-config kv_role)"
+        if spec.role not in ("produce", "consume"):
+            return f"unknown KV transfer role {spec.role!r}"
+        if spec.role == "consume" and not spec.bootstrap_addr.startswith("tcp://"):
+            return "a consuming request needs its producer's bootstrap address (tcp://host:port)"
+        if req.pooling:
+            return "pooling requests are not disaggregated"
+        return None
 
     def _validate_mm_items(self, req: EngineCoreRequest) -> str | None:
         task = self.model_task

@@ -41,6 +41,8 @@ from enginecore.messages import (
     EngineCoreRequest,
     EngineReady,
     EngineStartupFailed,
+    KVLeaseRelease,
+    KVPulled,
     RequestType,
     SchedulerStats,
     UtilityCall,
@@ -61,6 +63,8 @@ class EngineCoreProc:
         self.input = ctx.socket(zmq.PULL)
         self.input.setsockopt(zmq.LINGER, 0)
         self.input.connect(config.ipc_path("engine_input"))
+        # NOTE: bound as well: this process's own KV puller threads post their KVPulled here.
+        self.input.bind(config.ipc_path("kv_pulled"))
         self.output = ctx.socket(zmq.PUSH)
         self.output.setsockopt(zmq.LINGER, 2000)
         self.output.connect(config.ipc_path("engine_output"))
@@ -69,6 +73,8 @@ class EngineCoreProc:
             RequestType.ADD.value: msgspec.msgpack.Decoder(EngineCoreRequest),
             RequestType.ABORT.value: msgspec.msgpack.Decoder(EngineCoreAbort),
             RequestType.UTILITY.value: msgspec.msgpack.Decoder(UtilityCall),
+            RequestType.RELEASE_KV.value: msgspec.msgpack.Decoder(KVLeaseRelease),
+            RequestType.KV_PULLED.value: msgspec.msgpack.Decoder(KVPulled),
         }
         self.should_stop = False
         self.core: EngineCore | None = None
@@ -100,6 +106,8 @@ class EngineCoreProc:
             pooling_type=self.config.model.pooling_type,
             pooled_size=self.core.model_task.pooled_size,
             id2label=self.core.model_task.id2label,
+            kv_endpoints=executor.kv_endpoints,
+            kv_layouts=executor.kv_layouts,
         )
         self.output.send(Codec(EngineReady).encode(ready))
 
@@ -117,6 +125,7 @@ class EngineCoreProc:
             if self.input.poll(0 if busy or outputs else IDLE_POLL_MS):
                 self._drain_inputs(outputs, results)
             elif not busy and not outputs:
+                core.expire_kv_leases()
                 self._check_liveness()
                 self._stats_logger.maybe_log(core.stats)
                 continue
@@ -164,6 +173,10 @@ class EngineCoreProc:
                 outputs.extend(self.core.add_request(msg))
             elif isinstance(msg, EngineCoreAbort):
                 outputs.extend(self.core.abort_requests(msg.request_ids))
+            elif isinstance(msg, KVPulled):
+                outputs.extend(self.core.kv_pulled(msg))
+            elif isinstance(msg, KVLeaseRelease):
+                self.core.release_kv_leases(msg.lease_ids)
             else:
                 result = self._run_utility(msg, outputs)
                 if result is not None:
@@ -185,7 +198,7 @@ class EngineCoreProc:
 
     def fail(self, error: str) -> None:
         """Ends every request with an error and tells the frontend the engine is dead."""
-        outputs = self.core.scheduler.fail_all(error) if self.core is not None else []
+        outputs = self.core.fail_all(error) if self.core is not None else []
         msg = EngineCoreOutputs(outputs, timestamp=time.time(), engine_dead=error)
         try:
             self.output.send(self.encoder.encode(msg), zmq.NOBLOCK)

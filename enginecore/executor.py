@@ -128,6 +128,12 @@ class _ExecutorBase:
         self.vocab_size = driver.vocab_size
         self.model_summary = driver.model_summary
 
+    def _adopt_kv_transfer(self, readies: list[WorkerReady]) -> None:
+        """Every rank's KV endpoint and layout, by rank (prefill/decode disaggregation)."""
+        readies = sorted(readies, key=lambda r: r.rank)
+        self.kv_endpoints = [r.kv_endpoint for r in readies]
+        self.kv_layouts = [r.kv_layout for r in readies if r.kv_layout is not None]
+
 
 class InProcExecutor(_ExecutorBase):
     def __init__(self, config: Config) -> None:
@@ -145,6 +151,7 @@ class InProcExecutor(_ExecutorBase):
         self.state_checkpoint_interval = ready.state_checkpoint_interval
         self.runner.init_kv_cache(self.num_kv_blocks, self.num_state_checkpoints)
         self._adopt_model(config, ready)
+        self._adopt_kv_transfer([ready])
 
     def submit_step(self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None) -> None:
         self._output = self.runner.execute_model(step, bitmasks)
@@ -265,6 +272,7 @@ class MultiprocExecutor(_ExecutorBase):
         )
         self._broadcast(InitKVCache(self.num_kv_blocks, self.num_state_checkpoints))
         self._gather(WorkerResult, config.startup_timeout_s)
+        self._adopt_kv_transfer(readies)
         return readies[self.driver_rank]
 
     def submit_step(self, step: SchedulerOutput, bitmasks: BitmaskSource | None = None) -> None:

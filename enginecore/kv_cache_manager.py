@@ -186,6 +186,11 @@ class KVCacheManager:
         self._cache_full_blocks(request, tables, num_total_tokens)
         return new_ids
 
+    def block_ids(self, request: Request) -> list[int]:
+        """The request's blocks of KV-cache group 0, in order."""
+        tables = self._req_blocks.get(request.request_id)
+        return [b.block_id for b in tables[0] if b is not None] if tables else []
+
     def free(self, request: Request) -> None:
         tables = self._req_blocks.pop(request.request_id, [])
         self._num_hashed_blocks.pop(request.request_id, None)

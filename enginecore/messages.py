@@ -768,6 +768,7 @@ class LeaseReply(msgspec.Struct, tag="lease", omit_defaults=True):
     num_tokens: int = 0
     endpoints: list[str] = []  # by rank
     layouts: list[KVLayout] = []  # by rank
+    token_ids: list[int] = []  # the producing request's prompt (the consumer checks its own)
     error: str | None = None
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from enginecore.messages import (
     FinishReason,
+    KVPulled,
     Logprobs,
     MultiModalItem,
     PromptLogprobs,
@@ -80,6 +81,11 @@ class Request:
         # The LoRA adapter version it runs on (enginecore/lora.py), set by the engine core.
         self.lora: Adapter | None = None
         self.mm_items = mm_items or []
+        # Prefill/decode disaggregation (enginecore/kv_transfer/): the lease a producing request
+        # lends its blocks under once it finishes, and a consumer's blocks pulled from a
+        # producer (one file per rank) that its first step loads as its computed prefix.
+        self.kv_lease_id: str | None = None
+        self.kv_pulled: KVPulled | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -21,10 +21,13 @@ from collections.abc import Sequence
 
 from enginecore.config import Config
 from enginecore.kv_cache_manager import KVCacheManager
+from enginecore.kv_transfer.files import remove
+from enginecore.kv_transfer.leases import KVLeases
 from enginecore.lora import Adapter
 from enginecore.messages import (
     EngineCoreOutput,
     FinishReason,
+    KVLoad,
     ModelRunnerOutput,
     MultiModalItem,
     RoutingShape,
@@ -92,6 +95,12 @@ class Scheduler:
         self.num_generated_tokens_total = 0
         # Speculative decoding: drafts for decoding sequences (enginecore/speculative.py).
         self.drafter = Drafter(config.speculative) if config.speculative.enabled else None
+        # Prefill/decode disaggregation: a producer's lent blocks; a consumer's external prefix
+        # cache (prompt tokens it looked up at producers, and those it pulled).
+        kv_transfer = config.kv_transfer
+        self.leases = KVLeases(kv_transfer.lease_s, self.kv.free) if kv_transfer.produces else None
+        self.external_prefix_cache_queries = 0
+        self.external_prefix_cache_hits = 0
 
     def _kv_cache_manager(
         self,
@@ -234,25 +243,62 @@ class Scheduler:
             cached_blocks, num_cached = None, 0
             if not request.skips_prefix_cache:
                 cached_blocks, num_cached = self.kv.find_cached_prefix(request)
-            num_new = self._chunk_len(request, num_cached, budget)
+            num_pulled = self._pulled_tokens(request, num_cached)
+            num_new = self._chunk_len(request, num_cached + num_pulled, budget)
             if num_new == 0:
                 break  # its first image does not fit in what is left of the step
-            new_block_ids = self.kv.allocate_slots(request, num_new, cached_blocks)
+            new_block_ids = self.kv.allocate_slots(request, num_pulled + num_new, cached_blocks)
             if new_block_ids is None:
                 break
             if not request.skips_prefix_cache:
                 self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             self.waiting.popleft()
             self._start_running(request, num_cached)
+            request.num_computed_tokens += num_pulled
             if request.lora is not None:
                 adapters.add(request.lora)
             # NOTE: before the chunk reserves checkpoints of its own, which may evict this one.
             restore = self.kv.restore_checkpoint(request, num_cached)
             chunk = self._schedule_chunk(request, num_new, new_block_ids)
             chunk.restore_checkpoint = restore
+            if request.kv_pulled is not None:
+                chunk.kv_load = self._kv_load(request, num_cached, num_pulled, new_block_ids[0])
             scheduled.append(chunk)
             budget -= num_new
         self.waiting.extendleft(reversed(not_ready))
+
+    def _pulled_tokens(self, request: Request, num_cached: int) -> int:
+        """The prompt tokens past its cached prefix that a consumer's pulled blocks hold (whole
+        blocks, leaving at least one token to compute: its logits give the first output)."""
+        pulled = request.kv_pulled
+        if pulled is None:
+            return 0
+        num_blocks = min(pulled.num_blocks, (request.num_tokens - 1) // self.block_size)
+        return max(num_blocks * self.block_size - num_cached, 0)
+
+    def _kv_load(
+        self, request: Request, num_cached: int, num_pulled: int, block_ids: list[int]
+    ) -> KVLoad | None:
+        """The pulled blocks the request's first chunk loads (those past its cached prefix), and
+        the external prefix cache's count; files with nothing to load go at once."""
+        pulled = request.kv_pulled
+        assert pulled is not None
+        request.kv_pulled = None
+        self.record_external_lookup(request.num_prompt_tokens - num_cached, num_pulled)
+        if num_pulled == 0:
+            remove(pulled.paths)
+            return None
+        skip = num_cached // self.block_size
+        return KVLoad(pulled.paths, skip, block_ids[skip : skip + num_pulled // self.block_size])
+
+    def end_kv_leases(self) -> None:
+        """Every lent block goes back to the pool (their consumers' pulls fail)."""
+        if self.leases is not None:
+            self.leases.release_all()
+
+    def record_external_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.external_prefix_cache_queries += num_tokens
+        self.external_prefix_cache_hits += num_hit_tokens
 
     def _chunk_len(self, request: Request, start: int, budget: int) -> int:
         """The tokens a request computes this step from `start` within `budget`: all it has left
@@ -457,7 +503,15 @@ class Scheduler:
             if out.finish_reason is not None:
                 self.running.remove(request)
                 self._finish(request, out.finish_reason)
+                if request.kv_lease_id is not None:
+                    out.kv_lease_block_ids = self._lent_block_ids(request)
         return outputs
+
+    def _lent_block_ids(self, request: Request) -> list[int]:
+        """A finished producing request's full prompt blocks, lent under its lease."""
+        if self.leases is None or not self.leases.holds(request.kv_lease_id):
+            return []
+        return self.kv.block_ids(request)[: request.num_prompt_tokens // self.block_size]
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> EngineCoreOutput:
         """Appends a step's sampled tokens up to the first that stops the request (or breaks its
@@ -541,7 +595,18 @@ class Scheduler:
             self.drafter.finish(request.request_id, request.output_token_ids)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.kv.free(request)
+        lease_id = request.kv_lease_id
+        if (
+            lease_id is not None
+            and self.leases is not None
+            and reason in (FinishReason.STOP, FinishReason.LENGTH)
+        ):
+            self.leases.lend(lease_id, request)  # its blocks go back when the lease ends
+        else:
+            self.kv.free(request)
+        if request.kv_pulled is not None:  # never loaded
+            remove(request.kv_pulled.paths)
+            request.kv_pulled = None
         self._free_state_slot(request)
         del self.requests[request.request_id]
         if not request.needs_new_state:  # the worker holds state for it
@@ -575,6 +640,10 @@ class Scheduler:
             max_lora=self.max_loras,
             running_lora_adapters=sorted({a.name for a in self.running_adapters()}),
             waiting_lora_adapters=sorted({r.lora.name for r in self.waiting if r.lora}),
+            external_prefix_cache_queries=self.external_prefix_cache_queries,
+            external_prefix_cache_hits=self.external_prefix_cache_hits,
+            kv_leases_total=self.leases.num_lent_total if self.leases is not None else 0,
+            num_kv_leases=len(self.leases) if self.leases is not None else 0,
             **self._spec_stats(),
         )
 

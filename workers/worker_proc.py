@@ -54,6 +54,7 @@ from enginecore.messages import (
 from enginecore.shm_broadcast import Handle, MessageQueue
 
 if TYPE_CHECKING:
+    from workers.kv_transfer.lender import KVLender
     from workers.runner.model_runner import ModelRunner
     from workers.worker_control import WorkerControl
 
@@ -129,9 +130,13 @@ def _run_control(control: WorkerControl, call: ControlCall, rank: int) -> Worker
     return WorkerResult(rank=rank)
 
 
-def ready_report(runner: ModelRunner, rank: int, num_kv_blocks: int) -> WorkerReady:
-    """What a rank tells the engine core once its model is loaded: what fits, what it serves."""
+def ready_report(
+    runner: ModelRunner, rank: int, num_kv_blocks: int, lender: KVLender | None = None
+) -> WorkerReady:
+    """What a rank tells the engine core once its model is loaded: what fits, what it serves;
+    with --kv-transfer-config, what its KV blocks are and where it lends them."""
     num_checkpoints, checkpoint_interval = runner.plan_state_checkpoints()
+    kv_transfer = runner.config.kv_transfer.enabled
     return WorkerReady(
         rank=rank,
         num_kv_blocks=num_kv_blocks,
@@ -142,7 +147,19 @@ def ready_report(runner: ModelRunner, rank: int, num_kv_blocks: int) -> WorkerRe
         num_state_checkpoints=num_checkpoints,
         state_checkpoint_interval=checkpoint_interval,
         routing_shape=runner.routing_shape(),
+        kv_endpoint=lender.endpoint if lender is not None else "",
+        kv_layout=runner.kv_layout() if kv_transfer else None,
     )
+
+
+def start_lender(config: Config, runner: ModelRunner) -> KVLender | None:
+    """A producer's rank lends its KV blocks from start-up on (none are lent before the cache
+    is allocated: the engine core lends only blocks of finished prompts)."""
+    if not config.kv_transfer.produces:
+        return None
+    from workers.kv_transfer.lender import KVLender
+
+    return KVLender(config.kv_transfer.bootstrap_host, lambda: runner.kv_cache, runner.kv_layout())
 
 
 def _serve_calls(
@@ -220,9 +237,11 @@ def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) ->
     reply_codec = Codec(WorkerReply)
     mq = MessageQueue.create_from_handle(mq_handle, rank)
     exit_code = 0
+    lender = None
     try:
         runner = _build_runner(config, rank, mq)
-        ready = ready_report(runner, rank, runner.num_kv_blocks_for_memory())
+        lender = start_lender(config, runner)
+        ready = ready_report(runner, rank, runner.num_kv_blocks_for_memory(), lender)
         replies.send(reply_codec.encode(ready))
         exit_code = _serve_calls(runner, rank, mq, replies, parent_pid, lambda: stop)
         if exit_code == 0:
@@ -238,6 +257,8 @@ def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) ->
             pass
         exit_code = 1
     finally:
+        if lender is not None:
+            lender.close()
         mq.close()
         replies.close()
         ctx.term()

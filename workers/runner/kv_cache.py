@@ -82,6 +82,11 @@ class KVCache:
             return kv_int8.row_bytes(self.args.head_dim), torch.uint8
         return self.args.head_dim, self.dtype
 
+    def block_shape(self) -> tuple[list[int], torch.dtype]:
+        """One block of the cache tensor (slots, 2, block_size, Hkv, row), and its dtype."""
+        row, dtype = self._row()
+        return [self._slots(), 2, self.block_size, self._kv_heads_per_rank(), row], dtype
+
     def bytes_per_block(self) -> int:
         """K and V of one block over this stage's cache slots and this rank's KV heads."""
         row, dtype = self._row()

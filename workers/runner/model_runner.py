@@ -40,6 +40,7 @@ import torch
 from enginecore.config import Config
 from enginecore.messages import (
     BitmaskSource,
+    KVLayout,
     Logprobs,
     ModelRunnerOutput,
     RoutingShape,
@@ -49,6 +50,8 @@ from enginecore.messages import (
 from enginecore.model_task import WHOLE_IMAGE_SPAN_ARCHITECTURES
 from workers.distributed import ParallelContext
 from workers.kernels import fused_decode
+from workers.kv_transfer.layout import kv_layout
+from workers.kv_transfer.loader import load_pulled_blocks
 from workers.layers.attention import AttentionMetadata
 from workers.layers.pooler import Pooler, PoolingState
 from workers.models.args import load_model_args
@@ -167,6 +170,11 @@ class ModelRunner:
         self.inputs.cache_allocated(num_blocks, num_state_checkpoints)
         self.storage_moved()
 
+    def kv_layout(self) -> KVLayout:
+        """What this rank's KV blocks are (prefill/decode disaggregation)."""
+        block_shape, dtype = self.cache.block_shape()
+        return kv_layout(self.config, self.args, block_shape, dtype, self.rank)
+
     def release_kv_cache(self) -> None:
         """Frees the KV cache (sleep); init_kv_cache(self.num_kv_blocks,
         self.num_state_checkpoints) brings it back."""
@@ -258,6 +266,7 @@ class ModelRunner:
         reqs = step.requests
         if not reqs:
             return empty, None
+        load_pulled_blocks(self.kv_cache, reqs, self.rank)
         self.inputs.validate(reqs)
         if self.draft is not None:
             reqs = self.inputs.add_model_drafts(reqs)

@@ -1,0 +1,153 @@
+"""Prefill/decode disaggregation between two engine-core processes over their real sockets (no
+frontend): a producer lends the prompt's blocks, a consumer pulls them from the producer's
+worker and decodes; the tokens are those of one engine alone. The producer's bootstrap (the
+frontend's part) is played by a small ROUTER thread that answers from the producer's outputs."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from enginecore.config import KVTransferConfig
+from enginecore.messages import (
+    BootstrapRequest,
+    EngineCoreRequest,
+    EngineReady,
+    FinishReason,
+    KVTransfer,
+    LeaseQuery,
+    LeaseReply,
+    RequestType,
+)
+from tests.integration.test_engine_core_proc import CoreClient, config_for, greedy
+
+BLOCK = 16
+
+
+class Bootstrap:
+    """The producer's lease registry, as its frontend keeps it: lease id -> reply."""
+
+    def __init__(self, ready: EngineReady) -> None:
+        self.ready = ready
+        self.leases: dict[str, LeaseReply] = {}
+        self.released: list[str] = []
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.addr = f"tcp://127.0.0.1:{self.port}"
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def lend(self, lease_id: str, block_ids: list[int], prompt: list[int]) -> None:
+        self.leases[lease_id] = LeaseReply(
+            "ready", block_ids, len(prompt), self.ready.kv_endpoints, self.ready.kv_layouts,
+            prompt,
+        )  # fmt: skip
+
+    def _serve(self) -> None:
+        decoder = msgspec.msgpack.Decoder(BootstrapRequest)
+        while not self._stop.is_set():
+            if not self.sock.poll(100):
+                continue
+            ident, empty, body = self.sock.recv_multipart()
+            msg = decoder.decode(body)
+            if isinstance(msg, LeaseQuery):
+                reply = self.leases.get(msg.lease_id, LeaseReply("pending"))
+            else:
+                self.released.append(msg.lease_id)
+                reply = LeaseReply("released")
+            self.sock.send_multipart([ident, empty, msgspec.msgpack.encode(reply)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def kv_config(model_dir: Path, role: str, **kv) -> object:
+    return config_for(model_dir, block_size=BLOCK).replace(
+        kv_transfer=KVTransferConfig("TernConnector", role, **kv)
+    )
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama: Path):
+    producer = CoreClient(kv_config(tiny_llama, "kv_producer"))
+    consumer = CoreClient(kv_config(tiny_llama, "kv_consumer", reply_timeout_s=2.0))
+    try:
+        ready = producer.startup()
+        assert isinstance(ready, EngineReady), ready
+        assert len(ready.kv_endpoints) == 1 and ready.kv_endpoints[0].startswith("tcp://")
+        assert isinstance(consumer.startup(), EngineReady)
+        bootstrap = Bootstrap(ready)
+        yield producer, consumer, bootstrap
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def produce(producer: CoreClient, bootstrap: Bootstrap, lease_id: str, prompt: list[int]) -> list[int]:
+    """The producer computes the prompt (one token) and lends its blocks."""
+    req = EngineCoreRequest(
+        lease_id, prompt, greedy(lease_id, prompt, 1).sampling_params,
+        kv_transfer=KVTransfer("produce", lease_id),
+    )  # fmt: skip
+    producer.send(RequestType.ADD, req)
+    for _ in range(1000):
+        for out in producer.recv().outputs:
+            if out.finish_reason is not None:
+                assert out.kv_lease_block_ids is not None
+                bootstrap.lend(lease_id, out.kv_lease_block_ids, prompt)
+                return out.kv_lease_block_ids
+    raise AssertionError("the producer never finished")
+
+
+@pytest.mark.parametrize("length", [3, 16, 40, 64])
+def test_consumer_decodes_from_pulled_blocks_as_one_engine_does(pair, length: int):
+    producer, consumer, bootstrap = pair
+    prompt = [(5 * j + length) % 400 + 1 for j in range(length)]
+    ref = producer.run({f"plain{length}": greedy(f"plain{length}", prompt, 12)})
+    lease = f"lease{length}"
+    block_ids = produce(producer, bootstrap, lease, prompt)
+    assert len(block_ids) == length // BLOCK
+    before = consumer.stats()
+    req = greedy(f"c{length}", prompt, 12)
+    req.kv_transfer = KVTransfer("consume", lease, bootstrap.addr, block_ids)
+    got = consumer.run({req.request_id: req})
+    assert got[req.request_id] == ref[f"plain{length}"]
+    after = consumer.stats()
+    pulled = min(len(block_ids), (length - 1) // BLOCK) * BLOCK
+    assert after["external_prefix_cache_hits"] - before["external_prefix_cache_hits"] == pulled
+    # the consumer computed the rest of the prompt only: at most one block and one token
+    computed = after["num_prefill_tokens_total"] - before["num_prefill_tokens_total"]
+    assert computed == length - pulled <= BLOCK
+    assert lease in bootstrap.released
+    if pulled:
+        assert after["kv_pulls_total"] == before["kv_pulls_total"] + 1
+        assert after["kv_pull_bytes_total"] > before["kv_pull_bytes_total"]
+
+
+def test_a_silent_producer_fails_the_request_with_a_clear_error(pair):
+    _, consumer, _ = pair
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # takes the query, never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        req = greedy("orphan", [1, 2, 3, 4], 4)
+        req.kv_transfer = KVTransfer("consume", "nobody", f"tcp://127.0.0.1:{port}")
+        consumer.send(RequestType.ADD, req)
+        for _ in range(100):
+            outs = [o for o in consumer.recv().outputs if o.request_id == "orphan"]
+            if outs:
+                assert outs[0].finish_reason == FinishReason.ERROR
+                assert "did not answer" in outs[0].error
+                break
+        else:
+            raise AssertionError("no output for the orphan")
+    finally:
+        silent.close(0)
