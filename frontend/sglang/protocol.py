@@ -172,9 +172,10 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     lora_id: Annotated[Any, Unsupported(None)] = UNSET
     custom_logit_processor: Annotated[Any, Unsupported(None)] = UNSET
     positional_embed_overrides: Annotated[Any, Unsupported(None)] = UNSET
-    bootstrap_host: Annotated[Any, Unsupported(None)] = UNSET
-    bootstrap_port: Annotated[Any, Unsupported(None)] = UNSET
-    bootstrap_room: Annotated[Any, Unsupported(None)] = UNSET
+    # Prefill/decode disaggregation (sglang-router's one-shot dispatch): frontend/disagg/.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
     bootstrap_pair_key: Annotated[Any, Unsupported(None)] = UNSET
     decode_tp_size: Annotated[Any, Unsupported(None)] = UNSET
     routed_dp_rank: Annotated[Any, Unsupported(None, 0)] = (
