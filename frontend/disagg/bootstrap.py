@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -127,11 +128,13 @@ class LeaseRegistry:
 
 
 class BootstrapServer:
-    """The ROUTER socket at tcp://<host>:<port> answering consumers from a LeaseRegistry."""
+    """The ROUTER socket at tcp://<host>:<port> answering consumers from a LeaseRegistry.
+    `host`: the HTTP server's --host (every address for 0.0.0.0, ::, or empty)."""
 
     def __init__(self, registry: LeaseRegistry, host: str, port: int) -> None:
         self.registry = registry
-        self.address = f"tcp://{host}:{port}"
+        self.is_ipv6, bind_host = _bind_host(host)
+        self.address = f"tcp://{bind_host}:{port}"
         self._ctx = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
@@ -140,14 +143,16 @@ class BootstrapServer:
 
     def start(self) -> None:
         """Binds (raises ValueError when the port is taken) and answers in a task."""
-        socket = self._ctx.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 0)
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.is_ipv6:
+            sock.setsockopt(zmq.IPV6, 1)
         try:
-            socket.bind(self.address)
+            sock.bind(self.address)
         except zmq.ZMQError as e:
-            socket.close()
+            sock.close()
             raise ValueError(f"the KV bootstrap cannot bind {self.address}: {e}") from None
-        self._socket = socket
+        self._socket = sock
         self._task = asyncio.ensure_future(self._serve())
         logger.info("KV bootstrap listening at %s", self.address)
 
@@ -174,3 +179,32 @@ class BootstrapServer:
                 logger.exception("the KV bootstrap failed to answer")
                 reply = LeaseReply("failed", error=f"{type(e).__name__}: {e}")
             await self._socket.send_multipart([*envelope, self._encoder.encode(reply)])
+
+
+def _bind_host(host: str) -> tuple[bool, str]:
+    """(IPv6?, the host as a ZMQ tcp endpoint takes it: "*", an address, "[v6 address]")."""
+    if host in ("", "0.0.0.0"):
+        return False, "*"
+    if host == "::":
+        return True, "*"
+    try:
+        family, *_, addr = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0]
+    except OSError as e:
+        raise ValueError(f"the KV bootstrap cannot resolve {host!r}: {e}") from None
+    if family == socket.AF_INET6:
+        return True, f"[{addr[0]}]"
+    return False, str(addr[0])
+
+
+def open_bootstrap(
+    lease_s: float,
+    host: str,
+    port: int,
+    release_kv: Callable[[int, list[str]], None],
+    ready_of: Callable[[int], EngineReady | None],
+) -> tuple[LeaseRegistry, BootstrapServer]:
+    """A producer's registry and its bootstrap, bound and answering (ValueError: cannot bind)."""
+    registry = LeaseRegistry(lease_s, release_kv, ready_of)
+    server = BootstrapServer(registry, host, port)
+    server.start()
+    return registry, server
