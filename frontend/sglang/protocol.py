@@ -133,6 +133,8 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     input_ids: list[Any] | None = None  # token ids, or a batch of token-id lists
     sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = None
     rid: str | list[str] | None = None
+    # sglang-router sends `model: null`; a name must be the served model's (adapters: lora_path).
+    model: str | None = None
     return_logprob: bool | None = None
     logprob_start_len: int | None = None  # -1 (default): output logprobs only
     top_logprobs_num: int | None = None

@@ -95,6 +95,12 @@ class SGLangServing:
         s = self.serving
         arrival = time.monotonic()
         req = decode_sglang_generate(body)
+        if req.model is not None and req.model not in s.model_names:
+            raise bad_request(
+                f"model {req.model!r} is not served here ({', '.join(s.model_names)}); "
+                "LoRA adapters are named by lora_path",
+                "model",
+            )
         if req.return_routed_experts and not s.records_routing:
             raise bad_request(
                 "return_routed_experts needs the server started with "
