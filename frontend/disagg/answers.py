@@ -2,18 +2,21 @@
 vLLM's response `kv_transfer_params` (vllm-router copies it into the consumer's body), TensorRT-LLM's
 choice `disaggregated_params` and response `prompt_token_ids` (with the choice's finish reason:
 None when the request goes on at the generation server). SGLang's router ignores the prefill
-server's answer: nothing is added. Also the one place that says how a request's sampling changes
+server's answer: nothing is added (but a prefill server's refusal fails the room's lease, so that
+the decode server stops waiting). Also the one place that says how a request's sampling changes
 when it carries a transfer. This module knows nothing about HTTP.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from msgspec import UNSET, UnsetType
 
-from frontend.common.errors import bad_request
+from frontend.common.errors import APIError, bad_request
 from frontend.disagg.requests import (
     TRTLLM_PARAM,
     KVRequest,
@@ -24,6 +27,9 @@ from frontend.disagg.requests import (
 )
 from frontend.serving.generation import Generation
 from frontend.serving.sampling import RequestSampling
+
+if TYPE_CHECKING:
+    from frontend.serving.base import OpenAIServing
 
 
 @dataclass
@@ -66,3 +72,17 @@ def kv_answer(
         answer.disaggregated_params, answer.finish_reason = params, finish
         answer.prompt_token_ids = list(gen.prompt_token_ids)
     return answer
+
+
+@contextlib.contextmanager
+def refusal_fails_room(serving: OpenAIServing, room: Any) -> Iterator[None]:
+    """On a prefill server, a request with SGLang's `bootstrap_room` that is refused (any 400 or
+    503 before it starts) fails the room's lease: the decode server that sglang-router sent the
+    same request to at once stops waiting instead of waiting out its wait_s."""
+    try:
+        yield
+    except APIError as e:
+        leases = serving.leases
+        if leases is not None and isinstance(room, int) and not isinstance(room, bool):
+            leases.fail(f"room-{room}", 0, f"the prefill server refused the request: {e.message}")
+        raise

@@ -22,7 +22,7 @@ from frontend.common.decoding import ImageRef, decode_request
 from frontend.common.errors import bad_request
 from frontend.common.http import json_response, sse
 from frontend.common.protocol import DeltaMessage, PromptLogprobsList
-from frontend.disagg.answers import kv_answer, kv_sampling
+from frontend.disagg.answers import kv_answer, kv_sampling, refusal_fails_room
 from frontend.disagg.requests import KVRequest, kv_request
 from frontend.openai.protocol import (
     ChatCompletionLogProbs,
@@ -48,6 +48,11 @@ class ChatServing(ChatPath):
     async def create(self, http_request: Request) -> Response:
         s = self.serving
         req = decode_request(await http_request.body(), ChatCompletionRequest)
+        with refusal_fails_room(s, req.bootstrap_room):
+            return await self._create(http_request, req)
+
+    async def _create(self, http_request: Request, req: ChatCompletionRequest) -> Response:
+        s = self.serving
         lora = s.lora_of(req)
         plan = self.plan(req)
         images = [] if s.images is not None else None

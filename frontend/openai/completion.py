@@ -22,7 +22,7 @@ from enginecore.messages import Logprobs
 from frontend.common.decoding import decode_request
 from frontend.common.http import json_response, sse
 from frontend.common.protocol import CompletionLogProbs
-from frontend.disagg.answers import kv_answer, kv_sampling
+from frontend.disagg.answers import kv_answer, kv_sampling, refusal_fails_room
 from frontend.disagg.requests import KVRequest, kv_request
 from frontend.openai.protocol import (
     CompletionRequest,
@@ -44,6 +44,11 @@ class CompletionServing:
     async def create(self, http_request: Request) -> Response:
         s = self.serving
         req = decode_request(await http_request.body(), CompletionRequest)
+        with refusal_fails_room(s, req.bootstrap_room):
+            return await self._create(http_request, req)
+
+    async def _create(self, http_request: Request, req: CompletionRequest) -> Response:
+        s = self.serving
         lora = s.lora_of(req)
         prompts, prompt_texts = [], []
         for prompt in req.normalized_prompts():

@@ -191,13 +191,7 @@ class OpenAIServing:
         if len(loras) != len(prompts):
             raise bad_request(f"{len(loras)} adapters for {len(prompts)} prompts", "lora_path")
         check_single(kv, len(prompts) * n, prompt_param)
-        try:
-            params = [self.sampling_params(sampling, ids, prompt_param) for ids in prompts]
-        except APIError as e:
-            if kv is not None and kv.produces and self.leases is not None:
-                # A consumer waiting on this lease (SGLang's one-shot dispatch) fails at once.
-                self.leases.fail(kv.transfer.lease_id, 0, f"the producer refused it: {e}")
-            raise
+        params = [self.sampling_params(sampling, ids, prompt_param) for ids in prompts]
         if self.engine.is_dead:
             raise engine_dead_error(self.engine.dead_reason)
         engine_ids = iter(unique_ids(request_id, len(prompts) * n, self.engine.is_in_flight))

@@ -49,7 +49,7 @@ from enginecore.messages import Logprobs, MultiModalItem, StructuredOutputSpec
 from frontend.common.decoding import ImageRef
 from frontend.common.errors import bad_request
 from frontend.common.http import REQUEST_ID_HEADER, json_response, sse
-from frontend.disagg.answers import kv_sampling
+from frontend.disagg.answers import kv_sampling, refusal_fails_room
 from frontend.disagg.requests import KVRequest, check_single, kv_request
 from frontend.serving.base import OpenAIServing
 from frontend.serving.generation import Generation, RequestGroup
@@ -95,6 +95,13 @@ class SGLangServing:
         s = self.serving
         arrival = time.monotonic()
         req = decode_sglang_generate(body)
+        with refusal_fails_room(s, req.bootstrap_room):
+            return await self._generate(http_request, req, arrival)
+
+    async def _generate(
+        self, http_request: Request, req: SGLangGenerateRequest, arrival: float
+    ) -> Response:
+        s = self.serving
         if req.model is not None and req.model not in s.model_names:
             raise bad_request(
                 f"model {req.model!r} is not served here ({', '.join(s.model_names)}); "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -23,6 +24,8 @@ from enginecore.messages import (
     LeaseReply,
     SamplingParams,
 )
+from frontend.common.errors import APIError, bad_request
+from frontend.disagg.answers import refusal_fails_room
 from frontend.disagg.bootstrap import RELEASED, BootstrapServer, LeaseRegistry
 from frontend.serving.generation import Generation, RequestFailedError
 
@@ -256,3 +259,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_refused_sglang_request_fails_its_room() -> None:
+    leases = registry(FakeEngine())
+    serving = SimpleNamespace(leases=leases)
+    with pytest.raises(APIError), refusal_fails_room(serving, 42):  # type: ignore[arg-type]
+        raise bad_request("the prompt is too long", "text")
+    reply = leases.query("room-42")
+    assert reply.state == "failed" and "too long" in (reply.error or "")
+    with refusal_fails_room(serving, 43):  # type: ignore[arg-type]
+        pass  # not refused: nothing recorded
+    assert leases.query("room-43").state == "pending"
+    with pytest.raises(APIError), refusal_fails_room(serving, None):  # type: ignore[arg-type]
+        raise bad_request("no room", "text")
+    assert len(leases) == 1
