@@ -61,7 +61,9 @@ def kv_answer(
     answer = KVAnswer(gen.finish_reason)
     if kv is None or not kv.produces:
         return answer
-    if kv.protocol == "vllm":
+    if kv.protocol == "vllm" and gen.kv_lease_block_ids is not None:
+        # NOTE: none when nothing was lent (a stop string ended it here first): vllm-router then
+        # sends the consumer a plain request, which computes the prompt itself.
         answer.kv_transfer_params = vllm_producer_params(
             side, kv, gen.replica, gen.kv_lease_block_ids
         )

@@ -132,6 +132,9 @@ def test_vllm_producer_answer() -> None:
     assert consume.transfer == KVTransfer(
         "consume", kv.transfer.lease_id, "tcp://10.0.0.1:8998", [4, 5, 6]
     )
+    # Nothing lent (a stop string ended it first): no params, the consumer computes the prompt.
+    unlent = SimpleNamespace(**{**vars(gen), "kv_lease_block_ids": None})
+    assert kv_answer(PRODUCER, kv, unlent, 1).kv_transfer_params is msgspec.UNSET  # type: ignore[arg-type]
     # A consumer's answer carries nothing more.
     assert kv_answer(CONSUMER, consume, gen, 8).kv_transfer_params is msgspec.UNSET  # type: ignore[arg-type]
 
