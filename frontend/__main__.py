@@ -30,6 +30,8 @@ from frontend.cli.launch import config_from_args, make_parser
 from frontend.cli.server import FrontendConfig, frontend_config_from_args
 from frontend.common.http_protocol import KeepAliveSafeHttpProtocol
 from frontend.common.metrics import Metrics
+from frontend.disagg.bootstrap import BootstrapServer, open_bootstrap
+from frontend.disagg.requests import KVSide
 from frontend.engine.client import EngineClient, EngineStartupError
 from frontend.server.app import build_app
 from frontend.server.middleware import access_warnings
@@ -72,6 +74,7 @@ class Launcher:
         self.frontend_config = frontend_config
         self.engine = EngineClient(config)
         self.server: Server | None = None
+        self.bootstrap: BootstrapServer | None = None  # a KV producer's (frontend/disagg/)
         self.is_stop_requested = False
         self._main_task: asyncio.Task[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -96,6 +99,8 @@ class Launcher:
             logger.info("start-up interrupted")
             return 0
         finally:
+            if self.bootstrap is not None:
+                await self.bootstrap.close()
             await self.engine.shutdown()
             logger.info("tern stopped")
 
@@ -115,6 +120,13 @@ class Launcher:
 
     async def _serve(self, sock: socket.socket, tokenizer: Tokenizer) -> int:
         config = self.config
+        kv = config.kv_transfer
+        leases = None
+        if kv.produces:  # bound before the model loads: a taken port fails fast
+            leases, self.bootstrap = open_bootstrap(
+                kv.lease_s, config.server.host, kv.bootstrap_port,
+                self.engine.release_kv, self.engine.replica_ready,
+            )  # fmt: skip
         ready = await self.engine.start()
         logger.info("model: %s", ready.model_summary)
         logger.info(
@@ -131,6 +143,13 @@ class Launcher:
             engine, tokenizer, names, ready.max_model_len, ready.vocab_size, metrics,
             records_routing=config.model.enable_return_routed_experts,
         )  # fmt: skip
+        serving.kv = KVSide(kv, config.instance_id, config.parallel.tensor_parallel_size)
+        serving.leases = leases
+        if kv.enabled:
+            logger.info(
+                "KV transfer: %s (%s), bootstrap at %s:%d",
+                kv.role, kv.connector, kv.bootstrap_host, kv.bootstrap_port,
+            )  # fmt: skip
         if read_model_task(config.model.path, config.model.task).takes_images:
             from frontend.media.processing import ImageProcessor
             from frontend.media.prompts import ImagePrompts

@@ -10,10 +10,32 @@ from __future__ import annotations
 import argparse
 
 from enginecore.config import Config
-from frontend.cli import cache, lora, media, model, output, parallel, scheduler, server, speculative
+from frontend.cli import (
+    cache,
+    disaggregation,
+    lora,
+    media,
+    model,
+    output,
+    parallel,
+    scheduler,
+    server,
+    speculative,
+)
 
 # Their argparse groups, in --help's order.
-CLI_MODULES = (model, server, scheduler, cache, output, lora, speculative, parallel, media)
+CLI_MODULES = (
+    model,
+    server,
+    scheduler,
+    cache,
+    output,
+    lora,
+    speculative,
+    parallel,
+    media,
+    disaggregation,
+)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -47,4 +69,5 @@ def config_from_args(args: argparse.Namespace) -> Config:
         structured_output=output.structured_output_config_from_args(args),
         lora=lora.lora_config_from_args(args),
         speculative=speculative.speculative_config_from_args(args),
+        kv_transfer=disaggregation.kv_transfer_config_from_args(args),
     )

@@ -6,7 +6,9 @@ Names follow vLLM's with a `tern:` prefix, each labelled with the served model n
   token counters (the tokens served: what `usage` reports); successes by finish reason.
 - engine state, from the engine cores' last SchedulerStats (each sends them every ~0.5 s while busy
   and when it goes idle): running and waiting requests, preemptions, KV-cache usage, prefix-cache
-  queries and hits (in tokens).
+  queries and hits (in tokens); with prefill/decode disaggregation, vLLM's external prefix cache
+  (prompt tokens a consumer looked up at a producer and pulled), pulls, failures and bytes, and
+  a producer's leases lent and held.
 With --dp > 1 the engine-state series have one sample per replica (label `replica`), and
 `tern:replica_*` families show each replica's health, the requests the balancer sent it (by reason:
 `prefix` or `load`), and the tokens its engine computed and sampled.
@@ -78,6 +80,8 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "tern:num_preemptions": ("vllm:num_preemptions",),
     "tern:prefix_cache_queries": ("vllm:prefix_cache_queries",),
     "tern:prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "tern:external_prefix_cache_queries": ("vllm:external_prefix_cache_queries",),
+    "tern:external_prefix_cache_hits": ("vllm:external_prefix_cache_hits",),
     "tern:lora_requests_info": ("vllm:lora_requests_info",),
     "tern:spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
     "tern:spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
@@ -95,6 +99,8 @@ _ENGINE_STATE = frozenset(
         "tern:num_preemptions",
         "tern:prefix_cache_queries",
         "tern:prefix_cache_hits",
+        "tern:external_prefix_cache_queries",
+        "tern:external_prefix_cache_hits",
         "tern:spec_decode_num_drafts",
         "tern:spec_decode_num_draft_tokens",
         "tern:spec_decode_num_accepted_tokens",
@@ -236,6 +242,7 @@ class _EngineStatsCollector(Collector):
                      lambda s, up: s.prefix_cache_queries)  # fmt: skip
         yield family(C, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                      lambda s, up: s.prefix_cache_hits)  # fmt: skip
+        yield from _kv_transfer_families(family)
         yield family(C, "spec_decode_num_drafts",
                      "Speculative decoding: sequence-steps that verified drafts.",
                      lambda s, up: s.spec_num_drafts)  # fmt: skip
@@ -271,6 +278,28 @@ class _EngineStatsCollector(Collector):
                     layer, expert = divmod(i, s.num_experts)
                     experts.add_metric([*labels, str(layer), str(expert)], n)
         yield experts
+
+
+def _kv_transfer_families(family: Callable[..., Metric]) -> Iterator[Metric]:
+    """Prefill/decode disaggregation: a consumer's pulls (vLLM's external prefix cache), a
+    producer's leases."""
+    G, C = GaugeMetricFamily, CounterMetricFamily  # noqa: N806
+    yield family(C, "external_prefix_cache_queries",
+                 "Prompt tokens a KV consumer looked up at a producer.",
+                 lambda s, up: s.external_prefix_cache_queries)  # fmt: skip
+    yield family(C, "external_prefix_cache_hits",
+                 "Prompt tokens a KV consumer pulled from a producer.",
+                 lambda s, up: s.external_prefix_cache_hits)  # fmt: skip
+    yield family(C, "kv_pulls", "KV pulls from producers that succeeded.",
+                 lambda s, up: s.kv_pulls_total)  # fmt: skip
+    yield family(C, "kv_pull_failures", "KV pulls from producers that failed.",
+                 lambda s, up: s.kv_pull_failures_total)  # fmt: skip
+    yield family(C, "kv_pull_bytes", "Bytes of KV blocks pulled from producers.",
+                 lambda s, up: s.kv_pull_bytes_total)  # fmt: skip
+    yield family(C, "kv_leases", "A KV producer's prompts lent to consumers.",
+                 lambda s, up: s.kv_leases_total)  # fmt: skip
+    yield family(G, "kv_leases_held", "A KV producer's leases not yet released nor expired.",
+                 lambda s, up: s.num_kv_leases if up else 0)  # fmt: skip
 
 
 def _kv_usage(s: SchedulerStats) -> float:

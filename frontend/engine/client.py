@@ -222,6 +222,15 @@ class EngineClient:
             if mine:
                 r.cancel(mine)
 
+    def release_kv(self, replica: int, lease_ids: list[str]) -> None:
+        """Ends leases of replica `replica`'s engine core (frontend/disagg/bootstrap.py)."""
+        self.replicas[replica].release_kv(lease_ids)
+
+    def replica_ready(self, replica: int) -> EngineReady | None:
+        """Replica `replica`'s own EngineReady (its KV endpoints and layouts); None once dead."""
+        r = self.replicas[replica]
+        return None if r.is_dead else r.ready
+
     def is_in_flight(self, request_id: str) -> bool:
         return any(r.is_in_flight(request_id) for r in self.replicas)
 

@@ -40,6 +40,7 @@ from enginecore.messages import (
     EngineStartup,
     EngineStartupFailed,
     GetStats,
+    KVLeaseRelease,
     Logprobs,
     RequestType,
     SchedulerStats,
@@ -120,6 +121,7 @@ def _merge(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
         b.pooled if b.pooled is not None else a.pooled,
         routed,
         b.lora_version if b.lora_version is not None else a.lora_version,
+        b.kv_lease_block_ids if b.kv_lease_block_ids is not None else a.kv_lease_block_ids,
     )
 
 
@@ -299,6 +301,12 @@ class EngineCoreClient:
 
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._streams
+
+    def release_kv(self, lease_ids: list[str]) -> None:
+        """A producer's leases end early (a consumer took the blocks, or gave up on them): the
+        engine core puts their blocks back in its pool."""
+        if lease_ids and not self.is_dead:
+            self._send(RequestType.RELEASE_KV, KVLeaseRelease(lease_ids))
 
     async def call_utility(self, op: EngineControlOp, timeout: float = 10.0) -> Any:
         if self.is_dead:

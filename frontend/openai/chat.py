@@ -22,6 +22,8 @@ from frontend.common.decoding import ImageRef, decode_request
 from frontend.common.errors import bad_request
 from frontend.common.http import json_response, sse
 from frontend.common.protocol import DeltaMessage, PromptLogprobsList
+from frontend.disagg.answers import kv_answer, kv_sampling, refusal_fails_room
+from frontend.disagg.requests import KVRequest, kv_request
 from frontend.openai.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -46,6 +48,11 @@ class ChatServing(ChatPath):
     async def create(self, http_request: Request) -> Response:
         s = self.serving
         req = decode_request(await http_request.body(), ChatCompletionRequest)
+        with refusal_fails_room(s, req.bootstrap_room):
+            return await self._create(http_request, req)
+
+    async def _create(self, http_request: Request, req: ChatCompletionRequest) -> Response:
+        s = self.serving
         lora = s.lora_of(req)
         plan = self.plan(req)
         images = [] if s.images is not None else None
@@ -57,11 +64,14 @@ class ChatServing(ChatPath):
             prompt_ids, mm_items = await self.chat_image_prompt(req, prompt_text, images)
         constraint, opens_reasoning = self.after_reasoning(plan.constraint, prompt_text)
         request_id, keys, headers = s.request_ids(http_request, "chatcmpl-", req.request_id)
+        kv = kv_request(s.kv, **req.kv_fields())
         group = s.start(
-            request_id, keys, req.to_sampling(), [prompt_ids], "messages",
-            n=req.n or 1, logprobs=req.num_logprobs, prompt_logprobs=req.prompt_logprobs,
-            structured_output=constraint, lora=lora, mm_items=mm_items,
+            request_id, keys, kv_sampling(req.to_sampling(), kv, req.stream), [prompt_ids],
+            "messages", n=req.n or 1, logprobs=req.num_logprobs,
+            prompt_logprobs=req.prompt_logprobs, structured_output=constraint, lora=lora,
+            mm_items=mm_items, kv=kv,
         )  # fmt: skip
+        _, client_max_tokens = req.max_tokens_field
         view = _ChatView(
             req, TokenStrings(s.tokenizer.backend, bool(req.return_tokens_as_token_ids))
         )
@@ -70,29 +80,34 @@ class ChatServing(ChatPath):
         ]
         created = int(time.time())
         if req.stream:
-            return s.sse_response(self._stream(group, req, view, parsers, created), group, headers)
+            body = self._stream(group, req, view, parsers, created, kv)
+            return s.sse_response(body, group, headers)
         texts = await group.collect_unless_disconnected(http_request)
         if texts is None:
             return Response(status_code=499)
         choices = []
         for i, (gen, text, parser) in enumerate(zip(group.gens, texts, parsers)):
             message = _message(parser, text, view.echo)
+            answer = kv_answer(s.kv, kv, gen, client_max_tokens)
             choices.append(
                 ChatCompletionResponseChoice(
                     i,
                     message,
                     view.logprobs(gen.all_output_logprobs),
-                    _finish_reason(gen.finish_reason, bool(message.tool_calls)),
+                    _finish_reason(answer.finish_reason, bool(message.tool_calls)),
                     gen.stop_reason,
                     gen.output_token_ids if req.return_token_ids else None,
                     s.routed_experts_of(gen),
+                    answer.disaggregated_params,
                 )
             )
         first = group.gens[0]
+        answer = kv_answer(s.kv, kv, first, client_max_tokens)
+        prompt_ids_shown = view.prompt_token_ids(first) or answer.prompt_token_ids or None
         response = ChatCompletionResponse(
             request_id, "chat.completion", created, group.model_name, choices, group.usage(),
-            group.weight_version, view.prompt_logprobs(first), view.prompt_token_ids(first),
-            group.lora_version,
+            group.weight_version, view.prompt_logprobs(first), prompt_ids_shown,
+            group.lora_version, answer.kv_transfer_params,
         )  # fmt: skip
         return json_response(response, headers=headers)
 
@@ -144,6 +159,7 @@ class ChatServing(ChatPath):
         view: _ChatView,
         parsers: list[ChoiceParser],
         created: int,
+        kv: KVRequest | None = None,
     ) -> AsyncIterator[bytes]:
         request_id = group.keys[0]
         include_usage, continuous_usage = usage_options(req)
@@ -171,6 +187,8 @@ class ChatServing(ChatPath):
                     gen.usage() if continuous_usage else None,
                     gen.weight_version if finish else None, prompt_token_ids,
                     gen.lora_version if finish and gen.lora_version else UNSET,
+                    kv_answer(self.serving.kv, kv, gen, None).kv_transfer_params
+                    if finish else UNSET,
                 )
             )  # fmt: skip
 

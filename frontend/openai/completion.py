@@ -22,6 +22,8 @@ from enginecore.messages import Logprobs
 from frontend.common.decoding import decode_request
 from frontend.common.http import json_response, sse
 from frontend.common.protocol import CompletionLogProbs
+from frontend.disagg.answers import kv_answer, kv_sampling, refusal_fails_room
+from frontend.disagg.requests import KVRequest, kv_request
 from frontend.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
@@ -42,6 +44,11 @@ class CompletionServing:
     async def create(self, http_request: Request) -> Response:
         s = self.serving
         req = decode_request(await http_request.body(), CompletionRequest)
+        with refusal_fails_room(s, req.bootstrap_room):
+            return await self._create(http_request, req)
+
+    async def _create(self, http_request: Request, req: CompletionRequest) -> Response:
+        s = self.serving
         lora = s.lora_of(req)
         prompts, prompt_texts = [], []
         for prompt in req.normalized_prompts():
@@ -56,15 +63,17 @@ class CompletionServing:
         # Echo with logprobs shows the prompt's logprobs too: the engine computes them.
         wanted = [req.prompt_logprobs, req.logprobs if req.echo else None]
         num_prompt_top = max((k for k in wanted if k is not None), default=None)
+        kv = kv_request(s.kv, **req.kv_fields())
         group = s.start(
-            request_id, keys, req.to_sampling(), prompts, "prompt",
+            request_id, keys, kv_sampling(req.to_sampling(), kv, req.stream), prompts, "prompt",
             n=req.n or 1, logprobs=req.logprobs, prompt_logprobs=num_prompt_top,
             discard_output=req.is_echo_only, structured_output=req.output_constraint(), lora=lora,
+            kv=kv,
         )  # fmt: skip
         view = _CompletionView(req, s, prompt_texts, group.n)
         created = int(time.time())
         if req.stream:
-            return s.sse_response(self._stream(group, req, view, created), group, headers)
+            return s.sse_response(self._stream(group, req, view, created, kv), group, headers)
         texts = await group.collect_unless_disconnected(http_request)
         if texts is None:
             return Response(status_code=499)
@@ -72,17 +81,26 @@ class CompletionServing:
             view.choice(i, gen, view.echo_text(i) + text, gen.output_logprobs, 0, first=True)
             for i, (gen, text) in enumerate(zip(group.gens, texts))
         ]
-        for choice, gen in zip(choices, group.gens):
+        answers = [kv_answer(s.kv, kv, gen, req.max_tokens) for gen in group.gens]
+        for choice, gen, answer in zip(choices, group.gens, answers):
             choice.token_ids = gen.output_token_ids if req.return_token_ids else None
             choice.routed_experts = s.routed_experts_of(gen)
+            choice.finish_reason = answer.finish_reason
+            choice.disaggregated_params = answer.disaggregated_params
         response = CompletionResponse(
             request_id, "text_completion", created, group.model_name, choices, group.usage(),
-            group.weight_version, group.lora_version,
+            group.weight_version, group.lora_version, answers[0].kv_transfer_params,
+            answers[0].prompt_token_ids,
         )  # fmt: skip
         return json_response(response, headers=headers)
 
     async def _stream(
-        self, group: RequestGroup, req: CompletionRequest, view: _CompletionView, created: int
+        self,
+        group: RequestGroup,
+        req: CompletionRequest,
+        view: _CompletionView,
+        created: int,
+        kv: KVRequest | None = None,
     ) -> AsyncIterator[bytes]:
         s = self.serving
         request_id = group.keys[0]
@@ -109,6 +127,8 @@ class CompletionServing:
                     gen.usage() if continuous_usage else None,
                     gen.weight_version if gen.is_finished else None,
                     gen.lora_version if gen.is_finished and gen.lora_version else UNSET,
+                    kv_answer(s.kv, kv, gen, None).kv_transfer_params
+                    if gen.is_finished else UNSET,
                 )
             )  # fmt: skip
         if include_usage:

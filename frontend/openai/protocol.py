@@ -103,7 +103,13 @@ class _RequestBase(PeerFields, forbid_unknown_fields=True, kw_only=True):
     guided_whitespace_pattern: Annotated[Any, Unsupported(None)] = UNSET
     priority: Annotated[Any, Unsupported(None, 0)] = UNSET
     cache_salt: Annotated[Any, Unsupported(None)] = UNSET
-    kv_transfer_params: Annotated[Any, Unsupported(None)] = UNSET
+    # Prefill/decode disaggregation, in each peer's form (frontend/disagg/requests.py):
+    # vLLM's, SGLang's bootstrap (sglang-router sends them on OpenAI bodies too), TensorRT-LLM's.
+    kv_transfer_params: dict[str, Any] | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    disaggregated_params: dict[str, Any] | None = None
     vllm_xargs: Annotated[Any, Unsupported(None)] = UNSET
     media_io_kwargs: Annotated[Any, Unsupported(None)] = UNSET
     metadata: Annotated[Any, Unsupported(None)] = UNSET
@@ -152,6 +158,14 @@ class _RequestBase(PeerFields, forbid_unknown_fields=True, kw_only=True):
             min_tokens=self.min_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
+
+    def kv_fields(self) -> dict[str, Any]:
+        """The disaggregation fields, as frontend.disagg.requests.kv_request takes them."""
+        return {
+            "kv_transfer_params": self.kv_transfer_params,
+            "bootstrap": (self.bootstrap_host, self.bootstrap_port, self.bootstrap_room),
+            "disaggregated_params": self.disaggregated_params,
+        }
 
     def validate(self) -> None:
         """Raises APIError (400) for unsupported fields and out-of-range values."""
@@ -319,6 +333,8 @@ class ChatCompletionResponseChoice(msgspec.Struct):
     token_ids: list[int] | None = None  # with return_token_ids
     # --enable-return-routed-experts: base64 .npy (tokens - 1, MoE layers, top_k), vLLM's field
     routed_experts: str | None = None
+    # A TensorRT-LLM context request's answer: what the generation server needs.
+    disaggregated_params: dict[str, Any] | UnsetType = UNSET
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -332,6 +348,8 @@ class ChatCompletionResponse(msgspec.Struct):
     prompt_logprobs: PromptLogprobsList | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
     lora_version: str | UnsetType = UNSET  # the LoRA adapter's version, on an adapter's answers
+    # A vLLM-form KV producer's answer: what vllm-router copies into the consumer's body.
+    kv_transfer_params: dict[str, Any] | UnsetType = UNSET
 
 
 class ChatCompletionResponseStreamChoice(msgspec.Struct):
@@ -353,6 +371,7 @@ class ChatCompletionStreamResponse(msgspec.Struct, omit_defaults=True):
     weight_version: str | None = None  # on a choice's last chunk
     prompt_token_ids: list[int] | None = None  # with return_token_ids, on the first chunk
     lora_version: str | UnsetType = UNSET  # on a choice's last chunk (an adapter's answers)
+    kv_transfer_params: dict[str, Any] | UnsetType = UNSET  # a KV producer's, on the last chunk
 
 
 class CompletionResponseChoice(msgspec.Struct):
@@ -367,6 +386,8 @@ class CompletionResponseChoice(msgspec.Struct):
     # --enable-return-routed-experts: base64 .npy (tokens - 1, MoE layers, top_k), vLLM's field;
     # on a stream's last chunk of the choice
     routed_experts: str | None = None
+    # A TensorRT-LLM context request's answer: what the generation server needs.
+    disaggregated_params: dict[str, Any] | UnsetType = UNSET
 
 
 class CompletionResponse(msgspec.Struct):
@@ -378,6 +399,9 @@ class CompletionResponse(msgspec.Struct):
     usage: UsageInfo
     weight_version: str | None = None  # the weights that produced it (SGLang's field)
     lora_version: str | UnsetType = UNSET  # the LoRA adapter's version, on an adapter's answers
+    kv_transfer_params: dict[str, Any] | UnsetType = UNSET  # a vLLM-form KV producer's
+    # A TensorRT-LLM context request's prompt (its generation server need not tokenize).
+    prompt_token_ids: list[int] | UnsetType = UNSET
 
 
 class CompletionStreamResponse(msgspec.Struct, omit_defaults=True):
@@ -389,6 +413,7 @@ class CompletionStreamResponse(msgspec.Struct, omit_defaults=True):
     usage: UsageInfo | None = None
     weight_version: str | None = None  # on a choice's last chunk
     lora_version: str | UnsetType = UNSET  # on a choice's last chunk (an adapter's answers)
+    kv_transfer_params: dict[str, Any] | UnsetType = UNSET  # a KV producer's, on the last chunk
 
 
 class ModelCard(msgspec.Struct):

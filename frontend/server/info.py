@@ -18,7 +18,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
-from enginecore.config import Config
+from enginecore.config import Config, KVTransferConfig
 from frontend.cli.server import FrontendConfig
 from frontend.common.errors import engine_dead_error
 from frontend.common.http import json_response
@@ -148,6 +148,8 @@ class InfoServing:
                 "memory_gib": config.cache.kv_cache_memory_gib,
             },
             "num_requests_in_flight": engine.num_in_flight,
+            # Prefill/decode disaggregation: kv_producer | kv_consumer | kv_both, or None (off).
+            "kv_transfer_role": config.kv_transfer.role if config.kv_transfer.enabled else None,
             "scheduler_stats": stats,
         }
 
@@ -179,6 +181,7 @@ class InfoServing:
             "max_total_num_tokens": ready.num_kv_blocks * ready.block_size,
             "weight_version": control.weight_version,
             "internal_states": [{"weight_version": control.weight_version}],
+            **_sglang_disaggregation(self.config.kv_transfer),
         })  # fmt: skip
 
     async def get_model_info(self, request: Request) -> Response:
@@ -197,6 +200,16 @@ class InfoServing:
             "architectures": [self.ready.model_summary.split(":")[0]],
             "model_type": _model_type(self.config.model.path),
         })  # fmt: skip
+
+
+def _sglang_disaggregation(kv: KVTransferConfig) -> dict[str, Any]:
+    """SGLang's server-argument names of a disaggregated server's role and bootstrap port."""
+    mode = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(kv.role, "null")
+    return {
+        "disaggregation_mode": mode if kv.enabled else "null",
+        "disaggregation_bootstrap_port": kv.bootstrap_port,
+        "disaggregation_transfer_backend": "tern",
+    }
 
 
 def _model_type(model_path: str) -> str | None:

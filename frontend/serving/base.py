@@ -17,9 +17,11 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from enginecore.config import KVTransferConfig
 from enginecore.messages import MultiModalItem, SamplingParams, StructuredOutputSpec
 from frontend.common.errors import APIError, bad_request, engine_dead_error
 from frontend.common.http import REQUEST_ID_HEADER, sse
+from frontend.disagg.requests import KVRequest, KVSide, check_single
 from frontend.engine.client import EngineClient, EngineDeadError
 from frontend.serving.generation import (
     Generation,
@@ -37,6 +39,7 @@ _DONE = b"data: [DONE]\n\n"
 
 if TYPE_CHECKING:
     from frontend.common.metrics import Metrics
+    from frontend.disagg.bootstrap import LeaseRegistry
     from frontend.media.prompts import ImagePrompts
     from frontend.text.tokenizer import Tokenizer
 
@@ -71,6 +74,10 @@ class OpenAIServing:
         # The LoRA adapters served ({name: {"version", "loaded", "path"}}), as the engine core's
         # control state last said (frontend/control/serving.py refreshes it); None: LoRA is off.
         self.adapters: dict[str, dict[str, Any]] | None = None
+        # Prefill/decode disaggregation (frontend/disagg/): this server's part, and on a producer
+        # the registry of the leases its requests lent (its bootstrap answers from it).
+        self.kv = KVSide(KVTransferConfig(), "")
+        self.leases: LeaseRegistry | None = None
 
     def routed_experts_of(self, gen: Generation) -> str | None:
         """vLLM's choices[i].routed_experts of a finished generation (routed_experts.py)."""
@@ -168,6 +175,7 @@ class OpenAIServing:
         structured_output: StructuredOutputSpec | None = None,
         lora: str | None | Sequence[str | None] = None,
         mm_items: Sequence[MultiModalItem] = (),
+        kv: KVRequest | None = None,
     ) -> RequestGroup:
         """Checks every prompt, then starts n engine requests per prompt (all or none): samples
         0..n-1 of prompt 0, then of prompt 1... (frontend/serving/sampling.py says how they differ).
@@ -177,10 +185,12 @@ class OpenAIServing:
         `structured_output`: the grammar every sample's output follows.
         `lora`: the LoRA adapter every prompt runs on, or one per prompt (None: the base model).
         `mm_items`: the images of the (one) prompt (frontend/media/).
+        `kv`: the (one) prompt's KV transfer (frontend/disagg/requests.py).
         """
         loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
         if len(loras) != len(prompts):
             raise bad_request(f"{len(loras)} adapters for {len(prompts)} prompts", "lora_path")
+        check_single(kv, len(prompts) * n, prompt_param)
         params = [self.sampling_params(sampling, ids, prompt_param) for ids in prompts]
         if self.engine.is_dead:
             raise engine_dead_error(self.engine.dead_reason)
@@ -200,6 +210,7 @@ class OpenAIServing:
                     gen = Generation(
                         self.engine, next(engine_ids), prompt_ids, p, detokenizer, self.metrics,
                         discard_output, structured_output, lora_name, list(mm_items),
+                        kv.transfer if kv is not None else None, self.leases,
                     )  # fmt: skip
                     gens.append(gen)
         except EngineDeadError as e:

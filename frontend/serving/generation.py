@@ -22,6 +22,7 @@ from starlette.requests import Request
 from enginecore.messages import (
     EngineCoreRequest,
     FinishReason,
+    KVTransfer,
     Logprobs,
     MultiModalItem,
     SamplingParams,
@@ -35,6 +36,7 @@ from frontend.text.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from frontend.common.metrics import Metrics
+    from frontend.disagg.bootstrap import LeaseRegistry
 
 
 class RequestFailedError(RuntimeError):
@@ -56,9 +58,12 @@ class Generation:
         structured_output: StructuredOutputSpec | None = None,
         lora_name: str | None = None,
         mm_items: list[MultiModalItem] | None = None,
+        kv_transfer: KVTransfer | None = None,
+        leases: LeaseRegistry | None = None,
     ) -> None:
         """`lora_name`: the LoRA adapter it runs on (None: the base model). `mm_items`: its
-        prompt's images.
+        prompt's images. `kv_transfer`: its part in prefill/decode disaggregation; a producing
+        request's lease (lent or failed) goes into `leases` when it ends (frontend/disagg/).
         `discard_output`: the output is not wanted (completions' echo with max_tokens 0): the
         request runs only for its prompt logprobs, and finishes with "length" and no tokens."""
         self.engine = engine
@@ -90,6 +95,10 @@ class Generation:
         self._arrival = time.monotonic()
         self._first_token_time: float | None = None
         self._is_recorded = False
+        self.kv_transfer = kv_transfer
+        self.leases = leases if kv_transfer is not None and kv_transfer.role == "produce" else None
+        self.kv_lease_block_ids: list[int] | None = None  # a producer's, once it lent them
+        self._is_lease_recorded = False
         self.stream = engine.add_request(
             EngineCoreRequest(
                 request_id,
@@ -99,8 +108,14 @@ class Generation:
                 structured_output=structured_output,
                 lora_name=lora_name,
                 mm_items=mm_items or [],
+                kv_transfer=kv_transfer,
             )
         )
+
+    @property
+    def replica(self) -> int:
+        """The data-parallel replica serving it."""
+        return self.stream.replica
 
     @property
     def is_finished(self) -> bool:
@@ -126,7 +141,13 @@ class Generation:
 
         Raises EngineDeadError or RequestFailedError. Sets finish_reason on the last call.
         """
-        out = await self.stream.next()
+        try:
+            out = await self.stream.next()
+        except EngineDeadError as e:
+            self._fail_lease(f"the producer's engine died: {e}")
+            raise
+        if out.finish_reason is not None:
+            self._record_lease(out.finish_reason, out.kv_lease_block_ids, out.error)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.weight_version is not None:
             self.weight_version = out.weight_version
@@ -181,8 +202,36 @@ class Generation:
         frontend decided it is finished).
         """
         self.engine.abort([self.request_id])
+        if not self.is_finished:
+            # NOTE: its last output may be on the way (blocks lent): release them in any case.
+            self._fail_lease("the producing request was aborted", release=True)
         if not self.is_finished and not self.engine.is_dead:
             self._record_finish("abort")
+
+    def _record_lease(
+        self, reason: FinishReason, block_ids: list[int] | None, error: str | None
+    ) -> None:
+        """A producing request's last output: its blocks are lent, or it failed."""
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            if self.leases is not None and not self._is_lease_recorded:
+                assert self.kv_transfer is not None
+                self._is_lease_recorded = True
+                self.kv_lease_block_ids = list(block_ids or [])
+                self.leases.lend(
+                    self.kv_transfer.lease_id,
+                    self.replica,
+                    self.kv_lease_block_ids,
+                    self.num_prompt_tokens,
+                )
+            return
+        why = error or f"the producing request ended with {reason.value}"
+        self._fail_lease(why)
+
+    def _fail_lease(self, error: str, release: bool = False) -> None:
+        if self.leases is not None and not self._is_lease_recorded:
+            assert self.kv_transfer is not None
+            self._is_lease_recorded = True
+            self.leases.fail(self.kv_transfer.lease_id, self.replica, error, release)
 
     def cancel(self, info: dict[str, Any]) -> None:
         """Asks the engine to stop the request; the generation then finishes with "abort"."""

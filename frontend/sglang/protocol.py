@@ -133,6 +133,8 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     input_ids: list[Any] | None = None  # token ids, or a batch of token-id lists
     sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = None
     rid: str | list[str] | None = None
+    # sglang-router sends `model: null`; a name must be the served model's (adapters: lora_path).
+    model: str | None = None
     return_logprob: bool | None = None
     logprob_start_len: int | None = None  # -1 (default): output logprobs only
     top_logprobs_num: int | None = None
@@ -172,9 +174,10 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     lora_id: Annotated[Any, Unsupported(None)] = UNSET
     custom_logit_processor: Annotated[Any, Unsupported(None)] = UNSET
     positional_embed_overrides: Annotated[Any, Unsupported(None)] = UNSET
-    bootstrap_host: Annotated[Any, Unsupported(None)] = UNSET
-    bootstrap_port: Annotated[Any, Unsupported(None)] = UNSET
-    bootstrap_room: Annotated[Any, Unsupported(None)] = UNSET
+    # Prefill/decode disaggregation (sglang-router's one-shot dispatch): frontend/disagg/.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
     bootstrap_pair_key: Annotated[Any, Unsupported(None)] = UNSET
     decode_tp_size: Annotated[Any, Unsupported(None)] = UNSET
     routed_dp_rank: Annotated[Any, Unsupported(None, 0)] = (

@@ -49,6 +49,8 @@ from enginecore.messages import Logprobs, MultiModalItem, StructuredOutputSpec
 from frontend.common.decoding import ImageRef
 from frontend.common.errors import bad_request
 from frontend.common.http import REQUEST_ID_HEADER, json_response, sse
+from frontend.disagg.answers import kv_sampling, refusal_fails_room
+from frontend.disagg.requests import KVRequest, check_single, kv_request
 from frontend.serving.base import OpenAIServing
 from frontend.serving.generation import Generation, RequestGroup
 from frontend.serving.routed_experts import sglang_routed_experts
@@ -93,6 +95,19 @@ class SGLangServing:
         s = self.serving
         arrival = time.monotonic()
         req = decode_sglang_generate(body)
+        with refusal_fails_room(s, req.bootstrap_room):
+            return await self._generate(http_request, req, arrival)
+
+    async def _generate(
+        self, http_request: Request, req: SGLangGenerateRequest, arrival: float
+    ) -> Response:
+        s = self.serving
+        if req.model is not None and req.model not in s.model_names:
+            raise bad_request(
+                f"model {req.model!r} is not served here ({', '.join(s.model_names)}); "
+                "LoRA adapters are named by lora_path",
+                "model",
+            )
         if req.return_routed_experts and not s.records_routing:
             raise bad_request(
                 "return_routed_experts needs the server started with "
@@ -112,7 +127,10 @@ class SGLangServing:
         if client_id and client_id not in keys:
             keys.append(client_id)
         headers = {REQUEST_ID_HEADER: client_id or keys[0]}
-        group = self._start(req, prompts, items, keys)
+        kv = kv_request(
+            s.kv, bootstrap=(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
+        )
+        group = self._start(req, prompts, items, keys, kv)
         view = _OutputView(req, TokenStrings(s.tokenizer.backend), arrival)
         is_list = req.is_batch or req.n > 1
         if req.stream:
@@ -162,11 +180,14 @@ class SGLangServing:
         prompts: list[_Prompt],
         items: list[_Item],
         keys: list[str],
+        kv: KVRequest | None = None,
     ) -> RequestGroup:
         """Starts every prompt's n samples as one RequestGroup (one start per prompt: each has its
-        own sampling parameters and its own clamped max_new_tokens)."""
+        own sampling parameters and its own clamped max_new_tokens). `kv`: the (one) prompt's KV
+        transfer (bootstrap fields)."""
         s = self.serving
         n, k = req.n, req.num_logprobs
+        check_single(kv, len(prompts) * n, req.prompt_param)
         loras = self._loras(req, len(prompts))
         groups: list[RequestGroup] = []
         try:
@@ -175,10 +196,11 @@ class SGLangServing:
                 wants_prompt = k is not None and first.logprob_start < len(p.ids) - 1
                 groups.append(
                     s.start(
-                        first.id, keys, p.params.to_sampling(), [p.ids], req.prompt_param, n=n, logprobs=k,
+                        first.id, keys, kv_sampling(p.params.to_sampling(), kv, req.stream),
+                        [p.ids], req.prompt_param, n=n, logprobs=k,
                         prompt_logprobs=k if wants_prompt else None,
                         discard_output=p.is_prefill_only, structured_output=p.structured_output,
-                        lora=loras[i], mm_items=p.mm_items,
+                        lora=loras[i], mm_items=p.mm_items, kv=kv,
                     )
                 )  # fmt: skip
         except BaseException:
