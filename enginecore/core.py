@@ -207,7 +207,9 @@ class EngineCore:
             self.scheduler.record_external_lookup(request.num_prompt_tokens, 0)
             if self.config.kv_transfer.load_failure_policy == "fail":
                 self._compiling.pop(request.request_id, None)
-                error = f"the prompt's KV cache could not be pulled from its producer: {result.error}"
+                error = (
+                    f"the prompt's KV cache could not be pulled from its producer: {result.error}"
+                )
                 out = EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=error)
                 return self._ended([out])
         self.scheduler.add_request(request)
@@ -399,7 +401,9 @@ class EngineCore:
         assert spec is not None
         config = self.config.kv_transfer
         if spec.role == "produce" and not config.produces:
-            return "this server does not produce KV caches for others (--kv-transfer-config kv_role)"
+            return (
+                "this server does not produce KV caches for others (--kv-transfer-config kv_role)"
+            )
         if spec.role == "consume" and not config.consumes:
             return "this server does not consume others' KV caches (--kv-transfer-config kv_role)"
         if spec.role not in ("produce", "consume"):

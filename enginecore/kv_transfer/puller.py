@@ -158,9 +158,7 @@ class KVPuller:
         if lease.token_ids[:lent] != prompt[:lent]:
             raise PullFailed("the producer computed another prompt than this request's")
 
-    def _pull_rank(
-        self, endpoint: str, layout: KVLayout, block_ids: list[int]
-    ) -> tuple[str, int]:
+    def _pull_rank(self, endpoint: str, layout: KVLayout, block_ids: list[int]) -> tuple[str, int]:
         """One rank's share: a file the producer wrote on this host, or the bytes it sent
         written into one here."""
         with self._socket(endpoint) as sock:

@@ -47,7 +47,7 @@ RELEASED = "released"  # the reply state of a LeaseRelease
 class Lease:
     replica: int
     block_ids: list[int] = field(default_factory=list)
-    num_tokens: int = 0  # the prompt's length
+    token_ids: list[int] = field(default_factory=list)  # the prompt (its consumer checks its own)
     expires_at: float = 0.0  # time.monotonic()
     error: str | None = None  # set: the producing request ended without lending
 
@@ -73,11 +73,11 @@ class LeaseRegistry:
         self._expire()
         return len(self._leases)
 
-    def lend(self, lease_id: str, replica: int, block_ids: list[int], num_tokens: int) -> None:
+    def lend(self, lease_id: str, replica: int, block_ids: list[int], token_ids: list[int]) -> None:
         """A producing request finished: its blocks are lent under `lease_id`."""
         self._expire()
         self._leases[lease_id] = Lease(
-            replica, list(block_ids), num_tokens, self.clock() + self.lease_s
+            replica, list(block_ids), list(token_ids), self.clock() + self.lease_s
         )
 
     def fail(self, lease_id: str, replica: int, error: str, release: bool = False) -> None:
@@ -104,7 +104,8 @@ class LeaseRegistry:
         return LeaseReply(
             "ready",
             block_ids=lease.block_ids,
-            num_tokens=lease.num_tokens,
+            num_tokens=len(lease.token_ids),
+            token_ids=lease.token_ids,
             endpoints=list(ready.kv_endpoints),
             layouts=list(ready.kv_layouts),
         )

@@ -221,7 +221,7 @@ class Generation:
                     self.kv_transfer.lease_id,
                     self.replica,
                     self.kv_lease_block_ids,
-                    self.num_prompt_tokens,
+                    self.prompt_token_ids,
                 )
             return
         why = error or f"the producing request ended with {reason.value}"

@@ -92,7 +92,9 @@ def pair(tiny_llama: Path):
         consumer.close()
 
 
-def produce(producer: CoreClient, bootstrap: Bootstrap, lease_id: str, prompt: list[int]) -> list[int]:
+def produce(
+    producer: CoreClient, bootstrap: Bootstrap, lease_id: str, prompt: list[int]
+) -> list[int]:
     """The producer computes the prompt (one token) and lends its blocks."""
     req = EngineCoreRequest(
         lease_id, prompt, greedy(lease_id, prompt, 1).sampling_params,
