@@ -1,0 +1,193 @@
+"""Prefill/decode disaggregation behind the real routers: a tern producer and a tern consumer on
+a tiny Llama, with vllm-router (--vllm-pd-disaggregation: producer first with max_tokens 1, then
+the consumer with the producer's kv_transfer_params) and sglang-router (--pd-disaggregation: both
+at once with bootstrap_host / _port / _room) in front, and TensorRT-LLM's two-step flow
+(disaggregated_params context_only, then generation_only) driven as trtllm-serve's disagg server
+drives it. Outputs equal one plain server's (the producer, asked directly); the consumer
+computes at most one block of each prompt (metrics); lent blocks go back (KV usage idle again).
+
+Every process started here is stopped, and psutil checks that none survived.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from enginecore.executor import free_port
+from tests.integration.test_routers import Router, metric
+
+pytestmark = pytest.mark.timeout(300)
+
+BLOCK = 16
+LENGTHS = [3, 16, 33, 64, 600]  # block-aligned and not, one block and many
+
+
+def kv_config(role: str, **extra: object) -> str:
+    return json.dumps(
+        {"kv_connector": "TernConnector", "kv_role": role, "kv_load_failure_policy": "recompute",
+         "kv_connector_extra_config": {"reply_timeout_s": 2, **extra}}
+    )  # fmt: skip
+
+
+class PDRouter(Router):
+    """A router in PD mode (its workers are named by --prefill / --decode, not --worker-urls)."""
+
+    def __init__(self, binary: str, args: list[str]) -> None:
+        super().__init__(binary, args, [])
+
+
+@pytest.fixture(scope="module")
+def pd(module_server, tiny_llama_with_tokenizer: Path) -> Iterator[dict]:
+    model = str(tiny_llama_with_tokenizer)
+    port = free_port()
+    producer = module_server(
+        "--model", model, "--kv-transfer-config", kv_config("kv_producer", bootstrap_port=port)
+    )
+    consumer = module_server("--model", model, "--kv-transfer-config", kv_config("kv_consumer"))
+    name = httpx.get(f"{producer.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    yield {"producer": producer.base_url, "consumer": consumer.base_url, "port": port,
+           "model": name}  # fmt: skip
+
+
+def prompt_ids(length: int, salt: int = 0) -> list[int]:
+    return [(7 * j + length + salt) % 300 + 5 for j in range(length)]
+
+
+def completion(url: str, model: str, prompt: list[int], stream: bool, **kw: object) -> str:
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    args = dict(model=model, prompt=prompt, max_tokens=10, temperature=0, **kw)
+    if not stream:
+        return client.completions.create(**args).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(**args, stream=True))
+
+
+def chat(url: str, model: str, text: str, stream: bool, **kw: object) -> str:
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    args = dict(model=model, messages=[{"role": "user", "content": text}], max_tokens=10, **kw)
+    if not stream:
+        return client.chat.completions.create(**args).choices[0].message.content or ""
+    chunks = client.chat.completions.create(**args, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def consumer_counts(pd: dict) -> tuple[float, float]:
+    """(prompt tokens pulled, prompt tokens computed) on the consumer so far."""
+    url = pd["consumer"]
+    return (metric(url, "tern:external_prefix_cache_hits_total"),
+            metric(url, "tern:prompt_tokens_computed_total"))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vllm_pd(pd: dict) -> Iterator[Router]:
+    router = PDRouter(
+        "vllm-router",
+        ["--vllm-pd-disaggregation", "--policy", "round_robin",
+         "--prefill", pd["producer"], "--decode", pd["consumer"]],
+    )  # fmt: skip
+    yield router
+    router.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_router_completions_equal_one_server(vllm_pd: Router, pd: dict, stream: bool):
+    for length in LENGTHS:
+        prompt = prompt_ids(length, salt=int(stream))  # not in the consumer's prefix cache yet
+        ref = completion(pd["producer"], pd["model"], prompt, False)
+        pulled0, computed0 = consumer_counts(pd)
+        got = completion(vllm_pd.url, pd["model"], prompt, stream)
+        assert got == ref, length
+        pulled, computed = consumer_counts(pd)
+        assert pulled - pulled0 == (length - 1) // BLOCK * BLOCK
+        assert computed - computed0 == length - (length - 1) // BLOCK * BLOCK <= BLOCK
+
+
+def test_vllm_router_chat_greedy_and_seeded(vllm_pd: Router, pd: dict):
+    text = "Tell me about the number seven. " * 12
+    for stream in (False, True):
+        assert chat(vllm_pd.url, pd["model"], text, stream, temperature=0) == chat(
+            pd["producer"], pd["model"], text, False, temperature=0
+        )
+    seeded = dict(temperature=0.9, seed=1234)
+    assert chat(vllm_pd.url, pd["model"], text, False, **seeded) == chat(
+        pd["producer"], pd["model"], text, False, **seeded
+    )
+
+
+def test_32_concurrent_then_both_sides_idle(vllm_pd: Router, pd: dict):
+    prompts = [prompt_ids(20 + 7 * i) for i in range(32)]
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda p: completion(vllm_pd.url, pd["model"], p, False), prompts))
+    assert got == [completion(pd["producer"], pd["model"], p, False) for p in prompts]
+    for url in (pd["producer"], pd["consumer"]):
+        assert metric(url, "tern:kv_leases_held") == 0
+        assert metric(url, "tern:num_requests_running") == 0
+    # every block went back: only the prefix cache keeps them, and a reset frees them all
+    for url in (pd["producer"], pd["consumer"]):
+        assert httpx.post(f"{url}/reset_prefix_cache", timeout=10).status_code == 200
+        assert metric(url, "tern:kv_cache_usage_perc") == 0
+
+
+def test_sglang_router_chat_and_generate(pd: dict):
+    router = PDRouter(
+        "sglang-router",
+        ["launch", "--pd-disaggregation", "--policy", "round_robin",
+         "--prefill", pd["producer"], str(pd["port"]), "--decode", pd["consumer"]],
+    )  # fmt: skip
+    try:
+        text = "Which number comes after forty one? " * 5
+        for stream in (False, True):
+            assert chat(router.url, pd["model"], text, stream, temperature=0) == chat(
+                pd["producer"], pd["model"], text, False, temperature=0
+            )
+        body = {"input_ids": prompt_ids(50), "sampling_params": {"max_new_tokens": 8,
+                "temperature": 0}}  # fmt: skip
+        ref = httpx.post(f"{pd['producer']}/generate", json=body, timeout=60).json()
+        got = httpx.post(f"{router.url}/generate", json=body, timeout=60).json()
+        assert got["output_ids"] == ref["output_ids"] and got["text"] == ref["text"]
+    finally:
+        router.stop()
+
+
+def test_tensorrt_llm_two_steps_and_a_first_token_that_ends_it(pd: dict):
+    model, prompt = pd["model"], prompt_ids(70)
+    ref = httpx.post(f"{pd['producer']}/v1/completions", timeout=60,
+                     json={"model": model, "prompt": prompt, "max_tokens": 10,
+                           "temperature": 0}).json()  # fmt: skip
+    ctx = httpx.post(f"{pd['producer']}/v1/completions", timeout=60,
+                     json={"model": model, "prompt": prompt, "max_tokens": 10, "temperature": 0,
+                           "disaggregated_params": {"request_type": "context_only"}}).json()  # fmt: skip
+    choice = ctx["choices"][0]
+    assert choice["finish_reason"] is None and ctx["prompt_token_ids"] == prompt
+    params = choice["disaggregated_params"]
+    assert params["request_type"] == "generation_only" and len(params["first_gen_tokens"]) == 1
+    gen = httpx.post(f"{pd['consumer']}/v1/completions", timeout=60,
+                     json={"model": model, "prompt": prompt, "max_tokens": 10, "temperature": 0,
+                           "disaggregated_params": params}).json()  # fmt: skip
+    assert gen["choices"][0]["text"] == ref["choices"][0]["text"]
+    # max_tokens 1: the context server's token is the whole answer, and nothing is lent
+    one = httpx.post(f"{pd['producer']}/v1/completions", timeout=60,
+                     json={"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                           "disaggregated_params": {"request_type": "context_only"}}).json()  # fmt: skip
+    assert one["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_dead_producer_is_recomputed_not_waited_for(pd: dict):
+    """The consumer here recomputes (kv_load_failure_policy "recompute"); one that fails is
+    tests/integration/test_kv_transfer_engine.py's."""
+    prompt = prompt_ids(40)
+    ref = completion(pd["producer"], pd["model"], prompt, False)
+    failures = metric(pd["consumer"], "tern:kv_pull_failures_total")
+    gone = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "x",
+            "remote_request_id": "nothing", "remote_block_ids": [1, 2],
+            "remote_host": "127.0.0.1", "remote_port": free_port(), "tp_size": 1}  # fmt: skip
+    got = completion(pd["consumer"], pd["model"], prompt, False,
+                     extra_body={"kv_transfer_params": gone})  # fmt: skip
+    assert got == ref
+    assert metric(pd["consumer"], "tern:kv_pull_failures_total") == failures + 1
