@@ -87,6 +87,7 @@ def pair(tiny_llama: Path):
         assert isinstance(consumer.startup(), EngineReady)
         bootstrap = Bootstrap(ready)
         yield producer, consumer, bootstrap
+        bootstrap.close()
     finally:
         producer.close()
         consumer.close()
@@ -153,3 +154,48 @@ def test_a_silent_producer_fails_the_request_with_a_clear_error(pair):
             raise AssertionError("no output for the orphan")
     finally:
         silent.close(0)
+
+
+def test_tp2_pp2_pairs_move_each_ranks_share_and_other_layouts_are_refused(pair, tiny_llama: Path):
+    """A tp 2 x pp 2 producer and consumer: every rank pulls its own heads of its own stage's
+    layers from the producer's rank of the same index. A consumer laid out otherwise than its
+    producer (here: tp 2 x pp 2 against the tp 1 producer) is refused with the layouts named."""
+    from enginecore.config import ParallelConfig
+
+    tp1_producer, _, tp1_bootstrap = pair
+    parallel = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    producer = CoreClient(kv_config(tiny_llama, "kv_producer").replace(parallel=parallel))
+    consumer = CoreClient(
+        kv_config(tiny_llama, "kv_consumer", reply_timeout_s=5.0).replace(parallel=parallel)
+    )
+    try:
+        ready = producer.startup()
+        assert isinstance(ready, EngineReady) and len(ready.kv_endpoints) == 4
+        assert isinstance(consumer.startup(), EngineReady)
+        bootstrap = Bootstrap(ready)
+        try:
+            prompt = [(3 * j + 11) % 400 + 1 for j in range(50)]
+            ref = producer.run({"plain": greedy("plain", prompt, 10)})["plain"]
+            block_ids = produce(producer, bootstrap, "tp2", prompt)
+            req = greedy("c", prompt, 10)
+            req.kv_transfer = KVTransfer("consume", "tp2", bootstrap.addr, block_ids)
+            assert consumer.run({"c": req})["c"] == ref
+            assert consumer.stats()["external_prefix_cache_hits"] == 48
+        finally:
+            bootstrap.close()
+        other = [(5 * j + 1) % 400 + 1 for j in range(40)]
+        produce(tp1_producer, tp1_bootstrap, "tp1", other)
+        req = greedy("mismatch", other, 4)
+        req.kv_transfer = KVTransfer("consume", "tp1", tp1_bootstrap.addr)
+        consumer.send(RequestType.ADD, req)
+        for _ in range(100):
+            outs = [o for o in consumer.recv().outputs if o.request_id == "mismatch"]
+            if outs:
+                assert outs[0].finish_reason == FinishReason.ERROR
+                assert "layout differs" in outs[0].error and "tp" in outs[0].error
+                break
+        else:
+            raise AssertionError("no output for the mismatched request")
+    finally:
+        producer.close()
+        consumer.close()
