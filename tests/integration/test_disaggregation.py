@@ -191,3 +191,48 @@ def test_a_dead_producer_is_recomputed_not_waited_for(pd: dict):
                      extra_body={"kv_transfer_params": gone})  # fmt: skip
     assert got == ref
     assert metric(pd["consumer"], "tern:kv_pull_failures_total") == failures + 1
+
+
+def test_producers_and_consumers_at_dp2_behind_one_router(launch_server, tiny_llama_with_tokenizer):
+    """Two replicas on each side: the bootstrap answers for the replica that lent the blocks,
+    every consumer replica pulls; outputs equal one server's."""
+    model = str(tiny_llama_with_tokenizer)
+    producer = launch_server("--model", model, "--dp", "2", "--kv-transfer-config",
+                             kv_config("kv_producer", bootstrap_port=free_port()))  # fmt: skip
+    consumer = launch_server("--model", model, "--dp", "2", "--kv-transfer-config",
+                             kv_config("kv_consumer"))  # fmt: skip
+    router = PDRouter(
+        "vllm-router",
+        ["--vllm-pd-disaggregation", "--policy", "round_robin",
+         "--prefill", producer.base_url, "--decode", consumer.base_url],
+    )  # fmt: skip
+    try:
+        name = httpx.get(f"{producer.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        prompts = [prompt_ids(40 + 9 * i, salt=7) for i in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda p: completion(router.url, name, p, False), prompts))
+        assert got == [completion(producer.base_url, name, p, False) for p in prompts]
+        assert metric(consumer.base_url, "tern:kv_pulls_total") == 8
+        assert metric(producer.base_url, "tern:kv_leases_held") == 0
+    finally:
+        router.stop()
+
+
+def test_weight_updates_and_sleep_reach_both_roles_as_one(vllm_pd: Router, pd: dict,
+                                                          tiny_llama_perturbed: Path):  # fmt: skip
+    """TrainerClient over the producer and the consumer: one transaction; what the pair serves
+    afterwards is what one server with the new weights serves."""
+    from frontend.client.trainer import TrainerClient
+
+    prompt = prompt_ids(45, salt=3)
+    before = completion(vllm_pd.url, pd["model"], prompt, False)
+    client = TrainerClient([pd["producer"], pd["consumer"]])
+    client.update_weights_from_disk(str(tiny_llama_perturbed), weight_version="v1")
+    assert client.weight_versions() == ["v1", "v1"]
+    after = completion(vllm_pd.url, pd["model"], prompt, False)
+    assert after == completion(pd["producer"], pd["model"], prompt, False) != before
+    client.sleep(level=1)
+    client.wake_up()
+    assert completion(vllm_pd.url, pd["model"], prompt_ids(45, salt=4), False) == completion(
+        pd["producer"], pd["model"], prompt_ids(45, salt=4), False
+    )
