@@ -296,7 +296,7 @@ def _kv_transfer_families(family: Callable[..., Metric]) -> Iterator[Metric]:
                  lambda s, up: s.kv_pull_failures_total)  # fmt: skip
     yield family(C, "kv_pull_bytes", "Bytes of KV blocks pulled from producers.",
                  lambda s, up: s.kv_pull_bytes_total)  # fmt: skip
-    yield family(C, "prompt_tokens_computed",
+    yield family(C, "computed_prompt_tokens",
                  "Prompt tokens computed here (prefill; recomputation included): a consumer "
                  "computes what it did not pull.",
                  lambda s, up: s.num_prefill_tokens_total)  # fmt: skip

@@ -81,7 +81,7 @@ def consumer_counts(pd: dict) -> tuple[float, float]:
     """(prompt tokens pulled, prompt tokens computed) on the consumer so far."""
     url = pd["consumer"]
     return (metric(url, "tern:external_prefix_cache_hits_total"),
-            metric(url, "tern:prompt_tokens_computed_total"))  # fmt: skip
+            metric(url, "tern:computed_prompt_tokens_total"))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
