@@ -5,6 +5,7 @@ frontend's part) is played by a small ROUTER thread that answers from the produc
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -196,6 +197,33 @@ def test_tp2_pp2_pairs_move_each_ranks_share_and_other_layouts_are_refused(pair,
                 break
         else:
             raise AssertionError("no output for the mismatched request")
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_int8_kv_blocks_travel_with_their_scales(tiny_llama: Path):
+    """int8 KV (each row's scale beside it): a pulled prompt decodes as one int8 engine does."""
+    config = kv_config(tiny_llama, "kv_producer")
+    cache = dataclasses.replace(config.cache, kv_cache_dtype="int8")
+    producer = CoreClient(config.replace(cache=cache))
+    consumer_config = kv_config(tiny_llama, "kv_consumer")
+    consumer = CoreClient(consumer_config.replace(cache=cache))
+    try:
+        ready = producer.startup()
+        assert isinstance(ready, EngineReady) and ready.kv_layouts[0].dtype == "uint8"
+        assert isinstance(consumer.startup(), EngineReady)
+        bootstrap = Bootstrap(ready)
+        try:
+            prompt = [(11 * j + 3) % 400 + 1 for j in range(37)]
+            ref = producer.run({"plain": greedy("plain", prompt, 10)})["plain"]
+            block_ids = produce(producer, bootstrap, "int8", prompt)
+            req = greedy("c", prompt, 10)
+            req.kv_transfer = KVTransfer("consume", "int8", bootstrap.addr, block_ids)
+            assert consumer.run({"c": req})["c"] == ref
+            assert consumer.stats()["external_prefix_cache_hits"] == 32
+        finally:
+            bootstrap.close()
     finally:
         producer.close()
         consumer.close()
