@@ -31,6 +31,7 @@ import random
 import re
 import shutil
 import subprocess
+import signal
 import sys
 import time
 from pathlib import Path
@@ -323,6 +324,8 @@ def main() -> None:
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not taskset the servers")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args()
+    # SIGTERM (timeout, a CI runner) unwinds like Ctrl-C: every server and router is stopped.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(1))
     args.model = args.model or default_model_dir()
     bandwidth = memory_bandwidth_gb_s()
     plain = bench_plain(args)
