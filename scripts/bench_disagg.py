@@ -30,8 +30,8 @@ import os
 import random
 import re
 import shutil
-import subprocess
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
