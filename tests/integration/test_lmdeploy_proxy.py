@@ -117,6 +117,7 @@ def lmdeploy_proxy() -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     cmd = [exe, "serve", "proxy", "--server-name", "127.0.0.1", "--server-port", str(port)]
     cmd += ["--serving-strategy", "Hybrid", "--routing-strategy", "min_expected_latency"]
+    cmd += ["--disable-cache-status"]  # else it keeps its nodes in its package's proxy_config.json
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -133,8 +134,9 @@ def lmdeploy_proxy() -> Iterator[str]:
 
 
 def test_two_servers_behind_the_real_lmdeploy_proxy(
-    launch_server, lmdeploy_proxy: str, tiny_llama_with_tokenizer: Path
+    lmdeploy_proxy: str, launch_server, tiny_llama_with_tokenizer: Path
 ) -> None:
+    # lmdeploy_proxy first: its teardown runs last, so the servers can still leave it
     model = str(tiny_llama_with_tokenizer)
     servers = [
         launch_server(
@@ -164,6 +166,10 @@ def test_two_servers_behind_the_real_lmdeploy_proxy(
         )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["finish_reason"] == "length"
+    stream = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{lmdeploy_proxy}/v1/completions", json=stream, timeout=60) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 4
     assert servers[0].stop() == 0
     nodes = httpx.get(f"{lmdeploy_proxy}/nodes/status", timeout=10).json()
     assert list(nodes) == [servers[1].base_url]
