@@ -31,6 +31,7 @@ from frontend.cli.server import FrontendConfig, frontend_config_from_args
 from frontend.common.http_protocol import KeepAliveSafeHttpProtocol
 from frontend.common.metrics import Metrics
 from frontend.disagg.bootstrap import BootstrapServer, open_bootstrap
+from frontend.disagg.lmdeploy_proxy import LMDeployProxyRegistration, ProxyRegistrationError
 from frontend.disagg.requests import KVSide
 from frontend.engine.client import EngineClient, EngineStartupError
 from frontend.server.app import build_app
@@ -175,7 +176,37 @@ class Launcher:
         logger.info("serving %r at %s", serving.model_name, _url(host, port))
         for warning in access_warnings(self.frontend_config, host):
             logger.warning("%s", warning)
-        await self.server.serve(sockets=[sock])
+        proxy_url = self.frontend_config.proxy_url
+        if proxy_url is None:
+            await self.server.serve(sockets=[sock])
+            return 1 if self.engine.is_dead else 0
+        proxy = LMDeployProxyRegistration(proxy_url, _url(host, port), names)
+        return await self._serve_behind_proxy(sock, proxy)
+
+    async def _serve_behind_proxy(
+        self, sock: socket.socket, proxy: LMDeployProxyRegistration
+    ) -> int:
+        """Serves, registering with the LMDeploy proxy once uvicorn accepts connections (the
+        proxy may call back) and removing this server from it when serving ends."""
+        assert self.server is not None
+        serving = asyncio.create_task(self.server.serve(sockets=[sock]))
+        while not self.server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if not serving.done():
+            try:
+                await proxy.register()
+                logger.info("registered with LMDeploy proxy %s", proxy.proxy_url)
+            except ProxyRegistrationError as e:
+                logger.error("%s", e)
+                self.server.should_exit = True
+                await serving
+                return 1
+        try:
+            await serving
+        finally:
+            failure = await proxy.remove()
+            if failure is not None:
+                logger.warning("leaving the LMDeploy proxy: %s", failure)
         return 1 if self.engine.is_dead else 0
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:

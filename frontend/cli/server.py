@@ -43,6 +43,7 @@ class FrontendConfig:
     uvicorn_log_level: str = "warning"
     max_stored_responses: int = 1000  # /v1/responses kept for GET and previous_response_id
     media: MediaPolicy = field(default_factory=MediaPolicy)  # where request images may come from
+    proxy_url: str | None = None  # an LMDeploy proxy to register with (as a Hybrid node)
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -101,6 +102,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         choices=UVICORN_LOG_LEVELS,
         default="warning",
         help="uvicorn's log level (info and below also log each request)",
+    )
+    group.add_argument(
+        "--proxy-url",
+        help="LMDeploy proxy (`lmdeploy serve proxy`) to register this server with once it serves, "
+        "as LMDeploy's api_server --proxy-url does (a Hybrid node); removed again at shutdown",
     )
     _add_access_args(group)
     _add_limit_args(group)
@@ -188,7 +194,16 @@ def frontend_config_from_args(args: argparse.Namespace, config: Config) -> Front
         uvicorn_log_level=args.uvicorn_log_level,
         max_stored_responses=args.max_stored_responses,
         media=media_policy_from_args(args),
+        proxy_url=_proxy_url(args.proxy_url),
     )
+
+
+def _proxy_url(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if not value.startswith(("http://", "https://")):
+        raise ValueError(f"--proxy-url must be an http(s) URL, not {value!r}")
+    return value.rstrip("/")
 
 
 def _flag_or_env(value: str | None, env: str) -> str | None:
