@@ -77,6 +77,10 @@ def test_registers_as_lmdeploy_api_server_and_leaves_at_shutdown(
     #     data = {'url': context.api_server_url,
     #             'status': {'models': get_model_list(context), 'role': engine_role}}
     # with engine_role = EngineRole.Hybrid.value == 1 and api_server_url 'http://{host}:{port}'.
+    # NOTE: tern registers once uvicorn accepts connections, so /health may answer first.
+    deadline = time.monotonic() + 30
+    while not proxy.posts and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert proxy.posts == [
         ("/nodes/add", {"url": server.base_url, "status": {"models": ["tiny"], "role": 1}})
     ]
