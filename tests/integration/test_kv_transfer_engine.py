@@ -5,8 +5,10 @@ frontend's part) is played by a small ROUTER thread that answers from the produc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -157,6 +159,43 @@ def test_a_silent_producer_fails_the_request_with_a_clear_error(pair):
         silent.close(0)
 
 
+@contextlib.contextmanager
+def engine_pair(
+    model_dir: Path, **changes: object
+) -> Iterator[tuple[CoreClient, CoreClient, Bootstrap]]:
+    """A producer and a consumer with these Config changes, and the producer's bootstrap."""
+    producer = CoreClient(kv_config(model_dir, "kv_producer").replace(**changes))
+    consumer = CoreClient(
+        kv_config(model_dir, "kv_consumer", reply_timeout_s=5.0).replace(**changes)
+    )
+    try:
+        ready = producer.startup()
+        assert isinstance(ready, EngineReady), ready
+        assert isinstance(consumer.startup(), EngineReady)
+        bootstrap = Bootstrap(ready)
+        try:
+            yield producer, consumer, bootstrap
+        finally:
+            bootstrap.close()
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def consumed_as_one_engine(
+    producer: CoreClient, consumer: CoreClient, bootstrap: Bootstrap, prompt: list[int]
+) -> None:
+    """The consumer, from the producer's blocks, answers what the producer alone answers, and
+    pulled every whole block but the one holding the prompt's last token."""
+    ref = producer.run({"plain": greedy("plain", prompt, 10)})["plain"]
+    block_ids = produce(producer, bootstrap, "lease", prompt)
+    req = greedy("c", prompt, 10)
+    req.kv_transfer = KVTransfer("consume", "lease", bootstrap.addr, block_ids)
+    assert consumer.run({"c": req})["c"] == ref
+    pulled = (len(prompt) - 1) // BLOCK * BLOCK
+    assert consumer.stats()["external_prefix_cache_hits"] == pulled
+
+
 def test_tp2_pp2_pairs_move_each_ranks_share_and_other_layouts_are_refused(pair, tiny_llama: Path):
     """A tp 2 x pp 2 producer and consumer: every rank pulls its own heads of its own stage's
     layers from the producer's rank of the same index. A consumer laid out otherwise than its
@@ -165,25 +204,11 @@ def test_tp2_pp2_pairs_move_each_ranks_share_and_other_layouts_are_refused(pair,
 
     tp1_producer, _, tp1_bootstrap = pair
     parallel = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
-    producer = CoreClient(kv_config(tiny_llama, "kv_producer").replace(parallel=parallel))
-    consumer = CoreClient(
-        kv_config(tiny_llama, "kv_consumer", reply_timeout_s=5.0).replace(parallel=parallel)
-    )
-    try:
-        ready = producer.startup()
-        assert isinstance(ready, EngineReady) and len(ready.kv_endpoints) == 4
-        assert isinstance(consumer.startup(), EngineReady)
-        bootstrap = Bootstrap(ready)
-        try:
-            prompt = [(3 * j + 11) % 400 + 1 for j in range(50)]
-            ref = producer.run({"plain": greedy("plain", prompt, 10)})["plain"]
-            block_ids = produce(producer, bootstrap, "tp2", prompt)
-            req = greedy("c", prompt, 10)
-            req.kv_transfer = KVTransfer("consume", "tp2", bootstrap.addr, block_ids)
-            assert consumer.run({"c": req})["c"] == ref
-            assert consumer.stats()["external_prefix_cache_hits"] == 48
-        finally:
-            bootstrap.close()
+    with engine_pair(tiny_llama, parallel=parallel) as (producer, consumer, bootstrap):
+        assert len(bootstrap.ready.kv_endpoints) == 4
+        consumed_as_one_engine(
+            producer, consumer, bootstrap, [(3 * j + 11) % 400 + 1 for j in range(50)]
+        )
         other = [(5 * j + 1) % 400 + 1 for j in range(40)]
         produce(tp1_producer, tp1_bootstrap, "tp1", other)
         req = greedy("mismatch", other, 4)
@@ -197,33 +222,15 @@ def test_tp2_pp2_pairs_move_each_ranks_share_and_other_layouts_are_refused(pair,
                 break
         else:
             raise AssertionError("no output for the mismatched request")
-    finally:
-        producer.close()
-        consumer.close()
 
 
 def test_int8_kv_blocks_travel_with_their_scales(tiny_llama: Path):
     """int8 KV (each row's scale beside it): a pulled prompt decodes as one int8 engine does."""
-    config = kv_config(tiny_llama, "kv_producer")
-    cache = dataclasses.replace(config.cache, kv_cache_dtype="int8")
-    producer = CoreClient(config.replace(cache=cache))
-    consumer_config = kv_config(tiny_llama, "kv_consumer")
-    consumer = CoreClient(consumer_config.replace(cache=cache))
-    try:
-        ready = producer.startup()
-        assert isinstance(ready, EngineReady) and ready.kv_layouts[0].dtype == "uint8"
-        assert isinstance(consumer.startup(), EngineReady)
-        bootstrap = Bootstrap(ready)
-        try:
-            prompt = [(11 * j + 3) % 400 + 1 for j in range(37)]
-            ref = producer.run({"plain": greedy("plain", prompt, 10)})["plain"]
-            block_ids = produce(producer, bootstrap, "int8", prompt)
-            req = greedy("c", prompt, 10)
-            req.kv_transfer = KVTransfer("consume", "int8", bootstrap.addr, block_ids)
-            assert consumer.run({"c": req})["c"] == ref
-            assert consumer.stats()["external_prefix_cache_hits"] == 32
-        finally:
-            bootstrap.close()
-    finally:
-        producer.close()
-        consumer.close()
+    cache = dataclasses.replace(
+        config_for(tiny_llama, block_size=BLOCK).cache, kv_cache_dtype="int8"
+    )
+    with engine_pair(tiny_llama, cache=cache) as (producer, consumer, bootstrap):
+        assert bootstrap.ready.kv_layouts[0].dtype == "uint8"
+        consumed_as_one_engine(
+            producer, consumer, bootstrap, [(11 * j + 3) % 400 + 1 for j in range(37)]
+        )
