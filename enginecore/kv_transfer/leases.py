@@ -42,9 +42,16 @@ class KVLeases:
         return True
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Ends the leases whose time is up; returns their ids."""
+        """Ends the leases whose time is up; returns their ids. Called every step: it looks at
+        the oldest leases only (held in lending order, which is deadline order: one lease_s)."""
+        if not self._held:
+            return []
         now = time.monotonic() if now is None else now
-        ended = [lease_id for lease_id, (_, deadline) in self._held.items() if deadline <= now]
+        ended = []
+        for lease_id, (_, deadline) in self._held.items():
+            if deadline > now:
+                break
+            ended.append(lease_id)
         for lease_id in ended:
             self.release(lease_id)
         return ended

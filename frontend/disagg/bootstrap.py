@@ -76,8 +76,8 @@ class LeaseRegistry:
     def lend(self, lease_id: str, replica: int, block_ids: list[int], token_ids: list[int]) -> None:
         """A producing request finished: its blocks are lent under `lease_id`."""
         self._expire()
-        self._leases[lease_id] = Lease(
-            replica, list(block_ids), list(token_ids), self.clock() + self.lease_s
+        self._put(
+            lease_id, Lease(replica, list(block_ids), list(token_ids), self.clock() + self.lease_s)
         )
 
     def fail(self, lease_id: str, replica: int, error: str, release: bool = False) -> None:
@@ -89,7 +89,7 @@ class LeaseRegistry:
             return  # already lent: a late abort of a finished request changes nothing
         if release:
             self.release_kv(replica, [lease_id])
-        self._leases[lease_id] = Lease(replica, expires_at=self.clock() + self.lease_s, error=error)
+        self._put(lease_id, Lease(replica, expires_at=self.clock() + self.lease_s, error=error))
 
     def query(self, lease_id: str) -> LeaseReply:
         self._expire()
@@ -121,10 +121,21 @@ class LeaseRegistry:
             return self.query(request.lease_id)
         return self.release(request.lease_id)
 
+    def _put(self, lease_id: str, lease: Lease) -> None:
+        self._leases.pop(lease_id, None)  # a reused id goes to the end: deadline order holds
+        self._leases[lease_id] = lease
+
     def _expire(self) -> None:
         now = self.clock()
         # NOTE: the engine core frees an expired lease's blocks itself: forgetting is enough.
-        for lease_id in [i for i, lease in self._leases.items() if lease.expires_at <= now]:
+        # Entries are held in insertion order, which is deadline order (one lease_s; _put
+        # re-inserts a reused id at the end): only the oldest are looked at.
+        ended = []
+        for lease_id, lease in self._leases.items():
+            if lease.expires_at > now:
+                break
+            ended.append(lease_id)
+        for lease_id in ended:
             del self._leases[lease_id]
 
 
