@@ -125,6 +125,10 @@ class SchedulerConfig:
             raise ValueError("--max-num-batched-tokens must be positive")
 
 
+# Placement-group strategies of Ray (--ray-placement-strategy).
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Ranks are laid out TP-major: rank = pp_rank * tensor_parallel_size + tp_rank.
@@ -152,8 +156,18 @@ class ParallelConfig:
     # data_parallel_rank is the replica these settings are for (set per replica by the frontend).
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # --distributed-executor-backend: "mp" spawns the ranks as child processes of the engine core;
+    # "ray" places each rank as a Ray actor in a placement group (enginecore/ray_executor.py).
+    distributed_executor_backend: str = "mp"
+    ray_placement_strategy: str = "PACK"  # of the placement group the ray backend makes
+    ray_address: str | None = None  # None: $RAY_ADDRESS, a running local cluster, or a new one
+    # A placement group that exists already (a Ray Serve replica's, frontend/ray_serve/): its hex
+    # id, and the bundle each rank goes in (default 0..world_size-1). Not a flag.
+    ray_placement_group: str | None = None
+    ray_bundle_indices: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        self._check_executor_backend()
         if self.data_parallel_size < 1:
             raise ValueError("--data-parallel-size must be >= 1")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
@@ -182,6 +196,37 @@ class ParallelConfig:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"--dist-init-addr must be host:port, not {self.dist_init_addr!r}")
+
+    def _check_executor_backend(self) -> None:
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(
+                "--distributed-executor-backend must be mp or ray, not "
+                f"{self.distributed_executor_backend!r}"
+            )
+        if self.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"--ray-placement-strategy must be one of {', '.join(RAY_PLACEMENT_STRATEGIES)}"
+            )
+        if self.distributed_executor_backend == "mp":
+            given = [
+                flag
+                for flag, value in (
+                    ("--ray-address", self.ray_address),
+                    ("--ray-placement-strategy", self.ray_placement_strategy != "PACK" or None),
+                    ("a Ray placement group", self.ray_placement_group),
+                )
+                if value
+            ]
+            if given:
+                need = "need" if len(given) > 1 else "needs"
+                raise ValueError(f"{', '.join(given)} {need} --distributed-executor-backend ray")
+        elif self.ray_bundle_indices is not None and (
+            len(self.ray_bundle_indices) != self.world_size or self.ray_placement_group is None
+        ):
+            raise ValueError(
+                f"a placement group's bundle indices must name one bundle per rank "
+                f"({self.world_size}), of a given placement group"
+            )
 
     @property
     def world_size(self) -> int:

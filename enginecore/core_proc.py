@@ -57,6 +57,15 @@ LOG_INTERVAL_S = 5.0
 HEARTBEAT_INTERVAL_S = 1.0
 
 
+def make_executor(config: Config) -> MultiprocExecutor:
+    """The executor --distributed-executor-backend names (Ray is imported only for "ray")."""
+    if config.parallel.distributed_executor_backend == "ray":
+        from enginecore.ray_executor import RayExecutor
+
+        return RayExecutor(config)
+    return MultiprocExecutor(config)
+
+
 class EngineCoreProc:
     def __init__(self, config: Config, ctx: zmq.Context) -> None:
         self.config = config
@@ -84,7 +93,7 @@ class EngineCoreProc:
         self._stats_logger = StatsLogger()
 
     def start(self) -> None:
-        executor = MultiprocExecutor(self.config)
+        executor = make_executor(self.config)
         self.core = EngineCore(self.config, executor)
         self.control = EngineControl(self.core)
         block_size = self.config.cache.block_size

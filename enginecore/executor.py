@@ -182,6 +182,10 @@ class MultiprocExecutor(_ExecutorBase):
     stage, on the last node) for `ExecuteModel`; an error reply from any rank fails the engine.
     """
 
+    # Shutdown asks the workers to stop (they leave torch.distributed and exit) before it
+    # terminates them.
+    asks_workers_to_stop = True
+
     def __init__(self, config: Config) -> None:
         parallel = config.parallel
         if parallel.node_rank != 0:
@@ -203,18 +207,15 @@ class MultiprocExecutor(_ExecutorBase):
         self._ipc_dir = config.ipc_dir
         self._reply_file = self._reply_addr.removeprefix("ipc://")  # removed at shutdown
         self._replies.bind(self._reply_addr)
-        # With several nodes, everything other nodes reach listens on --dist-init-addr's host.
-        host = "127.0.0.1"
-        if parallel.nnodes > 1:
-            assert parallel.dist_init_addr is not None
-            host = socket.gethostbyname(parallel.dist_init_addr.rpartition(":")[0])
-        self._mq = MessageQueue(
-            n_reader=self.world_size,
-            n_local_reader=parallel.ranks_per_node,
-            connect_ip=host,
-            parent_dir=config.ipc_dir,
-        )
+        self._mq: MessageQueue | None = None
         try:
+            host, num_local_ranks = self._place_ranks(config)
+            self._mq = MessageQueue(
+                n_reader=self.world_size,
+                n_local_reader=num_local_ranks,
+                connect_ip=host,
+                parent_dir=config.ipc_dir,
+            )
             self.config = self._with_store(config, host)
             self._start_workers(self.config)
             driver = self._init_kv_cache(self.config)
@@ -223,6 +224,17 @@ class MultiprocExecutor(_ExecutorBase):
             self.shutdown()
             raise
         self._adopt_model(self.config, driver)
+
+    def _place_ranks(self, config: Config) -> tuple[str, int]:
+        """The host other nodes reach this one at, and how many ranks (the first ones) run on this
+        host and read the broadcast from shared memory."""
+        parallel = config.parallel
+        # With several nodes, everything other nodes reach listens on --dist-init-addr's host.
+        host = "127.0.0.1"
+        if parallel.nnodes > 1:
+            assert parallel.dist_init_addr is not None
+            host = socket.gethostbyname(parallel.dist_init_addr.rpartition(":")[0])
+        return host, parallel.ranks_per_node
 
     def _with_store(self, config: Config, host: str) -> Config:
         """The config with the workers' TCP store address (a free port here unless one node was
@@ -300,7 +312,7 @@ class MultiprocExecutor(_ExecutorBase):
                 raise WorkerDied(f"worker {proc.name} died (exit code {proc.exitcode})")
             # NOTE: a stopped worker (SIGSTOP) is alive but never answers: the step would wait
             # forever (at --tp 1 no collective times out), so it counts as dead after a grace.
-            if _is_stopped(proc.pid):
+            if proc.pid is not None and _is_stopped(proc.pid):
                 since = self._stopped_since.setdefault(proc.pid, now)
                 if now - since > STOPPED_WORKER_GRACE_S:
                     self._failed = True
@@ -314,6 +326,7 @@ class MultiprocExecutor(_ExecutorBase):
             raise WorkerDied(self._nodes.error)
 
     def _broadcast(self, call: WorkerCall) -> None:
+        assert self._mq is not None
         self._mq.enqueue(self._call_codec.encode(call))
 
     def _gather(self, typ: type, timeout: float | None, ranks: int | None = None) -> list:
@@ -358,9 +371,11 @@ class MultiprocExecutor(_ExecutorBase):
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        if not self._failed and all(p.is_alive() for p in self.procs):
+        mq = self._mq
+        asks = self.asks_workers_to_stop and not self._failed
+        if mq is not None and asks and all(p.is_alive() for p in self.procs):
             try:
-                self._mq.enqueue(self._call_codec.encode(Shutdown()), timeout=1.0)
+                mq.enqueue(self._call_codec.encode(Shutdown()), timeout=1.0)
                 deadline = time.monotonic() + 3.0
                 for proc in self.procs:
                     proc.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -378,7 +393,8 @@ class MultiprocExecutor(_ExecutorBase):
                 proc.join(timeout=1.0)
         if self._nodes is not None:
             self._nodes.close()  # tells the other nodes to stop their workers
-        self._mq.close()
+        if mq is not None:
+            mq.close()
         self._replies.close(linger=0)
         self._ctx.term()
         with contextlib.suppress(OSError):  # an in-process engine core's; a server's frontend

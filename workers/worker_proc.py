@@ -72,7 +72,9 @@ def num_threads(ranks_per_node: int) -> int:
     return max(1, (os.cpu_count() or 1) // ranks_per_node)
 
 
-def _build_runner(config: Config, rank: int, mq: MessageQueue) -> ModelRunner:
+def _build_runner(
+    config: Config, rank: int, mq: MessageQueue, device_index: int | None = None
+) -> ModelRunner:
     """Checks the split, joins the distributed world and loads this rank's shard of the model."""
     import torch
 
@@ -89,8 +91,10 @@ def _build_runner(config: Config, rank: int, mq: MessageQueue) -> ModelRunner:
     mq.wait_until_ready(timeout=config.startup_timeout_s)
     # Deterministic start-up errors come before the rendezvous, which would wait for dead peers.
     check_parallel_split(load_model_args(config.model.path), parallel)
-    device = default_device(parallel.first_device_index + rank)
-    if device.type == "cuda":
+    # NOTE: a Ray actor sees only the GPU Ray gave it (device_index 0).
+    placed = device_index is not None
+    device = default_device(device_index if placed else parallel.first_device_index + rank)
+    if device.type == "cuda" and not placed:
         if torch.cuda.device_count() < parallel.num_local_workers:
             raise ValueError(
                 f"dp x tp x pp = {parallel.num_local_workers} workers need as many GPUs on "
@@ -210,8 +214,11 @@ def _serve_calls(
     return 0
 
 
-def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) -> None:
-    """Process entry point (spawned by MultiprocExecutor, or by a node's worker launcher)."""
+def run_worker(
+    config: Config, rank: int, mq_handle: Handle, reply_addr: str, device_index: int | None = None
+) -> None:
+    """Process entry point (spawned by MultiprocExecutor, by a node's worker launcher, or run in
+    a Ray actor by RayExecutor, which gives the device index of the one GPU the actor sees)."""
     parallel = config.parallel
     name = (
         f"worker{parallel.data_parallel_rank}.{rank}"
@@ -239,7 +246,7 @@ def run_worker(config: Config, rank: int, mq_handle: Handle, reply_addr: str) ->
     exit_code = 0
     lender = None
     try:
-        runner = _build_runner(config, rank, mq)
+        runner = _build_runner(config, rank, mq, device_index)
         lender = start_lender(config, runner)
         ready = ready_report(runner, rank, runner.num_kv_blocks_for_memory(), lender)
         replies.send(reply_codec.encode(ready))

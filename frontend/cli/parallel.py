@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from enginecore.config import ParallelConfig
+from enginecore.config import RAY_PLACEMENT_STRATEGIES, ParallelConfig
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +42,29 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="seconds after which a stuck collective fails (default: 60, or TERN_DIST_TIMEOUT)",
     )
     _add_node_args(group)
+    _add_ray_args(group)
+
+
+def _add_ray_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray"],
+        default="mp",
+        help="mp: the ranks are child processes of the engine core; ray: each rank is a Ray "
+        "actor in a placement group, on any node of a Ray cluster (docs/ray.md)",
+    )
+    group.add_argument(
+        "--ray-placement-strategy",
+        choices=list(RAY_PLACEMENT_STRATEGIES),
+        default="PACK",
+        help="how the ray backend's placement group lays the ranks out over nodes",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster to join (default: $RAY_ADDRESS, a cluster running on this host, "
+        "else a new local one)",
+    )
 
 
 def _add_node_args(group: argparse._ArgumentGroup) -> None:
@@ -58,6 +81,11 @@ def _add_node_args(group: argparse._ArgumentGroup) -> None:
 
 
 def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
+    if args.distributed_executor_backend == "ray" and args.nnodes > 1:
+        raise ValueError(
+            "Ray places the nodes' ranks itself: use --distributed-executor-backend ray "
+            "without --nnodes"
+        )
     timeout = (
         {}
         if args.distributed_timeout is None
@@ -72,5 +100,8 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         dist_init_addr=args.dist_init_addr,
+        distributed_executor_backend=args.distributed_executor_backend,
+        ray_placement_strategy=args.ray_placement_strategy,
+        ray_address=args.ray_address,
         **timeout,
     )

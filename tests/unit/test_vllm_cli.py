@@ -118,3 +118,44 @@ def test_kv_cache_dtype_and_lmdeploys_quant_policy(model_dir: Path) -> None:
         dtype("--kv-cache-dtype", "fp8")
     with pytest.raises(ValueError, match="disagree"):
         dtype("--quant-policy", "0", "--kv-cache-dtype", "int8")
+
+
+def test_distributed_executor_backend(model_dir: Path) -> None:
+    parallel = config_from_args(parse("serve", str(model_dir))).parallel
+    assert parallel.distributed_executor_backend == "mp"
+    ray = config_from_args(
+        parse(
+            "serve",
+            str(model_dir),
+            "-tp",
+            "2",
+            "--distributed-executor-backend",
+            "ray",
+            "--ray-placement-strategy",
+            "SPREAD",
+            "--ray-address",
+            "10.0.0.1:6379",
+        )  # fmt: skip
+    ).parallel
+    assert (ray.distributed_executor_backend, ray.ray_placement_strategy, ray.ray_address) == (
+        "ray",
+        "SPREAD",
+        "10.0.0.1:6379",
+    )
+    with pytest.raises(ValueError, match="--ray-address needs --distributed-executor-backend ray"):
+        config_from_args(parse("serve", str(model_dir), "--ray-address", "auto"))
+    with pytest.raises(ValueError, match="Ray places the nodes' ranks itself"):
+        config_from_args(
+            parse(
+                "serve",
+                str(model_dir),
+                "--distributed-executor-backend",
+                "ray",
+                "--nnodes",
+                "2",
+                "--dist-init-addr",
+                "10.0.0.1:5000",
+            )  # fmt: skip
+        )
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        parse("serve", str(model_dir), "--distributed-executor-backend", "mpi")
