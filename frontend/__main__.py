@@ -25,18 +25,14 @@ import uvicorn
 import uvloop
 
 from enginecore.config import Config
-from enginecore.model_task import read_model_task
 from frontend.cli.launch import config_from_args, make_parser
 from frontend.cli.server import FrontendConfig, frontend_config_from_args
 from frontend.common.http_protocol import KeepAliveSafeHttpProtocol
-from frontend.common.metrics import Metrics
 from frontend.disagg.bootstrap import BootstrapServer, open_bootstrap
 from frontend.disagg.lmdeploy_proxy import LMDeployProxyRegistration, ProxyRegistrationError
-from frontend.disagg.requests import KVSide
 from frontend.engine.client import EngineClient, EngineStartupError
-from frontend.server.app import build_app
 from frontend.server.middleware import access_warnings
-from frontend.serving.base import OpenAIServing
+from frontend.server.startup import load_tokenizer, start_serving
 
 if TYPE_CHECKING:
     from frontend.text.tokenizer import Tokenizer
@@ -106,13 +102,8 @@ class Launcher:
             logger.info("tern stopped")
 
     async def _run(self) -> int:
-        from frontend.text.tokenizer import Tokenizer  # noqa: F811 (imports transformers: seconds)
-
         config = self.config
-        tokenizer = Tokenizer(config.model.path, self.frontend_config.chat_template)
-        tokenizer.generation_defaults = generation_defaults(
-            self.frontend_config.generation_config, tokenizer.generation_defaults
-        )
+        tokenizer = load_tokenizer(config, self.frontend_config)
         sock = _listen(config.server.host, config.server.port)
         try:
             return await self._serve(sock, tokenizer)
@@ -128,36 +119,8 @@ class Launcher:
                 kv.lease_s, config.server.host, kv.bootstrap_port,
                 self.engine.release_kv, self.engine.replica_ready,
             )  # fmt: skip
-        ready = await self.engine.start()
-        logger.info("model: %s", ready.model_summary)
-        logger.info(
-            "KV cache: %d blocks x %d = %d tokens; max_model_len %d",
-            ready.num_kv_blocks,
-            ready.block_size,
-            ready.num_kv_blocks * ready.block_size,
-            ready.max_model_len,
-        )
-        names = self.frontend_config.served_model_names
-        engine = self.engine
-        metrics = Metrics(names[0], lambda: engine.latest_stats)
-        serving = OpenAIServing(
-            engine, tokenizer, names, ready.max_model_len, ready.vocab_size, metrics,
-            records_routing=config.model.enable_return_routed_experts,
-        )  # fmt: skip
-        serving.kv = KVSide(kv, config.instance_id, config.parallel.tensor_parallel_size)
+        app, serving = await start_serving(config, self.frontend_config, self.engine, tokenizer)
         serving.leases = leases
-        if kv.enabled:
-            logger.info(
-                "KV transfer: %s (%s), bootstrap at %s:%d",
-                kv.role, kv.connector, kv.bootstrap_host, kv.bootstrap_port,
-            )  # fmt: skip
-        if read_model_task(config.model.path, config.model.task).takes_images:
-            from frontend.media.processing import ImageProcessor
-            from frontend.media.prompts import ImagePrompts
-
-            processor = ImageProcessor(config.model.path)
-            serving.images = ImagePrompts(processor, self.frontend_config.media)
-        app = build_app(config, self.frontend_config, engine, serving)
         uv_config = uvicorn.Config(
             app,
             loop="uvloop",
@@ -180,6 +143,7 @@ class Launcher:
         if proxy_url is None:
             await self.server.serve(sockets=[sock])
             return 1 if self.engine.is_dead else 0
+        names = self.frontend_config.served_model_names
         proxy = LMDeployProxyRegistration(proxy_url, _url(host, port), names)
         return await self._serve_behind_proxy(sock, proxy)
 
@@ -240,24 +204,6 @@ class Server(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._on_shutdown()
         await super().shutdown(sockets=sockets)
-
-
-def generation_defaults(option: str, model_defaults: dict[str, Any]) -> dict[str, Any]:
-    """--generation-config, as vLLM: 'auto' keeps the model's generation_config.json defaults,
-    'vllm' drops them (the API's defaults apply), a folder's generation_config.json replaces them.
-    EOS ids always come from the model's files."""
-    if option == "auto":
-        return model_defaults
-    if option == "vllm":
-        return {}
-    import json
-    from pathlib import Path
-
-    from frontend.text.tokenizer import GENERATION_DEFAULT_KEYS
-
-    with open(Path(option) / "generation_config.json") as f:
-        config = json.load(f)
-    return {k: config[k] for k in GENERATION_DEFAULT_KEYS if config.get(k) is not None}
 
 
 def _listen(host: str, port: int) -> socket.socket:

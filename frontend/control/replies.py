@@ -80,3 +80,9 @@ class IsSleepingReply(msgspec.Struct):
     """GET /is_sleeping."""
 
     is_sleeping: bool
+
+
+class IsPausedReply(msgspec.Struct):
+    """GET /is_paused (vLLM's): whether generation is paused (pause_generation)."""
+
+    is_paused: bool

@@ -32,7 +32,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from enginecore.messages import EngineControlOp, GetControlState
 from frontend.common.errors import APIError, bad_request, engine_dead_error
 from frontend.common.http import json_response, send_error
-from frontend.control.replies import ControlState, IsSleepingReply, WeightVersionReply
+from frontend.control.replies import (
+    ControlState,
+    IsPausedReply,
+    IsSleepingReply,
+    WeightVersionReply,
+)
 from frontend.control.routes import ControlRoute
 from frontend.engine.client import EngineClient, EngineDeadError, UtilityError
 from frontend.serving.base import OpenAIServing
@@ -133,6 +138,10 @@ class ControlServing:
     async def is_sleeping(self, request: Request) -> Response:
         await self._refresh()
         return json_response(IsSleepingReply(self.state.is_sleeping))
+
+    async def is_paused(self, request: Request) -> Response:
+        await self._refresh()
+        return json_response(IsPausedReply(self.state.paused is not None))
 
 
 class GenerationGate:

@@ -183,6 +183,8 @@ ROUTES: tuple[RouteSpec, ...] = (
               "The weights' version", _CONTROL),
     RouteSpec("/is_sleeping", _GET, lambda h: h.control.is_sleeping, "Whether the server sleeps",
               _CONTROL),
+    RouteSpec("/is_paused", _GET, lambda h: h.control.is_paused,
+              "Whether generation is paused", _CONTROL),
     RouteSpec("/get_model_info", _GET, lambda h: h.info.get_model_info,
               "The model (SGLang's names)", _CONTROL),
     RouteSpec("/get_server_info", _GET, lambda h: h.info.get_server_info,

@@ -10,9 +10,9 @@ import psutil
 import pytest
 
 from enginecore.config import Config, ModelConfig
-from frontend.__main__ import generation_defaults
 from frontend.cli.launch import config_from_args, make_parser
 from frontend.cli.server import frontend_config_from_args
+from frontend.server.startup import generation_defaults
 
 CONFIG = Config(model=ModelConfig(path="/m", served_model_name="default-name"))
 
