@@ -15,9 +15,11 @@ through TrainerClient. Two faces over it:
   (verl/workers/rollout/vllm_rollout/vllm_async_server.py): update_weights(weights) from a
   generator of (name, tensor), release() (sleep), resume(tags), abort_all_requests(),
   resume_generation(), generate(prompt_ids, sampling_params, request_id). verl 0.9.1 pins
-  transformers<5.11 and its replica module imports its single controller, so this is not a
-  RolloutReplica subclass registered in RolloutReplicaRegistry: it follows the documented
-  interface only.
+  transformers<5.11, so it is not in tern's test extra and this is not (yet) a RolloutReplica
+  subclass registered with `RolloutReplicaRegistry.register("tern", loader)`: it follows the
+  documented interface. (`verl.workers.rollout.replica` does import beside transformers 5.24 with
+  `pip install --no-deps verl==0.9.1 "tensordict>=0.8,<=0.10" pyvers` plus omegaconf,
+  antlr4-python3-runtime==4.9.3, codetiming and cloudpickle, tried in a throwaway venv.)
 """
 
 from __future__ import annotations
