@@ -40,7 +40,8 @@ class TernRolloutServer:
     """Launches a tern server (`args`: `tern launch` flags) and stops it, with its children."""
 
     def __init__(self, args: Sequence[str], ready_timeout: float = 300.0) -> None:
-        self.server = LaunchedServer(list(args))
+        # The server gets SIGKILL when its parent dies, so a killed Ray actor leaves no server.
+        self.server = LaunchedServer(list(args), wrapper=("setpriv", "--pdeathsig", "KILL"))
         try:
             self.server.wait_ready(timeout=ready_timeout)
         except BaseException:

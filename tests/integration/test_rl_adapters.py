@@ -95,10 +95,9 @@ def test_openrlhf_actor_weight_broadcast(
         assert generate() == perturbed
         with pytest.raises(ray.exceptions.RayTaskError, match="unsupported sampling"):
             ray.get(actor.generate.remote(PROMPTS[0], {"best_of": 2}), timeout=60)
-        ray.get(actor.shutdown.remote(), timeout=60)
     finally:
-        ray.kill(actor)
-    assert pids and gone(pids) == []
+        ray.kill(actor)  # no shutdown(): the server goes with the actor's process
+    assert pids and gone(pids, timeout=30) == []
 
 
 def test_verl_adapter_update_from_generator_and_release(
