@@ -36,7 +36,7 @@ import threading
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -70,13 +70,18 @@ class MultiServerError(RuntimeError):
         self.errors = errors
 
 
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
 def buckets(
-    state_dict: Mapping[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    state_dict: NamedTensors, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Consecutive groups of tensors of at most bucket_bytes each (a bigger tensor goes alone)."""
+    """Consecutive groups of tensors of at most bucket_bytes each (a bigger tensor goes alone).
+    `state_dict` may be a generator of (name, tensor) (verl's): it is read as the buckets go."""
     bucket: dict[str, torch.Tensor] = {}
     size = 0
-    for name, tensor in state_dict.items():
+    items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+    for name, tensor in items:
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
@@ -248,19 +253,19 @@ class TrainerClient:
 
     def update_weights_from_tensors(
         self,
-        state_dict: Mapping[str, torch.Tensor],
+        state_dict: NamedTensors,
         load_format: str = "safetensors",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         weight_version: str | None = None,
     ) -> dict[str, Any]:
-        """Sends the tensors in buckets; "shm" writes them to /dev/shm for a server on this host."""
+        """Sends the tensors in buckets; "shm" writes them to /dev/shm for a server on this host.
+        A generator of (name, tensor) is read one bucket at a time."""
         if load_format not in ("safetensors", "shm"):
             raise ValueError("load_format must be 'safetensors' or 'shm'")
-        parts = list(buckets(state_dict, bucket_bytes))
-        if not parts:
-            raise ValueError("the state dict is empty")
         is_open: set[str] = set()  # servers holding an uncommitted update
-        for part in parts:
+        sent = 0
+        for part in buckets(state_dict, bucket_bytes):
+            sent += 1
             tensors = {k: v.detach().contiguous().cpu() for k, v in part.items()}
             path = None
             if load_format == "shm":
@@ -275,6 +280,8 @@ class TrainerClient:
             finally:
                 if path is not None:
                     os.unlink(path)  # the servers have loaded it (or failed): the file is done
+        if not sent:
+            raise ValueError("the state dict is empty")
         return self._commit(weight_version)
 
     def init_weights_update_group(

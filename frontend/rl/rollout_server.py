@@ -59,12 +59,17 @@ class TernRolloutServer:
         self.server.record_descendants()
         return [self.server.proc.pid, *self.server.descendants]
 
-    def complete(self, prompt_token_ids: list[int], sampling_params: dict[str, Any]) -> dict:
+    def complete(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str | None = None,
+    ) -> dict:
         unknown = set(sampling_params) - set(SAMPLING_FIELDS)
         if unknown:
             raise ValueError(f"unsupported sampling params: {sorted(unknown)}")
         body = {"model": self.model, "prompt": list(prompt_token_ids), "return_token_ids": True,
-                **sampling_params}  # fmt: skip
+                "request_id": request_id, **sampling_params}  # fmt: skip
         r = httpx.post(f"{self.base_url}/v1/completions", json=body, timeout=self.client.timeout)
         if r.status_code != 200:
             raise RuntimeError(f"generate failed ({r.status_code}): {r.text}")
@@ -123,8 +128,9 @@ class VerlRolloutServer(TernRolloutServer):
     def update_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ) -> dict[str, Any]:
-        """Loads (name, tensor) pairs from a generator, sent in buckets; one commit at the end."""
-        return self.client.update_weights_from_tensors(dict(weights), bucket_bytes=bucket_bytes)
+        """Loads (name, tensor) pairs from a generator, read and sent a bucket at a time; one
+        commit at the end (a failure leaves the old weights)."""
+        return self.client.update_weights_from_tensors(weights, bucket_bytes=bucket_bytes)
 
     def release(self, level: int = 2) -> None:
         """Sleeps: level 2 (verl's default for a hybrid engine) also drops the weights, so a
@@ -134,11 +140,15 @@ class VerlRolloutServer(TernRolloutServer):
     def resume(self, tags: list[str]) -> None:
         self.client.wake_up(list(tags))
 
-    def abort_all_requests(self) -> None:
-        self.client.pause(mode="abort")
+    def abort_all_requests(self) -> dict[str, Any]:
+        """Aborts what is in flight (each ends with finish_reason "abort") and holds new requests
+        until resume_generation: verl's {"aborted_count", "request_ids"}."""
+        aborted = self.client.post("/abort_request", {"abort_all": True})["aborted"]
+        self.client.pause(mode="abort")  # and whatever arrived in between
+        return {"aborted_count": len(aborted), "request_ids": aborted}
 
     def resume_generation(self) -> None:
         self.client.resume()
 
     def generate(self, prompt_ids, sampling_params, request_id=None) -> dict:
-        return self.complete(prompt_ids, dict(sampling_params))
+        return self.complete(prompt_ids, dict(sampling_params), request_id)

@@ -7,6 +7,8 @@ checkpoint the server was updated to."""
 from __future__ import annotations
 
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +126,20 @@ def test_verl_adapter_update_from_generator_and_release(
         server.resume(["kv_cache"])
         assert generate() == original
 
-        server.abort_all_requests()
+        # A long request in flight is aborted (and says so); generation then waits for resume.
+        with ThreadPoolExecutor(1) as pool:
+            long = pool.submit(
+                server.generate, PROMPTS[0], {"max_tokens": 1500, "ignore_eos": True}, "long-1"
+            )
+            deadline = time.monotonic() + 60
+            aborted = {"aborted_count": 0}
+            while not aborted["aborted_count"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+                aborted = server.abort_all_requests()
+                if not aborted["aborted_count"]:
+                    server.resume_generation()
+            assert aborted["aborted_count"] == 1, aborted
+            assert long.result(timeout=60)["finish_reason"] == "abort"
         server.resume_generation()
         assert generate() == original
     finally:
