@@ -18,11 +18,17 @@ import httpx
 import openai
 import psutil
 import pytest
+from safetensors.torch import load_file
+
+from enginecore.executor import free_port
+from frontend.client.trainer import TrainerClient
+from tests.unit.test_engine_inproc import hf_greedy
 
 ray = pytest.importorskip("ray")  # in the test extra: present wherever scripts/test runs
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors, list_jobs, list_placement_groups  # noqa: E402
 
+PROMPT_IDS = [101, 2024, 318, 257]
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
 
 
@@ -168,3 +174,29 @@ def test_a_killed_engine_core_takes_its_actors_and_group_along(
     assert wait_until_gone() == ([], [])
     with contextlib.suppress(psutil.Error):
         core.wait(5)
+
+
+def test_a_trainer_group_update_reaches_ranks_placed_by_ray(
+    cluster: Cluster, launch_server: Any, model: Path, tiny_llama_perturbed: Path
+) -> None:
+    """TrainerClient's process-group path: the Ray actors join the trainer's group as worker
+    processes do, and the output becomes Hugging Face's on the new weights."""
+    server = launch_server(*_args(model, cluster, "--tp", "2"))
+    client = TrainerClient(server.base_url)
+    client.init_weights_update_group("127.0.0.1", free_port(), tern_world_size=2)
+    try:
+        client.update_weights_from_distributed(
+            load_file(next(tiny_llama_perturbed.glob("*.safetensors")))
+        )
+    finally:
+        client.destroy_weights_update_group()
+    r = httpx.post(
+        f"{server.base_url}/v1/completions",
+        json={"model": str(model), "prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0,
+              "ignore_eos": True, "return_token_ids": True},
+        timeout=60,
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert (
+        r.json()["choices"][0]["token_ids"] == hf_greedy(tiny_llama_perturbed, [PROMPT_IDS], 8)[0]
+    )

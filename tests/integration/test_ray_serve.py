@@ -13,8 +13,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from safetensors.torch import load_file
 
 from enginecore.executor import free_port
+from frontend.client.trainer import TrainerClient
+from tests.unit.test_engine_inproc import hf_greedy
 
 ray = pytest.importorskip("ray")  # in the test extra: present wherever scripts/test runs
 from ray import serve  # noqa: E402
@@ -23,6 +26,7 @@ from frontend.ray_serve.builders import build_dev_openai_app  # noqa: E402
 
 MODEL_ID = "tiny-on-serve"
 PROMPT = "The capital of France is"
+PROMPT_IDS = [101, 2024, 318, 257]
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
 
 
@@ -121,6 +125,30 @@ def test_a_replica_answers_as_tern_does_with_its_ranks_in_its_bundles(
     assert len(workers) == 1, workers
     free = ray.available_resources()
     assert free.get(f"CPU_group_0_{group_id}", 0.0) == 0.0 and free["CPU"] == 2.0, free
+
+
+def test_a_trainer_updates_a_replicas_weights_through_serve(
+    serve_url: str, model: Path, tiny_llama_perturbed: Path
+) -> None:
+    """TrainerClient's tensor path through Serve's proxy (one replica: with several, each update
+    reaches the one replica Serve picks; docs/ray.md)."""
+    _deploy(model, 1)
+    client = TrainerClient(serve_url)
+    perturbed = load_file(next(tiny_llama_perturbed.glob("*.safetensors")))
+    original = load_file(next(model.glob("*.safetensors")))
+    client.update_weights_from_tensors(perturbed, weight_version="perturbed")
+    try:
+        assert client.weight_version() == "perturbed"
+        r = httpx.post(
+            f"{serve_url}/v1/completions",
+            json={"model": MODEL_ID, "prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0,
+                  "ignore_eos": True, "return_token_ids": True},
+            timeout=60,
+        )  # fmt: skip
+        expected = hf_greedy(tiny_llama_perturbed, [PROMPT_IDS], 8)[0]
+        assert r.json()["choices"][0]["token_ids"] == expected, r.text
+    finally:
+        client.update_weights_from_tensors(original, weight_version="original")
 
 
 def _every_replica(method: str) -> list[Any]:
