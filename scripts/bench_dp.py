@@ -144,6 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # What bench_serving.run reads, fixed here: streaming completions, all at once.
     args.endpoint, args.structured, args.regex = "completions", None, None
     args.request_rate, args.timeout = float("inf"), 1800.0
+    args.temperature, args.top_p = 0.0, None  # greedy
     return args
 
 
