@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import tokenizers
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -90,36 +89,13 @@ def print_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    argv = sys.argv[1:] if argv is None else argv
-    launch_args: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, launch_args = argv[:i], argv[i + 1 :]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=None, help="default: the default model")
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--result-file", type=Path, default=None)
-    args = p.parse_args(argv)
-    args.launch_args = launch_args
-    # What bench_serving.run reads, fixed here: streaming completions, all at once.
-    args.endpoint, args.structured, args.regex = "completions", None, None
-    args.request_rate, args.timeout = float("inf"), 1800.0
-    args.temperature, args.top_p = 0.0, None  # greedy
-    return args
+    return bench_serving.parse_launching_args(p, argv, num_prompts=64, output_len=64)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tok_dir = args.model if args.model and (args.model / "tokenizer.json").is_file() else None
-    tok_dir = tok_dir or bench_serving.default_tokenizer_dir()
-    tok = tokenizers.Tokenizer.from_file(str(Path(tok_dir) / "tokenizer.json"))
-    prompts = bench_serving.random_prompts(tok, args.num_prompts, args.input_len, args.seed)
+    _, prompts = bench_serving.launching_prompts(args)
     results = [bench_one(args, backend, prompts) for backend in ("mp", "ray")]
     print_table(results, args)
     if args.result_file is not None:

@@ -250,6 +250,45 @@ async def run(args: argparse.Namespace, model: str, prompts: list[tuple[str, int
     return summarize(args, model, results, duration)
 
 
+def parse_launching_args(
+    p: argparse.ArgumentParser, argv: list[str] | None, num_prompts: int, output_len: int
+) -> argparse.Namespace:
+    """For scripts that launch tern and load it with run(): the load's flags added to `p`, the
+    `tern launch` flags after `--` (args.launch_args), and what run() reads fixed: streaming
+    greedy completions, all sent at once."""
+    argv = sys.argv[1:] if argv is None else argv
+    launch_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, launch_args = argv[:i], argv[i + 1 :]
+    p.add_argument("--model", type=Path, default=None, help="default: the default model")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=output_len)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--result-file", type=Path, default=None)
+    args = p.parse_args(argv)
+    args.launch_args = launch_args
+    args.endpoint, args.structured, args.regex = "completions", None, None
+    args.request_rate, args.timeout = float("inf"), 1800.0
+    args.temperature, args.top_p = 0.0, None
+    return args
+
+
+def launching_prompts(
+    args: argparse.Namespace,
+) -> tuple[tokenizers.Tokenizer, list[tuple[str, int]]]:
+    """The tokenizer (the --model's, else the default model's) and the random prompts of a
+    launching script's load."""
+    tok_dir = args.model if args.model and (args.model / "tokenizer.json").is_file() else None
+    tok_dir = tok_dir or default_tokenizer_dir()
+    tok = tokenizers.Tokenizer.from_file(str(Path(tok_dir) / "tokenizer.json"))
+    return tok, random_prompts(tok, args.num_prompts, args.input_len, args.seed)
+
+
 def _stats_ms(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
