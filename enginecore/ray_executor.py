@@ -79,12 +79,14 @@ class RankActor:
         self.kill()
 
     def kill(self) -> None:
-        import ray
+        _kill(self.actor)
 
-        try:
-            ray.kill(self.actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - gone already
-            pass
+
+def _kill(actor: Any) -> None:
+    import ray
+
+    with contextlib.suppress(Exception):  # gone already
+        ray.kill(actor, no_restart=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,8 +240,8 @@ class RayExecutor(MultiprocExecutor):
                     ),
                 ).remote()
             )
-        wheres = ray.get(
-            [actor.where.remote() for actor in self._actors], timeout=config.startup_timeout_s
+        pids = ray.get(
+            [actor.pid.remote() for actor in self._actors], timeout=config.startup_timeout_s
         )
         for rank, (actor, host) in enumerate(zip(self._actors, placement.host_of)):
             # The workers' node layout: a host is a node (thread counts, shared-memory collectives).
@@ -251,28 +253,23 @@ class RayExecutor(MultiprocExecutor):
             local = host == placement.engine_host
             reply_addr = self._reply_addr if local else self._remote_reply_addr
             run_ref = actor.run.remote(node_config, rank, self._mq.export_handle(), reply_addr)
-            pid = wheres[rank]["pid"] if local else None
-            self.procs.append(RankActor(f"{names[rank]} (Ray actor)", actor, run_ref, pid))
+            name = f"{names[rank]} (Ray actor)"
+            self.procs.append(RankActor(name, actor, run_ref, pids[rank] if local else None))
         self._mq.wait_until_ready(timeout=config.startup_timeout_s)
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", False):
             return
         # The actors are killed (Ray's way to end an actor: an exit of its own reads as a crash
-        # in Ray's logs), then the rest is MultiprocExecutor's.
-        for proc in self.procs:
-            proc.kill()
+        # in Ray's logs), those whose run never started too; the rest is MultiprocExecutor's.
+        for actor in self._actors:
+            _kill(actor)
         super().shutdown()
         if not self._ray_connected:
             return
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for actor in self._actors:  # those whose run never started
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - gone already
-                pass
         if self._owns_placement_group and self._placement_group is not None:
             try:
                 remove_placement_group(self._placement_group)

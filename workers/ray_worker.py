@@ -18,16 +18,9 @@ from enginecore.shm_broadcast import Handle
 class RayWorker:
     """Decorated with ray.remote by the executor (this module imports no Ray)."""
 
-    def where(self) -> dict[str, object]:
-        """The node, process and GPUs Ray gave this actor."""
-        import ray
-
-        return {
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "node_ip": ray.util.get_node_ip_address(),
-            "pid": os.getpid(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-        }
+    def pid(self) -> int:
+        """This actor's process: the engine core watches it when it runs on the same host."""
+        return os.getpid()
 
     def run(self, config: Config, rank: int, mq_handle: Handle, reply_addr: str) -> None:
         import ray

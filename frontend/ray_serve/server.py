@@ -51,7 +51,8 @@ class TernServer:
         self._llm_config = TernLLMConfig.of(llm_config)
         self._dev = dev
         self.engine: EngineClient | None = None
-        self._app: ASGIApp | None = None
+        self._app: ASGIApp | None = None  # with the dev routes when dev
+        self._tern_app: ASGIApp | None = None
         self._ipc_dir: str | None = None
         await self.start()
 
@@ -71,13 +72,12 @@ class TernServer:
         self._api_key = frontend.api_key or frontend.admin_api_key
         tokenizer = await asyncio.to_thread(load_tokenizer, config, frontend)
         self.engine = EngineClient(config)
-        app, _ = await start_serving(config, frontend, self.engine, tokenizer)
-        self._app = app
+        self._tern_app, _ = await start_serving(config, frontend, self.engine, tokenizer)
+        self._app = self._tern_app
         if self._dev:
             from frontend.ray_serve.dev_routes import with_dev_routes
 
-            self._app = with_dev_routes(app, self._llm_config.model_id)
-        self._tern_app = app
+            self._app = with_dev_routes(self._tern_app, self._llm_config.model_id)
 
     async def __serve_build_asgi_app__(self) -> ASGIApp:
         assert self._app is not None
