@@ -10,16 +10,13 @@ through TrainerClient. Two faces over it:
   wake_up(tags=None), generate(prompt_token_ids, sampling_params). Wrap it with `ray.remote`.
   OpenRLHF itself needs vLLM and deepspeed (GPU wheels), so it is not installed here: this class
   follows its documented interface, with `sampling_params` as a dict of vLLM SamplingParams
-  fields (max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos).
+  fields (max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, repetition_penalty,
+  logprobs).
 - `VerlRolloutServer`: the server-adapter methods of verl's vLLM/SGLang async servers
   (verl/workers/rollout/vllm_rollout/vllm_async_server.py): update_weights(weights) from a
   generator of (name, tensor), release() (sleep), resume(tags), abort_all_requests(),
-  resume_generation(), generate(prompt_ids, sampling_params, request_id). verl 0.9.1 pins
-  transformers<5.11, so it is not in tern's test extra and this is not (yet) a RolloutReplica
-  subclass registered with `RolloutReplicaRegistry.register("tern", loader)`: it follows the
-  documented interface. (`verl.workers.rollout.replica` does import beside transformers 5.24 with
-  `pip install --no-deps verl==0.9.1 "tensordict>=0.8,<=0.10" pyvers` plus omegaconf,
-  antlr4-python3-runtime==4.9.3, codetiming and cloudpickle, tried in a throwaway venv.)
+  resume_generation(), generate(prompt_ids, sampling_params, request_id). verl's own
+  RolloutReplica and server adapter, registered as "tern", are in frontend/rl/verl_replica.py.
 """
 
 from __future__ import annotations
@@ -33,7 +30,8 @@ import torch
 from frontend.client.launched_server import LaunchedServer
 from frontend.client.trainer import DEFAULT_BUCKET_BYTES, TrainerClient
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+                   "repetition_penalty", "logprobs")  # fmt: skip
 
 
 class TernRolloutServer:
@@ -68,14 +66,18 @@ class TernRolloutServer:
         unknown = set(sampling_params) - set(SAMPLING_FIELDS)
         if unknown:
             raise ValueError(f"unsupported sampling params: {sorted(unknown)}")
+        params = {k: v for k, v in sampling_params.items() if v is not None}
         body = {"model": self.model, "prompt": list(prompt_token_ids), "return_token_ids": True,
-                "request_id": request_id, **sampling_params}  # fmt: skip
+                "request_id": request_id, **params}  # fmt: skip
         r = httpx.post(f"{self.base_url}/v1/completions", json=body, timeout=self.client.timeout)
         if r.status_code != 200:
             raise RuntimeError(f"generate failed ({r.status_code}): {r.text}")
         choice = r.json()["choices"][0]
-        return {"token_ids": choice["token_ids"], "text": choice["text"],
-                "finish_reason": choice["finish_reason"]}  # fmt: skip
+        out = {"token_ids": choice["token_ids"], "text": choice["text"],
+               "finish_reason": choice["finish_reason"]}  # fmt: skip
+        if "logprobs" in params:  # the sampled tokens' logprobs
+            out["logprobs"] = choice["logprobs"]["token_logprobs"]
+        return out
 
     def shutdown(self) -> None:
         """Stops the server; RuntimeError if any of its processes survives."""

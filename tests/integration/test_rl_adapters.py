@@ -6,12 +6,14 @@ checkpoint the server was updated to."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import openai
 import psutil
 import pytest
 import torch.distributed as dist
@@ -145,3 +147,88 @@ def test_verl_adapter_update_from_generator_and_release(
     finally:
         server.shutdown()
     assert gone(pids) == []
+
+
+def test_verl_replica_registered_as_tern(
+    ray_cluster: Any, tiny_llama: Path, tiny_llama_perturbed: Path
+):
+    """verl's own classes drive tern: the replica verl builds for `rollout.name=tern`, its
+    token-in-token-out server handle, the OpenAI address, and the server adapter verl's trainer
+    pushes weights through."""
+    pytest.importorskip("verl")
+    from verl.workers.config import HFModelConfig, RolloutConfig
+    from verl.workers.rollout.base import get_rollout_class
+    from verl.workers.rollout.replica import get_rollout_replica_class
+
+    from frontend.rl.verl_replica import TernReplica, TernServerAdapter
+
+    assert get_rollout_replica_class("tern") is TernReplica
+    assert get_rollout_class("tern", "async") is TernServerAdapter
+    original = hf_greedy(tiny_llama, PROMPTS, N)
+    perturbed = hf_greedy(tiny_llama_perturbed, PROMPTS, N)
+    config = RolloutConfig(name="tern", tensor_model_parallel_size=1, prompt_length=64,
+                           response_length=N, max_model_len=2048, max_num_seqs=8, dtype="float32",
+                           ignore_eos=True, engine_kwargs={"tern": {"kv_cache_memory": 0.25}})  # fmt: skip
+    model_config = HFModelConfig(path=str(tiny_llama))
+    replica = get_rollout_replica_class("tern")(0, config, model_config, gpus_per_node=1)
+    with pytest.raises(NotImplementedError, match="standalone"):
+        asyncio.run(replica.init_hybrid(None))
+    asyncio.run(replica.init_standalone())
+    server = replica.server_handle
+    pids: list[int] = []
+    try:
+        pids = [*ray.get(server.pids.remote(), timeout=60),
+                ray.get(server.__ray_call__.remote(lambda self: os.getpid()), timeout=30)]  # fmt: skip
+
+        def generate(params: dict[str, Any] | None = None) -> list[Any]:
+            refs = [server.generate.remote(prompt_ids=p, sampling_params=dict(params or {"temperature": 0.0}),
+                                           request_id=f"verl-{i}") for i, p in enumerate(PROMPTS)]  # fmt: skip
+            return ray.get(refs, timeout=60)
+
+        outs = generate()
+        assert [o.token_ids for o in outs] == original
+        assert {o.stop_reason for o in outs} == {"completed"}
+        (logprobs, _) = generate({"temperature": 0.0, "logprobs": True})
+        assert len(logprobs.log_probs) == N and all(lp <= 0 for lp in logprobs.log_probs)
+
+        # verl's chat/completions clients use server_address as an OpenAI server.
+        client = openai.OpenAI(base_url=f"http://{replica.server_address}/v1", api_key="none")
+        done = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[1],
+                                         max_tokens=N, temperature=0,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+        assert done.choices[0].model_extra["token_ids"] == original[1]
+
+        # The trainer side: weights from a generator, committed once; the steps are reported.
+        adapter = get_rollout_class("tern", "async")(config, model_config, None, replica_rank=0)
+        weights = state_dict(tiny_llama_perturbed)
+        asyncio.run(adapter.update_weights((kv for kv in weights.items()), global_steps=3))
+        outs = generate()
+        assert [o.token_ids for o in outs] == perturbed
+        assert outs[0].extra_fields["global_steps"] == 3
+
+        # A weight sync with the KV cache freed, then release/resume through the adapter.
+        asyncio.run(replica.release_kv_cache())
+        asyncio.run(replica.resume_kv_cache())
+        asyncio.run(adapter.release())
+        asyncio.run(adapter.resume(["weights"]))
+        asyncio.run(adapter.update_weights(iter(state_dict(tiny_llama).items())))
+        asyncio.run(adapter.resume(["kv_cache"]))
+        assert [o.token_ids for o in generate()] == original
+
+        # Partial rollout: abort what is in flight (it says "aborted"), resume, generate again.
+        long = server.generate.remote(prompt_ids=PROMPTS[0], request_id="verl-long",
+                                      sampling_params={"max_tokens": 1500})  # fmt: skip
+        deadline = time.monotonic() + 60
+        aborted = {"aborted_count": 0}
+        while not aborted["aborted_count"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+            aborted = asyncio.run(replica.abort_all_requests())
+            if not aborted["aborted_count"]:
+                asyncio.run(replica.resume_generation())
+        assert aborted["aborted_count"] == 1, aborted
+        assert ray.get(long, timeout=60).stop_reason == "aborted"
+        asyncio.run(replica.resume_generation())
+        assert [o.token_ids for o in generate()] == original
+    finally:
+        ray.kill(server)  # the server goes with the actor's process
+    assert pids and gone(pids, timeout=30) == []
