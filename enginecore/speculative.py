@@ -19,7 +19,9 @@ differs from the token sampled before it (workers/spec/verification.py). The dra
 How many of its drafts a sequence verifies is planned per step (`Drafter.plan`): each sequence
 keeps an estimate of the chance that its next draft is accepted (accepted drafts and first
 rejections, decayed, starting from the recent sequences'), so draft j is worth p^j expected
-tokens; a step's time by its tokens is learnt from the decode steps' measured times (`StepCost`);
+tokens; a step's time by its tokens is learnt from the decode steps' measured times, as a shape
+by size times the machine's pace now, which every step updates (`StepCost`: a loaded machine
+prices all sizes at its own pace, not the ones measured before the load came);
 the drafts, most valuable first, are taken as far as maximises the step's expected tokens per
 second. Copy-heavy sequences then verify long drafts, sequences whose drafts fail verify none (one
 probe at a sequence's first proposal and then every PROBE_EVERY steps keeps their estimate
@@ -51,6 +53,9 @@ SUFFIX_CACHE_TOKENS = 65536
 # Before the first measured steps: one more token in a step costs this share of a 1-token step
 # (2-core CPUs, the default model: 0.06-0.09).
 PRIOR_TOKEN_COST = 0.08
+# How far one step moves StepCost's estimate of the machine's pace (a few steps to follow a load).
+PACE_RATE = 0.3
+SHAPE_STEPS = 32.0
 
 
 @dataclass
@@ -164,22 +169,37 @@ class SuffixTrie:
 
 
 class StepCost:
-    """A step's time by its number of tokens: the recent mean of each size measured (the kernels'
-    paths change with the rows, so the cost is no line: on some CPUs 2 rows cost what 1 does and
-    3 half as much again), interpolated between sizes measured, and extrapolated past the largest
-    by PRIOR_TOKEN_COST per token (optimistic, so that longer drafts get tried and measured)."""
+    """A step's time by its number of tokens, as the machine runs now: a shape (each size's
+    recent mean time, in units of the machine's pace when it was measured) times the pace (how
+    slow the machine runs now, updated by every step).
+
+    The shape is no line (the kernels' paths change with the rows: on some CPUs 2 rows cost what
+    1 does and 3 half as much again): sizes measured are interpolated, and past the largest each
+    token adds PRIOR_TOKEN_COST of a 1-token step (optimistic, so that longer drafts get tried and
+    measured). The pace is what keeps sizes seen long ago current: when another process takes the
+    cores, the steps of the sizes now run say so within a few steps, and every size is priced at
+    the new pace, not at the quiet machine's times it was last measured at."""
 
     def __init__(self) -> None:
-        self._by_size: dict[int, tuple[float, float]] = {}  # tokens -> (weight, mean seconds)
+        self._shape: dict[int, tuple[float, float]] = {}  # tokens -> (weight, mean at pace 1)
+        self.pace = 1.0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        weight, mean = self._by_size.get(num_tokens, (0.0, 0.0))
-        weight = min(weight + 1, 8.0)  # the mean of about the last 8 steps of this size
-        self._by_size[num_tokens] = (weight, mean + (seconds - mean) / weight)
+        known = self._shape.get(num_tokens)
+        if known is not None:  # the machine's pace now, from a size whose shape is known
+            self.pace += PACE_RATE * (seconds / known[1] - self.pace)
+        weight, mean = known or (0.0, 0.0)
+        # The shape learns slowly (the mean of about the last SHAPE_STEPS steps of this size) and
+        # the pace fast, so that a load shows in the pace, not in the shape of the sizes it hits.
+        weight = min(weight + 1, SHAPE_STEPS)
+        self._shape[num_tokens] = (weight, mean + (seconds / self.pace - mean) / weight)
 
     def seconds(self, num_tokens: int) -> float:
-        """The time of a step of `num_tokens` (relative units before any was measured)."""
-        known = self._by_size
+        """The time of a step of `num_tokens` now (relative units before any was measured)."""
+        return self.pace * self._shape_at(num_tokens)
+
+    def _shape_at(self, num_tokens: int) -> float:
+        known = self._shape
         if num_tokens in known:
             return known[num_tokens][1]
         if not known:

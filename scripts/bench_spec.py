@@ -3,7 +3,11 @@ on the same model: decode time per output token at c=1 and c=8 on three workload
 --batch-invariant.
 
     python scripts/bench_spec.py [--llama-server BIN --gguf-dir DIR] [--rounds 2] [--out FILE.json]
-                                 [--configs plain,ngram,suffix,f32,f32-invariant,llama,...]
+                                 [--configs plain,ngram,suffix,ngram-k5,f32,f32-invariant,llama,...]
+                                 [--workloads edit,random,rl,prefill] [--hog N]
+
+--hog N keeps N busy-looping processes running beside the servers while the workloads run (a
+loaded machine: speculation must still pay there).
 
 Workloads (chat completions, streamed):
 - edit: fix the typos of a given paragraph and return it (the output copies the prompt);
@@ -86,6 +90,7 @@ LLAMA_SPEC = {  # llama-server's model-free drafters
 TERN_SPEC = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 16},
     "suffix": {"method": "suffix", "num_speculative_tokens": 16},
+    "ngram-k5": {"method": "ngram", "num_speculative_tokens": 5},  # what vLLM users set
 }
 # --batch-invariant's cost: float32 with and without it, on the random and prefill workloads.
 TERN_F32 = {
@@ -277,9 +282,13 @@ def run_all(names: list[str], args: argparse.Namespace) -> dict[str, dict[str, d
                 print(f"== {name}: skipped ({e})", flush=True)
                 names.remove(name)
         runs: dict[str, dict[str, list[dict]]] = {n: {} for n in names}
+        # A loaded machine: processes that keep cores busy while every workload runs.
+        procs.update({f"hog-{i}": subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                                   start_new_session=True)
+                      for i in range(args.hog)})  # fmt: skip
         for r in range(args.rounds):
             for c in args.concurrency:
-                for workload in ("edit", "random", "rl", "prefill"):
+                for workload in args.workloads.split(","):
                     order = names[r % len(names) :] + names[: r % len(names)]
                     for name in order:
                         if workload not in workloads_of(name):
@@ -303,19 +312,20 @@ def run_all(names: list[str], args: argparse.Namespace) -> dict[str, dict[str, d
     return out
 
 
-def print_table(results: dict[str, dict], cpu: str) -> None:
-    print(f"\nCPU: {cpu}; tern dtype {tern_dtype()}")
+def print_table(results: dict[str, dict], cpu: str, hog: int) -> None:
+    busy = f"; beside {hog} busy-looping processes" if hog else ""
+    print(f"\nCPU: {cpu}; tern dtype {tern_dtype()}{busy}")
     llama_spec = [n for n in results if n in LLAMA_SPEC]
-    print("| workload | c | tern plain TPOT | tern ngram | tern suffix | llama.cpp plain | "
-          "llama.cpp best spec |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print("| workload | c | tern plain TPOT | tern ngram | tern suffix | tern ngram k=5 | "
+          "llama.cpp plain | llama.cpp best spec |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for key in results.get("plain", {}):
         workload, c = key.split("/")
         if workload == "prefill":
             continue
         plain = results["plain"][key]["tpot_ms"]
         cells = [f"{plain:.2f} ms"]
-        for name in ("ngram", "suffix"):
+        for name in TERN_SPEC:
             r = results.get(name, {}).get(key)
             cells.append("-" if r is None else f"{r['tpot_ms']:.2f} ms ({r['tpot_ms'] / plain:.2f}x, "
                          f"acc {100 * (r['acceptance'] or 0):.0f}%)")  # fmt: skip
@@ -350,6 +360,13 @@ def main() -> None:
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/tern-bench-spec"))
     p.add_argument("--port", type=int, default=8391)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--workloads", default="edit,random,rl,prefill")
+    p.add_argument(
+        "--hog",
+        type=int,
+        default=0,
+        help="busy-looping processes kept running while the workloads run",
+    )
     args = p.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
     names = ["plain", *TERN_SPEC, *TERN_F32]
@@ -360,11 +377,10 @@ def main() -> None:
     cpu = cpu_summary()
     print(f"CPU: {cpu}", flush=True)
     results = run_all(names, args)
-    print_table(results, cpu)
+    print_table(results, cpu, args.hog)
     if args.out:
-        args.out.write_text(
-            json.dumps({"cpu": cpu, "dtype": tern_dtype(), "results": results}, indent=1)
-        )
+        args.out.write_text(json.dumps(
+            {"cpu": cpu, "dtype": tern_dtype(), "hog": args.hog, "results": results}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ Scheduler and an InProcExecutor, and times every step in phases:
   detokenize  frontend IncrementalDetokenizer over the new tokens
 
 It prints, per concurrency, the median ms per step and each phase's share of the total for decode-only
-steps (they set TPOT) and for steps that hold prefill chunks, plus the wall-clock output rate.
+steps (they set TPOT) and for steps that hold prefill chunks, plus the wall-clock output rate; first,
+the kernel tier and the decode floor (workers/kernels/memory_floor.py: the weights a step reads over
+the measured streaming-read bandwidth), and at concurrency 1 the decode step's ratio to it.
 
     python scripts/bench_step.py --concurrency 1 32
 """
@@ -222,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         vocab = core.executor.vocab_size
         if concurrency == args.concurrency[0]:
             print(core.executor.model_summary, f"torch threads {torch.get_num_threads()}")
+            print(core.executor.runner.kernel_report())
+            floor = core.executor.runner.decode_floor()
+            print(floor)
         # Warm-up: one short request through prefill and decode (allocators, kernel selection).
         run_point(timer, random_prompts(vocab, 1, args.input_len, seed=-1), 8, "warmup")
         prompts = random_prompts(
@@ -229,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         r = run_point(timer, prompts, args.output_len, f"c{concurrency}")
         print_point(concurrency, r)
+        if concurrency == 1 and r["decode"]["num_steps"]:
+            r["floor_ms"] = floor.seconds * 1e3
+            print(f"  decode step / floor: {r['decode']['median_ms'] / r['floor_ms']:.2f}x")
         results[concurrency] = r
         core.shutdown()
     if args.result_file is not None:

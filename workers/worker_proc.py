@@ -197,7 +197,7 @@ def _serve_calls(
             first = runner.num_kv_blocks == 0
             runner.init_kv_cache(call.num_blocks, call.num_state_checkpoints)
             if first and rank == 0:
-                logger.info("%s", runner.kernel_report())
+                logger.info("%s; %s", runner.kernel_report(), runner.decode_floor())
             replies.send(reply_codec.encode(WorkerResult(rank=rank)))
         elif isinstance(call, ExecuteModel):
             step = call.step

@@ -18,6 +18,7 @@ def test_kernels_off_for_a_whole_server(
     server = launch_server("--model", str(tiny_llama), "--dtype", "float32")
     assert "kernels: off (TERN_KERNELS=off" in server.log
     assert "fused decode layer: off, reason: the kernels are off" in server.log
+    assert "decode floor: " in server.log  # the weights per step over the measured bandwidth
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     for prompt in ([5, 17, 300, 41], list(range(7, 40))):
         body = {

@@ -893,6 +893,27 @@ def test_plan_follows_acceptance_and_measured_step_costs() -> None:
     assert 0.014 < cost.seconds(9) < 0.018  # extrapolated at the prior's slope
 
 
+
+def test_step_cost_follows_a_loaded_machine() -> None:
+    """When another process takes the cores, the sizes now run say so and every size is priced at
+    the new pace, not at the quiet times it was last measured at; when the load goes, so does the
+    extra."""
+    from enginecore.speculative import StepCost
+
+    cost = StepCost()
+    quiet = {n: 0.010 + 0.001 * n for n in range(1, 7)}
+    for _ in range(40):  # a server that has run a while
+        for n, seconds in quiet.items():
+            cost.observe(n, seconds)
+    assert cost.seconds(6) == pytest.approx(quiet[6], rel=0.02)
+    for _ in range(12):  # loaded: only 1-token steps run, at twice their quiet time
+        cost.observe(1, 2 * quiet[1])
+    assert cost.seconds(1) == pytest.approx(2 * quiet[1], rel=0.05)
+    assert cost.seconds(6) == pytest.approx(2 * quiet[6], rel=0.15)
+    for _ in range(12):
+        cost.observe(1, quiet[1])
+    assert cost.seconds(6) == pytest.approx(quiet[6], rel=0.15)
+
 def test_suffix_cache_is_bounded_in_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     import enginecore.speculative as speculative
 

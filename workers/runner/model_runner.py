@@ -49,7 +49,7 @@ from enginecore.messages import (
 )
 from enginecore.model_task import WHOLE_IMAGE_SPAN_ARCHITECTURES
 from workers.distributed import ParallelContext
-from workers.kernels import fused_decode
+from workers.kernels import fused_decode, memory_floor
 from workers.kv_transfer.layout import kv_layout
 from workers.kv_transfer.loader import load_pulled_blocks
 from workers.layers.attention import AttentionMetadata
@@ -187,6 +187,11 @@ class ModelRunner:
         """Which CPU kernels this worker runs and whether its decoder layers run fused."""
         assert self.model is not None
         return fused_decode.kernel_report(self.model, self.device)
+
+    def decode_floor(self) -> memory_floor.DecodeFloor:
+        """This rank's decode floor: its weights per step over the measured read bandwidth."""
+        assert self.model is not None
+        return memory_floor.measure_floor(self.model, self.device)
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.cache.bytes_per_block()

@@ -1,0 +1,51 @@
+"""The decode floor's byte count: what one decode step of one sequence reads, checked against the
+checkpoint's own tensors (tied and untied embeddings, routed experts), and the probe's bandwidth."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from tests.unit.test_fused_decode import _runner
+from workers.kernels import memory_floor
+
+
+def checkpoint_bytes(model_dir: Path) -> dict[str, int]:
+    """float32 bytes of each tensor in the checkpoint (the runners below load float32)."""
+    sizes = {}
+    for file in model_dir.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                sizes[name] = f.get_slice(name).get_shape()
+    return {name: 4 * _numel(shape) for name, shape in sizes.items()}
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2", "tiny_qwen3_moe"])
+def test_decode_bytes_counts_what_a_step_reads(arch: str, request: pytest.FixtureRequest) -> None:
+    model_dir = request.getfixturevalue(arch)
+    config = json.loads((model_dir / "config.json").read_text())
+    sizes = checkpoint_bytes(model_dir)
+    expected = sum(sizes.values())
+    embedding = sizes["model.embed_tokens.weight"]
+    if not config.get("tie_word_embeddings", False):
+        expected -= embedding  # looked up a row at a time; the LM head is read whole
+    experts = sum(v for k, v in sizes.items() if ".mlp.experts." in k)
+    if experts:  # a token reads top_k of num_experts
+        num_experts = config.get("num_experts") or config["num_local_experts"]
+        expected -= experts * (1 - config["num_experts_per_tok"] / num_experts)
+    runner = _runner(model_dir, None, "float32")
+    assert memory_floor.decode_bytes(runner.model) == pytest.approx(expected, rel=0.01)
+    floor = runner.decode_floor()
+    assert floor.read_bandwidth > 1e8  # 100 MB/s: any machine streams faster than that
+    assert floor.seconds == pytest.approx(floor.weight_bytes / floor.read_bandwidth)
+    assert str(floor).startswith(f"decode floor: {floor.weight_bytes / 1e6:.0f} MB")
