@@ -57,6 +57,12 @@ POLL_INTERVAL_MS = 200
 KILLED_PEER_GRACE_S = 1.0
 # A worker stopped (SIGSTOP) for this long counts as dead: it would hold every step forever.
 STOPPED_WORKER_GRACE_S = 5.0
+# OpenMP threads that wait at the end of a parallel region spin before they sleep (libgomp: 300,000
+# polls, about a millisecond, unless told). When other programs use the cores too, a rank's waiting
+# threads then spin through the time slices its late thread needs to finish the region: beside two
+# busy-looping processes on 2 cores, decode took 240 ms a token at libgomp's default and 86 ms at
+# 1,000 polls, with no difference on a quiet machine (docs/benchmarks.md, "A loaded machine").
+WORKER_OMP_ENV = {"GOMP_SPINCOUNT": "1000"}
 
 
 def _is_stopped(pid: int) -> bool:
@@ -172,6 +178,14 @@ class InProcExecutor(_ExecutorBase):
         pass
 
 
+def worker_env() -> dict[str, str]:
+    """What a worker process's environment needs beyond this one's: the OpenMP wait policy,
+    unless the user set one."""
+    if {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(os.environ):
+        return {}
+    return dict(WORKER_OMP_ENV)
+
+
 class MultiprocExecutor(_ExecutorBase):
     """tp x pp worker processes on this node; the step goes out once, the driver rank answers it.
 
@@ -256,6 +270,7 @@ class MultiprocExecutor(_ExecutorBase):
         broadcast."""
         from workers.worker_proc import run_worker
 
+        os.environ.update(worker_env())  # spawned processes inherit it; OpenMP reads it at load
         mp = multiprocessing.get_context("spawn")
         for rank in config.parallel.node_ranks:
             proc = mp.Process(

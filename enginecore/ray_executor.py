@@ -32,7 +32,7 @@ from typing import Any
 import psutil
 
 from enginecore.config import Config
-from enginecore.executor import MultiprocExecutor, free_port
+from enginecore.executor import MultiprocExecutor, free_port, worker_env
 
 logger = logging.getLogger("tern.executor")
 
@@ -235,6 +235,7 @@ class RayExecutor(MultiprocExecutor):
                     num_cpus=1,
                     num_gpus=1 if specs[bundle].get("GPU", 0) > 0 else 0,
                     max_restarts=0,
+                    runtime_env={"env_vars": worker_env()},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self._placement_group, placement_group_bundle_index=bundle
                     ),

@@ -19,6 +19,12 @@ def test_kernels_off_for_a_whole_server(
     assert "kernels: off (TERN_KERNELS=off" in server.log
     assert "fused decode layer: off, reason: the kernels are off" in server.log
     assert "decode floor: " in server.log  # the weights per step over the measured bandwidth
+    # The workers wait at OpenMP barriers briefly before they sleep (enginecore/executor.py).
+    server.record_descendants()
+    spawned = {pid: p for pid, p in server.descendants.items()
+               if "spawn_main" in " ".join(p.cmdline())}  # fmt: skip
+    workers = [p for p in spawned.values() if p.ppid() in spawned]  # the engine core's children
+    assert workers and all(p.environ().get("GOMP_SPINCOUNT") == "1000" for p in workers)
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     for prompt in ([5, 17, 300, 41], list(range(7, 40))):
         body = {

@@ -159,3 +159,13 @@ def test_distributed_executor_backend(model_dir: Path) -> None:
         )
     with pytest.raises(SystemExit):  # argparse: not a choice
         parse("serve", str(model_dir), "--distributed-executor-backend", "mpi")
+
+
+def test_worker_openmp_wait_unless_the_user_set_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from enginecore.executor import worker_env
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert worker_env() == {"GOMP_SPINCOUNT": "1000"}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    assert worker_env() == {}
