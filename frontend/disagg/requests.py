@@ -30,7 +30,6 @@ from typing import Any
 from enginecore.config import KVTransferConfig
 from enginecore.messages import KVTransfer
 from frontend.common.errors import bad_request
-from frontend.serving.sampling import RequestSampling
 
 VLLM_PARAM = "kv_transfer_params"
 TRTLLM_PARAM = "disaggregated_params"
@@ -97,14 +96,6 @@ def kv_request(
         names = " and ".join(name for name, _ in found)
         raise bad_request(f"{names} both ask for a KV transfer: use one", found[1][0])
     return found[0][1] if found else None
-
-
-def prompt_only(sampling: RequestSampling) -> RequestSampling:
-    """The sampling of a prompt-only producer: one token (see KVRequest.is_prompt_only)."""
-    sampling.max_tokens = 1
-    if sampling.min_tokens is not None:
-        sampling.min_tokens = min(sampling.min_tokens, 1)
-    return sampling
 
 
 def check_single(kv: KVRequest | None, num_requests: int, param: str) -> None:

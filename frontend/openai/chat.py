@@ -22,7 +22,6 @@ from frontend.common.decoding import ImageRef, decode_request
 from frontend.common.errors import bad_request
 from frontend.common.http import json_response, sse
 from frontend.common.protocol import DeltaMessage, PromptLogprobsList
-from frontend.disagg.answers import kv_answer, kv_sampling, refusal_fails_room
 from frontend.disagg.requests import KVRequest, kv_request
 from frontend.openai.protocol import (
     ChatCompletionLogProbs,
@@ -36,6 +35,7 @@ from frontend.openai.protocol import (
 )
 from frontend.serving.chat import ChatPath
 from frontend.serving.generation import Generation, RequestGroup
+from frontend.serving.kv_answers import kv_answer, kv_sampling, refusal_fails_room
 from frontend.serving.sampling import truncate_prompt
 from frontend.text.chat_output import ChoiceDelta, ChoiceParser, delta_message, parse_message
 from frontend.text.logprobs import TokenStrings, chat_logprobs, prompt_logprobs

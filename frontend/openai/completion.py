@@ -22,7 +22,6 @@ from enginecore.messages import Logprobs
 from frontend.common.decoding import decode_request
 from frontend.common.http import json_response, sse
 from frontend.common.protocol import CompletionLogProbs
-from frontend.disagg.answers import kv_answer, kv_sampling, refusal_fails_room
 from frontend.disagg.requests import KVRequest, kv_request
 from frontend.openai.protocol import (
     CompletionRequest,
@@ -33,6 +32,7 @@ from frontend.openai.protocol import (
 )
 from frontend.serving.base import OpenAIServing
 from frontend.serving.generation import Generation, RequestGroup
+from frontend.serving.kv_answers import kv_answer, kv_sampling, refusal_fails_room
 from frontend.serving.sampling import truncate_prompt
 from frontend.text.logprobs import TokenStrings, completion_logprobs, prompt_logprobs
 

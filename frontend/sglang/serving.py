@@ -49,10 +49,10 @@ from enginecore.messages import Logprobs, MultiModalItem, StructuredOutputSpec
 from frontend.common.decoding import ImageRef
 from frontend.common.errors import bad_request
 from frontend.common.http import REQUEST_ID_HEADER, json_response, sse
-from frontend.disagg.answers import kv_sampling, refusal_fails_room
 from frontend.disagg.requests import KVRequest, check_single, kv_request
 from frontend.serving.base import OpenAIServing
 from frontend.serving.generation import Generation, RequestGroup
+from frontend.serving.kv_answers import kv_sampling, refusal_fails_room
 from frontend.serving.routed_experts import sglang_routed_experts
 from frontend.sglang.protocol import (
     ANY_JSON,

@@ -25,9 +25,9 @@ from enginecore.messages import (
     SamplingParams,
 )
 from frontend.common.errors import APIError, bad_request
-from frontend.disagg.answers import refusal_fails_room
 from frontend.disagg.bootstrap import RELEASED, BootstrapServer, LeaseRegistry
 from frontend.serving.generation import Generation, RequestFailedError
+from frontend.serving.kv_answers import refusal_fails_room
 
 LAYOUT = KVLayout("llama-tiny", "float32", 16, 1, 1, 0, [2, 16, 4, 8])
 READY = EngineReady(

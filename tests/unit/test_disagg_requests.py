@@ -15,7 +15,6 @@ import pytest
 from enginecore.config import KVTransferConfig
 from enginecore.messages import KVTransfer
 from frontend.common.errors import APIError
-from frontend.disagg.answers import kv_answer, kv_sampling
 from frontend.disagg.requests import (
     KVRequest,
     KVSide,
@@ -25,6 +24,7 @@ from frontend.disagg.requests import (
     kv_request,
 )
 from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
+from frontend.serving.kv_answers import kv_answer, kv_sampling
 from frontend.serving.sampling import RequestSampling
 from frontend.sglang.protocol import decode_sglang_generate
 

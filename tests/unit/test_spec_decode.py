@@ -893,7 +893,6 @@ def test_plan_follows_acceptance_and_measured_step_costs() -> None:
     assert 0.014 < cost.seconds(9) < 0.018  # extrapolated at the prior's slope
 
 
-
 def test_step_cost_follows_a_loaded_machine() -> None:
     """When another process takes the cores, the sizes now run say so and every size is priced at
     the new pace, not at the quiet times it was last measured at; when the load goes, so does the
@@ -913,6 +912,7 @@ def test_step_cost_follows_a_loaded_machine() -> None:
     for _ in range(12):
         cost.observe(1, quiet[1])
     assert cost.seconds(6) == pytest.approx(quiet[6], rel=0.15)
+
 
 def test_suffix_cache_is_bounded_in_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     import enginecore.speculative as speculative

@@ -21,7 +21,6 @@ from frontend.disagg.requests import (
     TRTLLM_PARAM,
     KVRequest,
     KVSide,
-    prompt_only,
     trtllm_context_answer,
     vllm_producer_params,
 )
@@ -30,6 +29,14 @@ from frontend.serving.sampling import RequestSampling
 
 if TYPE_CHECKING:
     from frontend.serving.base import OpenAIServing
+
+
+def prompt_only(sampling: RequestSampling) -> RequestSampling:
+    """The sampling of a prompt-only producer: one token (see KVRequest.is_prompt_only)."""
+    sampling.max_tokens = 1
+    if sampling.min_tokens is not None:
+        sampling.min_tokens = min(sampling.min_tokens, 1)
+    return sampling
 
 
 @dataclass
