@@ -77,10 +77,9 @@ class TernRolloutActor(VerlRolloutServer):
     """One tern server, with the methods verl's RolloutReplica and agent loop call on a server
     actor (those of verl's vLLMHttpServer)."""
 
-    def __init__(self, config: Any, model_config: Any, replica_rank: int) -> None:
+    def __init__(self, config: Any, model_config: Any) -> None:
         super().__init__(launch_args(config, model_config))
         self.config = config
-        self.replica_rank = replica_rank
         self.global_steps: int | None = None
 
     def get_server_address(self) -> tuple[str, int]:
@@ -215,7 +214,7 @@ class TernReplica(RolloutReplica):
             name=server_actor_name(self.replica_rank),
             num_cpus=self.world_size,
             max_concurrency=self.max_concurrency,
-        ).remote(self.config, self.model_config, self.replica_rank)
+        ).remote(self.config, self.model_config)
         host, port = await server.get_server_address.remote()
         self.servers = [server]
         self._server_handle = server
