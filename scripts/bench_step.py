@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             print(core.executor.model_summary, f"torch threads {torch.get_num_threads()}")
             print(core.executor.runner.kernel_report())
             floor = core.executor.runner.decode_floor()
+            assert floor is not None, "bench_step runs on the CPU"
             print(floor)
         # Warm-up: one short request through prefill and decode (allocators, kernel selection).
         run_point(timer, random_prompts(vocab, 1, args.input_len, seed=-1), 8, "warmup")

@@ -197,7 +197,8 @@ def _serve_calls(
             first = runner.num_kv_blocks == 0
             runner.init_kv_cache(call.num_blocks, call.num_state_checkpoints)
             if first and rank == 0:
-                logger.info("%s; %s", runner.kernel_report(), runner.decode_floor())
+                floor = runner.decode_floor()
+                logger.info("%s%s", runner.kernel_report(), f"; {floor}" if floor else "")
             replies.send(reply_codec.encode(WorkerResult(rank=rank)))
         elif isinstance(call, ExecuteModel):
             step = call.step

@@ -22,7 +22,6 @@ beside the few packages its rollout interfaces import.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -38,10 +37,9 @@ from verl.workers.rollout.replica import (
     TokenOutput,
 )
 
+from frontend.client.trainer import TrainerClient
 from frontend.ray_serve.llm_config import TernLLMConfig, engine_argv
 from frontend.rl.rollout_server import VerlRolloutServer
-
-logger = logging.getLogger(__name__)
 
 NAME = "tern"
 # Tern's sleep level for verl's sleep(): the weights stay (in host memory), as a standalone
@@ -49,8 +47,13 @@ NAME = "tern"
 SLEEP_LEVEL = 1
 
 
-def server_actor_name(replica_rank: int, node_rank: int = 0) -> str:
-    return f"tern_server_{replica_rank}_{node_rank}"
+def server_actor_name(replica_rank: int) -> str:
+    return f"tern_server_{replica_rank}_0"  # verl's <backend>_server_<replica>_<node> (one node)
+
+
+def max_model_len(config: Any) -> int:
+    """The context a RolloutConfig asks for: max_model_len, else prompt plus response length."""
+    return config.max_model_len or config.prompt_length + config.response_length
 
 
 def launch_args(config: Any, model_config: Any) -> list[str]:
@@ -58,7 +61,7 @@ def launch_args(config: Any, model_config: Any) -> list[str]:
     defaults = {
         "tensor_parallel_size": config.tensor_model_parallel_size,
         "pipeline_parallel_size": config.pipeline_model_parallel_size,
-        "max_model_len": config.max_model_len or config.prompt_length + config.response_length,
+        "max_model_len": max_model_len(config),
         "max_num_seqs": config.max_num_seqs,
         "dtype": config.dtype,
         "seed": config.seed,
@@ -102,8 +105,7 @@ class TernRolloutActor(VerlRolloutServer):
         if priority:
             raise ValueError("tern does not schedule by priority")
         params = dict(sampling_params)
-        room = self.config.max_model_len or self.config.prompt_length + self.config.response_length
-        room -= len(prompt_ids)
+        room = max_model_len(self.config) - len(prompt_ids)
         if room < 1:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room to generate")
         # verl's rule: max_tokens (or SGLang's max_new_tokens), else the response length.
@@ -165,14 +167,6 @@ class TernRolloutActor(VerlRolloutServer):
     def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], **kwargs: Any) -> dict:
-        global_steps = kwargs.pop("global_steps", None)
-        result = super().update_weights(weights, **kwargs)
-        self.client.reset_prefix_cache()
-        if global_steps is not None:
-            self.global_steps = global_steps
-        return result
-
     def start_profile(self, **kwargs: Any) -> None:
         raise NotImplementedError("tern has no profiler hooks for verl (start_profile)")
 
@@ -184,9 +178,6 @@ class TernReplica(RolloutReplica):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.server_class = ray.remote(TernRolloutActor)
-
-    def rollout_worker_use_gpu(self) -> bool:
-        return torch.cuda.is_available()
 
     async def init_hybrid(self, worker_group: Any) -> None:
         raise NotImplementedError(_SEPARATE_PROCESSES)
@@ -277,8 +268,6 @@ class TernServerAdapter(BaseRollout):
             for _ in weights:  # the generator may gather across ranks: drain it in step
                 pass
             return
-        from frontend.client.trainer import TrainerClient
-
         host, port = await self.server.get_server_address.remote()
         client = TrainerClient(f"http://{host}:{port}")
         # The generator is read a bucket at a time as the buckets are sent (no full copy).

@@ -1,7 +1,7 @@
 """The decode floor: a 1-sequence decode step reads every active weight once, so no step is faster
 than the bytes it reads over the memory's streaming-read bandwidth. Both are measured here for the
-start-up log line that names the kernel tier, and for scripts/probe_floor.py and the benchmarks,
-which report TPOT against it.
+start-up log line that names the kernel tier (on CPUs: the tier is a CPU's) and for
+scripts/bench_step.py, which reports the decode step against it.
 """
 
 from __future__ import annotations
@@ -22,24 +22,16 @@ PROBE_PASSES = 4
 _LOOKUP_BUFFERS = ("cos_cache", "sin_cache", "inv_freq")
 
 
-def read_bandwidth(device: torch.device | str = "cpu", nbytes: int = PROBE_BYTES) -> float:
-    """Streaming-read bandwidth in bytes per second: the best of a few sums over a buffer (a sum
-    is a read with next to no arithmetic, run on torch's threads: the threads a decode step has)."""
-    device = torch.device(device)
-    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # pages touched here
+def read_bandwidth(nbytes: int = PROBE_BYTES) -> float:
+    """The CPU's streaming-read bandwidth in bytes per second: the best of a few sums over a buffer
+    (a sum is a read with next to no arithmetic, run on torch's threads: a decode step's)."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)  # pages touched here
     best = float("inf")
     for _ in range(PROBE_PASSES):
-        _sync(device)
         start = time.perf_counter()
         buf.sum()
-        _sync(device)
         best = min(best, time.perf_counter() - start)
     return nbytes / best
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def decode_bytes(model: torch.nn.Module) -> int:
@@ -50,9 +42,8 @@ def decode_bytes(model: torch.nn.Module) -> int:
     seen: set[int] = set()
     moe_experts = {id(m.experts): m for m in model.modules() if isinstance(m, SparseMoE)}
     for module in model.modules():
-        lookup = isinstance(module, VocabParallelEmbedding) and not isinstance(
-            module, ParallelLMHead
-        )
+        if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
+            continue  # looked up; a tied LM head is counted when its module is reached
         share = 1.0
         if id(module) in moe_experts:
             moe = moe_experts[id(module)]
@@ -61,8 +52,6 @@ def decode_bytes(model: torch.nn.Module) -> int:
         for name, t in tensors:
             if name in _LOOKUP_BUFFERS or t is None or t.data_ptr() in seen:
                 continue
-            if lookup:
-                continue  # a tied LM head is counted when its module is reached
             seen.add(t.data_ptr())
             total += int(t.numel() * t.element_size() * share)
     return total
@@ -72,21 +61,20 @@ def decode_bytes(model: torch.nn.Module) -> int:
 class DecodeFloor:
     weight_bytes: int  # read by one decode step of one sequence
     read_bandwidth: float  # bytes per second
-    threads: int | None  # torch's threads (CPU)
+    threads: int  # torch's threads
 
     @property
     def seconds(self) -> float:
         return self.weight_bytes / self.read_bandwidth
 
     def __str__(self) -> str:
-        threads = f" on {self.threads} threads" if self.threads else ""
         return (
             f"decode floor: {self.weight_bytes / 1e6:.0f} MB of weights per step / "
-            f"{self.read_bandwidth / 1e9:.1f} GB/s streaming read{threads} = "
+            f"{self.read_bandwidth / 1e9:.1f} GB/s streaming read on {self.threads} threads = "
             f"{self.seconds * 1e3:.1f} ms per token"
         )
 
 
-def measure_floor(model: torch.nn.Module, device: torch.device) -> DecodeFloor:
-    threads = torch.get_num_threads() if device.type == "cpu" else None
-    return DecodeFloor(decode_bytes(model), read_bandwidth(device), threads)
+def measure_floor(model: torch.nn.Module) -> DecodeFloor:
+    """The floor of a model on the CPU (its weights in host memory)."""
+    return DecodeFloor(decode_bytes(model), read_bandwidth(), torch.get_num_threads())

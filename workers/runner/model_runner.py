@@ -188,10 +188,11 @@ class ModelRunner:
         assert self.model is not None
         return fused_decode.kernel_report(self.model, self.device)
 
-    def decode_floor(self) -> memory_floor.DecodeFloor:
-        """This rank's decode floor: its weights per step over the measured read bandwidth."""
+    def decode_floor(self) -> memory_floor.DecodeFloor | None:
+        """This rank's decode floor on a CPU: its weights per step over the measured read
+        bandwidth (None on an accelerator: no probe buffer beside its allocated KV cache)."""
         assert self.model is not None
-        return memory_floor.measure_floor(self.model, self.device)
+        return memory_floor.measure_floor(self.model) if self.device.type == "cpu" else None
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.cache.bytes_per_block()
