@@ -390,7 +390,7 @@ class EngineCore:
             return None
         if req.sampling_params.max_tokens < 1:
             return "max_tokens must be at least 1"
-        if req.mm_items:
+        if req.mm_items or self.model_task.is_encoder_decoder:
             error = self._validate_mm_items(req)
             if error is not None:
                 return error
@@ -416,6 +416,8 @@ class EngineCore:
 
     def _validate_mm_items(self, req: EngineCoreRequest) -> str | None:
         task = self.model_task
+        if task.is_encoder_decoder:
+            return _validate_audio_items(req)
         if not task.takes_images:
             return f"{task.architecture} is served without image inputs"
         if req.pooling:
@@ -435,10 +437,25 @@ class EngineCore:
         return None
 
 
+def _validate_audio_items(req: EngineCoreRequest) -> str | None:
+    """An encoder-decoder's request: one audio item, its features, no placeholders."""
+    if req.pooling:
+        return "a pooling request cannot carry audio"
+    if len(req.mm_items) != 1 or req.mm_items[0].modality != "audio":
+        return "a request to a speech-to-text model carries exactly one audio item"
+    item = req.mm_items[0]
+    if item.spans or "input_features" not in item.tensors:
+        return "an audio item carries its input_features and no placeholder spans"
+    return None
+
+
 def _validate_sampling(p: SamplingParams, vocab_size: int) -> str | None:
     """What the worker would fail on, caught before the request reaches it (the frontend checks the
     same with messages for the client; this guards other clients of the engine core)."""
-    token_ids = [*p.allowed_token_ids, *p.logit_bias, *p.stop_token_ids, *p.eos_token_ids]
+    token_ids = [
+        *p.allowed_token_ids, *p.logit_bias, *p.stop_token_ids, *p.eos_token_ids,
+        *p.suppress_token_ids, *p.begin_suppress_token_ids,
+    ]  # fmt: skip
     if any(not 0 <= t < vocab_size for t in token_ids):
         return f"token ids in sampling parameters must be in [0, {vocab_size})"
     if p.repetition_penalty <= 0:

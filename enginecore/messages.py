@@ -47,11 +47,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     eos_token_ids: list[int] = []  # from generation_config.json, filled in by the frontend
     ignore_eos: bool = False
     # Logits processing on the worker, before sampling (workers/sample/logits_processors.py): only
-    # these tokens may be sampled (empty: all); bias added to the logits; before min_tokens, EOS
+    # these tokens may be sampled (empty: all); bias added to the logits; suppressed tokens
+    # (always, or at the first output token); before min_tokens, EOS
     # and stop_token_ids are forbidden; Hugging Face's repetition penalty over prompt and output;
     # OpenAI's frequency and presence penalties over the output.
     allowed_token_ids: list[int] = []
     logit_bias: dict[int, float] = {}
+    # Tokens never sampled, and tokens not sampled first (Hugging Face's SuppressTokens and
+    # SuppressTokensAtBegin logits processors: Whisper's generation_config.json lists them).
+    suppress_token_ids: list[int] = []
+    begin_suppress_token_ids: list[int] = []
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0

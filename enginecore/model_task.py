@@ -82,6 +82,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Mistral3ForConditionalGeneration": ("llama", "lm_head"),  # a Mistral text model
     "Idefics3ForConditionalGeneration": ("llama", "lm_head"),  # SmolVLM: a Llama text model
     "LlavaOnevisionForConditionalGeneration": ("qwen2", "lm_head"),
+    # Encoder-decoder: an audio encoder whose output the text decoder cross-attends to.
+    "WhisperForConditionalGeneration": ("whisper", "lm_head"),
 }
 # Families with linear-attention layers.
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
@@ -114,6 +116,11 @@ WHOLE_IMAGE_SPAN_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 # the workers get them for every image of a prompt, also those a prefix-cache hit skips.
 IMAGE_LAYOUT_TENSORS = {"Qwen3_5ForConditionalGeneration": ("image_grid_thw",)}
 
+# Speech-to-text models: an audio encoder, and a text decoder that cross-attends to its output
+# (workers/models/whisper.py). Each request carries one audio item with no placeholders in the
+# decoder's prompt: it conditions every position.
+AUDIO_ENCODER_DECODER_ARCHITECTURES = ("WhisperForConditionalGeneration",)
+
 # Head -> the tasks it serves, the one `--task auto` picks first.
 _TASKS_OF_HEAD = {
     "lm_head": ("generate", "embed"),
@@ -140,6 +147,9 @@ class ModelTask:
     takes_images: bool = False
     whole_image_spans: bool = False
     image_layout_tensors: tuple[str, ...] = ()  # IMAGE_LAYOUT_TENSORS
+    # A speech-to-text encoder-decoder (AUDIO_ENCODER_DECODER_ARCHITECTURES): every request
+    # carries its audio's features, which its decoder's every position attends to.
+    is_encoder_decoder: bool = False
 
     @property
     def is_pooling(self) -> bool:
@@ -156,7 +166,10 @@ class ModelTask:
 def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
     """config.json of the language model: `hf` itself, or for a checkpoint released with a vision
     tower its `text_config` (with the checkpoint's architectures, and its tie_word_embeddings where
-    the outer config sets it)."""
+    the outer config sets it); for an encoder-decoder, its decoder's numbers under the names a
+    decoder-only config gives them."""
+    if is_encoder_decoder(hf):
+        return decoder_config_of(hf)
     if not is_multimodal(hf) or "text_config" not in hf and "hidden_size" in hf:
         return hf  # not multimodal, or already the text part
     text = dict(hf.get("text_config") or {})
@@ -171,6 +184,30 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
 def is_multimodal(hf: dict[str, Any]) -> bool:
     """Whether the checkpoint carries a vision tower tern does not serve (it serves the text)."""
     return bool(hf.get("architectures")) and hf["architectures"][0] in MULTIMODAL_ARCHITECTURES
+
+
+def is_encoder_decoder(hf: dict[str, Any]) -> bool:
+    archs = hf.get("architectures") or []
+    return bool(archs) and archs[0] in AUDIO_ENCODER_DECODER_ARCHITECTURES
+
+
+def decoder_config_of(hf: dict[str, Any]) -> dict[str, Any]:
+    """Whisper's config.json with its decoder's sizes as hidden_size, num_hidden_layers... (what
+    the KV cache, the scheduler and the LM head are sized by; the encoder's sizes stay under
+    Whisper's own names). Its LM head (proj_out) is always tied to the decoder's embedding."""
+    heads = hf["decoder_attention_heads"]
+    return {
+        **hf,
+        "hidden_size": hf["d_model"],
+        "intermediate_size": hf["decoder_ffn_dim"],
+        "num_hidden_layers": hf["decoder_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": hf["d_model"] // heads,
+        "max_position_embeddings": hf["max_target_positions"],
+        "rms_norm_eps": 1e-5,  # torch's LayerNorm default, which Whisper's layers keep
+        "tie_word_embeddings": True,
+    }
 
 
 def takes_images(hf: dict[str, Any]) -> bool:
@@ -206,6 +243,8 @@ def model_task(hf: dict[str, Any], requested: str = "auto") -> ModelTask:
     arch = architecture_of(hf)
     head = ARCHITECTURES[arch][1]
     tasks = _TASKS_OF_HEAD[head]
+    if arch in AUDIO_ENCODER_DECODER_ARCHITECTURES:
+        tasks = ("generate",)  # its decoder's states are no text embedding
     num_labels = num_labels_of(hf)
     task = tasks[0] if requested == "auto" else requested
     if task not in tasks:
@@ -228,6 +267,7 @@ def model_task(hf: dict[str, Any], requested: str = "auto") -> ModelTask:
         takes_images=images and task == "generate",
         whole_image_spans=images and arch in WHOLE_IMAGE_SPAN_ARCHITECTURES,
         image_layout_tensors=IMAGE_LAYOUT_TENSORS.get(arch, ()) if images else (),
+        is_encoder_decoder=arch in AUDIO_ENCODER_DECODER_ARCHITECTURES,
     )  # fmt: skip
 
 

@@ -130,11 +130,13 @@ class Request:
         return None
 
     def mm_hashes_in(self, start: int, end: int) -> list[str]:
-        """The content hashes of the images with placeholders in positions [start, end)."""
+        """The content hashes of the images with placeholders in positions [start, end), and of
+        the items without placeholders (an encoder-decoder's audio: every position depends on it,
+        so no block is another audio's)."""
         return [
             item.content_hash
             for item in self.mm_items
-            if any(s < end and start < s + n for s, n in item.spans)
+            if not item.spans or any(s < end and start < s + n for s, n in item.spans)
         ]
 
     def append_output_token(self, token_id: int) -> None:

@@ -434,8 +434,9 @@ class Scheduler:
 
     def _item_sent(self, item: MultiModalItem, start: int) -> MultiModalItem | None:
         """An image as a request's first chunk, at `start`, sends it to the workers: whole when its
-        placeholders are still to compute; else its layout alone, or nothing."""
-        if item.end > start:
+        placeholders are still to compute (an encoder-decoder's audio, which has none, always:
+        every position attends to it); else its layout alone, or nothing."""
+        if not item.spans or item.end > start:
             return item
         if not self.image_layout_tensors:
             return None

@@ -261,6 +261,9 @@ def load_weights(
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = _is_tied(model)
     local_name = getattr(model, "local_weight_name", None)
+    # A model that keeps Hugging Face's projections apart (Whisper) names its parameters as the
+    # checkpoint does: nothing is fused.
+    verbatim = getattr(model, "verbatim_weight_names", False)
     loaded: set[str] = set()
     for name, tensor in _unfused(model, _dequantized(weights)):
         name = _canonical(name)
@@ -270,7 +273,7 @@ def load_weights(
             name = local_name(name)
             if name is None:  # another pipeline stage holds it
                 continue
-        param_name, shard_id = _map_name(name)
+        param_name, shard_id = (name, None) if verbatim else _map_name(name)
         param = params.get(param_name)
         if param is None:
             raise ValueError(f"checkpoint weight {name!r} matches no parameter of the model")

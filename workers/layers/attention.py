@@ -145,6 +145,9 @@ class AttentionMetadata:
     # multimodal positions (M-RoPE), in a step with images; None otherwise (rotation by
     # `positions`). The KV-cache slot of a token is still that of its `positions`.
     mrope_positions: torch.Tensor | None = None
+    # Encoder-decoder models (Whisper): per sequence, each decoder layer's cross-attention keys
+    # and values over its audio, (H, S, D) each; set by the model runner (workers/runner/audio.py).
+    cross_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     def set_mrope_positions(self, mrope_positions: torch.Tensor | None) -> None:
         for meta in (self, *self.other_kv_groups):

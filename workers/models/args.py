@@ -14,6 +14,7 @@ from typing import Any
 
 from enginecore.model_task import (
     architecture_of,
+    is_encoder_decoder,
     is_multimodal,
     model_task,
     num_labels_of,
@@ -52,6 +53,9 @@ class ModelArgs:
     multimodal: bool = False
     takes_images: bool = False
     image_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # A speech-to-text encoder-decoder (Whisper): the decoder's sizes above, the encoder's in
+    # hf_config under the checkpoint's own names.
+    is_encoder_decoder: bool = False
     # The whole config.json (its text part), for what only one family reads: its DecoderSpec.
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -85,6 +89,7 @@ class ModelArgs:
             multimodal=multimodal,
             takes_images=images,
             image_config=outer if images else {},
+            is_encoder_decoder=is_encoder_decoder(outer),
         )
 
 

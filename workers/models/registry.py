@@ -21,7 +21,10 @@ def build_model(args: ModelArgs, ctx: ParallelContext) -> nn.Module:
     parameters): the decoder of the architecture's family under an LM head (generate) or a
     pooling head (workers/models/pooling.py)."""
     family, head = ARCHITECTURES[args.architecture]
-    spec = family_module(args).decoder_spec(args)
+    module = family_module(args)
+    if args.is_encoder_decoder:  # its own model whole (workers/models/whisper.py)
+        return module.build_model(args, ctx)
+    spec = module.decoder_spec(args)
     if args.task == "generate":
         return DecoderForCausalLM(args, ctx, spec)
     return DecoderForPooling(args, ctx, spec, "none" if args.task == "embed" else head)

@@ -6,7 +6,8 @@ stop conditions or text. Each step it
 1. forgets finished requests, starts or extends the block tables of the scheduled ones;
 2. flattens every scheduled token (prefill chunks and decodes mixed) into one batch and builds the
    attention metadata (positions, cache slots, block tables, gather indices) for it;
-3. runs the image encoder on the images the step's chunks reach first (images.py), the model once,
+3. runs the image encoder on the images the step's chunks reach first (images.py) or an
+   encoder-decoder's audio encoder on the requests it starts (audio.py), the model once,
    and the LM head only on the last token of the requests that sample (and on the prompt positions
    of requests that asked for prompt logprobs);
 4. samples those rows (logits processors first) and returns the tokens in batch order, with the
@@ -56,6 +57,7 @@ from workers.layers.attention import AttentionMetadata
 from workers.layers.pooler import Pooler, PoolingState
 from workers.models.args import load_model_args
 from workers.models.kv_cache_groups import KVCacheGroup
+from workers.runner.audio import AudioInputs
 from workers.runner.images import ImageInputs
 from workers.runner.inputs import StepInputs
 from workers.runner.kv_cache import KVCache
@@ -124,6 +126,8 @@ class ModelRunner:
         self.draft: Drafter | None = None
         # The running requests' images and their encoder outputs (models whose images are served).
         self.images: ImageInputs | None = None
+        # An encoder-decoder's running requests' audio: cross-attention keys and values (audio.py).
+        self.audio: AudioInputs | None = None
         self._processed_logprobs = config.model.logprobs_mode == "processed_logprobs"
         # Seconds spent in each phase of the last step (scripts/bench_step.py reads it).
         self.last_step_timings: dict[str, float] = {}
@@ -155,6 +159,9 @@ class ModelRunner:
                 mrope_merge_size=mrope_merge_size(self.args.image_config),
             )  # fmt: skip
             self.weights.on_change.append(self.images.weights_changed)
+        if self.args.is_encoder_decoder:
+            self.audio = AudioInputs(model, self.device)
+            self.weights.on_change.append(self.audio.weights_changed)
         self.cache.bind(model, self.draft)
         self.inputs.bind(model, lora_batch, self.draft, self.max_model_len)
         self.weights.repack()
@@ -269,6 +276,8 @@ class ModelRunner:
         self.inputs.update(step)
         if self.images is not None:
             self.images.update(step)
+        if self.audio is not None:
+            self.audio.update(step)
         reqs = step.requests
         if not reqs:
             return empty, None
@@ -280,6 +289,8 @@ class ModelRunner:
         input_ids, meta = self.inputs.build(reqs, spans)
         if self.images is not None:
             meta.set_mrope_positions(self.images.rope_positions(reqs))
+        if self.audio is not None:
+            meta.cross_kv = self.audio.batch(reqs)
         t1 = time.perf_counter()
         timings["prepare"] = t1 - t0
         hidden, routes = self._forward(reqs, input_ids, meta)

@@ -17,10 +17,10 @@ class RoutingCapture:
         # Mixture-of-experts layers of this stage, those of earlier stages (whose routing arrives
         # with their hidden states), the experts per token and in each layer.
         self.layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
-        spec = model.model.spec
+        spec = getattr(model.model, "spec", None)  # None: no decoder family's (Whisper)
         self.shape: RoutingShape | None = None
         self.layers_before = self.top_k = self.num_experts = 0
-        if spec.moe is not None:
+        if spec is not None and spec.moe is not None:
             first = model.model.stage_layers[0]
             self.layers_before = sum(k.mlp == "moe" for k in spec.layers[:first])
             self.top_k, self.num_experts = spec.moe.top_k, spec.moe.num_experts

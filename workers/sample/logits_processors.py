@@ -6,7 +6,9 @@ Order and meaning follow vLLM, whose definitions are Hugging Face's and OpenAI's
    is clear get -inf;
 1. allowed_token_ids: every other token gets -inf;
 2. logit_bias: logits[t] += bias[t];
-3. min_tokens: EOS and stop_token_ids get -inf while fewer than min_tokens tokens were sampled;
+3. suppressed tokens (Hugging Face's SuppressTokens / SuppressTokensAtBegin: always, or at the
+   first output token) get -inf, and so do EOS and stop_token_ids while fewer than min_tokens
+   tokens were sampled;
 4. repetition penalty, as Hugging Face's RepetitionPenaltyLogitsProcessor, over every token of the
    prompt and of the output so far: a positive logit is divided by the penalty, another multiplied;
 5. frequency and presence penalties, as OpenAI's, over output tokens only:
@@ -138,8 +140,7 @@ class LogitsProcessorTensors:
         suppress = [
             (i, t)
             for i, (p, n) in enumerate(zip(params, sample_indices))
-            if n < p.min_tokens
-            for t in dict.fromkeys(p.eos_token_ids + p.stop_token_ids)
+            for t in _suppressed(p, n)
         ]
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if not (constrained or allowed or bias or suppress or penalized):
@@ -193,6 +194,16 @@ class LogitsProcessorTensors:
         self.repetition = _floats([p.repetition_penalty for p in params], device)[:, None]
         self.frequency = _floats([p.frequency_penalty for p in params], device)[:, None]
         self.presence = _floats([p.presence_penalty for p in params], device)[:, None]
+
+
+def _suppressed(p: SamplingParams, n: int) -> list[int]:
+    """The tokens output token n of a request may not be."""
+    tokens = list(p.suppress_token_ids)
+    if n == 0:
+        tokens += p.begin_suppress_token_ids
+    if n < p.min_tokens:
+        tokens += p.eos_token_ids + p.stop_token_ids
+    return list(dict.fromkeys(tokens))
 
 
 def packed_bitmask(rows: list[bytes], vocab_size: int, device: torch.device) -> torch.Tensor:

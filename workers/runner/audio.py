@@ -1,0 +1,84 @@
+"""An encoder-decoder's audio (Whisper): each running request's cross-attention keys and values.
+
+A request carries one audio item (MultiModalItem, modality "audio", no placeholder spans: the
+audio conditions every decoder position) whose tensors are the window's log-mel features. When
+the request is scheduled first (or again after a preemption), its audio is encoded and every
+decoder layer's keys and values over the encoder's states are computed once; they are kept by
+the audio's content hash (a repeated audio is not encoded again) and, per request, until it
+finishes. The cache is emptied when the weights change: keys of old weights must not be served.
+
+Every tensor-parallel rank runs this in the same order on the same steps, so their caches make
+the same choices (an encoder call is a collective).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from enginecore.messages import ScheduledRequest, SchedulerOutput
+from workers.runner.images import tensor_from_data
+
+# Keys and values kept for reuse beyond the running requests' (bytes); one whisper-base window
+# is 6 layers x 2 x 1500 x 512 float32 = 37 MB.
+CROSS_KV_CACHE_BYTES = 256 << 20
+
+CrossKV = list[tuple[torch.Tensor, torch.Tensor]]  # per decoder layer: (H, S, D) keys, values
+
+
+class AudioInputs:
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.by_request: dict[str, CrossKV] = {}
+        self._cache: OrderedDict[str, CrossKV] = OrderedDict()
+        self._cache_bytes = 0
+
+    def update(self, step: SchedulerOutput) -> None:
+        """Forgets the finished requests' audio; encodes that of the requests (re)started."""
+        for req_id in step.finished_req_ids:
+            self.by_request.pop(req_id, None)
+        for r in step.requests:
+            if r.sampling_params is not None:
+                self.by_request[r.req_id] = self._cross_kv(r)
+
+    def batch(self, reqs: list[ScheduledRequest]) -> list[CrossKV]:
+        """The step's sequences' keys and values, in batch order."""
+        missing = [r.req_id for r in reqs if r.req_id not in self.by_request]
+        if missing:
+            raise ValueError(f"request {missing[0]!r} runs without its audio")
+        return [self.by_request[r.req_id] for r in reqs]
+
+    def weights_changed(self) -> None:
+        self._cache.clear()
+        self._cache_bytes = 0
+
+    def _cross_kv(self, r: ScheduledRequest) -> CrossKV:
+        audio = [item for item in r.mm_items if item.modality == "audio"]
+        if len(audio) != 1 or any(item.modality != "audio" for item in r.mm_items):
+            raise ValueError(f"request {r.req_id!r} needs exactly one audio item, and nothing else")
+        item = audio[0]
+        kv = self._cache.get(item.content_hash)
+        if kv is not None:
+            self._cache.move_to_end(item.content_hash)
+            return kv
+        features = item.tensors.get("input_features")
+        if features is None:
+            raise ValueError(f"audio {item.content_hash[:12]} arrived without input_features")
+        kv = self.model.cross_attention_kv(
+            self.model.encode(tensor_from_data(features, self.device))
+        )
+        self._put(item.content_hash, kv)
+        return kv
+
+    def _put(self, content_hash: str, kv: CrossKV) -> None:
+        self._cache[content_hash] = kv
+        self._cache_bytes += _num_bytes(kv)
+        while self._cache_bytes > CROSS_KV_CACHE_BYTES and len(self._cache) > 1:
+            _, dropped = self._cache.popitem(last=False)
+            self._cache_bytes -= _num_bytes(dropped)
+
+
+def _num_bytes(kv: CrossKV) -> int:
+    return sum(t.numel() * t.element_size() for pair in kv for t in pair)
