@@ -37,6 +37,21 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help='items of each modality one prompt may carry, e.g. \'{"image": 2, "video": 0}\' '
         "(default: 999 each, as vLLM)",
     )
+    group.add_argument(
+        "--max-audio-filesize-mb",
+        type=float,
+        default=25.0,
+        metavar="MB",
+        help="largest audio file /v1/audio/transcriptions and /translations take, in MB "
+        "(default: 25, OpenAI's; vLLM's VLLM_MAX_AUDIO_CLIP_FILESIZE_MB); larger: 413",
+    )
+    group.add_argument(
+        "--max-audio-seconds",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="longest audio one transcription may carry, in seconds (default: 3600); longer: 413",
+    )
 
 
 def media_policy_from_args(args: argparse.Namespace) -> MediaPolicy:
@@ -54,6 +69,8 @@ def media_policy_from_args(args: argparse.Namespace) -> MediaPolicy:
         allowed_local_media_path=_media_folder(args.allowed_local_media_path),
         allowed_media_domains=tuple(hosts),
         limit_per_prompt=limits,
+        max_audio_bytes=int(args.max_audio_filesize_mb * 10**6),
+        max_audio_seconds=args.max_audio_seconds,
     )
 
 

@@ -37,6 +37,10 @@ class MediaPolicy:
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # width * height, checked before decoding
     fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
+    # Audio files of /v1/audio/* (OpenAI caps uploads at 25 MB), and the seconds of audio one
+    # request may carry (each 30 s is one engine request).
+    max_audio_bytes: int = 25 * 10**6
+    max_audio_seconds: float = 3600.0
 
     def __post_init__(self) -> None:
         domains = tuple(normalize_host(host) for host in self.allowed_media_domains)
@@ -50,6 +54,8 @@ class MediaPolicy:
                 raise ValueError(f"limit_per_prompt: bad entry {modality!r}: {limit!r}")
         if self.max_image_bytes < 1 or self.max_image_pixels < 1:
             raise ValueError("max_image_bytes and max_image_pixels must be positive")
+        if self.max_audio_bytes < 1 or not self.max_audio_seconds > 0:
+            raise ValueError("max_audio_bytes and max_audio_seconds must be positive")
         if not self.fetch_timeout_s > 0:
             raise ValueError("fetch_timeout_s must be positive")
 

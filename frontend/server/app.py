@@ -21,6 +21,7 @@ from swagger_ui_bundle import swagger_ui_path
 
 from enginecore.config import Config
 from frontend.anthropic.serving import MessagesServing
+from frontend.audio.transcription import TranscriptionServing
 from frontend.cli.server import FrontendConfig
 from frontend.common.errors import APIError
 from frontend.common.http import error_response
@@ -42,7 +43,7 @@ from frontend.server.middleware import (
 )
 from frontend.server.openapi import openapi_document
 from frontend.server.router_routes import RouterServing
-from frontend.server.routes import GENERATION_PATHS, ROUTES, Endpoint, Handlers
+from frontend.server.routes import AUDIO_PATHS, GENERATION_PATHS, ROUTES, Endpoint, Handlers
 from frontend.serving.base import OpenAIServing
 from frontend.sglang.serving import SGLangServing
 
@@ -79,6 +80,7 @@ def build_app(
         control=control,
         router=RouterServing(serving, chat, control),
         info=InfoServing(config, frontend, engine, serving, control, openapi),
+        audio=TranscriptionServing(serving, frontend.media),
     )
     routes: list[BaseRoute] = [
         Route(r.path, _task_gate(engine, r.tasks, r.handler(handlers)), methods=list(r.methods))
@@ -140,6 +142,8 @@ def _middleware(frontend: FrontendConfig) -> list[Middleware]:
             BodyLimitMiddleware,
             max_bytes=frontend.max_request_body_bytes,
             timeout_s=frontend.request_body_timeout_s,
+            # An audio file and its form's other fields; the file's own cap is a 413 of the route.
+            path_limits=dict.fromkeys(AUDIO_PATHS, frontend.media.max_audio_bytes + 2**20),
         )
     )
     stack.append(Middleware(RequestIdMiddleware))

@@ -155,19 +155,28 @@ class BodyLimitMiddleware:
     Bodies not complete within `timeout_s` of the request's start get 408 (a client sending one
     byte a second must not hold a connection and a task forever)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        timeout_s: float = 30.0,
+        path_limits: dict[str, int] | None = None,
+    ) -> None:
+        """path_limits: paths whose bodies have their own cap instead (audio uploads)."""
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.path_limits = path_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Weight pushes carry whole checkpoints; those routes are guarded (CONTROL_PATHS).
         if scope["type"] != "http" or scope["path"] in UNLIMITED_BODY_PATHS:
             await self.app(scope, receive, send)
             return
+        max_bytes = self.path_limits.get(scope["path"], self.max_bytes)
         length = _header(scope, b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await send_error(send, self._too_large(), path=scope.get("path", ""))
+        if length is not None and length.isdigit() and int(length) > max_bytes:
+            await send_error(send, self._too_large(max_bytes), path=scope.get("path", ""))
             return
         received = 0
         is_body_complete = False
@@ -187,9 +196,9 @@ class BodyLimitMiddleware:
                 raise self._timed_out() from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > max_bytes:
                     # Raised inside the route's body read: the app's APIError handler answers 413.
-                    raise self._too_large()
+                    raise self._too_large(max_bytes)
                 is_body_complete = not message.get("more_body", False)
             else:
                 is_body_complete = True  # http.disconnect: nothing more will come
@@ -197,9 +206,9 @@ class BodyLimitMiddleware:
 
         await self.app(scope, limited_receive, send)
 
-    def _too_large(self) -> APIError:
+    def _too_large(self, max_bytes: int) -> APIError:
         return APIError(
-            f"request body too large (the limit is {self.max_bytes} bytes)", 413, None,
+            f"request body too large (the limit is {max_bytes} bytes)", 413, None,
             "request_too_large",
         )  # fmt: skip
 

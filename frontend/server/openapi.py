@@ -80,7 +80,14 @@ def _operation(r: RouteSpec, method: str, schema_of: dict[str, Any]) -> dict[str
             "content": {"application/json": {"schema": schema_of[_key(r.request)]}},
         }
     ok: dict[str, Any] = {"description": "OK"}
-    if r.body == "empty":
+    if r.body == "form":
+        op["requestBody"] = {"required": True, "content": {"multipart/form-data": _AUDIO_FORM}}
+        ok["content"] = {
+            "application/json": {"schema": {"type": "object"}},
+            "text/plain": {"schema": {"type": "string"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        }
+    elif r.body == "empty":
         pass
     elif r.body in ("text", "html"):
         kind = "text/html" if r.body == "html" else "text/plain"
@@ -101,6 +108,27 @@ def _operation(r: RouteSpec, method: str, schema_of: dict[str, Any]) -> dict[str
         **{code: {"description": text, "content": error} for code, text in _ERROR_STATUSES.items()},
     }
     return op
+
+
+# /v1/audio/*'s form, as OpenAI's (frontend/audio/transcription.py reads it).
+_AUDIO_FORM = {
+    "schema": {
+        "type": "object",
+        "required": ["file"],
+        "properties": {
+            "file": {"type": "string", "format": "binary"},
+            "model": {"type": "string"},
+            "language": {"type": "string"},
+            "prompt": {"type": "string"},
+            "response_format": {
+                "type": "string", "enum": ["json", "text", "srt", "verbose_json", "vtt"]
+            },
+            "temperature": {"type": "number"},
+            "timestamp_granularities[]": {"type": "array", "items": {"type": "string"}},
+            "stream": {"type": "boolean"},
+        },
+    }
+}
 
 
 def docs_page(openapi_url: str, static_url: str, title: str) -> str:

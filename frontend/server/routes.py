@@ -59,6 +59,7 @@ from frontend.sglang.protocol import SGLangGenerateOutput, SGLangGenerateRequest
 
 if TYPE_CHECKING:
     from frontend.anthropic.serving import MessagesServing
+    from frontend.audio.transcription import TranscriptionServing
     from frontend.control.serving import ControlServing
     from frontend.lmdeploy.serving import LMDeployServing
     from frontend.openai.chat import ChatServing
@@ -88,6 +89,7 @@ class Handlers:
     control: ControlServing
     router: RouterServing
     info: InfoServing
+    audio: TranscriptionServing
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,9 @@ class RouteSpec:
     stream: Any = None  # the SSE chunk's type, for routes with `stream: true`
     runs_model: bool = False  # 503 while the engine sleeps or waits for weights
     tasks: tuple[str, ...] = ()  # the model tasks that can answer it; empty: any
-    body: str = "json"  # the answer: json | text (Prometheus) | html | empty (the status says it)
+    # The answer: json | text (Prometheus) | html | empty (the status says it) | form (json or
+    # text by the request's response_format; its request is multipart/form-data)
+    body: str = "json"
     optional_body: bool = False  # the request body may be left out
 
 
@@ -146,6 +150,12 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/v1/messages/count_tokens", _POST, lambda h: h.messages.count_tokens,
               "Tokens a Messages request's prompt takes", _ANTHROPIC, CountTokensRequest,
               CountTokensResponse, tasks=_GENERATE),
+    RouteSpec("/v1/audio/transcriptions", _POST, lambda h: h.audio.transcriptions,
+              "Transcription of an audio file (multipart/form-data; speech-to-text models)",
+              _OPENAI, runs_model=True, tasks=_GENERATE, body="form"),
+    RouteSpec("/v1/audio/translations", _POST, lambda h: h.audio.translations,
+              "English translation of an audio file (multipart/form-data)", _OPENAI,
+              runs_model=True, tasks=_GENERATE, body="form"),
     RouteSpec("/v1/embeddings", _POST, lambda h: h.pooling.embeddings, "Embeddings (task embed)",
               _OPENAI, EmbeddingRequest, EmbeddingResponse, runs_model=True, tasks=("embed",)),
     RouteSpec("/v1/models", _GET, lambda h: h.info.models, "Served models", _OPENAI,
@@ -215,3 +225,5 @@ ROUTES: tuple[RouteSpec, ...] = (
 )  # fmt: skip
 
 GENERATION_PATHS = frozenset(r.path for r in ROUTES if r.runs_model)
+# Routes whose bodies carry an audio file: their body limit is the audio's (--max-audio-filesize-mb).
+AUDIO_PATHS = frozenset(r.path for r in ROUTES if r.body == "form")

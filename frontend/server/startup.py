@@ -63,7 +63,12 @@ async def start_serving(
             "KV transfer: %s (%s), bootstrap at %s:%d",
             kv.role, kv.connector, kv.bootstrap_host, kv.bootstrap_port,
         )  # fmt: skip
-    if read_model_task(config.model.path, config.model.task).takes_images:
+    task = read_model_task(config.model.path, config.model.task)
+    if task.is_encoder_decoder:
+        from frontend.audio.speech import SpeechModel
+
+        serving.speech = SpeechModel(config.model.path, tokenizer)
+    if task.takes_images:
         from frontend.media.processing import ImageProcessor
         from frontend.media.prompts import ImagePrompts
 

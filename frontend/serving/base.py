@@ -38,6 +38,7 @@ from frontend.text.detokenizer import IncrementalDetokenizer
 _DONE = b"data: [DONE]\n\n"
 
 if TYPE_CHECKING:
+    from frontend.audio.speech import SpeechModel
     from frontend.common.metrics import Metrics
     from frontend.disagg.bootstrap import LeaseRegistry
     from frontend.media.prompts import ImagePrompts
@@ -71,6 +72,8 @@ class OpenAIServing:
         self.inflight = InflightRequests()
         # The image path (frontend/media/), where the model's images are served.
         self.images: ImagePrompts | None = None
+        # A speech-to-text model's audio side (frontend/audio/speech.py).
+        self.speech: SpeechModel | None = None
         # The LoRA adapters served ({name: {"version", "loaded", "path"}}), as the engine core's
         # control state last said (frontend/control/serving.py refreshes it); None: LoRA is off.
         self.adapters: dict[str, dict[str, Any]] | None = None
@@ -176,6 +179,7 @@ class OpenAIServing:
         lora: str | None | Sequence[str | None] = None,
         mm_items: Sequence[MultiModalItem] = (),
         kv: KVRequest | None = None,
+        mm_items_per_prompt: Sequence[Sequence[MultiModalItem]] | None = None,
     ) -> RequestGroup:
         """Checks every prompt, then starts n engine requests per prompt (all or none): samples
         0..n-1 of prompt 0, then of prompt 1... (frontend/serving/sampling.py says how they differ).
@@ -184,9 +188,15 @@ class OpenAIServing:
         prompt token show (None: no logprobs). `discard_output`: see Generation.
         `structured_output`: the grammar every sample's output follows.
         `lora`: the LoRA adapter every prompt runs on, or one per prompt (None: the base model).
-        `mm_items`: the images of the (one) prompt (frontend/media/).
+        `mm_items`: the images of the (one) prompt (frontend/media/); `mm_items_per_prompt`:
+        each prompt's own (a speech-to-text request's windows: frontend/audio/).
         `kv`: the (one) prompt's KV transfer (frontend/disagg/requests.py).
         """
+        if self.speech is not None and mm_items_per_prompt is None and not mm_items:
+            raise bad_request(
+                "this is a speech-to-text model: every request carries audio "
+                "(POST /v1/audio/transcriptions or /v1/audio/translations)"
+            )
         loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
         if len(loras) != len(prompts):
             raise bad_request(f"{len(loras)} adapters for {len(prompts)} prompts", "lora_path")
@@ -197,7 +207,8 @@ class OpenAIServing:
         engine_ids = iter(unique_ids(request_id, len(prompts) * n, self.engine.is_in_flight))
         gens: list[Generation] = []
         try:
-            for prompt_ids, base, lora_name in zip(prompts, params, loras):
+            items = mm_items_per_prompt or [mm_items] * len(prompts)
+            for prompt_ids, base, lora_name, prompt_items in zip(prompts, params, loras, items):
                 for index in range(n):
                     p = for_sample(base, index, logprobs, prompt_logprobs)
                     detokenizer = IncrementalDetokenizer(
@@ -209,7 +220,7 @@ class OpenAIServing:
                     )
                     gen = Generation(
                         self.engine, next(engine_ids), prompt_ids, p, detokenizer, self.metrics,
-                        discard_output, structured_output, lora_name, list(mm_items),
+                        discard_output, structured_output, lora_name, list(prompt_items),
                         kv.transfer if kv is not None else None, self.leases,
                     )  # fmt: skip
                     gens.append(gen)
@@ -262,6 +273,8 @@ class OpenAIServing:
             ignore_eos=sampling.ignore_eos,
         )
         set_logits_processing(params, sampling, self.vocab_size, defaults)
+        params.suppress_token_ids = list(sampling.suppress_token_ids)
+        params.begin_suppress_token_ids = list(sampling.begin_suppress_token_ids)
         return params
 
     def sse_response(

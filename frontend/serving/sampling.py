@@ -82,6 +82,9 @@ class RequestSampling(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     allowed_token_ids: list[int] | None = None
     min_tokens: int | None = None
+    # Set by the server, not the client: the model's suppressed tokens (speech-to-text models).
+    suppress_token_ids: list[int] = []
+    begin_suppress_token_ids: list[int] = []
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: the context)
     max_tokens_name: str = "max_tokens"  # the field the client set (max_completion_tokens...)
     rules: SamplingRules = VLLM_RULES

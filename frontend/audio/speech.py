@@ -1,0 +1,110 @@
+"""What the frontend knows of a speech-to-text model (Whisper): its feature extractor, its decoder
+prompts and the tokens its generation_config.json suppresses.
+
+A window of audio (at most 30 s of 16 kHz samples) becomes one engine request: its log-mel
+features travel as the request's audio item (MultiModalItem "audio", no placeholders: every
+decoder position attends to it), and its decoder prompt is Hugging Face's
+    [<|startofprev|> + the prompt's tokens] <|startoftranscript|> [<|lang|>] <|task|> <|notimestamps|>
+(language and task tokens on multilingual models only). A request without a language on a
+multilingual model first asks the model which language token follows <|startoftranscript|>, as
+Hugging Face's `detect_language` does (`language_detection_prompt`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from enginecore.messages import MultiModalItem, TensorData
+from frontend.audio.formats import LANGUAGE_NAMES
+from frontend.common.errors import bad_request
+
+SAMPLE_RATE = 16000
+WINDOW_SECONDS = 30.0
+
+
+class SpeechModel:
+    def __init__(self, model_path: str | Path, tokenizer: Any) -> None:
+        from transformers import WhisperFeatureExtractor
+
+        path = Path(model_path)
+        if not (path / "preprocessor_config.json").is_file():
+            raise ValueError(f"{path} has no preprocessor_config.json (Whisper's feature extractor)")
+        self.extractor = WhisperFeatureExtractor.from_pretrained(path)
+        if self.extractor.sampling_rate != SAMPLE_RATE:
+            raise ValueError(f"the feature extractor expects {self.extractor.sampling_rate} Hz")
+        g = json.loads((path / "generation_config.json").read_text())
+        self.start_id = int(g["decoder_start_token_id"])
+        self.no_timestamps_id = int(g["no_timestamps_token_id"])
+        self.prev_id = g.get("prev_sot_token_id")
+        self.is_multilingual = bool(g.get("is_multilingual", False))
+        # Language code ("en") -> its token id.
+        self.language_ids = {
+            token.strip("<|>"): int(i) for token, i in (g.get("lang_to_id") or {}).items()
+        }
+        self.task_ids = {task: int(i) for task, i in (g.get("task_to_id") or {}).items()}
+        self.suppress_ids = [int(t) for t in g.get("suppress_tokens") or []]
+        self.begin_suppress_ids = [int(t) for t in g.get("begin_suppress_tokens") or []]
+        self.max_target_positions = int(g.get("max_length", 448))
+        self.tokenizer = tokenizer
+
+    # ------------------------------------------------------------------ requests
+
+    def language_code(self, language: str | None) -> str | None:
+        """The request's `language` (an ISO-639-1 code, or a name: "english") as the model's
+        code; None to detect it. 400 for a language the model does not have."""
+        if language is None or language == "":
+            return None
+        if not self.is_multilingual:
+            if language.lower() not in ("en", "english"):
+                raise bad_request("this model transcribes English only", "language")
+            return "en"
+        code = language.lower()
+        names = {name: c for c, name in LANGUAGE_NAMES.items()}
+        code = names.get(code, code)
+        if code not in self.language_ids:
+            raise bad_request(
+                f"language {language!r} is not one of the model's "
+                f"({', '.join(sorted(self.language_ids))})",
+                "language",
+            )
+        return code
+
+    def decoder_prompt(self, language: str | None, task: str, prompt: str | None) -> list[int]:
+        ids = []
+        if prompt:
+            if self.prev_id is None:
+                raise bad_request("this model takes no prompt", "prompt")
+            text = self.tokenizer.encode(" " + prompt.strip(), add_special_tokens=False)
+            # As Hugging Face: the prompt keeps at most half the decoder's context.
+            ids = [int(self.prev_id), *text[-(self.max_target_positions // 2 - 1) :]]
+        ids.append(self.start_id)
+        if self.is_multilingual:
+            if task not in self.task_ids:
+                raise bad_request(f"this model does not {task}", "task")
+            ids += [self.language_ids[language or "en"], self.task_ids[task]]
+        elif task != "transcribe":
+            raise bad_request("this model transcribes English only; it does not translate")
+        ids.append(self.no_timestamps_id)
+        return ids
+
+    def language_detection_prompt(self) -> list[int]:
+        return [self.start_id]
+
+    def language_of(self, token_id: int) -> str:
+        by_id = {i: code for code, i in self.language_ids.items()}
+        return by_id[token_id]
+
+    def audio_item(self, samples: np.ndarray) -> MultiModalItem:
+        """One window's log-mel features as the request's audio item (padded to 30 s)."""
+        features = self.extractor(
+            samples, sampling_rate=SAMPLE_RATE, return_tensors="np"
+        )["input_features"][0].astype(np.float32)  # (mel bins, 3000)
+        data = features.tobytes()
+        digest = hashlib.sha256(data).hexdigest()
+        tensor = TensorData("float32", list(features.shape), data)
+        return MultiModalItem("audio", digest, [], {"input_features": tensor})

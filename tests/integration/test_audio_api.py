@@ -1,0 +1,232 @@
+"""/v1/audio/transcriptions and /v1/audio/translations end to end, through the openai SDK, on a
+tiny random Whisper (scripts/make_tiny_whisper.py) served by `tern launch`.
+
+The oracle is Hugging Face's WhisperForConditionalGeneration in float32 on the same audio: the
+test decodes the file as the server does (frontend/audio/decoding.py, FFmpeg), cuts the same 30 s
+windows, extracts features with the checkpoint's feature extractor and decodes each window
+greedily over HF's forward with the same decoder prompt and suppressed tokens; HF's tokenizer
+turns the tokens into the text every response format must show.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from frontend.audio.decoding import decode_audio, split_windows
+from tests.audio_files import encode_audio
+from tests.conftest import _load_script
+
+MAX_TOKENS = 16
+EXTRA = {"max_completion_tokens": MAX_TOKENS}
+
+
+@pytest.fixture(scope="module")
+def whisper_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _load_script("make_tiny_whisper").make_tiny_whisper(tmp_path_factory.mktemp("whisper"))
+
+
+@pytest.fixture(scope="module")
+def oracle(whisper_dir: Path) -> _Oracle:
+    return _Oracle(whisper_dir)
+
+
+@pytest.fixture
+def server(shared_server: Any, whisper_dir: Path) -> Any:
+    return shared_server(
+        "--model", str(whisper_dir), "--served-model-name", "whisper", "--dtype", "float32",
+        "--max-audio-seconds", "70",
+        "--max-audio-filesize-mb", "2",
+    )  # fmt: skip
+
+
+def _client(server: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+
+
+def _speech(seconds: float, seed: int) -> np.ndarray:
+    """A few tones and noise: audio whose windows differ."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(16000 * seconds)) / 16000
+    freq = rng.uniform(150, 900) * (1 + 0.3 * np.sin(2 * np.pi * 0.2 * t))
+    return (0.3 * np.sin(2 * np.pi * freq * t) + 0.05 * rng.standard_normal(t.size)).astype(
+        np.float32
+    )
+
+
+class _Oracle:
+    def __init__(self, model_dir: Path) -> None:
+        import transformers
+
+        self.hf = transformers.WhisperForConditionalGeneration.from_pretrained(model_dir).eval()
+        self.extractor = transformers.WhisperFeatureExtractor.from_pretrained(model_dir)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        self.g = json.loads((model_dir / "generation_config.json").read_text())
+
+    def features(self, samples: np.ndarray) -> torch.Tensor:
+        return self.extractor(samples, sampling_rate=16000, return_tensors="pt")["input_features"]
+
+    def detect(self, samples: np.ndarray) -> str:
+        """Hugging Face's detect_language: the likeliest language token after <|startoftranscript|>."""
+        with torch.inference_mode():
+            logits = self.hf(
+                input_features=self.features(samples),
+                decoder_input_ids=torch.tensor([[self.g["decoder_start_token_id"]]]),
+            ).logits[0, -1]
+        langs = self.g["lang_to_id"]
+        best = max(langs, key=lambda token: float(logits[langs[token]]))
+        return best.strip("<|>")
+
+    def window_tokens(self, samples: np.ndarray, task: str, language: str) -> list[int]:
+        g = self.g
+        prompt = [g["decoder_start_token_id"], g["lang_to_id"][f"<|{language}|>"],
+                  g["task_to_id"][task], g["no_timestamps_token_id"]]  # fmt: skip
+        ids, features = list(prompt), self.features(samples)
+        with torch.inference_mode():
+            for _ in range(MAX_TOKENS):
+                row = self.hf(input_features=features, decoder_input_ids=torch.tensor([ids]))
+                logits = row.logits[0, -1]
+                logits[g["suppress_tokens"]] = float("-inf")
+                if len(ids) == len(prompt):
+                    logits[g["begin_suppress_tokens"]] = float("-inf")
+                ids.append(int(logits.argmax()))
+                if ids[-1] == g["eos_token_id"]:
+                    break
+        return ids[len(prompt) :]
+
+    def transcribe(self, audio: bytes, task: str = "transcribe", language: str | None = "en"):
+        """(text, each window's output tokens, the language) as the server must answer."""
+        samples = decode_audio(audio)
+        windows = split_windows(samples)
+        language = language or self.detect(windows[0][1])
+        tokens = [self.window_tokens(w, task, language) for _, w in windows]
+        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+        return "".join(texts).strip(), tokens, language
+
+
+def test_transcription_formats_equal_hf(server: Any, oracle: _Oracle) -> None:
+    """One 40 s flac (two windows): every response format shows HF's tokens."""
+    audio = encode_audio(_speech(40.0, 1), 16000, "flac")
+    text, tokens, _ = oracle.transcribe(audio)
+    assert text and len(tokens) == 2
+    client = _client(server)
+    file = ("speech.flac", audio)
+    answer = client.audio.transcriptions.create(
+        model="whisper", file=file, language="en", extra_body=EXTRA
+    )
+    assert answer.text == text
+    verbose = client.audio.transcriptions.create(
+        model="whisper", file=file, language="en", response_format="verbose_json",
+        timestamp_granularities=["segment"], extra_body=EXTRA,
+    )  # fmt: skip
+    assert verbose.text == text and verbose.language == "english"
+    assert verbose.duration == pytest.approx(40.0, abs=0.05)
+    assert [s.tokens for s in verbose.segments] == tokens
+    assert [(s.start, s.end) for s in verbose.segments] == [(0.0, 30.0), (30.0, pytest.approx(40.0, abs=0.05))]
+    assert all(s.avg_logprob < 0 for s in verbose.segments)
+    plain = client.audio.transcriptions.create(
+        model="whisper", file=file, language="en", response_format="text", extra_body=EXTRA
+    )
+    assert plain.strip() == text
+    srt = client.audio.transcriptions.create(
+        model="whisper", file=file, language="en", response_format="srt", extra_body=EXTRA
+    )
+    assert srt.startswith("1\n00:00:00,000 --> 00:00:30,000\n") and "\n2\n00:00:30,000 --> " in srt
+    vtt = client.audio.transcriptions.create(
+        model="whisper", file=file, language="en", response_format="vtt", extra_body=EXTRA
+    )
+    assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> 00:00:30.000\n")
+    cues = [s.text.strip() for s in verbose.segments]
+    assert all(cue in srt and cue in vtt for cue in cues if cue)
+
+
+def test_streamed_transcript_events(server: Any, oracle: _Oracle) -> None:
+    audio = encode_audio(_speech(35.0, 2), 16000, "mp3")
+    text, _, _ = oracle.transcribe(audio)
+    stream = _client(server).audio.transcriptions.create(
+        model="whisper", file=("a.mp3", audio), language="en", stream=True, extra_body=EXTRA
+    )
+    events = list(stream)
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    done = [e for e in events if e.type == "transcript.text.done"]
+    assert len(done) == 1 and done[0].text == text
+    assert "".join(deltas) == text and len(deltas) > 1
+    assert done[0].usage.output_tokens > 0
+
+
+@pytest.mark.parametrize("fmt", ["wav", "ogg", "webm", "m4a"])
+def test_container_formats(server: Any, oracle: _Oracle, fmt: str) -> None:
+    audio = encode_audio(_speech(4.0, 3), 22050, fmt)
+    text, _, _ = oracle.transcribe(audio)
+    answer = _client(server).audio.transcriptions.create(
+        model="whisper", file=(f"a.{fmt}", audio), language="en", extra_body=EXTRA
+    )
+    assert answer.text == text
+
+
+def test_language_detected_and_translation(server: Any, oracle: _Oracle) -> None:
+    """No language: the model's likeliest language token decides it (verbose_json names it);
+    translations decode with <|translate|>."""
+    audio = encode_audio(_speech(6.0, 4), 16000, "wav")
+    text, tokens, language = oracle.transcribe(audio, language=None)
+    client = _client(server)
+    verbose = client.audio.transcriptions.create(
+        model="whisper", file=("a.wav", audio), response_format="verbose_json", extra_body=EXTRA
+    )
+    from frontend.audio.formats import language_name
+
+    assert verbose.language == language_name(language)
+    assert [s.tokens for s in verbose.segments] == tokens
+    translated, t_tokens, _ = oracle.transcribe(audio, "translate", language=None)
+    answer = client.audio.translations.create(
+        model="whisper", file=("a.wav", audio), extra_body=EXTRA
+    )
+    assert answer.text == translated
+
+
+def test_bad_audio_is_refused(server: Any) -> None:
+    url = f"{server.base_url}/v1/audio/transcriptions"
+
+    def post(data: bytes, **fields: str) -> httpx.Response:
+        return httpx.post(url, files={"file": ("a.wav", data)}, data=fields, timeout=60)
+
+    for body, status, words in [
+        (b"", 400, "empty"),
+        (b"RIFF\x00\x01not really a wav at all" * 10, 400, "decode"),
+        (np.random.default_rng(0).bytes(3 * 10**6), 413, "limit"),  # beyond 2 MB
+        (encode_audio(_speech(75.0, 5), 16000, "mp3"), 413, "70"),  # beyond 70 s
+    ]:
+        r = post(body)
+        assert r.status_code == status, (r.status_code, r.text)
+        error = r.json()["error"]
+        assert words in error["message"] and error["type"]
+    wav = encode_audio(_speech(2.0, 6), 16000, "wav")
+    for fields, param in [
+        ({"timestamp_granularities[]": "word", "response_format": "verbose_json"},
+         "timestamp_granularities[]"),
+        ({"response_format": "tsv"}, "response_format"),
+        ({"language": "klingon"}, "language"),
+        ({"frobnicate": "1"}, "frobnicate"),
+        ({"stream": "true", "response_format": "srt"}, None),
+    ]:  # fmt: skip
+        r = post(wav, **fields)
+        assert r.status_code == 400, (fields, r.text)
+        assert r.json()["error"]["param"] == param
+    r = httpx.post(url, json={"model": "whisper"}, timeout=30)
+    assert r.status_code == 400 and "multipart" in r.json()["error"]["message"]
+    # The server still answers.
+    assert post(wav, language="en", max_completion_tokens="4").status_code == 200
+    # A text prompt without audio cannot run on a speech-to-text model.
+    r = httpx.post(
+        f"{server.base_url}/v1/completions",
+        json={"model": "whisper", "prompt": "hello", "max_tokens": 4},
+        timeout=30,
+    )
+    assert r.status_code == 400 and "audio" in r.json()["error"]["message"]
