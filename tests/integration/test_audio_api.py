@@ -129,7 +129,10 @@ def test_transcription_formats_equal_hf(server: Any, oracle: _Oracle) -> None:
     assert verbose.text == text and verbose.language == "english"
     assert verbose.duration == pytest.approx(40.0, abs=0.05)
     assert [s.tokens for s in verbose.segments] == tokens
-    assert [(s.start, s.end) for s in verbose.segments] == [(0.0, 30.0), (30.0, pytest.approx(40.0, abs=0.05))]
+    assert [(s.start, s.end) for s in verbose.segments] == [
+        (0.0, 30.0),
+        (30.0, pytest.approx(40.0, abs=0.05)),
+    ]
     assert all(s.avg_logprob < 0 for s in verbose.segments)
     plain = client.audio.transcriptions.create(
         model="whisper", file=file, language="en", response_format="text", extra_body=EXTRA
@@ -230,3 +233,21 @@ def test_bad_audio_is_refused(server: Any) -> None:
         timeout=30,
     )
     assert r.status_code == 400 and "audio" in r.json()["error"]["message"]
+
+
+def test_tensor_parallel_transcription_equals_hf(
+    launch_server: Any, whisper_dir: Path, oracle: _Oracle
+) -> None:
+    """--tp 2: every projection split by heads over two gloo ranks, the answer HF's."""
+    server = launch_server(
+        "--model", str(whisper_dir), "--served-model-name", "whisper", "--dtype", "float32",
+        "--tp", "2",
+    )  # fmt: skip
+    audio = encode_audio(_speech(35.0, 7), 16000, "flac")
+    text, tokens, _ = oracle.transcribe(audio)
+    verbose = _client(server).audio.transcriptions.create(
+        model="whisper", file=("a.flac", audio), language="en", response_format="verbose_json",
+        extra_body=EXTRA,
+    )  # fmt: skip
+    assert verbose.text == text
+    assert [s.tokens for s in verbose.segments] == tokens
