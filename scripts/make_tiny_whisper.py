@@ -10,21 +10,24 @@ and the 1501 timestamps <|0.00|> ... <|30.00|>.
 
     python scripts/make_tiny_whisper.py OUT_DIR [--shape test|tiny|base]
 
-`tiny` and `base` have whisper-tiny's and whisper-base's layer sizes (their vocabulary is this
-tokenizer's, ~2k tokens, not 51,865: the decoder's LM head is the one size that differs).
+`tiny` and `base` have whisper-tiny's and whisper-base's sizes, vocabulary included (51,865: their
+BPE is trained on pseudo-words until it has OpenAI's 50,256 text tokens); `test` is tiny
+everywhere (a ~2k vocabulary) for the test suite.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 from pathlib import Path
 from typing import Any
 
+# text_vocab: the BPE's tokens before the specials (OpenAI's: 50,256, with 1,609 specials 51,865).
 SHAPES: dict[str, dict[str, int]] = {
-    "test": {"d_model": 64, "layers": 2, "heads": 4, "ffn": 128},
-    "tiny": {"d_model": 384, "layers": 4, "heads": 6, "ffn": 1536},
-    "base": {"d_model": 512, "layers": 6, "heads": 8, "ffn": 2048},
+    "test": {"d_model": 64, "layers": 2, "heads": 4, "ffn": 128, "text_vocab": 600},
+    "tiny": {"d_model": 384, "layers": 4, "heads": 6, "ffn": 1536, "text_vocab": 50256},
+    "base": {"d_model": 512, "layers": 6, "heads": 8, "ffn": 2048, "text_vocab": 50256},
 }
 _CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -34,13 +37,24 @@ _CORPUS = [
 ]
 
 
-def _tokenizer(out_dir: Path) -> Any:
+def _corpus(text_vocab: int) -> list[str]:
+    """The sentences above; for a large vocabulary also pseudo-words (syllables), which give BPE
+    enough distinct merges."""
+    if text_vocab <= 1000:
+        return _CORPUS * 20
+    rng = random.Random(0)
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"] + list("aeiou")
+    words = ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(300_000)]
+    return _CORPUS * 20 + [" ".join(words[i : i + 20]) for i in range(0, len(words), 20)]
+
+
+def _tokenizer(out_dir: Path, text_vocab: int) -> Any:
     from tokenizers import ByteLevelBPETokenizer
     from transformers import WhisperTokenizer
     from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(_CORPUS * 20, vocab_size=600, min_frequency=1)
+    bpe.train_from_iterator(_corpus(text_vocab), vocab_size=text_vocab, min_frequency=1)
     model = json.loads(bpe.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     tokenizer = WhisperTokenizer(vocab=model["vocab"], merges=merges)
@@ -86,9 +100,9 @@ def make_tiny_whisper(out_dir: Path, shape: str = "test", seed: int = 0) -> Path
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer(out_dir)
-    generation = _generation_config(tokenizer)
     s = SHAPES[shape]
+    tokenizer = _tokenizer(out_dir, s["text_vocab"])
+    generation = _generation_config(tokenizer)
     config = WhisperConfig(
         vocab_size=len(tokenizer),
         num_mel_bins=80,

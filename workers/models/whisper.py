@@ -91,9 +91,16 @@ class WhisperEncoderLayer(WhisperLayer):
         attn = self.self_attn
         x = self.self_attn_layer_norm(h)
         q, (k, v) = attn.heads(attn.query(x)), attn.keys_values(x)
-        o = F.scaled_dot_product_attention(q, k, v, scale=1.0)  # (H, S, D)
+        o = _attend(q, k, v)  # (H, S, D)
         h = h + attn.out_proj(o.transpose(0, 1).flatten(1))
         return h + self.mlp(h)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Unmasked attention of (H, T, D) queries over (H, S, D) keys and values, queries scaled.
+    NOTE: with a batch dimension torch takes its flash kernel on CPU (never forming the S x S
+    scores): 4x faster over a 1500-frame window than the 3-D call's math path."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=1.0)[0]
 
 
 class WhisperEncoder(nn.Module):
@@ -159,7 +166,7 @@ class WhisperDecoderLayer(WhisperLayer):
         # NOTE: one product per sequence: each reads its own audio's keys, which no other shares.
         for i, (k, v) in enumerate(cross_kv):
             lo, hi = starts[i], starts[i + 1]
-            o = F.scaled_dot_product_attention(attn.heads(q[lo:hi]), k, v, scale=1.0)
+            o = _attend(attn.heads(q[lo:hi]), k, v)
             out[lo:hi] = o.transpose(0, 1).flatten(1)
         return attn.out_proj(out)
 
