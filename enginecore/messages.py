@@ -31,6 +31,18 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine failed while serving the request
 
 
+class TimestampRule(msgspec.Struct, array_like=True):
+    """Whisper's timestamp tokens, as Hugging Face's WhisperTimeStampLogitsProcessor samples them:
+    never <|notimestamps|>; timestamps in pairs (except before EOS), never decreasing; the first
+    output token a timestamp no later than `max_initial_index`; and a timestamp whenever the
+    timestamps' summed probability beats every text token's."""
+
+    timestamp_begin: int  # <|0.00|>, the first timestamp token; every later id is one
+    eos_token_id: int  # tokens below it are text
+    no_timestamps_token_id: int
+    max_initial_index: int | None = None
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     """What the engine core and the workers need to know to sample one request's tokens."""
 
@@ -57,6 +69,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # SuppressTokensAtBegin logits processors: Whisper's generation_config.json lists them).
     suppress_token_ids: list[int] = []
     begin_suppress_token_ids: list[int] = []
+    timestamps: TimestampRule | None = None  # Whisper's timestamp decoding
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -81,7 +94,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     @property
     def needs_history(self) -> bool:
         """The worker must know every token of the request, also those from the prefix cache."""
-        return self.has_penalties or self.prompt_logprobs is not None
+        return self.has_penalties or self.prompt_logprobs is not None or self.timestamps is not None
 
 
 class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True):

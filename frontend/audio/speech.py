@@ -5,7 +5,9 @@ A window of audio (at most 30 s of 16 kHz samples) becomes one engine request: i
 features travel as the request's audio item (MultiModalItem "audio", no placeholders: every
 decoder position attends to it), and its decoder prompt is Hugging Face's
     [<|startofprev|> + the prompt's tokens] <|startoftranscript|> [<|lang|>] <|task|> <|notimestamps|>
-(language and task tokens on multilingual models only). A request without a language on a
+(language and task tokens on multilingual models only; without <|notimestamps|> when the segments
+are timed: the model then writes timestamp tokens, sampled under Hugging Face's timestamp rule,
+enginecore/messages.py TimestampRule). A request without a language on a
 multilingual model first asks the model which language token follows <|startoftranscript|>, as
 Hugging Face's `detect_language` does (`language_detection_prompt`).
 """
@@ -19,12 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from enginecore.messages import MultiModalItem, TensorData
+from enginecore.messages import MultiModalItem, TensorData, TimestampRule
 from frontend.audio.formats import LANGUAGE_NAMES
 from frontend.common.errors import bad_request
 
 SAMPLE_RATE = 16000
 WINDOW_SECONDS = 30.0
+TIME_PRECISION = 0.02  # seconds between consecutive timestamp tokens
 
 
 class SpeechModel:
@@ -33,7 +36,9 @@ class SpeechModel:
 
         path = Path(model_path)
         if not (path / "preprocessor_config.json").is_file():
-            raise ValueError(f"{path} has no preprocessor_config.json (Whisper's feature extractor)")
+            raise ValueError(
+                f"{path} has no preprocessor_config.json (Whisper's feature extractor)"
+            )
         self.extractor = WhisperFeatureExtractor.from_pretrained(path)
         if self.extractor.sampling_rate != SAMPLE_RATE:
             raise ValueError(f"the feature extractor expects {self.extractor.sampling_rate} Hz")
@@ -50,6 +55,8 @@ class SpeechModel:
         self.suppress_ids = [int(t) for t in g.get("suppress_tokens") or []]
         self.begin_suppress_ids = [int(t) for t in g.get("begin_suppress_tokens") or []]
         self.max_target_positions = int(g.get("max_length", 448))
+        self.eos_id = int(g["eos_token_id"])
+        self.max_initial_timestamp_index = g.get("max_initial_timestamp_index")
         self.tokenizer = tokenizer
 
     # ------------------------------------------------------------------ requests
@@ -74,7 +81,18 @@ class SpeechModel:
             )
         return code
 
-    def decoder_prompt(self, language: str | None, task: str, prompt: str | None) -> list[int]:
+    def timestamp_rule(self) -> TimestampRule:
+        """How the model's timestamp tokens are sampled (the first follows <|notimestamps|>)."""
+        return TimestampRule(
+            self.no_timestamps_id + 1, self.eos_id, self.no_timestamps_id,
+            self.max_initial_timestamp_index,
+        )  # fmt: skip
+
+    def decoder_prompt(
+        self, language: str | None, task: str, prompt: str | None, timestamps: bool = False
+    ) -> list[int]:
+        """With `timestamps` the prompt ends at the task token: the model then times its
+        segments (<|0.00|> text <|2.40|> ...) instead of writing <|notimestamps|>."""
         ids = []
         if prompt:
             if self.prev_id is None:
@@ -89,7 +107,8 @@ class SpeechModel:
             ids += [self.language_ids[language or "en"], self.task_ids[task]]
         elif task != "transcribe":
             raise bad_request("this model transcribes English only; it does not translate")
-        ids.append(self.no_timestamps_id)
+        if not timestamps:
+            ids.append(self.no_timestamps_id)
         return ids
 
     def language_detection_prompt(self) -> list[int]:
@@ -101,9 +120,9 @@ class SpeechModel:
 
     def audio_item(self, samples: np.ndarray) -> MultiModalItem:
         """One window's log-mel features as the request's audio item (padded to 30 s)."""
-        features = self.extractor(
-            samples, sampling_rate=SAMPLE_RATE, return_tensors="np"
-        )["input_features"][0].astype(np.float32)  # (mel bins, 3000)
+        features = self.extractor(samples, sampling_rate=SAMPLE_RATE, return_tensors="np")[
+            "input_features"
+        ][0].astype(np.float32)  # (mel bins, 3000)
         data = features.tobytes()
         digest = hashlib.sha256(data).hexdigest()
         tensor = TensorData("float32", list(features.shape), data)

@@ -31,7 +31,7 @@ from frontend.audio.formats import (
     compression_ratio,
     render,
 )
-from frontend.audio.speech import SAMPLE_RATE, SpeechModel
+from frontend.audio.speech import SAMPLE_RATE, TIME_PRECISION, SpeechModel
 from frontend.common.errors import APIError, bad_request
 from frontend.common.http import sse
 from frontend.media.policy import MediaPolicy
@@ -94,16 +94,19 @@ class TranscriptionServing:
         request_id, keys, headers = s.request_ids(http_request, "trsc-", None)
         if language is None and speech.is_multilingual:
             language = await self._detect_language(http_request, request_id, items[0])
-        prompts = [speech.decoder_prompt(language, task, req.prompt) for _ in windows]
+        # Formats with segments time them; json and text need no timestamps (OpenAI's whisper-1).
+        timed = req.response_format in ("verbose_json", "srt", "vtt")
+        prompt_ids = speech.decoder_prompt(language, task, req.prompt, timestamps=timed)
         sampling = RequestSampling(
             max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
             top_k=req.top_k, seed=req.seed, skip_special_tokens=True,
             suppress_token_ids=speech.suppress_ids,
             begin_suppress_token_ids=speech.begin_suppress_ids,
+            timestamps=speech.timestamp_rule() if timed else None,
         )  # fmt: skip
         sampling.verify()
         group = s.start(
-            request_id, keys, sampling, prompts, "file", logprobs=0,
+            request_id, keys, sampling, [prompt_ids] * len(windows), "file", logprobs=0,
             mm_items_per_prompt=[[item] for item in items],
         )  # fmt: skip
         duration = len(samples) / SAMPLE_RATE
@@ -120,9 +123,7 @@ class TranscriptionServing:
             body = body[:-1] + b',"usage":{"type":"duration","seconds":%d}}' % math.ceil(duration)
         return Response(body, media_type=media_type, headers=headers)
 
-    async def _detect_language(
-        self, http_request: Request, request_id: str, item: object
-    ) -> str:
+    async def _detect_language(self, http_request: Request, request_id: str, item: object) -> str:
         """The language token the model puts after <|startoftranscript|> for the first window,
         among its language tokens (Hugging Face's detect_language), greedily."""
         s, speech = self.serving, self.serving.speech
@@ -223,7 +224,9 @@ async def _parse_form(form: FormData, task: str, max_bytes: int) -> Transcriptio
             "timestamp_granularities[]",
         )
     if any(g != "segment" for g in req.granularities):
-        raise bad_request("timestamp_granularities are 'segment' or 'word'", "timestamp_granularities[]")
+        raise bad_request(
+            "timestamp_granularities are 'segment' or 'word'", "timestamp_granularities[]"
+        )
     if req.granularities and req.response_format != "verbose_json":
         raise bad_request(
             "timestamp_granularities need response_format verbose_json", "timestamp_granularities[]"
@@ -275,20 +278,55 @@ class _Transcript:
         return "".join(self.window_text(g) for g in gens).strip()
 
     def segments(self, gens: list[Generation]) -> list[Segment]:
-        out = []
+        """Each window's timed segments: its timestamp pairs <|t0|> text <|t1|> (text after the
+        last pair runs to the window's end); a window without timestamps is one segment."""
+        out: list[Segment] = []
         for i, gen in enumerate(gens):
             start = self.starts[i]
             end = self.starts[i + 1] if i + 1 < len(self.starts) else self.duration
-            text = self.window_text(gen)
             logprobs = gen.all_output_logprobs
             values = logprobs.logprobs if logprobs is not None else []
-            out.append(
-                Segment(
-                    id=i, seek=int(start * 100), start=start, end=end, text=text,
-                    tokens=list(gen.output_token_ids), temperature=gen.params.temperature,
-                    avg_logprob=sum(values) / len(values) if values else 0.0,
-                    compression_ratio=compression_ratio(text), no_speech_prob=0.0,
-                )  # fmt: skip
-            )
+            for lo, hi, first, last in self._pairs(gen.output_token_ids, end - start):
+                tokens = gen.output_token_ids[first:last]
+                text = self.speech.tokenizer.hf.decode(tokens, skip_special_tokens=True)
+                scores = values[first:last]
+                out.append(
+                    Segment(
+                        id=len(out),
+                        seek=int(start * 100),
+                        # NOTE: times in a window's padding, past the audio, end at its end
+                        start=min(start + lo, end),
+                        end=min(start + hi, end),
+                        text=text,
+                        tokens=list(tokens),
+                        temperature=gen.params.temperature,
+                        avg_logprob=sum(scores) / len(scores) if scores else 0.0,
+                        compression_ratio=compression_ratio(text),
+                        no_speech_prob=0.0,
+                    )  # fmt: skip
+                )
         return out
 
+    def _pairs(self, tokens: list[int], length: float) -> list[tuple[float, float, int, int]]:
+        """(start s, end s, first token, end token) of each segment of one window's output."""
+        begin, eos = self.speech.no_timestamps_id + 1, self.speech.eos_id
+        spans: list[tuple[float, float, int, int]] = []
+        opened: tuple[float, int] | None = None  # an open pair's time and first token
+        text_from = 0  # the first token not in a segment yet
+        for i, tok in enumerate(tokens):
+            if tok == eos:
+                tokens = tokens[:i]
+                break
+            if tok < begin:
+                continue
+            seconds = (tok - begin) * TIME_PRECISION
+            if opened is None:
+                opened = (seconds, i)
+            else:
+                spans.append((opened[0], seconds, opened[1], i + 1))
+                opened, text_from = None, i + 1
+        rest = tokens[text_from:]
+        if any(t < begin for t in rest) or not spans:
+            lo = opened[0] if opened is not None else (spans[-1][1] if spans else 0.0)
+            spans.append((lo, length, text_from, len(tokens)))
+        return spans

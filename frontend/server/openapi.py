@@ -121,7 +121,8 @@ _AUDIO_FORM = {
             "language": {"type": "string"},
             "prompt": {"type": "string"},
             "response_format": {
-                "type": "string", "enum": ["json", "text", "srt", "verbose_json", "vtt"]
+                "type": "string",
+                "enum": ["json", "text", "srt", "verbose_json", "vtt"],
             },
             "temperature": {"type": "number"},
             "timestamp_granularities[]": {"type": "array", "items": {"type": "string"}},

@@ -275,6 +275,7 @@ class OpenAIServing:
         set_logits_processing(params, sampling, self.vocab_size, defaults)
         params.suppress_token_ids = list(sampling.suppress_token_ids)
         params.begin_suppress_token_ids = list(sampling.begin_suppress_token_ids)
+        params.timestamps = sampling.timestamps
         return params
 
     def sse_response(

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from enginecore.messages import SamplingParams
+from enginecore.messages import SamplingParams, TimestampRule
 from frontend.common.errors import bad_request
 
 _MAX_BIAS = 100.0  # OpenAI's range for logit_bias values; vLLM clamps to it
@@ -85,6 +85,7 @@ class RequestSampling(msgspec.Struct, kw_only=True):
     # Set by the server, not the client: the model's suppressed tokens (speech-to-text models).
     suppress_token_ids: list[int] = []
     begin_suppress_token_ids: list[int] = []
+    timestamps: TimestampRule | None = None
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: the context)
     max_tokens_name: str = "max_tokens"  # the field the client set (max_completion_tokens...)
     rules: SamplingRules = VLLM_RULES

@@ -84,37 +84,61 @@ class _Oracle:
         best = max(langs, key=lambda token: float(logits[langs[token]]))
         return best.strip("<|>")
 
-    def window_tokens(self, samples: np.ndarray, task: str, language: str) -> list[int]:
+    def window_tokens(
+        self, samples: np.ndarray, task: str, language: str, timed: bool = False
+    ) -> list[int]:
+        """Greedy over HF's forward with generate's logits processors, in its order: the
+        begin-suppressed and suppressed tokens, then (timed) its timestamp rule."""
+        from transformers import GenerationConfig
+        from transformers.generation.logits_process import (
+            LogitsProcessorList,
+            SuppressTokensAtBeginLogitsProcessor,
+            SuppressTokensLogitsProcessor,
+            WhisperTimeStampLogitsProcessor,
+        )
+
         g = self.g
         prompt = [g["decoder_start_token_id"], g["lang_to_id"][f"<|{language}|>"],
-                  g["task_to_id"][task], g["no_timestamps_token_id"]]  # fmt: skip
+                  g["task_to_id"][task]] + ([] if timed else [g["no_timestamps_token_id"]])  # fmt: skip
+        processors = LogitsProcessorList([
+            SuppressTokensAtBeginLogitsProcessor(g["begin_suppress_tokens"], len(prompt)),
+            SuppressTokensLogitsProcessor(g["suppress_tokens"]),
+        ])  # fmt: skip
+        if timed:
+            config = GenerationConfig(**g)
+            processors.append(WhisperTimeStampLogitsProcessor(config, begin_index=len(prompt)))
         ids, features = list(prompt), self.features(samples)
         with torch.inference_mode():
             for _ in range(MAX_TOKENS):
-                row = self.hf(input_features=features, decoder_input_ids=torch.tensor([ids]))
-                logits = row.logits[0, -1]
-                logits[g["suppress_tokens"]] = float("-inf")
-                if len(ids) == len(prompt):
-                    logits[g["begin_suppress_tokens"]] = float("-inf")
-                ids.append(int(logits.argmax()))
+                out = self.hf(input_features=features, decoder_input_ids=torch.tensor([ids]))
+                scores = processors(torch.tensor([ids]), out.logits[:, -1])
+                ids.append(int(scores[0].argmax()))
                 if ids[-1] == g["eos_token_id"]:
                     break
         return ids[len(prompt) :]
 
-    def transcribe(self, audio: bytes, task: str = "transcribe", language: str | None = "en"):
+    def transcribe(
+        self, audio: bytes, task: str = "transcribe", language: str | None = "en", timed=False
+    ) -> tuple[str, list[list[int]], str]:
         """(text, each window's output tokens, the language) as the server must answer."""
         samples = decode_audio(audio)
         windows = split_windows(samples)
         language = language or self.detect(windows[0][1])
-        tokens = [self.window_tokens(w, task, language) for _, w in windows]
+        tokens = [self.window_tokens(w, task, language, timed) for _, w in windows]
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
         return "".join(texts).strip(), tokens, language
 
+    def before_eos(self, tokens: list[int]) -> list[int]:
+        eos = self.g["eos_token_id"]
+        return tokens[: tokens.index(eos)] if eos in tokens else tokens
+
 
 def test_transcription_formats_equal_hf(server: Any, oracle: _Oracle) -> None:
-    """One 40 s flac (two windows): every response format shows HF's tokens."""
+    """One 40 s flac (two windows): json and text without timestamps, verbose_json, srt and vtt
+    with timed segments, each showing HF's tokens."""
     audio = encode_audio(_speech(40.0, 1), 16000, "flac")
     text, tokens, _ = oracle.transcribe(audio)
+    timed_text, timed_tokens, _ = oracle.transcribe(audio, timed=True)
     assert text and len(tokens) == 2
     client = _client(server)
     file = ("speech.flac", audio)
@@ -122,31 +146,38 @@ def test_transcription_formats_equal_hf(server: Any, oracle: _Oracle) -> None:
         model="whisper", file=file, language="en", extra_body=EXTRA
     )
     assert answer.text == text
-    verbose = client.audio.transcriptions.create(
-        model="whisper", file=file, language="en", response_format="verbose_json",
-        timestamp_granularities=["segment"], extra_body=EXTRA,
-    )  # fmt: skip
-    assert verbose.text == text and verbose.language == "english"
-    assert verbose.duration == pytest.approx(40.0, abs=0.05)
-    assert [s.tokens for s in verbose.segments] == tokens
-    assert [(s.start, s.end) for s in verbose.segments] == [
-        (0.0, 30.0),
-        (30.0, pytest.approx(40.0, abs=0.05)),
-    ]
-    assert all(s.avg_logprob < 0 for s in verbose.segments)
     plain = client.audio.transcriptions.create(
         model="whisper", file=file, language="en", response_format="text", extra_body=EXTRA
     )
     assert plain.strip() == text
+    verbose = client.audio.transcriptions.create(
+        model="whisper", file=file, language="en", response_format="verbose_json",
+        timestamp_granularities=["segment"], extra_body=EXTRA,
+    )  # fmt: skip
+    assert verbose.text == timed_text and verbose.language == "english"
+    assert verbose.duration == pytest.approx(40.0, abs=0.05)
+    begin = oracle.g["no_timestamps_token_id"] + 1
+    segments = verbose.segments
+    for w, (lo, hi) in enumerate([(0.0, 30.0), (30.0, verbose.duration)]):
+        window = [s for s in segments if s.seek == int(lo * 100)]
+        assert sum((s.tokens for s in window), []) == oracle.before_eos(timed_tokens[w])
+        for s in window:  # each segment's times: its own timestamp tokens, within the audio
+            stamps = [lo + (t - begin) * 0.02 for t in s.tokens if t >= begin]
+            if len(stamps) == 2:
+                assert s.start == pytest.approx(min(stamps[0], hi), abs=1e-6)
+                assert s.end == pytest.approx(min(stamps[1], hi), abs=1e-6)
+    assert [s.id for s in segments] == list(range(len(segments)))
+    assert all(s.start <= s.end for s in segments)
+    assert any(t >= begin for s in segments for t in s.tokens)  # the model timed something
     srt = client.audio.transcriptions.create(
         model="whisper", file=file, language="en", response_format="srt", extra_body=EXTRA
     )
-    assert srt.startswith("1\n00:00:00,000 --> 00:00:30,000\n") and "\n2\n00:00:30,000 --> " in srt
     vtt = client.audio.transcriptions.create(
         model="whisper", file=file, language="en", response_format="vtt", extra_body=EXTRA
     )
-    assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> 00:00:30.000\n")
-    cues = [s.text.strip() for s in verbose.segments]
+    assert srt.count(" --> ") == len(segments) and vtt.startswith("WEBVTT\n\n")
+    assert vtt.count(" --> ") == len(segments)
+    cues = [s.text.strip() for s in segments]
     assert all(cue in srt and cue in vtt for cue in cues if cue)
 
 
@@ -178,7 +209,7 @@ def test_language_detected_and_translation(server: Any, oracle: _Oracle) -> None
     """No language: the model's likeliest language token decides it (verbose_json names it);
     translations decode with <|translate|>."""
     audio = encode_audio(_speech(6.0, 4), 16000, "wav")
-    text, tokens, language = oracle.transcribe(audio, language=None)
+    text, tokens, language = oracle.transcribe(audio, language=None, timed=True)
     client = _client(server)
     verbose = client.audio.transcriptions.create(
         model="whisper", file=("a.wav", audio), response_format="verbose_json", extra_body=EXTRA
@@ -186,7 +217,7 @@ def test_language_detected_and_translation(server: Any, oracle: _Oracle) -> None
     from frontend.audio.formats import language_name
 
     assert verbose.language == language_name(language)
-    assert [s.tokens for s in verbose.segments] == tokens
+    assert sum((s.tokens for s in verbose.segments), []) == oracle.before_eos(tokens[0])
     translated, t_tokens, _ = oracle.transcribe(audio, "translate", language=None)
     answer = client.audio.translations.create(
         model="whisper", file=("a.wav", audio), extra_body=EXTRA
@@ -244,10 +275,10 @@ def test_tensor_parallel_transcription_equals_hf(
         "--tp", "2",
     )  # fmt: skip
     audio = encode_audio(_speech(35.0, 7), 16000, "flac")
-    text, tokens, _ = oracle.transcribe(audio)
+    text, tokens, _ = oracle.transcribe(audio, timed=True)
     verbose = _client(server).audio.transcriptions.create(
         model="whisper", file=("a.flac", audio), language="en", response_format="verbose_json",
         extra_body=EXTRA,
     )  # fmt: skip
     assert verbose.text == text
-    assert [s.tokens for s in verbose.segments] == tokens
+    assert sum((s.tokens for s in verbose.segments), []) == sum(map(oracle.before_eos, tokens), [])

@@ -8,7 +8,8 @@ Order and meaning follow vLLM, whose definitions are Hugging Face's and OpenAI's
 2. logit_bias: logits[t] += bias[t];
 3. suppressed tokens (Hugging Face's SuppressTokens / SuppressTokensAtBegin: always, or at the
    first output token) get -inf, and so do EOS and stop_token_ids while fewer than min_tokens
-   tokens were sampled;
+   tokens were sampled; then Whisper's timestamp rule (messages.TimestampRule), as Hugging
+   Face's WhisperTimeStampLogitsProcessor, which follows the suppression there too;
 4. repetition penalty, as Hugging Face's RepetitionPenaltyLogitsProcessor, over every token of the
    prompt and of the output so far: a positive logit is divided by the penalty, another multiplied;
 5. frequency and presence penalties, as OpenAI's, over output tokens only:
@@ -114,6 +115,11 @@ class LogitsProcessorTensors:
     bias_index: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids), (B,) each
     bias_values: torch.Tensor | None = None  # (B,) float32
     suppress_index: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf
+    # Whisper's timestamp rule (messages.TimestampRule): its rows, what each forbids, and the
+    # rows whose timestamps' summed probability is compared with the best text token's.
+    timestamp_rows: torch.Tensor | None = None  # (W,)
+    timestamp_forbidden: torch.Tensor | None = None  # (W, V) bool
+    timestamp_begin: torch.Tensor | None = None  # (W, 1) each row's first timestamp token
     penalty_rows: torch.Tensor | None = None  # (P,) rows with a penalty
     seen_mask: torch.Tensor | None = None  # (P, V) bool: in the prompt or the output so far
     output_counts: torch.Tensor | None = None  # (P, V) float32
@@ -143,7 +149,8 @@ class LogitsProcessorTensors:
             for t in _suppressed(p, n)
         ]
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
-        if not (constrained or allowed or bias or suppress or penalized):
+        timed = [i for i, p in enumerate(params) if p.timestamps is not None]
+        if not (constrained or allowed or bias or suppress or penalized or timed):
             return None
         t = cls()
         if constrained:
@@ -169,11 +176,52 @@ class LogitsProcessorTensors:
                 _ints([i for i, _ in suppress], device),
                 _ints([k for _, k in suppress], device),
             )
+        if timed:
+            t._set_timestamps([params[i] for i in timed], [histories[i] for i in timed],
+                              vocab_size, device)  # fmt: skip
+            t.timestamp_rows = _ints(timed, device)
         if penalized:
             t._set_penalties([params[i] for i in penalized], [histories[i] for i in penalized],
                              vocab_size, device)  # fmt: skip
             t.penalty_rows = _ints(penalized, device)
         return t
+
+    def _set_timestamps(
+        self,
+        params: list[SamplingParams],
+        histories: list[TokenHistory | None],
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        """Each row's tokens the timestamp rule forbids, from its output so far."""
+        forbidden = torch.zeros(len(params), vocab_size, dtype=torch.bool)
+        begins = []
+        for row, (p, history) in enumerate(zip(params, histories)):
+            rule = p.timestamps
+            assert rule is not None
+            if history is None:
+                raise ValueError("a request with Whisper timestamps needs its token history")
+            begin = rule.timestamp_begin
+            begins.append(begin)
+            forbidden[row, rule.no_timestamps_token_id] = True
+            out = history.token_ids[history.num_prompt_tokens :]
+            last_was = len(out) >= 1 and out[-1] >= begin
+            penultimate_was = len(out) < 2 or out[-2] >= begin
+            if last_was:
+                if penultimate_was:  # a pair just closed: text (or EOS) next
+                    forbidden[row, begin:] = True
+                else:  # a pair is open: its closing timestamp (or EOS)
+                    forbidden[row, : rule.eos_token_id] = True
+            stamps = [tok for tok in out if tok >= begin]
+            if stamps:  # never decreasing; a closed pair's end may not open the next one
+                last = stamps[-1] if last_was and not penultimate_was else stamps[-1] + 1
+                forbidden[row, begin:last] = True
+            if not out:  # the first token is a timestamp, no later than max_initial_index
+                forbidden[row, :begin] = True
+                if rule.max_initial_index is not None:
+                    forbidden[row, begin + rule.max_initial_index + 1 :] = True
+        self.timestamp_forbidden = forbidden.to(device)
+        self.timestamp_begin = _ints(begins, device)[:, None]
 
     def _set_penalties(
         self,
@@ -226,6 +274,21 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: lis
     logits[index] = logits[index].masked_fill(allowed == 0, float("-inf"))
 
 
+def _apply_timestamp_rule(logits: torch.Tensor, t: LogitsProcessorTensors) -> None:
+    """Whisper's rule on its rows, in place: the forbidden tokens, then text tokens too where the
+    timestamps' summed probability beats every text token's (as Hugging Face, after the
+    suppressed tokens)."""
+    assert t.timestamp_rows is not None and t.timestamp_forbidden is not None
+    assert t.timestamp_begin is not None
+    rows = logits[t.timestamp_rows].masked_fill(t.timestamp_forbidden, float("-inf"))
+    logprobs = torch.log_softmax(rows, dim=-1)
+    is_stamp = torch.arange(rows.size(1), device=rows.device)[None, :] >= t.timestamp_begin
+    stamp_mass = logprobs.masked_fill(~is_stamp, float("-inf")).logsumexp(dim=-1)
+    best_text = logprobs.masked_fill(is_stamp, float("-inf")).max(dim=-1).values
+    rows = rows.masked_fill((stamp_mass > best_text)[:, None] & ~is_stamp, float("-inf"))
+    logits[t.timestamp_rows] = rows
+
+
 def _ints(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
@@ -249,6 +312,8 @@ def apply_logits_processors(logits: torch.Tensor, t: LogitsProcessorTensors) -> 
         logits.index_put_(t.bias_index, t.bias_values, accumulate=True)
     if t.suppress_index is not None:
         logits[t.suppress_index] = float("-inf")
+    if t.timestamp_rows is not None:
+        _apply_timestamp_rule(logits, t)
     if t.penalty_rows is not None:
         assert t.seen_mask is not None and t.output_counts is not None
         assert t.repetition is not None and t.frequency is not None and t.presence is not None
