@@ -418,8 +418,10 @@ class EngineCore:
         task = self.model_task
         if task.is_encoder_decoder:
             return _validate_audio_items(req)
-        if not task.takes_images:
-            return f"{task.architecture} is served without image inputs"
+        for item in req.mm_items:
+            served = task.takes_audio if item.modality == "audio" else task.takes_images
+            if not served:
+                return f"{task.architecture} is served without {item.modality} inputs"
         if req.pooling:
             return "a pooling request cannot carry images"
         n, last_end = len(req.prompt_token_ids), 0

@@ -82,6 +82,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Mistral3ForConditionalGeneration": ("llama", "lm_head"),  # a Mistral text model
     "Idefics3ForConditionalGeneration": ("llama", "lm_head"),  # SmolVLM: a Llama text model
     "LlavaOnevisionForConditionalGeneration": ("qwen2", "lm_head"),
+    "Qwen2AudioForConditionalGeneration": ("qwen2", "lm_head"),  # a Qwen2 text model
     # Encoder-decoder: an audio encoder whose output the text decoder cross-attends to.
     "WhisperForConditionalGeneration": ("whisper", "lm_head"),
 }
@@ -96,6 +97,7 @@ MULTIMODAL_ARCHITECTURES = (
     "Idefics3ForConditionalGeneration",
     "LlavaOnevisionForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
+    "Qwen2AudioForConditionalGeneration",
 )
 # Of those, the ones whose images tern serves too (an encoder in workers/vision/); the others serve
 # their language model only.
@@ -107,7 +109,10 @@ IMAGE_INPUT_ARCHITECTURES = (
     "Mistral3ForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",
 )
-# Of those, the ones whose language model attends in both directions inside each image's
+# Of the multimodal ones, those whose audio tern serves (an audio tower whose rows fill the
+# prompt's audio placeholders, as an image encoder's do: workers/audio/).
+AUDIO_INPUT_ARCHITECTURES = ("Qwen2AudioForConditionalGeneration",)
+# Of the image ones, those whose language model attends in both directions inside each image's
 # placeholders (Hugging Face's Gemma 3): an image's run of placeholders is never split across prefill
 # chunks nor cut by a prefix-cache hit.
 WHOLE_IMAGE_SPAN_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
@@ -147,6 +152,7 @@ class ModelTask:
     takes_images: bool = False
     whole_image_spans: bool = False
     image_layout_tensors: tuple[str, ...] = ()  # IMAGE_LAYOUT_TENSORS
+    takes_audio: bool = False  # AUDIO_INPUT_ARCHITECTURES: audio placeholders in its prompts
     # A speech-to-text encoder-decoder (AUDIO_ENCODER_DECODER_ARCHITECTURES): every request
     # carries its audio's features, which its decoder's every position attends to.
     is_encoder_decoder: bool = False
@@ -184,6 +190,11 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
 def is_multimodal(hf: dict[str, Any]) -> bool:
     """Whether the checkpoint carries a vision tower tern does not serve (it serves the text)."""
     return bool(hf.get("architectures")) and hf["architectures"][0] in MULTIMODAL_ARCHITECTURES
+
+
+def takes_audio(hf: dict[str, Any]) -> bool:
+    """Whether tern serves the checkpoint's audio inputs (config.json, the outer one)."""
+    return bool(hf.get("architectures")) and hf["architectures"][0] in AUDIO_INPUT_ARCHITECTURES
 
 
 def is_encoder_decoder(hf: dict[str, Any]) -> bool:
@@ -238,7 +249,7 @@ def num_labels_of(hf: dict[str, Any]) -> int:
 def model_task(hf: dict[str, Any], requested: str = "auto") -> ModelTask:
     """The task `requested` (--task) resolves to for this config.json; ValueError if the model
     cannot serve it."""
-    images = takes_images(hf)
+    images, audio = takes_images(hf), takes_audio(hf)
     hf = text_config_of(hf)
     arch = architecture_of(hf)
     head = ARCHITECTURES[arch][1]
@@ -268,6 +279,7 @@ def model_task(hf: dict[str, Any], requested: str = "auto") -> ModelTask:
         whole_image_spans=images and arch in WHOLE_IMAGE_SPAN_ARCHITECTURES,
         image_layout_tensors=IMAGE_LAYOUT_TENSORS.get(arch, ()) if images else (),
         is_encoder_decoder=arch in AUDIO_ENCODER_DECODER_ARCHITECTURES,
+        takes_audio=audio and task == "generate",
     )  # fmt: skip
 
 

@@ -28,7 +28,11 @@ M = TypeVar("M")
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Why a part other than text is refused on a model served without image inputs.
-_TEXT_ONLY = {"image_url": "this model is served without image inputs"}
+_TEXT_ONLY = {
+    "image_url": "this model is served without image inputs",
+    "input_audio": "this model is served without audio inputs",
+    "audio_url": "this model is served without audio inputs",
+}
 MAX_LOGPROBS = 20  # most likely tokens per position (vLLM's default --max-logprobs)
 
 _PARAM_RE = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
@@ -38,11 +42,17 @@ _decoders: dict[type, msgspec.json.Decoder[Any]] = {}
 
 
 @dataclass(frozen=True)
-class ImageRef:
-    """An image part of a request: its URL and the request field that holds it (for errors)."""
+class MediaRef:
+    """An image or audio part of a request: its URL (an input_audio part's bytes as a data: URL),
+    the request field that holds it (for errors) and its modality."""
 
     url: str
     param: str
+    modality: str = "image"
+
+
+# Content part types -> the modality they carry.
+_MEDIA_PARTS = {"image_url": "image", "input_audio": "audio", "audio_url": "audio"}
 
 
 def decode_request(body: bytes, typ: type[T]) -> T:
@@ -136,7 +146,9 @@ def check_spaces_between_special_tokens(req: Any) -> None:
 
 
 def normalize_messages(
-    messages: list[dict[str, Any]], images: list[ImageRef] | None = None
+    messages: list[dict[str, Any]],
+    media: list[MediaRef] | None = None,
+    modalities: tuple[str, ...] = ("image",),
 ) -> list[dict[str, Any]]:
     """Chat messages as chat templates expect them, from any form OpenAI's API allows.
 
@@ -146,16 +158,19 @@ def normalize_messages(
     (400, param messages[i].<field>) for what the API forbids: a missing or unknown role, content
     missing where it is required, non-text parts, tool calls off an assistant message.
 
-    `images`: when given (the model takes images), `image_url` parts are allowed: a message with
-    one keeps its content as a list of text and `{"type": "image"}` parts (the form image-aware
-    chat templates read), and each image's URL is appended to `images` in prompt order.
+    `media`: when given (the model takes `modalities`), their parts are allowed (`image_url`;
+    `input_audio` and vLLM's `audio_url`): a message with one keeps its content as a list of text
+    and `{"type": "image"}` / `{"type": "audio"}` parts (the form multimodal chat templates read),
+    and each part's URL is appended to `media` in prompt order.
     """
     if not messages:
         raise bad_request("messages must not be empty", "messages")
-    return [_normalize_message(i, m, images) for i, m in enumerate(messages)]
+    return [_normalize_message(i, m, media, modalities) for i, m in enumerate(messages)]
 
 
-def _normalize_message(i: int, message: Any, images: list[ImageRef] | None) -> dict[str, Any]:
+def _normalize_message(
+    i: int, message: Any, media: list[MediaRef] | None, modalities: tuple[str, ...]
+) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise bad_request("each message must be an object", f"messages[{i}]")
     role = message.get("role")
@@ -171,7 +186,7 @@ def _normalize_message(i: int, message: Any, images: list[ImageRef] | None) -> d
         if value is not None and not isinstance(value, str):
             raise bad_request(f"{name} must be a string", f"messages[{i}].{name}")
     out = {k: v for k, v in message.items() if k != "refusal"}
-    out["content"] = _content(i, role, message, images)
+    out["content"] = _content(i, role, message, media, modalities)
     if role == "developer":  # OpenAI's newer name for system instructions; templates know system
         out["role"] = "system"
     if message.get("tool_calls") is not None:
@@ -182,13 +197,18 @@ def _normalize_message(i: int, message: Any, images: list[ImageRef] | None) -> d
 
 
 def _content(
-    i: int, role: str, message: dict[str, Any], images: list[ImageRef] | None
+    i: int,
+    role: str,
+    message: dict[str, Any],
+    media: list[MediaRef] | None,
+    modalities: tuple[str, ...],
 ) -> str | list[dict[str, Any]]:
-    """The message's content: one string, or with images the list of its text and image parts."""
+    """The message's content: one string, or with media the list of its text and media parts."""
     content = message.get("content")
-    if images is None or not isinstance(content, list):
+    if media is None or not isinstance(content, list):
         return _content_text(i, role, message)
-    if not any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+    served = [k for k, modality in _MEDIA_PARTS.items() if modality in modalities]
+    if not any(isinstance(p, dict) and p.get("type") in served for p in content):
         return _content_text(i, role, message)
     parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
@@ -196,20 +216,31 @@ def _content(
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         if kind == "text" and isinstance(part.get("text"), str):
             parts.append({"type": "text", "text": part["text"]})
-        elif kind == "image_url":
-            images.append(ImageRef(_image_url(part, param), param))
-            parts.append({"type": "image"})
+        elif kind in served:
+            modality = _MEDIA_PARTS[kind]
+            media.append(MediaRef(_media_url(part, kind, param), param, modality))
+            parts.append({"type": modality})
+        elif kind in _MEDIA_PARTS:
+            raise bad_request(f"this model is served without {_MEDIA_PARTS[kind]} inputs", param)
         else:
-            raise bad_request(f"content part type {kind!r} is not supported with images", param)
+            raise bad_request(f"content part type {kind!r} is not supported with media", param)
     return parts
 
 
-def _image_url(part: dict[str, Any], param: str) -> str:
-    """An image_url part's URL (`detail` is accepted and ignored, as vLLM does)."""
-    image_url = part.get("image_url")
-    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+def _media_url(part: dict[str, Any], kind: str, param: str) -> str:
+    """A media part's URL (an image_url's `detail` is accepted and ignored, as vLLM does); an
+    input_audio part's base64 `data` becomes a data: URL of its `format`."""
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        data = audio.get("data") if isinstance(audio, dict) else None
+        fmt = audio.get("format", "wav") if isinstance(audio, dict) else None
+        if not isinstance(data, str) or not data or not isinstance(fmt, str):
+            raise bad_request("an input_audio part needs input_audio.data, base64", param)
+        return f"data:audio/{fmt};base64,{data}"
+    value = part.get(kind)
+    url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
-        raise bad_request("an image_url part needs image_url.url, a string", param)
+        raise bad_request(f"a {kind} part needs {kind}.url, a string", param)
     return url
 
 

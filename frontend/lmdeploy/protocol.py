@@ -12,7 +12,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from frontend.common.decoding import (
-    ImageRef,
+    MediaRef,
     Unsupported,
     check_spaces_between_special_tokens,
     check_unsupported,
@@ -74,15 +74,15 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             rules=LMDEPLOY_RULES,
         )
 
-    def image_refs(self) -> list[ImageRef]:
+    def image_refs(self) -> list[MediaRef]:
         """The prompt's images: none for null or [], else one string or a list of them."""
         data = self.image_data
         if data is UNSET or data is None:
             return []
         if not isinstance(data, list):
-            return [ImageRef(image_data_url(data, "image_data"), "image_data")]
+            return [MediaRef(image_data_url(data, "image_data"), "image_data")]
         return [
-            ImageRef(image_data_url(item, f"image_data[{i}]"), f"image_data[{i}]")
+            MediaRef(image_data_url(item, f"image_data[{i}]"), f"image_data[{i}]")
             for i, item in enumerate(data)
         ]
 

@@ -107,7 +107,7 @@ class ImageProcessor:
             raise bad_request(f"the image processor failed: {e}", param) from e
         items = self._match_runs(ids, per_image)
         if items is None:
-            found = sum(length for _, length in _placeholder_runs(ids, self.placeholder_id))
+            found = sum(length for _, length in placeholder_runs(ids, self.placeholder_id))
             needed = sum(num_rows for _, num_rows in per_image)
             raise bad_request(
                 f"the token ids hold {found} image placeholders (token {self.placeholder_id}) but "
@@ -122,7 +122,7 @@ class ImageProcessor:
     ) -> list[MultiModalItem] | None:
         """One item per image, each over the next placeholder runs that hold exactly its number
         of placeholders; None when the runs and the images do not match one to one."""
-        runs = _placeholder_runs(ids, self.placeholder_id)
+        runs = placeholder_runs(ids, self.placeholder_id)
         items = []
         for tensors, num_rows in per_image:
             spans, taken = [], 0
@@ -132,7 +132,7 @@ class ImageProcessor:
                 taken += length
             if taken != num_rows:
                 return None
-            items.append(MultiModalItem("image", _content_hash(tensors), spans, tensors))
+            items.append(MultiModalItem("image", content_hash(tensors), spans, tensors))
         return None if runs else items
 
     def _check_options(self, options: dict[str, Any]) -> None:
@@ -164,7 +164,7 @@ class ImageProcessor:
         )  # fmt: skip
         num_rows = int((out["input_ids"][0] == self.placeholder_id).sum())
         tensors = {
-            name: _tensor_data(np.asarray(value))
+            name: tensor_data(np.asarray(value))
             for name, value in out.items()
             if name not in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
         }
@@ -179,7 +179,7 @@ def _largest_int(value: Any) -> int:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
 
 
-def _placeholder_runs(ids: list[int], placeholder: int) -> list[tuple[int, int]]:
+def placeholder_runs(ids: list[int], placeholder: int) -> list[tuple[int, int]]:
     runs: list[tuple[int, int]] = []
     for pos, token in enumerate(ids):
         if token != placeholder:
@@ -191,12 +191,12 @@ def _placeholder_runs(ids: list[int], placeholder: int) -> list[tuple[int, int]]
     return runs
 
 
-def _tensor_data(array: np.ndarray) -> TensorData:
+def tensor_data(array: np.ndarray) -> TensorData:
     array = np.ascontiguousarray(array)
     return TensorData(str(array.dtype), list(array.shape), array.tobytes())
 
 
-def _content_hash(tensors: dict[str, TensorData]) -> str:
+def content_hash(tensors: dict[str, TensorData]) -> str:
     """Names the processed image: the same pixels under the same processing, the same hash."""
     h = hashlib.sha256()
     for name in sorted(tensors):

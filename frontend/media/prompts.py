@@ -10,7 +10,7 @@ from typing import Any
 from PIL import Image
 
 from enginecore.messages import MultiModalItem
-from frontend.common.decoding import ImageRef
+from frontend.common.decoding import MediaRef
 from frontend.media.images import decode_image
 from frontend.media.limits import check_limits
 from frontend.media.policy import MediaPolicy
@@ -28,7 +28,7 @@ class ImagePrompts:
     async def make(
         self,
         text: str,
-        refs: list[ImageRef],
+        refs: list[MediaRef],
         options: dict[str, Any] | None,
         param: str,
         add_special_tokens: bool = False,
@@ -42,7 +42,7 @@ class ImagePrompts:
         )
 
     async def make_for_generate(
-        self, prompt: str | list[int], refs: list[ImageRef], param: str
+        self, prompt: str | list[int], refs: list[MediaRef], param: str
     ) -> tuple[list[int], list[MultiModalItem]]:
         """A /generate prompt (SGLang's, LMDeploy's) with images: text holds one image marker per
         image and is processed as a chat prompt is, special tokens added as both servers
@@ -55,7 +55,7 @@ class ImagePrompts:
         items = await asyncio.to_thread(self.processor.items_for_ids, prompt, images, {}, param)
         return prompt, items
 
-    async def load(self, refs: list[ImageRef], param: str) -> list[Image.Image]:
+    async def load(self, refs: list[MediaRef], param: str) -> list[Image.Image]:
         """One prompt's images, counted against --limit-mm-per-prompt, fetched or decoded."""
         check_limits({"image": len(refs)}, self.policy, param)
         images = []

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from enginecore.messages import Logprobs, MultiModalItem
-from frontend.common.decoding import ImageRef, decode_request
+from frontend.common.decoding import MediaRef, decode_request
 from frontend.common.errors import bad_request
 from frontend.common.http import json_response, sse
 from frontend.common.protocol import DeltaMessage, PromptLogprobsList
@@ -55,13 +55,15 @@ class ChatServing(ChatPath):
         s = self.serving
         lora = s.lora_of(req)
         plan = self.plan(req)
-        images = [] if s.images is not None else None
-        if images is None and req.mm_processor_kwargs is not None:
+        media = [] if s.images is not None or s.audio is not None else None
+        if s.images is None and req.mm_processor_kwargs is not None:
             raise bad_request("this model is served without image inputs", "mm_processor_kwargs")
-        prompt_text, prompt_ids = self.render(req, plan, images)
+        prompt_text, prompt_ids = self.render(req, plan, media)
         mm_items = []
-        if images:
-            prompt_ids, mm_items = await self.chat_image_prompt(req, prompt_text, images)
+        if media and s.audio is not None:
+            prompt_ids, mm_items = await self.chat_audio_prompt(req, prompt_text, media)
+        elif media:
+            prompt_ids, mm_items = await self.chat_image_prompt(req, prompt_text, media)
         constraint, opens_reasoning = self.after_reasoning(plan.constraint, prompt_text)
         request_id, keys, headers = s.request_ids(http_request, "chatcmpl-", req.request_id)
         kv = kv_request(s.kv, **req.kv_fields())
@@ -119,19 +121,19 @@ class ChatServing(ChatPath):
         )  # fmt: skip
 
     def render(
-        self, req: ChatCompletionRequest, plan: ToolPlan, images: list[ImageRef] | None = None
+        self, req: ChatCompletionRequest, plan: ToolPlan, media: list[MediaRef] | None = None
     ) -> tuple[str, list[int]]:
         """The prompt (text, token ids) a chat request runs: its messages through the chat
-        template (or its prompt_token_ids), truncated as it asks. `images`: where the model takes
-        images, the list the image parts' URLs are appended to (the ids are then the text's
-        before its image markers are expanded: image_prompt)."""
+        template (or its prompt_token_ids), truncated as it asks. `media`: where the model takes
+        images or audio, the list their parts' URLs are appended to (the ids are then the text's
+        before its markers are expanded: chat_image_prompt, chat_audio_prompt)."""
         s = self.serving
         if req.prompt_token_ids is not None:
             prompt_ids = s.encode_prompt(req.prompt_token_ids, False, "prompt_token_ids")
             prompt_text = s.tokenizer.decode(prompt_ids, skip_special_tokens=False)
         else:
             prompt_text = s.tokenizer.render_chat(
-                req.normalized_messages(images),
+                req.normalized_messages(media, s.modalities),
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 chat_template_kwargs=req.chat_template_kwargs,
@@ -140,8 +142,19 @@ class ChatServing(ChatPath):
             prompt_ids = s.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
         return prompt_text, truncate_prompt(prompt_ids, req.truncate_prompt_tokens, s.max_model_len)
 
+    async def chat_audio_prompt(
+        self, req: ChatCompletionRequest, prompt_text: str, audios: list[MediaRef]
+    ) -> tuple[list[int], list[MultiModalItem]]:
+        """The prompt's token ids with its audios' placeholders, and the audios' items."""
+        if req.truncate_prompt_tokens is not None:
+            raise bad_request(
+                "truncate_prompt_tokens cannot cut a prompt with audio", "truncate_prompt_tokens"
+            )
+        assert self.serving.audio is not None
+        return await self.serving.audio.make(prompt_text, audios, "messages")
+
     async def chat_image_prompt(
-        self, req: ChatCompletionRequest, prompt_text: str, images: list[ImageRef]
+        self, req: ChatCompletionRequest, prompt_text: str, images: list[MediaRef]
     ) -> tuple[list[int], list[MultiModalItem]]:
         """The prompt's token ids with its images' placeholders, and the images' items."""
         if req.truncate_prompt_tokens is not None:

@@ -18,7 +18,7 @@ from msgspec import UNSET, UnsetType
 
 from enginecore.messages import StructuredOutputSpec
 from frontend.common.decoding import (
-    ImageRef,
+    MediaRef,
     Unsupported,
     check_num_logprobs,
     check_spaces_between_special_tokens,
@@ -235,10 +235,12 @@ class ChatCompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=Tr
                 "continue_final_message",
             )
 
-    def normalized_messages(self, images: list[ImageRef] | None = None) -> list[dict[str, Any]]:
+    def normalized_messages(
+        self, media: list[MediaRef] | None = None, modalities: tuple[str, ...] = ("image",)
+    ) -> list[dict[str, Any]]:
         """The messages as the chat template expects them: text-part lists joined into strings
-        (see normalize_messages for `images`)."""
-        return normalize_messages(self.messages, images)
+        (see normalize_messages for `media`)."""
+        return normalize_messages(self.messages, media, modalities)
 
 
 class CompletionRequest(_RequestBase, forbid_unknown_fields=True, kw_only=True):

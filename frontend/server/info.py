@@ -132,7 +132,7 @@ class InfoServing:
             "engine": {
                 "model_summary": ready.model_summary,
                 "task": ready.task,
-                "input_modalities": ["text", "image"] if self.serving.images else ["text"],
+                "input_modalities": ["text", *self.serving.modalities],
                 "num_kv_blocks": ready.num_kv_blocks,
                 "block_size": ready.block_size,
                 "max_model_len": ready.max_model_len,

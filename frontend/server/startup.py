@@ -68,6 +68,10 @@ async def start_serving(
         from frontend.audio.speech import SpeechModel
 
         serving.speech = SpeechModel(config.model.path, tokenizer)
+    if task.takes_audio:
+        from frontend.audio.prompts import AudioProcessor, AudioPrompts
+
+        serving.audio = AudioPrompts(AudioProcessor(config.model.path), frontend.media)
     if task.takes_images:
         from frontend.media.processing import ImageProcessor
         from frontend.media.prompts import ImagePrompts

@@ -38,6 +38,7 @@ from frontend.text.detokenizer import IncrementalDetokenizer
 _DONE = b"data: [DONE]\n\n"
 
 if TYPE_CHECKING:
+    from frontend.audio.prompts import AudioPrompts
     from frontend.audio.speech import SpeechModel
     from frontend.common.metrics import Metrics
     from frontend.disagg.bootstrap import LeaseRegistry
@@ -74,6 +75,8 @@ class OpenAIServing:
         self.images: ImagePrompts | None = None
         # A speech-to-text model's audio side (frontend/audio/speech.py).
         self.speech: SpeechModel | None = None
+        # An audio-language model's audio path (frontend/audio/prompts.py).
+        self.audio: AudioPrompts | None = None
         # The LoRA adapters served ({name: {"version", "loaded", "path"}}), as the engine core's
         # control state last said (frontend/control/serving.py refreshes it); None: LoRA is off.
         self.adapters: dict[str, dict[str, Any]] | None = None
@@ -81,6 +84,11 @@ class OpenAIServing:
         # the registry of the leases its requests lent (its bootstrap answers from it).
         self.kv = KVSide(KVTransferConfig(), "")
         self.leases: LeaseRegistry | None = None
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """The media a prompt may carry besides text (chat parts)."""
+        return ("image",) * (self.images is not None) + ("audio",) * (self.audio is not None)
 
     def routed_experts_of(self, gen: Generation) -> str | None:
         """vLLM's choices[i].routed_experts of a finished generation (routed_experts.py)."""

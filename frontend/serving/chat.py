@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from enginecore.messages import MultiModalItem, StructuredOutputSpec
-from frontend.common.decoding import ImageRef
+from frontend.common.decoding import MediaRef
 from frontend.serving.base import OpenAIServing
 from frontend.text.chat_options import ChatOptions
 from frontend.text.chat_output import ChoiceParser
@@ -55,7 +55,7 @@ class ChatPath:
     async def image_prompt(
         self,
         prompt_text: str,
-        images: list[ImageRef],
+        images: list[MediaRef],
         options: dict[str, Any] | None,
         param: str,
         add_special_tokens: bool = False,

@@ -19,7 +19,7 @@ from msgspec import UNSET, UnsetType
 
 from frontend.common.decoding import (
     MAX_LOGPROBS,
-    ImageRef,
+    MediaRef,
     Unsupported,
     check_spaces_between_special_tokens,
     check_unsupported,
@@ -233,7 +233,7 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
         assert self.input_ids is not None
         return [list(p) for p in self.input_ids] if self.is_batch else [list(self.input_ids)]
 
-    def image_refs(self) -> list[list[ImageRef]]:
+    def image_refs(self) -> list[list[MediaRef]]:
         """Each prompt's images, as SGLang's GenerateReqInput._normalize_image_data reads
         image_data (io_struct.py): null or [] is none; a string is one image (for every prompt of
         a batch); a single prompt's list is its images; a batch's list has one entry per prompt:
@@ -242,7 +242,7 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
         if data is UNSET or data is None or data == []:
             return [[] for _ in range(num_prompts)]
         if not isinstance(data, list):
-            return [[ImageRef(image_data_url(data, "image_data"), "image_data")]] * num_prompts
+            return [[MediaRef(image_data_url(data, "image_data"), "image_data")]] * num_prompts
         if not self.is_batch:
             if len(data) == 1 and isinstance(data[0], list):  # [[...]]: a batch of one
                 return [_refs(data[0], "image_data[0]")]
@@ -261,7 +261,7 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
             elif isinstance(entry, list):
                 refs.append(_refs(entry, param))
             else:
-                refs.append([ImageRef(image_data_url(entry, param), param)])
+                refs.append([MediaRef(image_data_url(entry, param), param)])
         return refs
 
     def sampling_params_list(self) -> list[SGLangSamplingParams]:
@@ -337,10 +337,10 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
         )
 
 
-def _refs(items: list[Any], param: str) -> list[ImageRef]:
+def _refs(items: list[Any], param: str) -> list[MediaRef]:
     """One prompt's images; null entries are none (SGLang's [None])."""
     return [
-        ImageRef(image_data_url(item, f"{param}[{j}]"), f"{param}[{j}]")
+        MediaRef(image_data_url(item, f"{param}[{j}]"), f"{param}[{j}]")
         for j, item in enumerate(items)
         if item is not None
     ]

@@ -46,7 +46,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from enginecore.messages import Logprobs, MultiModalItem, StructuredOutputSpec
-from frontend.common.decoding import ImageRef
+from frontend.common.decoding import MediaRef
 from frontend.common.errors import bad_request
 from frontend.common.http import REQUEST_ID_HEADER, json_response, sse
 from frontend.disagg.requests import KVRequest, check_single, kv_request
@@ -146,7 +146,7 @@ class SGLangServing:
         req: SGLangGenerateRequest,
         prompt: str | list[int],
         params: SGLangSamplingParams,
-        refs: list[ImageRef],
+        refs: list[MediaRef],
     ) -> _Prompt:
         s = self.serving
         ids = s.encode_prompt(prompt, True, req.prompt_param)

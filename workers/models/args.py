@@ -17,6 +17,7 @@ from enginecore.model_task import (
     is_encoder_decoder,
     is_multimodal,
     model_task,
+    takes_audio,
     num_labels_of,
     takes_images,
     text_config_of,
@@ -52,6 +53,7 @@ class ModelArgs:
     # the first pipeline stage then builds the image encoder from image_config, the outer config.json).
     multimodal: bool = False
     takes_images: bool = False
+    takes_audio: bool = False  # an audio-language model whose audio tern serves (Qwen2-Audio)
     image_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # A speech-to-text encoder-decoder (Whisper): the decoder's sizes above, the encoder's in
     # hf_config under the checkpoint's own names.
@@ -64,6 +66,7 @@ class ModelArgs:
         multimodal, outer = is_multimodal(hf), hf
         task = model_task(hf, task).task
         images = takes_images(outer) and task == "generate"
+        audio = takes_audio(outer) and task == "generate"
         hf = text_config_of(hf)
         architecture = architecture_of(hf)
         heads = hf["num_attention_heads"]
@@ -88,7 +91,8 @@ class ModelArgs:
             hf_config=hf,
             multimodal=multimodal,
             takes_images=images,
-            image_config=outer if images else {},
+            takes_audio=audio,
+            image_config=outer if images or audio else {},
             is_encoder_decoder=is_encoder_decoder(outer),
         )
 

@@ -526,7 +526,8 @@ _LANGUAGE_MODEL_PREFIXES = (
 _SKIPPED_PREFIXES = (
     "model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
     "multi_modal_projector.", "model.visual.", "visual.", "model.vision_model.",
-    "model.connector.", "model.image_newline", "image_newline", "mtp.",
+    "model.connector.", "model.image_newline", "image_newline", "mtp.", "model.audio_tower.",
+    "audio_tower.",
 )  # fmt: skip
 
 
@@ -560,7 +561,7 @@ class DecoderForCausalLM(nn.Module):
         # tern serves: its parameters are the model's (loaded, updated and slept with them).
         self.vision = (
             build_image_encoder(args.image_config)
-            if args.takes_images and ctx.is_first_stage
+            if (args.takes_images or args.takes_audio) and ctx.is_first_stage
             else None
         )
         for param in self.vision.parameters() if self.vision is not None else ():

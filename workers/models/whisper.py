@@ -86,21 +86,25 @@ class WhisperEncoderLayer(WhisperLayer):
         self.self_attn = WhisperAttention(d, hf["encoder_attention_heads"], ctx)
         self.self_attn_layer_norm = nn.LayerNorm(d)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h (S, d_model): one window's states."""
+    def forward(self, h: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """h (S, d_model): one window's states; key_mask (S,) bool: the frames attended to
+        (Qwen2-Audio's, which masks a window's padding; Whisper attends to all)."""
         attn = self.self_attn
         x = self.self_attn_layer_norm(h)
         q, (k, v) = attn.heads(attn.query(x)), attn.keys_values(x)
-        o = _attend(q, k, v)  # (H, S, D)
+        o = _attend(q, k, v, key_mask)  # (H, S, D)
         h = h + attn.out_proj(o.transpose(0, 1).flatten(1))
         return h + self.mlp(h)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Unmasked attention of (H, T, D) queries over (H, S, D) keys and values, queries scaled.
-    NOTE: with a batch dimension torch takes its flash kernel on CPU (never forming the S x S
-    scores): 4x faster over a 1500-frame window than the 3-D call's math path."""
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=1.0)[0]
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention of (H, T, D) queries over (H, S, D) keys and values (those key_mask (S,) keeps),
+    queries scaled. NOTE: with a batch dimension torch takes its flash kernel on CPU (never
+    forming the S x S scores): 4x faster over a 1500-frame window than the 3-D call's math path."""
+    mask = None if key_mask is None else key_mask[None, None, None, :]
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], mask, scale=1.0)[0]
 
 
 class WhisperEncoder(nn.Module):
@@ -118,6 +122,10 @@ class WhisperEncoder(nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """One window's log-mel features (num_mel_bins, frames) -> its states (S, d_model)."""
+        return self.layer_norm(self.layer_states(features))
+
+    def layer_states(self, features: torch.Tensor, key_mask: torch.Tensor | None = None):
+        """The states after the last layer, before the final norm (S, d_model)."""
         if features.dim() != 2 or features.size(1) != self.num_frames:
             raise ValueError(
                 f"Whisper's encoder takes (mel bins, {self.num_frames}) features; got "
@@ -127,8 +135,8 @@ class WhisperEncoder(nn.Module):
         x = F.gelu(self.conv2(F.gelu(self.conv1(x))))[0].transpose(0, 1)  # (S, d_model)
         h = x + self.embed_positions.weight
         for layer in self.layers:
-            h = layer(h)
-        return self.layer_norm(h)
+            h = layer(h, key_mask)
+        return h
 
 
 class WhisperDecoderLayer(WhisperLayer):

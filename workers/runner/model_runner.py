@@ -152,7 +152,7 @@ class ModelRunner:
             self.config, model, self.args, self.parallel, self.device, self.dtype
         )
         self.weights = ServedWeights(model, self.draft)
-        if self.args.takes_images:
+        if self.args.takes_images or self.args.takes_audio:  # placeholders an encoder fills
             whole = self.args.architecture in WHOLE_IMAGE_SPAN_ARCHITECTURES
             self.images = ImageInputs(
                 model.vision, self.device, bidirectional=whole,

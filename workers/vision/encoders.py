@@ -323,6 +323,13 @@ def _qwen3_5(hf: dict[str, Any]) -> ImageEncoder:
     return QwenImageEncoder(tower, nn.Identity(), image_token_id_of(hf, 248056))
 
 
+def _qwen2_audio(hf: dict[str, Any]) -> ImageEncoder:
+    # NOTE: imported here: workers/audio builds on this module's ImageEncoder.
+    from workers.audio.qwen2_audio import build_qwen2_audio
+
+    return build_qwen2_audio(hf)
+
+
 _BUILDERS = {
     "LlavaForConditionalGeneration": _llava,
     "Gemma3ForConditionalGeneration": _gemma3,
@@ -330,6 +337,8 @@ _BUILDERS = {
     "LlavaOnevisionForConditionalGeneration": _llava_onevision,
     "Mistral3ForConditionalGeneration": _mistral3,
     "Qwen3_5ForConditionalGeneration": _qwen3_5,
+    # An audio-language model: its audio tower fills placeholders as an image tower does.
+    "Qwen2AudioForConditionalGeneration": _qwen2_audio,
 }
 
 
