@@ -17,8 +17,8 @@ from enginecore.model_task import (
     is_encoder_decoder,
     is_multimodal,
     model_task,
-    takes_audio,
     num_labels_of,
+    takes_audio,
     takes_images,
     text_config_of,
 )
