@@ -37,6 +37,7 @@ async def load_media_bytes(url: str, policy: MediaPolicy, param: str) -> bytes:
 
 # SGLang's load_image (python/sglang/srt/utils/common.py) reads a string that ends so as a file.
 _IMAGE_FILE_ENDINGS = ("png", "jpg", "jpeg", "webp", "gif")
+_AUDIO_FILE_ENDINGS = ("wav", "mp3", "flac", "ogg", "webm", "m4a", "opus")
 
 
 def image_data_url(item: object, param: str) -> str:
@@ -44,19 +45,28 @@ def image_data_url(item: object, param: str) -> str:
     load_image rules: an http(s), data: or file: URL as it is; a string ending in an image
     extension is a file path (a file: URL: only under --allowed-local-media-path); anything else
     is base64 without the data: prefix (a data: URL: the same byte and pixel caps)."""
+    return _data_item_url(item, param, "image", _IMAGE_FILE_ENDINGS)
+
+
+def audio_data_url(item: object, param: str) -> str:
+    """One item of SGLang's /generate `audio_data`, by the same rules (audio file endings)."""
+    return _data_item_url(item, param, "audio", _AUDIO_FILE_ENDINGS)
+
+
+def _data_item_url(item: object, param: str, kind: str, endings: tuple[str, ...]) -> str:
     if not isinstance(item, str) or not item:
         raise bad_request(
-            "image_data items must be strings: a URL, a file path or base64 image bytes", param
+            f"{kind}_data items must be strings: a URL, a file path or base64 {kind} bytes", param
         )
     scheme = item.partition(":")[0].lower() if ":" in item[:8] else ""
     if scheme in ("http", "https", "data", "file"):
         return item
-    if item.lower().endswith(_IMAGE_FILE_ENDINGS):
+    if item.lower().endswith(endings):
         path = Path(item)
         if not path.is_absolute():
-            raise bad_request(f"the image path {item!s:.200} must be absolute", param)
+            raise bad_request(f"the {kind} path {item!s:.200} must be absolute", param)
         return path.as_uri()
-    return "data:image;base64," + item
+    return f"data:{kind};base64," + item
 
 
 def decode_data_url(url: str, policy: MediaPolicy, param: str) -> bytes:

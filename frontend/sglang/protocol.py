@@ -26,7 +26,7 @@ from frontend.common.decoding import (
     decode_request,
 )
 from frontend.common.errors import APIError, bad_request
-from frontend.media.sources import image_data_url
+from frontend.media.sources import audio_data_url, image_data_url
 from frontend.serving.sampling import SGLANG_RULES, RequestSampling, stop_list
 
 ANY_JSON = "$$ANY$$"  # SGLang's json_schema for "any JSON value"
@@ -150,12 +150,13 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     # Images: one for a single prompt, a list (a single prompt's images, or one per prompt of a
     # batch), or a list of lists (each prompt's images); see image_refs.
     image_data: Any = UNSET
+    # Audio (an audio-language model's): one or a list of the (one) text prompt's audios.
+    audio_data: Any = UNSET
 
     # Fields tern cannot honour: other multimodal inputs, LoRA ids (lora_path, an adapter's name, is
     # honoured), sessions, disaggregation and routing, hidden states, extra outputs...
     input_embeds: Annotated[Any, Unsupported(None)] = UNSET
     video_data: Annotated[Any, Unsupported(None, [])] = UNSET
-    audio_data: Annotated[Any, Unsupported(None, [])] = UNSET
     mm_hashes: Annotated[Any, Unsupported(None)] = UNSET
     mm_content_hashes: Annotated[Any, Unsupported(None)] = UNSET
     use_audio_in_video: Annotated[Any, Unsupported(False)] = UNSET
@@ -263,6 +264,19 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
             else:
                 refs.append([MediaRef(image_data_url(entry, param), param)])
         return refs
+
+    def audio_refs(self) -> list[MediaRef]:
+        """The prompt's audios: a string is one, a list is several (null or [] none); they go
+        with one text prompt, whose text holds the model's audio marker once per audio."""
+        data = self.audio_data
+        if data is UNSET or data is None or data == []:
+            return []
+        if self.is_batch or not isinstance(self.text, str):
+            raise bad_request("audio_data goes with one text prompt", "audio_data")
+        items = data if isinstance(data, list) else [data]
+        params = [f"audio_data[{j}]" if isinstance(data, list) else "audio_data"
+                  for j in range(len(items))]  # fmt: skip
+        return [MediaRef(audio_data_url(x, p), p, "audio") for x, p in zip(items, params)]
 
     def sampling_params_list(self) -> list[SGLangSamplingParams]:
         """One per prompt."""

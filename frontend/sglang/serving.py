@@ -84,7 +84,7 @@ class _Prompt:
     params: SGLangSamplingParams  # max_new_tokens clamped to the context (>= 1)
     is_prefill_only: bool  # max_new_tokens 0: nothing is generated
     structured_output: StructuredOutputSpec | None
-    mm_items: list[MultiModalItem]  # the prompt's images
+    mm_items: list[MultiModalItem]  # the prompt's images or audios
 
 
 class SGLangServing:
@@ -117,8 +117,11 @@ class SGLangServing:
         refs = req.image_refs()
         if any(refs) and s.images is None:
             raise bad_request("this model is served without image inputs", "image_data")
+        audio = req.audio_refs()
+        if audio and s.audio is None:
+            raise bad_request("this model is served without audio inputs", "audio_data")
         prompts = [
-            await self._prompt(req, p, params, prompt_refs)
+            await self._prompt(req, p, params, prompt_refs, audio)
             for p, params, prompt_refs in zip(req.prompts(), req.sampling_params_list(), refs)
         ]
         items = _items(req, prompts, s.max_model_len)
@@ -147,11 +150,15 @@ class SGLangServing:
         prompt: str | list[int],
         params: SGLangSamplingParams,
         refs: list[MediaRef],
+        audio: list[MediaRef] | None = None,
     ) -> _Prompt:
         s = self.serving
         ids = s.encode_prompt(prompt, True, req.prompt_param)
         mm_items: list[MultiModalItem] = []
-        if refs:
+        if audio:
+            assert s.audio is not None and isinstance(prompt, str)  # checked by generate
+            ids, mm_items = await s.audio.make(prompt, list(audio), "audio_data")
+        elif refs:
             assert s.images is not None  # checked by generate
             ids, mm_items = await s.images.make_for_generate(prompt, refs, "image_data")
         limit = params.max_new_tokens

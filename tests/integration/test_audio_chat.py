@@ -126,3 +126,32 @@ def test_audio_limits_and_refusals(server: Any) -> None:
                 messages=[{"role": "user", "content": [part, {"type": "text", "text": "?"}]}],
             )  # fmt: skip
         assert words in str(e.value)
+
+
+def test_sglang_generate_audio_data(server: Any, qwen2_audio: tuple[Path, Any, Any]) -> None:
+    """SGLang's /generate: a text prompt with the model's audio marker and `audio_data` (base64
+    bytes, as SGLang's load_audio reads a string that is no URL or path)."""
+    import httpx
+
+    _, hf, processor = qwen2_audio
+    wav = encode_audio(_speech(2.5, 4), 16000, "wav")
+    prompt = "<|im_start|>user\nAudio 1: <|audio_bos|><|AUDIO|><|audio_eos|>\nWhat?<|im_end|>\n"
+    r = httpx.post(
+        f"{server.base_url}/generate",
+        json={"text": prompt, "audio_data": base64.b64encode(wav).decode(),
+              "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0,
+                                  "ignore_eos": True}},
+        timeout=60,
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    inputs = processor(text=[prompt], audio=[decode_audio(wav)], sampling_rate=16000,
+                       return_tensors="pt")  # fmt: skip
+    with torch.inference_mode():
+        out = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+    assert r.json()["output_ids"] == out[0, inputs["input_ids"].shape[1] :].tolist()
+    r = httpx.post(
+        f"{server.base_url}/generate",
+        json={"input_ids": [1, 2, 3], "audio_data": base64.b64encode(wav).decode()},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "audio_data"
