@@ -1,13 +1,14 @@
 """Audio files made in memory for tests: samples -> the bytes of a wav (16-bit or float), flac,
 mp3, ogg, opus, webm or m4a file, encoded by FFmpeg through PyAV (the encoders its wheel ships).
 
-Shared by the unit tests of frontend/audio and the transcription integration tests; it knows
-nothing of the server.
+Shared by the unit tests of frontend/audio and the audio integration tests, with the tiny random
+Qwen2-Audio both the in-process and the server tests run; it knows nothing of the server.
 """
 
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import av
 import numpy as np
@@ -68,3 +69,30 @@ def encode_audio(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
         for packet in stream.encode(None):  # flush the encoder's delayed packets
             container.mux(packet)
     return buffer.getvalue()
+
+
+def tiny_qwen2_audio(vocab_size: int, audio_token: int) -> Any:
+    """A random Qwen2AudioForConditionalGeneration (2-layer Whisper-style tower of 64 wide, 2-layer
+    Qwen2 text model) with decisive weights: norms around 1, the rest at 0.2."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen2AudioConfig(
+        audio_config=transformers.Qwen2AudioEncoderConfig(
+            d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
+            num_mel_bins=128, max_source_positions=1500,
+        ).to_dict(),
+        text_config=transformers.Qwen2Config(
+            hidden_size=64, num_hidden_layers=2, vocab_size=vocab_size, intermediate_size=128,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+            tie_word_embeddings=False,
+        ).to_dict(),
+        audio_token_index=audio_token,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.Qwen2AudioForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            is_norm = "norm" in name and name.endswith(".weight")
+            p.normal_(1.0 if is_norm else 0.0, 0.1 if is_norm else 0.2)
+    return hf

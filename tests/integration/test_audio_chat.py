@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from frontend.audio.decoding import decode_audio
-from tests.audio_files import encode_audio
+from tests.audio_files import encode_audio, tiny_qwen2_audio
 
 MAX_TOKENS = 8
 
@@ -36,24 +36,8 @@ def qwen2_audio(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | 
     template = transformers.Qwen2AudioProcessor(extractor, tokenizer).default_chat_template
     tokenizer.chat_template = template
     processor = transformers.Qwen2AudioProcessor(extractor, tokenizer, chat_template=template)
-    config = transformers.Qwen2AudioConfig(
-        audio_config=transformers.Qwen2AudioEncoderConfig(
-            d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
-            num_mel_bins=128, max_source_positions=1500,
-        ).to_dict(),
-        text_config=transformers.Qwen2Config(
-            hidden_size=64, num_hidden_layers=2, vocab_size=len(tokenizer) + 64 - len(tokenizer) % 64,
-            intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=2048, tie_word_embeddings=False,
-        ).to_dict(),
-        audio_token_index=tokenizer.convert_tokens_to_ids("<|AUDIO|>"),
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.Qwen2AudioForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            is_norm = "norm" in name and name.endswith(".weight")
-            p.normal_(1.0 if is_norm else 0.0, 0.1 if is_norm else 0.2)
+    vocab_size = len(tokenizer) + 64 - len(tokenizer) % 64
+    hf = tiny_qwen2_audio(vocab_size, tokenizer.convert_tokens_to_ids("<|AUDIO|>"))
     model_dir = tmp_path_factory.mktemp("qwen2_audio")
     hf.save_pretrained(model_dir)
     processor.save_pretrained(model_dir)

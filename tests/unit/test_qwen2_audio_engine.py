@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from enginecore.messages import EngineCoreRequest, MultiModalItem, SamplingParams, TensorData
+from tests.audio_files import tiny_qwen2_audio
 from tests.unit.test_engine_inproc import drain, make_core
 from workers.audio.qwen2_audio import num_audio_rows
 
@@ -29,24 +30,7 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
     """(directory, HF model, feature extractor)."""
-    config = transformers.Qwen2AudioConfig(
-        audio_config=transformers.Qwen2AudioEncoderConfig(
-            d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
-            num_mel_bins=128, max_source_positions=1500,
-        ).to_dict(),
-        text_config=transformers.Qwen2Config(
-            hidden_size=64, num_hidden_layers=2, vocab_size=256, intermediate_size=128,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-            tie_word_embeddings=False,
-        ).to_dict(),
-        audio_token_index=AUDIO,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.Qwen2AudioForConditionalGeneration(config).eval()
-    with torch.no_grad():  # decisive random weights: norms around 1, the rest at 0.2
-        for name, p in hf.named_parameters():
-            is_norm = "norm" in name and name.endswith(".weight")
-            p.normal_(1.0 if is_norm else 0.0, 0.1 if is_norm else 0.2)
+    hf = tiny_qwen2_audio(vocab_size=256, audio_token=AUDIO)
     model_dir = tmp_path_factory.mktemp("qwen2_audio")
     hf.save_pretrained(model_dir)
     extractor = transformers.WhisperFeatureExtractor(feature_size=128)
