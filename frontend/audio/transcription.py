@@ -24,6 +24,7 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
 from starlette.responses import Response
 
+from enginecore.messages import MultiModalItem
 from frontend.audio.decoding import AudioError, decode_audio, split_windows
 from frontend.audio.formats import (
     RESPONSE_FORMATS,
@@ -33,9 +34,9 @@ from frontend.audio.formats import (
 )
 from frontend.audio.speech import SAMPLE_RATE, TIME_PRECISION, SpeechModel
 from frontend.common.errors import APIError, bad_request
-from frontend.common.http import sse
+from frontend.common.http import json_response, sse
 from frontend.media.policy import MediaPolicy
-from frontend.serving.base import OpenAIServing, streaming_response
+from frontend.serving.base import OpenAIServing
 from frontend.serving.generation import Generation, RequestGroup
 from frontend.serving.sampling import RequestSampling
 
@@ -112,18 +113,22 @@ class TranscriptionServing:
         duration = len(samples) / SAMPLE_RATE
         view = _Transcript(speech, task, language or "en", duration, [t for t, _ in windows])
         if req.stream:
-            return streaming_response(self._stream(group, view, request_id), group, headers)
+            return s.sse_response(self._stream(group, view), group, headers)
         if await group.collect_unless_disconnected(http_request) is None:
             return Response(status_code=499)
+        text = view.text(group.gens)
+        if req.response_format == "json":  # with OpenAI's usage of whisper-1: the audio's seconds
+            usage = {"type": "duration", "seconds": math.ceil(duration)}
+            return json_response({"text": text, "usage": usage}, headers=headers)
         body, media_type = render(
-            req.response_format, view.text(group.gens), view.segments(group.gens),
-            task=_TASK_NAMES[task], language=view.language, duration=duration,
+            req.response_format, text, view.segments(group.gens), task=task,
+            language=view.language, duration=duration,
         )  # fmt: skip
-        if req.response_format == "json":  # OpenAI's usage of whisper-1: the audio's seconds
-            body = body[:-1] + b',"usage":{"type":"duration","seconds":%d}}' % math.ceil(duration)
         return Response(body, media_type=media_type, headers=headers)
 
-    async def _detect_language(self, http_request: Request, request_id: str, item: object) -> str:
+    async def _detect_language(
+        self, http_request: Request, request_id: str, item: MultiModalItem
+    ) -> str:
         """The language token the model puts after <|startoftranscript|> for the first window,
         among its language tokens (Hugging Face's detect_language), greedily."""
         s, speech = self.serving, self.serving.speech
@@ -133,16 +138,15 @@ class TranscriptionServing:
         )
         group = s.start(
             request_id + "-lang", [request_id + "-lang"], sampling,
-            [speech.language_detection_prompt()], "file", mm_items=[item],  # type: ignore[list-item]
+            [speech.language_detection_prompt()], "file", mm_items=[item],
         )  # fmt: skip
         if await group.collect_unless_disconnected(http_request) is None:
             raise APIError("the client went away", 499)
         return speech.language_of(group.gens[0].output_token_ids[0])
 
-    async def _stream(
-        self, group: RequestGroup, view: _Transcript, request_id: str
-    ) -> AsyncIterator[bytes]:
-        texts: list[str] = []
+    async def _stream(self, group: RequestGroup, view: _Transcript) -> AsyncIterator[bytes]:
+        """Each window's text as it is released, in window order (later windows run meanwhile and
+        queue their outputs); the server's SSE framing adds [DONE] and any failure's event."""
         for i, gen in enumerate(group.gens):
             sent = ""
             while not gen.is_finished:
@@ -154,7 +158,6 @@ class TranscriptionServing:
                 if len(final) > len(sent) and final.startswith(sent):
                     delta, sent = final[len(sent) :], final
                     yield sse({"type": "transcript.text.delta", "delta": delta})
-            texts.append(sent)
         usage = group.usage()
         done = {
             "type": "transcript.text.done",
@@ -165,7 +168,6 @@ class TranscriptionServing:
             },
         }  # fmt: skip
         yield sse(done)
-        yield b"data: [DONE]\n\n"
 
     async def _read_form(self, http_request: Request, task: str) -> TranscriptionRequest:
         content_type = http_request.headers.get("content-type", "")
@@ -252,9 +254,6 @@ def _flag(text: dict[str, str], name: str) -> bool:
     if value not in ("true", "false"):
         raise bad_request(f"{name} must be true or false, got {value!r}", name)
     return value == "true"
-
-
-_TASK_NAMES = {"transcribe": "transcribe", "translate": "translate"}
 
 
 class _Transcript:
