@@ -110,3 +110,23 @@ def test_whisper_request_needs_its_audio(checkpoint: tuple[Path, Any, Any]) -> N
     image = MultiModalItem("image", "x", [(0, 1)])
     refused = core.add_request(EngineCoreRequest("r2", prompt, params, mm_items=[image]))
     assert refused and "audio" in refused[0].error
+
+
+def test_whisper_preempted_requests_resume(checkpoint: tuple[Path, Any, Any]) -> None:
+    """A KV cache too small for every request: preempted requests come back (their audio's keys
+    from the cache, their prompt recomputed) and answer as without preemption."""
+    model_dir, _, extractor = checkpoint
+    prompt, g = _prompt(model_dir)
+    feats = [_features(extractor, 10 + i, 5.0 + i) for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    def run(**kw: Any) -> tuple[list[list[int]], int]:
+        core = make_core(model_dir, max_num_batched_tokens=64, **kw)
+        for i, f in enumerate(feats):
+            core.add_request(EngineCoreRequest(f"r{i}", prompt, params, mm_items=[_item(f)]))
+        outs, _ = drain(core)
+        return [outs[f"r{i}"] for i in range(3)], core.scheduler.num_preempted_total
+
+    roomy, _ = run()
+    tight, preemptions = run(num_blocks=5, prefix_caching=False)
+    assert preemptions > 0 and tight == roomy
