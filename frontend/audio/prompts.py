@@ -22,7 +22,12 @@ from frontend.common.decoding import MediaRef
 from frontend.common.errors import APIError, bad_request
 from frontend.media.limits import check_limits
 from frontend.media.policy import MediaPolicy
-from frontend.media.processing import content_hash, placeholder_runs, tensor_data
+from frontend.media.processing import (
+    check_markers,
+    content_hash,
+    placeholder_runs,
+    tensor_data,
+)
 from frontend.media.sources import load_media_bytes
 
 
@@ -44,13 +49,7 @@ class AudioProcessor:
     def process(
         self, prompt: str, audios: list[np.ndarray], param: str
     ) -> tuple[list[int], list[MultiModalItem]]:
-        num_markers = prompt.count(self.marker)
-        if num_markers != len(audios):
-            raise bad_request(
-                f"the prompt holds {num_markers} audio marker(s) {self.marker!r} for "
-                f"{len(audios)} audio(s): put one marker where each audio goes",
-                param,
-            )
+        check_markers(prompt, self.marker, len(audios), "audio", param)
         try:
             whole = self.hf(
                 text=[prompt], audio=audios or None, sampling_rate=SAMPLE_RATE,

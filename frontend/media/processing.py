@@ -68,13 +68,7 @@ class ImageProcessor:
         # NOTE: SGLang refuses more markers than images but drops images beyond the markers
         # with a warning (base_processor.py submit_data_loading_tasks); both are refused here:
         # a dropped image would give an answer about a picture the model never saw.
-        num_markers = prompt.count(self.marker)
-        if num_markers != len(images):
-            raise bad_request(
-                f"the prompt holds {num_markers} image marker(s) {self.marker!r} for "
-                f"{len(images)} image(s): put one marker where each image goes",
-                param,
-            )
+        check_markers(prompt, self.marker, len(images), "image", param)
         try:
             whole = self.hf(
                 text=[prompt], images=[images] if images else None,
@@ -177,6 +171,17 @@ def _largest_int(value: Any) -> int:
     if isinstance(value, (list, tuple)):
         return max(map(_largest_int, value), default=0)
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+
+def check_markers(prompt: str, marker: str, num_items: int, kind: str, param: str) -> None:
+    """A 400 unless the prompt holds the item marker once per item (image or audio)."""
+    num_markers = prompt.count(marker)
+    if num_markers != num_items:
+        raise bad_request(
+            f"the prompt holds {num_markers} {kind} marker(s) {marker!r} for {num_items} "
+            f"{kind}(s): put one marker where each {kind} goes",
+            param,
+        )
 
 
 def placeholder_runs(ids: list[int], placeholder: int) -> list[tuple[int, int]]:
