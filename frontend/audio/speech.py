@@ -114,6 +114,11 @@ class SpeechModel:
     def language_detection_prompt(self) -> list[int]:
         return [self.start_id]
 
+    def no_speech_prompt(self) -> list[int]:
+        """<|startoftranscript|> <|nospeech|> (Whisper's <|nospeech|> sits just before
+        <|notimestamps|>, as Hugging Face's WhisperNoSpeechDetection takes it)."""
+        return [self.start_id, self.no_timestamps_id - 1]
+
     def language_of(self, token_id: int) -> str:
         by_id = {i: code for code, i in self.language_ids.items()}
         return by_id[token_id]

@@ -4,10 +4,11 @@ multipart/form-data body with the audio `file`, `model`, `language`, `prompt`, `
 
 The file is decoded (decoding.py, in a thread: FFmpeg holds no event loop) and cut into 30 s
 windows; each window is one engine request (speech.py says what it carries), all started at once,
-and their texts join in window order. Each window is one segment of verbose_json, srt and vtt: its
-start and end in the audio, its tokens, the mean logprob of its tokens (no_speech_prob is not
-computed: 0.0). Word timestamps are not offered (they need the model's alignment heads): asking
-for them is a 400.
+and their texts join in window order. verbose_json, srt and vtt show timed segments: their start
+and end in the audio, their tokens, the mean logprob of their tokens and (verbose_json) their
+window's no_speech_prob, the probability of <|nospeech|> right after <|startoftranscript|> as
+OpenAI's whisper reads it (a one-token probe per window: the prompt logprob of <|nospeech|>).
+Word timestamps are not offered (they need the model's alignment heads): asking for them is a 400.
 
 With stream=true the answer is OpenAI's transcript events: `transcript.text.delta` as text is
 released, window after window, then `transcript.text.done` with the whole text and the usage.
@@ -114,6 +115,16 @@ class TranscriptionServing:
         view = _Transcript(speech, task, language or "en", duration, [t for t, _ in windows])
         if req.stream:
             return s.sse_response(self._stream(group, view), group, headers)
+        if req.response_format == "verbose_json":
+            probe = self._start_no_speech_probe(request_id, items)
+            try:
+                if await probe.collect_unless_disconnected(http_request) is None:
+                    group.close()
+                    return Response(status_code=499)
+            except Exception:
+                group.close()
+                raise
+            view.no_speech = [_first_prompt_prob(g) for g in probe.gens]
         if await group.collect_unless_disconnected(http_request) is None:
             return Response(status_code=499)
         text = view.text(group.gens)
@@ -125,6 +136,18 @@ class TranscriptionServing:
             language=view.language, duration=duration,
         )  # fmt: skip
         return Response(body, media_type=media_type, headers=headers)
+
+    def _start_no_speech_probe(self, request_id: str, items: list[MultiModalItem]) -> RequestGroup:
+        """Per window, a request whose prompt is <|startoftranscript|> <|nospeech|> and which
+        asks its prompt logprobs: the second is log P(<|nospeech|> | the audio, start)."""
+        speech = self.serving.speech
+        assert speech is not None
+        probe_id = request_id + "-nospeech"
+        return self.serving.start(
+            probe_id, [probe_id], RequestSampling(max_tokens=1, temperature=0.0),
+            [speech.no_speech_prompt()] * len(items), "file", prompt_logprobs=0,
+            mm_items_per_prompt=[[item] for item in items],
+        )  # fmt: skip
 
     async def _detect_language(
         self, http_request: Request, request_id: str, item: MultiModalItem
@@ -256,6 +279,14 @@ def _flag(text: dict[str, str], name: str) -> bool:
     return value == "true"
 
 
+def _first_prompt_prob(gen: Generation) -> float:
+    """The probability of a generation's second prompt token given its first."""
+    lp = gen.prompt_logprobs
+    if lp is None or not lp.logprobs:
+        raise APIError("the engine returned no prompt logprobs for the no-speech probe", 500)
+    return math.exp(lp.logprobs[0])
+
+
 class _Transcript:
     """The text and segments of a request's windows, decoded by the model's own tokenizer (which
     drops timestamp tokens as Hugging Face's decode does)."""
@@ -268,6 +299,7 @@ class _Transcript:
         self.language = language
         self.duration = duration
         self.starts = starts
+        self.no_speech: list[float] | None = None  # per window (verbose_json only)
 
     def window_text(self, gen: Generation, lstrip: bool = False) -> str:
         text = self.speech.tokenizer.hf.decode(gen.output_token_ids, skip_special_tokens=True)
@@ -301,7 +333,7 @@ class _Transcript:
                         temperature=gen.params.temperature,
                         avg_logprob=sum(scores) / len(scores) if scores else 0.0,
                         compression_ratio=compression_ratio(text),
-                        no_speech_prob=0.0,
+                        no_speech_prob=self.no_speech[i] if self.no_speech else 0.0,
                     )  # fmt: skip
                 )
         return out

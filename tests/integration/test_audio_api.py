@@ -84,6 +84,15 @@ class _Oracle:
         best = max(langs, key=lambda token: float(logits[langs[token]]))
         return best.strip("<|>")
 
+    def no_speech(self, samples: np.ndarray) -> float:
+        """OpenAI's whisper's no_speech_prob: P(<|nospeech|>) right after <|startoftranscript|>."""
+        with torch.inference_mode():
+            logits = self.hf(
+                input_features=self.features(samples),
+                decoder_input_ids=torch.tensor([[self.g["decoder_start_token_id"]]]),
+            ).logits[0, -1]
+        return float(logits.softmax(-1)[self.g["no_timestamps_token_id"] - 1])
+
     def window_tokens(
         self, samples: np.ndarray, task: str, language: str, timed: bool = False
     ) -> list[int]:
@@ -166,6 +175,10 @@ def test_transcription_formats_equal_hf(server: Any, oracle: _Oracle) -> None:
             if len(stamps) == 2:
                 assert s.start == pytest.approx(min(stamps[0], hi), abs=1e-6)
                 assert s.end == pytest.approx(min(stamps[1], hi), abs=1e-6)
+    windows = split_windows(decode_audio(audio))
+    expected = [oracle.no_speech(w) for _, w in windows]
+    for s in segments:
+        assert s.no_speech_prob == pytest.approx(expected[int(s.seek) // 3000], rel=1e-3)
     assert [s.id for s in segments] == list(range(len(segments)))
     assert all(s.start <= s.end for s in segments)
     assert any(t >= begin for s in segments for t in s.tokens)  # the model timed something
