@@ -60,10 +60,8 @@ class ChatServing(ChatPath):
             raise bad_request("this model is served without image inputs", "mm_processor_kwargs")
         prompt_text, prompt_ids = self.render(req, plan, media)
         mm_items = []
-        if media and s.audio is not None:
-            prompt_ids, mm_items = await self.chat_audio_prompt(req, prompt_text, media)
-        elif media:
-            prompt_ids, mm_items = await self.chat_image_prompt(req, prompt_text, media)
+        if media:
+            prompt_ids, mm_items = await self.chat_media_prompt(req, prompt_text, media)
         constraint, opens_reasoning = self.after_reasoning(plan.constraint, prompt_text)
         request_id, keys, headers = s.request_ids(http_request, "chatcmpl-", req.request_id)
         kv = kv_request(s.kv, **req.kv_fields())
@@ -126,7 +124,7 @@ class ChatServing(ChatPath):
         """The prompt (text, token ids) a chat request runs: its messages through the chat
         template (or its prompt_token_ids), truncated as it asks. `media`: where the model takes
         images or audio, the list their parts' URLs are appended to (the ids are then the text's
-        before its markers are expanded: chat_image_prompt, chat_audio_prompt)."""
+        before its markers are expanded: chat_media_prompt)."""
         s = self.serving
         if req.prompt_token_ids is not None:
             prompt_ids = s.encode_prompt(req.prompt_token_ids, False, "prompt_token_ids")
@@ -142,27 +140,20 @@ class ChatServing(ChatPath):
             prompt_ids = s.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
         return prompt_text, truncate_prompt(prompt_ids, req.truncate_prompt_tokens, s.max_model_len)
 
-    async def chat_audio_prompt(
-        self, req: ChatCompletionRequest, prompt_text: str, audios: list[MediaRef]
+    async def chat_media_prompt(
+        self, req: ChatCompletionRequest, prompt_text: str, media: list[MediaRef]
     ) -> tuple[list[int], list[MultiModalItem]]:
-        """The prompt's token ids with its audios' placeholders, and the audios' items."""
+        """The prompt's token ids with its images' or audios' placeholders, and their items."""
+        s = self.serving
         if req.truncate_prompt_tokens is not None:
+            kind = "audio" if s.audio is not None else "images"
             raise bad_request(
-                "truncate_prompt_tokens cannot cut a prompt with audio", "truncate_prompt_tokens"
+                f"truncate_prompt_tokens cannot cut a prompt with {kind}", "truncate_prompt_tokens"
             )
-        assert self.serving.audio is not None
-        return await self.serving.audio.make(prompt_text, audios, "messages")
-
-    async def chat_image_prompt(
-        self, req: ChatCompletionRequest, prompt_text: str, images: list[MediaRef]
-    ) -> tuple[list[int], list[MultiModalItem]]:
-        """The prompt's token ids with its images' placeholders, and the images' items."""
-        if req.truncate_prompt_tokens is not None:
-            raise bad_request(
-                "truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens"
-            )
+        if s.audio is not None:
+            return await s.audio.make(prompt_text, media, "messages")
         return await self.image_prompt(
-            prompt_text, images, req.mm_processor_kwargs, "messages", req.add_special_tokens
+            prompt_text, media, req.mm_processor_kwargs, "messages", req.add_special_tokens
         )
 
     async def _stream(

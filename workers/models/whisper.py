@@ -152,25 +152,25 @@ class WhisperDecoderLayer(WhisperLayer):
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
 
     def forward(
-        self, h: torch.Tensor, meta: AttentionMetadata, cross_kv: list[CrossKV]
+        self, h: torch.Tensor, meta: AttentionMetadata, cross_kv: list[CrossKV], starts: list[int]
     ) -> torch.Tensor:
-        """h (T, d_model): the step's tokens; cross_kv: each sequence's keys and values."""
+        """h (T, d_model): the step's tokens; cross_kv: each sequence's keys and values; starts:
+        each sequence's first row, then the step's row count (query_start_loc as ints)."""
         attn, heads, head_dim = self.self_attn, self.self_attn.num_heads, self.self_attn.head_dim
         x = self.self_attn_layer_norm(h)
         q = attn.query(x).view(-1, heads, head_dim)
         k = attn.k_proj(x).view(-1, heads, head_dim)
         v = attn.v_proj(x).view(-1, heads, head_dim)
         h = h + attn.out_proj(self.attn(q, k, v, meta).flatten(1))
-        h = h + self._cross_attend(self.encoder_attn_layer_norm(h), meta, cross_kv)
+        h = h + self._cross_attend(self.encoder_attn_layer_norm(h), cross_kv, starts)
         return h + self.mlp(h)
 
     def _cross_attend(
-        self, x: torch.Tensor, meta: AttentionMetadata, cross_kv: list[CrossKV]
+        self, x: torch.Tensor, cross_kv: list[CrossKV], starts: list[int]
     ) -> torch.Tensor:
         attn = self.encoder_attn
         q = attn.query(x)  # (T, H D)
         out = torch.empty_like(q)
-        starts = meta.query_start_loc.tolist()
         # NOTE: one product per sequence: each reads its own audio's keys, which no other shares.
         for i, (k, v) in enumerate(cross_kv):
             lo, hi = starts[i], starts[i + 1]
@@ -195,8 +195,9 @@ class WhisperDecoder(nn.Module):
     ) -> torch.Tensor:
         """cross_kv: per sequence of the step, per layer."""
         h = self.embed_tokens(input_ids) + self.embed_positions(meta.positions)
+        starts = meta.query_start_loc.tolist()  # once per step, not per layer
         for i, layer in enumerate(self.layers):
-            h = layer(h, meta, [per_layer[i] for per_layer in cross_kv])
+            h = layer(h, meta, [per_layer[i] for per_layer in cross_kv], starts)
         return self.layer_norm(h)
 
 

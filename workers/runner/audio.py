@@ -13,12 +13,10 @@ the same choices (an encoder call is a collective).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
 from enginecore.messages import ScheduledRequest, SchedulerOutput
-from workers.runner.images import tensor_from_data
+from workers.runner.images import EncoderCache, tensor_from_data
 
 # Keys and values kept for reuse beyond the running requests' (bytes); one whisper-base window
 # is 6 layers x 2 x 1500 x 512 float32 = 37 MB.
@@ -32,8 +30,7 @@ class AudioInputs:
         self.model = model
         self.device = device
         self.by_request: dict[str, CrossKV] = {}
-        self._cache: OrderedDict[str, CrossKV] = OrderedDict()
-        self._cache_bytes = 0
+        self.cache = EncoderCache(CROSS_KV_CACHE_BYTES)
 
     def update(self, step: SchedulerOutput) -> None:
         """Forgets the finished requests' audio; encodes that of the requests (re)started."""
@@ -51,17 +48,15 @@ class AudioInputs:
         return [self.by_request[r.req_id] for r in reqs]
 
     def weights_changed(self) -> None:
-        self._cache.clear()
-        self._cache_bytes = 0
+        self.cache.clear()
 
     def _cross_kv(self, r: ScheduledRequest) -> CrossKV:
         audio = [item for item in r.mm_items if item.modality == "audio"]
         if len(audio) != 1 or any(item.modality != "audio" for item in r.mm_items):
             raise ValueError(f"request {r.req_id!r} needs exactly one audio item, and nothing else")
         item = audio[0]
-        kv = self._cache.get(item.content_hash)
+        kv = self.cache.get(item.content_hash)
         if kv is not None:
-            self._cache.move_to_end(item.content_hash)
             return kv
         features = item.tensors.get("input_features")
         if features is None:
@@ -69,16 +64,5 @@ class AudioInputs:
         kv = self.model.cross_attention_kv(
             self.model.encode(tensor_from_data(features, self.device))
         )
-        self._put(item.content_hash, kv)
+        self.cache.put(item.content_hash, kv)
         return kv
-
-    def _put(self, content_hash: str, kv: CrossKV) -> None:
-        self._cache[content_hash] = kv
-        self._cache_bytes += _num_bytes(kv)
-        while self._cache_bytes > CROSS_KV_CACHE_BYTES and len(self._cache) > 1:
-            _, dropped = self._cache.popitem(last=False)
-            self._cache_bytes -= _num_bytes(dropped)
-
-
-def _num_bytes(kv: CrossKV) -> int:
-    return sum(t.numel() * t.element_size() for pair in kv for t in pair)

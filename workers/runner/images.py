@@ -12,6 +12,7 @@ that forbid it are never sent a split one: enginecore/scheduler.py).
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 import torch
 
@@ -24,25 +25,27 @@ ENCODER_CACHE_BYTES = 256 << 20
 
 
 class EncoderCache:
-    """Encoder outputs by content hash, the least recently used dropped past a byte budget."""
+    """Encoder outputs by content hash, the least recently used dropped past a byte budget. An
+    output is a tensor, or a list of tensor pairs (an encoder-decoder's per-layer cross-attention
+    keys and values: workers/runner/audio.py)."""
 
     def __init__(self, max_bytes: int = ENCODER_CACHE_BYTES) -> None:
         self.max_bytes = max_bytes
         self.num_bytes = 0
-        self._outputs: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._outputs: OrderedDict[str, Any] = OrderedDict()
 
-    def get(self, content_hash: str) -> torch.Tensor | None:
+    def get(self, content_hash: str) -> Any:
         output = self._outputs.get(content_hash)
         if output is not None:
             self._outputs.move_to_end(content_hash)
         return output
 
-    def put(self, content_hash: str, output: torch.Tensor) -> None:
+    def put(self, content_hash: str, output: Any) -> None:
         self._outputs[content_hash] = output
-        self.num_bytes += output.numel() * output.element_size()
+        self.num_bytes += _num_bytes(output)
         while self.num_bytes > self.max_bytes and len(self._outputs) > 1:
             _, dropped = self._outputs.popitem(last=False)
-            self.num_bytes -= dropped.numel() * dropped.element_size()
+            self.num_bytes -= _num_bytes(dropped)
 
     def clear(self) -> None:
         self._outputs.clear()
@@ -173,6 +176,12 @@ class ImageInputs:
             )
         self.cache.put(item.content_hash, output)
         return output
+
+
+def _num_bytes(output: Any) -> int:
+    if isinstance(output, torch.Tensor):
+        return output.numel() * output.element_size()
+    return sum(_num_bytes(part) for part in output)
 
 
 def tensor_from_data(t: TensorData, device: torch.device) -> torch.Tensor:
