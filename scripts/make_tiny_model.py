@@ -10,7 +10,8 @@ Three flavours, each exercising a different path of the worker's model code:
   qwen3_5): each with what its family changes on (sliding windows of 8 tokens, softcapping, NoPE
   layers, multipliers, yarn / longrope / dynamic rope, Gated DeltaNet layers; `_zoo_config_kwargs`);
 - "gemma3_vl", "qwen3_5_vl": *ForConditionalGeneration, the tiny gemma3 / qwen3_5 beside a random
-  one-layer vision tower; "llava": LlavaForConditionalGeneration, the tiny llama beside a random
+  one-layer vision tower; "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, a tiny Qwen2 (M-RoPE in
+  sections) beside a two-block windowed tower (one window block, one full-attention block); "llava": LlavaForConditionalGeneration, the tiny llama beside a random
   two-layer CLIP; "idefics3": Idefics3ForConditionalGeneration (SmolVLM's), the tiny llama
   (untied) beside a random two-layer SigLIP-style tower and pixel-shuffle connector. llava and
   gemma3_vl take 32 px images (16 and 4 placeholder tokens), idefics3 32 px tiles (4 tokens each:
@@ -70,10 +71,12 @@ _FAMILIES = {
     "qwen3_5_moe": "Qwen3_5Moe",  # Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM
     "gpt_oss": "GptOss",
 }
-# gemma3_vl / qwen3_5_vl / qwen3_5_moe_vl / llava / idefics3: *ForConditionalGeneration, the tiny
-# gemma3 / qwen3_5 / qwen3_5_moe / llama / llama beside a random vision tower
+# gemma3_vl / qwen3_5_vl / qwen3_5_moe_vl / qwen2_5_vl / llava / idefics3: *ForConditionalGeneration,
+# the tiny gemma3 / qwen3_5 / qwen3_5_moe / qwen2 / llama / llama beside a random vision tower
 # (`_make_with_vision_tower`; qwen3_5_moe_vl without a processor: its images are not served).
-_VISION_ARCHS = ("gemma3_vl", "qwen3_5_vl", "qwen3_5_moe_vl", "llava", "idefics3")
+_VISION_ARCHS = ("gemma3_vl", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen2_5_vl", "llava", "idefics3")
+# Those whose processor is Qwen's (Qwen2VLImageProcessor, <|image_pad|> runs).
+_QWEN_VL_ARCHS = ("qwen3_5_vl", "qwen2_5_vl")
 ARCHS = (*_FAMILIES, *_VISION_ARCHS)
 # Mixture-of-experts families: 8 experts, top 2.
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3_5_moe", "gpt_oss")
@@ -278,6 +281,7 @@ _IMAGE_TOKENS = {
                    "vision_start_token": "<|vision_start|>",
                    "vision_end_token": "<|vision_end|>"},
 }  # fmt: skip
+_IMAGE_TOKENS["qwen2_5_vl"] = _IMAGE_TOKENS["qwen3_5_vl"]
 # Idefics3's tile tags (Idefics3Processor writes <row_r_col_c> before tile (r, c)'s run).
 _IDEFICS3_TILE_TOKENS = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
 
@@ -302,7 +306,7 @@ def _image_token_ids(arch: str, tokenizer: Any) -> dict[str, int]:
               "eoi_token": "eoi_token_index"}  # fmt: skip
     if arch == "idefics3":  # Idefics3Config's one image token field (the others: processor only)
         fields = {"image_token": "image_token_id"}
-    if arch == "qwen3_5_vl":  # Qwen3_5Config names them *_token_id
+    if arch in _QWEN_VL_ARCHS:  # Qwen3_5Config / Qwen2_5_VLConfig name them *_token_id
         fields = {name: name + "_id" for name in _IMAGE_TOKENS[arch]}
     names = [n for n in _IMAGE_TOKENS[arch] if n in fields]
     if tokenizer is None:
@@ -353,6 +357,8 @@ def _multimodal_config(arch: str, vocab_size: int, token_ids: dict[str, int]) ->
             text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
             **token_ids,
         )  # fmt: skip
+    if arch == "qwen2_5_vl":
+        return _qwen2_5_vl_config(vocab_size, token_ids)
     # M-RoPE over 12 of each head's 16 dims: 6 frequencies, 2 each for t, h and w, interleaved.
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
             "mrope_section": [2, 2, 2], "mrope_interleaved": True}  # fmt: skip
@@ -368,6 +374,29 @@ def _multimodal_config(arch: str, vocab_size: int, token_ids: dict[str, int]) ->
               "initializer_range": INIT_STD}  # fmt: skip
     config_class = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
     return config_class(
+        text_config=text.to_dict(), vision_config=vision,
+        **{"image_token_id": vocab_size - 1, "video_token_id": vocab_size - 2,
+           "vision_start_token_id": vocab_size - 3, "vision_end_token_id": vocab_size - 4,
+           **token_ids},
+    )  # fmt: skip
+
+
+def _qwen2_5_vl_config(vocab_size: int, token_ids: dict[str, int]) -> Any:
+    """The tiny qwen2 with M-RoPE in sections (of each head's 8 frequencies the first 2 turn by
+    time, the next 3 by height, the last 3 by width) beside a two-block tower: 4 px patches, 2x2
+    merged, windows of 2x2 merged tokens (16 px); the first block attends within its window, the
+    second over the whole image."""
+    import transformers
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = transformers.Qwen2_5_VLTextConfig(
+        **{**_config_kwargs("qwen2", vocab_size), "rope_parameters": rope}
+    )
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+              "out_hidden_size": 64, "patch_size": 4, "spatial_merge_size": 2,
+              "temporal_patch_size": 2, "window_size": 16, "fullatt_block_indexes": [1],
+              "initializer_range": INIT_STD}  # fmt: skip
+    return transformers.Qwen2_5_VLConfig(
         text_config=text.to_dict(), vision_config=vision,
         **{"image_token_id": vocab_size - 1, "video_token_id": vocab_size - 2,
            "vision_start_token_id": vocab_size - 3, "vision_end_token_id": vocab_size - 4,
@@ -438,8 +467,8 @@ def _randomise_vision(model: Any) -> None:
                 continue
             if name.endswith("mm_input_projection_weight"):
                 p.normal_(0.0, INIT_STD)
-            elif "norm" in name and name.endswith(".weight") and p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.2)
+            elif ("norm" in name or "ln_q" in name) and name.endswith(".weight") and p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.2)  # ln_q: Qwen2.5-VL's merger's RMSNorm
 
 
 def _make_with_vision_tower(
@@ -459,6 +488,7 @@ def _make_with_vision_tower(
                    "gemma3_vl": transformers.Gemma3ForConditionalGeneration,
                    "qwen3_5_vl": transformers.Qwen3_5ForConditionalGeneration,
                    "qwen3_5_moe_vl": transformers.Qwen3_5MoeForConditionalGeneration,
+                   "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
                    "idefics3": transformers.Idefics3ForConditionalGeneration}[arch]  # fmt: skip
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
@@ -467,7 +497,7 @@ def _make_with_vision_tower(
         _randomise_vision(model)
     model.save_pretrained(out_dir, safe_serialization=True)
     _copy_tokenizer(out_dir, tokenizer_dir)
-    if with_processor and arch == "qwen3_5_vl":
+    if with_processor and arch in _QWEN_VL_ARCHS:
         _save_qwen_processor_parts(tokenizer, config, out_dir)
     elif with_processor:  # over the copied tokenizer files: the tokenizer with its image tokens
         _processor(arch, tokenizer, config).save_pretrained(out_dir)

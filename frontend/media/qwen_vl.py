@@ -1,6 +1,6 @@
-"""The image half of Qwen3-VL's / Qwen3.5's processor (transformers' Qwen3VLProcessor), for
-servers without torchvision: Qwen3VLProcessor cannot be built without its video processor, which
-needs it, while tern takes images only. Same contract as the processor's image path: each
+"""The image half of Qwen3-VL's / Qwen3.5's and Qwen2.5-VL's processors (transformers'
+Qwen3VLProcessor, Qwen2_5_VLProcessor), for servers without torchvision: neither can be built
+without its video processor, which needs it, while tern takes images only. Same contract as the processor's image path: each
 `<|image_pad|>` in the text, in order, becomes as many copies as its image has merged patches
 (image_grid_thw's product / merge_size^2); the image processor's tensors come back beside the ids.
 """
@@ -14,7 +14,7 @@ from typing import Any
 from PIL import Image
 
 # Checkpoints whose processor this stands in for (config.json's first architecture).
-QWEN_VL_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration",)
+QWEN_VL_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 
 
 def is_qwen_vl(model_path: str | Path) -> bool:

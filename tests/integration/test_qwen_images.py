@@ -1,7 +1,8 @@
-"""Qwen3.5's images through a real server, against Hugging Face: the tiny random Qwen3.5 (Gated
-DeltaNet and gated attention layers, M-RoPE over (t, h, w) positions) beside its one-block vision
-transformer answers chat requests with images, each greedy answer token for token the one
-`Qwen3_5ForConditionalGeneration.generate` gives in float32.
+"""Qwen3.5's and Qwen2.5-VL's images through a real server, against Hugging Face: the tiny random
+Qwen3.5 (Gated DeltaNet and gated attention layers, M-RoPE over (t, h, w) positions, interleaved)
+beside its one-block vision transformer, and the tiny Qwen2.5-VL (a Qwen2 with M-RoPE in sections)
+beside its two-block windowed tower, answer chat requests with images, each greedy answer token for
+token the one `*ForConditionalGeneration.generate` gives in float32.
 
 The server computes prompts in chunks of 16 tokens (an image is up to 16 placeholders: chunks split
 images), caches prefixes (the hybrid model resumes from state checkpoints every 16 tokens) and
@@ -38,11 +39,22 @@ def _data_url(image: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
+# The tiny checkpoint -> the Hugging Face class that answers for it.
+_HF_CLASSES = {
+    "qwen3_5_vl": "Qwen3_5ForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+}
+
+
+@pytest.fixture(scope="module", params=sorted(_HF_CLASSES))
+def qwen_dir(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    tokenizer_dir: Path | None,
+) -> Path:
     if tokenizer_dir is None:
         pytest.skip("needs the default model's tokenizer")
-    return make_tiny_model("qwen3_5_vl", tmp_path_factory.mktemp("qwen3_5_vl"), tokenizer_dir)
+    return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param), tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +73,17 @@ def client(server: Any) -> openai.OpenAI:
 
 class _HF:
     """Hugging Face's answers for the same messages and images: its tokenizer's chat template,
-    its image processor, each <|image_pad|> expanded as Qwen3VLProcessor does."""
+    its image processor, each <|image_pad|> expanded as Qwen3VLProcessor (Qwen2_5_VLProcessor)
+    does."""
 
     def __init__(self, model_dir: Path) -> None:
         import transformers
 
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         self.image_processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
-        self.model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(
-            model_dir, dtype=torch.float32
-        ).eval()
+        arch = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+        model_class = getattr(transformers, arch)
+        self.model = model_class.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def greedy(self, content: list[dict[str, Any]], images: list[Image.Image]) -> list[int]:
         prompt = self.tokenizer.apply_chat_template(
@@ -142,3 +155,20 @@ def test_prefix_hits_past_an_image_stay_hf_exact(client: openai.OpenAI, hf: _HF)
     again, _, r = _ask(client, parts)
     assert again == first == hf.greedy(content, [_image(5)])
     assert (r.usage.prompt_tokens_details.cached_tokens or 0) >= 32
+
+
+def test_tp2_pp2_with_images_is_hf_exact(
+    module_server: Any, qwen_dir: Path, hf: _HF, tmp_path: Path
+) -> None:
+    """At `--tp 2 --pp 2` the encoder runs on the first stage and the second stage rotates its
+    layers by the same (t, h, w) positions: two images of two shapes, chunks of 16 tokens that
+    split them, answers HF's."""
+    server = module_server(
+        "--model", str(qwen_dir), "--served-model-name", "qwen-vl", "--tp", "2", "--pp", "2",
+        "--max-num-batched-tokens", "16", "--block-size", "16", "--kv-cache-memory", "0.05",
+        "--limit-mm-per-prompt", json.dumps({"image": 2}),
+    )  # fmt: skip
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    images = [_image(6), _image(7, (40, 24))]
+    answer, content, _ = _ask(client, ["First", images[0], "then", images[1], "Which is bigger?"])
+    assert answer == hf.greedy(content, images)

@@ -88,6 +88,35 @@ def test_the_rotation_is_hfs_interleaved_mrope() -> None:
     torch.testing.assert_close(ours(positions[0], q.clone(), k.clone(), same)[0], plain_q)
 
 
+def test_qwen2_5_vl_rotates_in_sections() -> None:
+    """Qwen2.5-VL's M-RoPE: the first mrope_section[0] frequencies turn by time, the next by
+    height, the last by width (Hugging Face's Qwen2_5_VLRotaryEmbedding), from config.json as
+    released (transformers 4: rope_scaling type "mrope") and as transformers 5 saves it."""
+    import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as hf_qwen2_5
+
+    section = [2, 3, 3]
+    text = transformers.Qwen2_5_VLTextConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
+    )  # fmt: skip
+    hf_rotary = hf_qwen2_5.Qwen2_5_VLRotaryEmbedding(text)
+    arch = {"architectures": ["Qwen2_5_VLForConditionalGeneration"]}
+    released = {**arch, "max_position_embeddings": 128, "rope_theta": 10000.0,
+                "rope_scaling": {"type": "mrope", "mrope_section": section}}  # fmt: skip
+    torch.manual_seed(0)
+    positions = torch.randint(0, 100, (3, 10))
+    q, k = torch.randn(10, 4, 16), torch.randn(10, 2, 16)
+    cos, sin = hf_rotary(q, positions[:, None, :])
+    hf_q, hf_k = hf_qwen2_5.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin
+    )
+    for config in ({**text.to_dict(), **arch}, released):
+        ours = RotaryEmbedding(16, 128, RopeParams.from_hf_config(config))
+        got_q, got_k = ours(positions[0], q.clone(), k.clone(), positions)
+        torch.testing.assert_close(got_q, hf_q[0].transpose(0, 1), atol=1e-6, rtol=0)
+        torch.testing.assert_close(got_k, hf_k[0].transpose(0, 1), atol=1e-6, rtol=0)
+
+
 def _image(seed: int, height: int, width: int) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))

@@ -26,6 +26,7 @@ HF_CLASSES = {
     "gemma3_vl": transformers.Gemma3ForConditionalGeneration,
     "idefics3": transformers.Idefics3ForConditionalGeneration,
     "qwen3_5_vl": transformers.Qwen3_5ForConditionalGeneration,
+    "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
 }
 
 
@@ -44,7 +45,7 @@ def checkpoint(
             hf = HF_CLASSES[arch].from_pretrained(model_dir, dtype=torch.float32).eval()
             processor = (  # Qwen3VLProcessor needs torchvision (videos): its image part
                 transformers.AutoImageProcessor.from_pretrained(model_dir)
-                if arch == "qwen3_5_vl"
+                if arch in ("qwen3_5_vl", "qwen2_5_vl")
                 else transformers.AutoProcessor.from_pretrained(model_dir)
             )
             encoder = build_image_encoder(json.loads((model_dir / "config.json").read_text()))
@@ -419,11 +420,14 @@ def test_llava_onevision_checkpoint_names(onevision: tuple[Any, Any, ImageEncode
     assert encoder.local_weight_name("model.language_model.norm.weight") is None
 
 
-def test_qwen3_5_encoder_gives_the_rows_hf_scatters(checkpoint: Any) -> None:
+@pytest.mark.parametrize("arch", ["qwen3_5_vl", "qwen2_5_vl"])
+def test_qwen_encoder_gives_the_rows_hf_scatters(arch: str, checkpoint: Any) -> None:
     """Qwen3.5's vision transformer (patch grid per image, interpolated position table, 2D rotary,
-    the merger): each image alone gives HF's get_image_features rows and those HF scatters into
-    its <|image_pad|> run; images of two shapes (2x4 and 4x3 merged tokens)."""
-    model_dir, hf, image_processor, encoder = checkpoint("qwen3_5_vl")
+    the merger) and Qwen2.5-VL's (RMSNorm blocks, windows of 2x2 merged tokens in its first
+    block, the whole image in its second): each image alone gives HF's get_image_features rows
+    and those HF scatters into its <|image_pad|> run; images of two shapes (2x4 and 4x3 merged
+    tokens: Qwen2.5-VL's windows of 4 and of 2 merged tokens)."""
+    model_dir, hf, image_processor, encoder = checkpoint(arch)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     images = [random_image(20, 28, seed=1), random_image(64, 48, seed=2)]
     assert encoder.image_token_id == hf.config.image_token_id
@@ -433,8 +437,10 @@ def test_qwen3_5_encoder_gives_the_rows_hf_scatters(checkpoint: Any) -> None:
         with torch.no_grad():
             rows = encoder.encode(tensors)
             expected = hf.model.get_image_features(**tensors).pooler_output[0]
-        # rtol 1e-6: rows reach ~20 (decisive random weights), where fp32 rounds at ~2e-6.
-        torch.testing.assert_close(rows, expected, atol=1e-5, rtol=1e-6)
+        # rtol 1e-6: rows reach ~20 (decisive random weights), where fp32 rounds at ~2e-6;
+        # Qwen2.5-VL's atol 2e-5: HF's own sdpa and eager towers differ by 1.1e-5 on it.
+        atol = 2e-5 if arch == "qwen2_5_vl" else 1e-5
+        torch.testing.assert_close(rows, expected, atol=atol, rtol=1e-6)
         features.append(rows)
         ids += [hf.config.vision_start_token_id] + [encoder.image_token_id] * rows.shape[0]
         ids += [hf.config.vision_end_token_id]
@@ -444,7 +450,7 @@ def test_qwen3_5_encoder_gives_the_rows_hf_scatters(checkpoint: Any) -> None:
     inputs = {**batch, "input_ids": input_ids,
               "mm_token_type_ids": (input_ids == encoder.image_token_id).int()}  # fmt: skip
     scattered = hf_scattered_rows(hf, inputs, encoder.image_token_id)
-    torch.testing.assert_close(torch.cat(features), scattered, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(torch.cat(features), scattered, atol=atol, rtol=1e-6)
 
 
 def test_qwen3_5_names_map_to_the_encoder() -> None:
@@ -461,3 +467,22 @@ def test_qwen3_5_names_map_to_the_encoder() -> None:
     assert qwen.local_weight_name("model.language_model.layers.0.mlp.up_proj.weight") is None
     with pytest.raises(ValueError, match="no place"):
         qwen.local_weight_name("model.visual.deepstack_merger_list.0.norm.weight")
+
+
+def test_qwen2_5_vl_names_map_to_the_encoder() -> None:
+    """transformers-5 names (`model.visual.*`) and the released checkpoints' (`visual.*`, the
+    language model's under `model.`), Hugging Face's merger (`mlp.0`, `mlp.2`, `ln_q`)."""
+    config = {"architectures": ["Qwen2_5_VLForConditionalGeneration"],
+              "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64,
+                                "num_heads": 2, "out_hidden_size": 64, "patch_size": 4,
+                                "fullatt_block_indexes": [1], "window_size": 16}}  # fmt: skip
+    qwen = build_image_encoder(config)
+    assert qwen.image_token_id == 151655  # Qwen2_5_VLConfig's default
+    for prefix in ("model.visual.", "visual."):
+        for name in ("merger.mlp.2.bias", "merger.ln_q.weight", "blocks.1.mlp.gate_proj.weight",
+                     "patch_embed.proj.weight"):  # fmt: skip
+            assert qwen.local_weight_name(prefix + name) == "vision_tower." + name
+    assert qwen.local_weight_name("model.layers.0.mlp.up_proj.weight") is None
+    assert language_model_name("visual.blocks.0.norm1.weight") is None
+    with pytest.raises(ValueError, match="no place"):
+        qwen.local_weight_name("visual.patch_embed.proj.bias")  # Qwen2.5-VL's has none

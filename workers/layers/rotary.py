@@ -28,6 +28,13 @@ from workers.kernels import elementwise_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 _NEEDS_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
+# M-RoPE layouts: Qwen2-VL / Qwen2.5-VL give each of (temporal, height, width) a run of consecutive
+# frequencies (`mrope_section` in order); the later Qwen models (Qwen3-VL, Qwen3.5) interleave them.
+# Hugging Face decides by the model class, whatever config.json says, and so does tern.
+SECTIONED_MROPE_ARCHITECTURES = (
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+)
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,13 @@ class RopeParams:
             theta, params = hf["rope_local_base_freq"], {}  # transformers-4 Gemma 3: unscaled
         rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
         params.pop("type", None)
+        if rope_type == "mrope":  # transformers-4 Qwen2.5-VL: the default rotation, in sections
+            if "mrope_section" not in params:
+                raise ValueError("rope type 'mrope' without mrope_section is not supported")
+            rope_type = "default"
+        if "mrope_section" in params:
+            archs = hf.get("architectures") or [""]
+            params["mrope_interleaved"] = archs[0] not in SECTIONED_MROPE_ARCHITECTURES
         if rope_type == "su":  # Phi-3's first name for longrope
             rope_type = "longrope"
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -181,7 +195,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", freqs.sin() * scale, persistent=False)
         # M-RoPE (Qwen3.5): which of (temporal, height, width) positions turns each frequency.
         section = rope.scaling.get("mrope_section")
-        self.mrope_axis = None if section is None else mrope_axis(section, freqs.shape[1])
+        self.mrope_axis = (
+            None
+            if section is None
+            else mrope_axis(section, freqs.shape[1], rope.scaling.get("mrope_interleaved", True))
+        )
 
     def forward(
         self,
@@ -232,12 +250,17 @@ class RotaryEmbedding(nn.Module):
         return q, k
 
 
-def mrope_axis(section: list[int], num_freqs: int) -> torch.Tensor:
-    """(num_freqs,) int64, the axis (0 temporal, 1 height, 2 width) each frequency turns by, in
-    Hugging Face's interleaved layout (Qwen3.5's Qwen3_5TextRotaryEmbedding): frequency j goes to
-    height if j % 3 == 1 and j < 3 * section[1], to width if j % 3 == 2 and j < 3 * section[2],
-    else to time."""
+def mrope_axis(section: list[int], num_freqs: int, interleaved: bool = True) -> torch.Tensor:
+    """(num_freqs,) int64, the axis (0 temporal, 1 height, 2 width) each frequency turns by.
+    Interleaved (Qwen3.5's Qwen3_5TextRotaryEmbedding): frequency j goes to height if j % 3 == 1
+    and j < 3 * section[1], to width if j % 3 == 2 and j < 3 * section[2], else to time. In
+    sections (Qwen2.5-VL's): the first section[0] frequencies to time, the next section[1] to
+    height, the next section[2] to width."""
     axis = torch.zeros(num_freqs, dtype=torch.int64)
+    if not interleaved:
+        if sum(section) != num_freqs:
+            raise ValueError(f"mrope_section {section} does not cover {num_freqs} frequencies")
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(section))
     for dim in (1, 2):
         axis[dim : section[dim] * 3 : 3] = dim
     return axis

@@ -1,4 +1,4 @@
-"""Multimodal rotary positions (M-RoPE, Qwen3.5's language model): each token rotates by three
+"""Multimodal rotary positions (M-RoPE, Qwen3.5's and Qwen2.5-VL's language models): each token rotates by three
 positions, (temporal, height, width), instead of one. A text token's three are equal; an image's
 placeholders take its merged patch grid's coordinates, offset by the position the image starts
 at; the text after an image resumes at that start + max(grid height, grid width). Positions past
@@ -19,7 +19,7 @@ from enginecore.messages import MultiModalItem
 def mrope_merge_size(image_config: dict) -> int | None:
     """The vision tower's spatial merge size of a checkpoint whose language model rotates by
     multimodal positions (`mrope_section` in its text config's rope parameters); None otherwise."""
-    text = image_config.get("text_config") or {}
+    text = image_config.get("text_config") or image_config  # flat: transformers-4 Qwen2.5-VL
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if "mrope_section" not in rope:
         return None

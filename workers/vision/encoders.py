@@ -20,8 +20,8 @@ embeddings, in prompt order: (num_placeholder_tokens, text hidden size).
 - Mistral 3 (Pixtral): `pixel_values` (1, 3, H', W') padded beyond `image_sizes` (1, 2) -> one row
   per 2x2 block of patches, row by row: the `[IMG]` runs the processor separates with
   `[IMG_BREAK]`.
-- Qwen3.5: `pixel_values` (t h w, C T P P) patches and `image_grid_thw` (1, 3) -> one row per
-  spatial_merge_size^2 block of patches (t h w / m^2).
+- Qwen3.5, Qwen2.5-VL: `pixel_values` (t h w, C T P P) patches and `image_grid_thw` (1, 3) -> one
+  row per spatial_merge_size^2 block of patches (t h w / m^2).
 
 Weights: the encoder takes the same stream of checkpoint tensors as the language model;
 `local_weight_name` says which are its own (transformers-5 `model.vision_tower.*` /
@@ -55,6 +55,7 @@ from workers.vision.pixtral import (
     PixtralVisionTransformer,
 )
 from workers.vision.projectors import Gemma3MultiModalProjector, LlavaMultiModalProjector
+from workers.vision.qwen2_5_vit import Qwen25VisionConfig, Qwen25VisionTransformer
 from workers.vision.qwen_vit import QwenVisionConfig, QwenVisionTransformer
 from workers.vision.siglip import SiglipVisionTransformer, siglip_vision_config
 
@@ -219,7 +220,7 @@ class Mistral3ImageEncoder(ImageEncoder):
 
 
 class QwenImageEncoder(ImageEncoder):
-    """Qwen3.5: the vision transformer ends in its own merger (no separate projector), and each
+    """Qwen3.5, Qwen2.5-VL: the vision transformer ends in its own merger (no separate projector), and each
     image brings its patch grid (`image_grid_thw`)."""
 
     CHECKPOINT_PREFIXES = ((("model.visual.", "visual."), "vision_tower."),)
@@ -323,6 +324,11 @@ def _qwen3_5(hf: dict[str, Any]) -> ImageEncoder:
     return QwenImageEncoder(tower, nn.Identity(), image_token_id_of(hf, 248056))
 
 
+def _qwen2_5_vl(hf: dict[str, Any]) -> ImageEncoder:
+    tower = Qwen25VisionTransformer(Qwen25VisionConfig.from_hf(hf.get("vision_config") or {}))
+    return QwenImageEncoder(tower, nn.Identity(), image_token_id_of(hf, 151655))
+
+
 def _qwen2_audio(hf: dict[str, Any]) -> ImageEncoder:
     # NOTE: imported here: workers/audio builds on this module's ImageEncoder.
     from workers.audio.qwen2_audio import build_qwen2_audio
@@ -337,6 +343,7 @@ _BUILDERS = {
     "LlavaOnevisionForConditionalGeneration": _llava_onevision,
     "Mistral3ForConditionalGeneration": _mistral3,
     "Qwen3_5ForConditionalGeneration": _qwen3_5,
+    "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl,
     # An audio-language model: its audio tower fills placeholders as an image tower does.
     "Qwen2AudioForConditionalGeneration": _qwen2_audio,
 }

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.vision.vit import activation
+from workers.vision.vit import RMSNorm, activation
 
 # PixtralVisionConfig's defaults (transformers 5), for what a released config.json leaves out.
 PIXTRAL_DEFAULTS = {
@@ -44,18 +44,6 @@ class PixtralConfig:
             merged["hidden_size"] // merged["num_attention_heads"]
         )
         return cls(**{name: merged[name] for name in cls.__dataclass_fields__})
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 def axial_rope(config: PixtralConfig, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:

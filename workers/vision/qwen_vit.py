@@ -56,6 +56,40 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def patch_rotary_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    """(head_dim / 4,) the frequencies of Qwen's 2D vision rotation (a quarter of a head each for
+    rows and columns)."""
+    quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
+    return 1.0 / theta**quarter
+
+
+def patch_rotary(
+    inv_freq: torch.Tensor, grid_thw: tuple[int, int, int], m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (t h w, head_dim) float32 in merge-block order: a quarter of the frequencies turn
+    by the patch's row, a quarter by its column, the halves repeated (rotate-half layout)."""
+    t, h, w = grid_thw
+    device = inv_freq.device
+    rows, cols = torch.meshgrid(
+        torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij"
+    )
+    hw = merge_block_order(torch.stack((rows, cols), -1), m)
+    freqs = (hw[..., None].float() * inv_freq).flatten(1)  # (h w, head_dim / 2)
+    freqs = torch.cat((freqs, freqs), -1).repeat(t, 1)
+    return freqs.cos(), freqs.sin()
+
+
+def rotate_vision(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k (N, heads, D) rotated by cos, sin (N, D), in float32 as Hugging Face rotates."""
+    cos, sin = cos[:, None], sin[:, None]
+    q32, k32 = q.float(), k.float()
+    q = (q32 * cos + rotate_half(q32) * sin).to(q.dtype)
+    k = (k32 * cos + rotate_half(k32) * sin).to(k.dtype)
+    return q, k
+
+
 class QwenVisionAttention(nn.Module):
     def __init__(self, config: QwenVisionConfig):
         super().__init__()
@@ -68,9 +102,7 @@ class QwenVisionAttention(nn.Module):
     ) -> torch.Tensor:  # (N, H) -> (N, H)
         n = x.shape[0]
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, -1).unbind(1)  # (N, heads, D) each
-        cos, sin = cos[:, None], sin[:, None]  # (N, 1, D), float32 as HF rotates
-        q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
+        q, k = rotate_vision(q, k, cos, sin)
 
         def frames(t: torch.Tensor) -> torch.Tensor:  # (N, heads, D) -> (frames, heads, N/f, D)
             return t.reshape(num_frames, n // num_frames, self.num_heads, -1).transpose(1, 2)
@@ -107,10 +139,12 @@ class QwenVisionBlock(nn.Module):
 
 
 class QwenPatchEmbed(nn.Module):
-    def __init__(self, config: QwenVisionConfig):
+    def __init__(self, config: Any, bias: bool = True):  # Qwen2.5-VL's has no bias
         super().__init__()
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel, stride=kernel)
+        self.proj = nn.Conv3d(
+            config.in_channels, config.hidden_size, kernel, stride=kernel, bias=bias
+        )
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:  # (N, C T P P) -> (N, H)
         # A Conv3d whose stride is its kernel, on one kernel's worth of input each: a linear map.
@@ -139,9 +173,10 @@ class QwenVisionTransformer(nn.Module):
         self.grid_side = int(config.num_position_embeddings**0.5)
         self.blocks = nn.ModuleList(QwenVisionBlock(config) for _ in range(config.depth))
         self.merger = QwenPatchMerger(config)
-        head_dim = config.hidden_size // config.num_heads
-        quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
-        self.register_buffer("inv_freq", 1.0 / config.rope_theta**quarter, persistent=False)
+        inv_freq = patch_rotary_frequencies(
+            config.hidden_size // config.num_heads, config.rope_theta
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, patches: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
         """One image's (or video's) patches (t h w, C T P P) -> (t h w / m^2, out_hidden_size)."""
@@ -151,7 +186,7 @@ class QwenVisionTransformer(nn.Module):
         x = self.patch_embed(patches) + self._position_embeddings(h, w).repeat(t, 1).to(
             patches.dtype
         )
-        cos, sin = self._rotary(h, w, t, x.device)
+        cos, sin = patch_rotary(self.inv_freq, (t, h, w), self.config.spatial_merge_size)
         for block in self.blocks:
             x = block(x, cos, sin, t)
         return self.merger(x)
@@ -163,16 +198,3 @@ class QwenVisionTransformer(nn.Module):
         table = self.pos_embed.weight.float().T.reshape(1, -1, side, side)
         grid = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)
         return merge_block_order(grid[0].permute(1, 2, 0), self.config.spatial_merge_size)
-
-    def _rotary(
-        self, h: int, w: int, t: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (t h w, head_dim) float32: a quarter of the frequencies turn by the patch's
-        row, a quarter by its column, the halves repeated (rotate-half layout)."""
-        rows, cols = torch.meshgrid(
-            torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij"
-        )
-        hw = merge_block_order(torch.stack((rows, cols), -1), self.config.spatial_merge_size)
-        freqs = (hw[..., None].float() * self.inv_freq).flatten(1)  # (h w, head_dim / 2)
-        freqs = torch.cat((freqs, freqs), -1).repeat(t, 1)
-        return freqs.cos(), freqs.sin()

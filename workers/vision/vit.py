@@ -33,6 +33,20 @@ def activation(name: str):
     return ACTIVATIONS[name]
 
 
+class RMSNorm(nn.Module):
+    """Pixtral's and Qwen2.5-VL's: normalised in float32, scaled in the input's dtype."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
 @dataclass(frozen=True)
 class VisionConfig:
     hidden_size: int

@@ -1,0 +1,194 @@
+"""Qwen2.5-VL's vision transformer (Hugging Face's Qwen2_5_VisionTransformerPretrainedModel):
+Qwen's patch embedding (no bias) and 2D rotary positions as Qwen3.5's tower (qwen_vit.py), but
+RMSNorm blocks with gated SiLU MLPs, no learned position table, and **window attention**: most
+blocks attend only inside windows of `window_size` pixels (window_size / patch / merge merged
+tokens a side; the image's right and bottom windows are cut short), the blocks in
+`fullatt_block_indexes` over each whole frame. The merger (RMSNorm `ln_q`, then two linears around
+a GELU) turns each spatial_merge_size^2 block of patches into one text-hidden row.
+
+Patches arrive as the processor writes them (merge-block order, qwen_vit.py); the tower regroups
+the merged blocks window by window for its blocks and puts the merger's rows back in the
+processor's order, as Hugging Face's `get_vision_window_index` and its inverse do. Parameter names
+are Hugging Face's (`model.visual.*`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.vision.qwen_vit import (
+    QwenPatchEmbed,
+    patch_rotary,
+    patch_rotary_frequencies,
+    rotate_vision,
+)
+from workers.vision.vit import RMSNorm, activation
+
+
+@dataclass(frozen=True)
+class Qwen25VisionConfig:  # Qwen2_5_VLVisionConfig's defaults
+    depth: int = 32
+    hidden_size: int = 3584
+    hidden_act: str = "silu"
+    intermediate_size: int = 3420
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 14
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    window_size: int = 112
+    out_hidden_size: int = 3584
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_hf(cls, vision: dict[str, Any]) -> Qwen25VisionConfig:
+        rope = vision.get("rope_parameters") or {}
+        merged = {**vision, "rope_theta": rope.get("rope_theta", 10000.0)}
+        if "fullatt_block_indexes" in merged:
+            merged["fullatt_block_indexes"] = tuple(merged["fullatt_block_indexes"])
+        return cls(**{k: merged[k] for k in cls.__dataclass_fields__ if k in merged})
+
+
+class Segments:
+    """A partition of a tower's rows into consecutive segments that attend only within
+    themselves, grouped by length so that each length is one batched attention."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        starts = torch.tensor([0, *lengths]).cumsum(0)[:-1].tolist()
+        by_length: dict[int, list[int]] = defaultdict(list)
+        for start, length in zip(starts, lengths):
+            if length:
+                by_length[length].append(start)
+        # (rows of the segments of one length, in segment order): one gather, one scatter each.
+        self.groups = [
+            (length, (torch.tensor(s)[:, None] + torch.arange(length)).reshape(-1))
+            for length, s in by_length.items()
+        ]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v (N, heads, D) -> (N, heads, D), each segment attending within itself."""
+        if len(self.groups) == 1 and self.groups[0][1].numel() == q.shape[0]:
+            length, _ = self.groups[0]  # the rows in order: no gather
+            batched = [t.reshape(-1, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)]
+            return F.scaled_dot_product_attention(*batched).transpose(1, 2).reshape(q.shape)
+        out = torch.empty_like(q)
+        for length, rows in self.groups:
+            batched = [t[rows].reshape(-1, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)]
+            out[rows] = F.scaled_dot_product_attention(*batched).transpose(1, 2).flatten(0, 1)
+        return out
+
+
+class Qwen25VisionAttention(nn.Module):
+    def __init__(self, config: Qwen25VisionConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, -1).unbind(1)
+        q, k = rotate_vision(q, k, cos, sin)
+        return self.proj(segments.attend(q, k, v).reshape(n, -1))
+
+
+class Qwen25VisionMLP(nn.Module):
+    def __init__(self, config: Qwen25VisionConfig):
+        super().__init__()
+        self.act = activation(config.hidden_act)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen25VisionBlock(nn.Module):
+    def __init__(self, config: Qwen25VisionConfig):
+        super().__init__()
+        self.norm1 = RMSNorm(config.hidden_size, 1e-6)
+        self.norm2 = RMSNorm(config.hidden_size, 1e-6)
+        self.attn = Qwen25VisionAttention(config)
+        self.mlp = Qwen25VisionMLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class Qwen25PatchMerger(nn.Module):
+    def __init__(self, config: Qwen25VisionConfig):
+        super().__init__()
+        self.merged_size = config.hidden_size * config.spatial_merge_size**2
+        self.ln_q = RMSNorm(config.hidden_size, 1e-6)
+        # Hugging Face's nn.Sequential(Linear, GELU, Linear): parameters mlp.0.* and mlp.2.*
+        self.mlp = nn.Sequential(
+            nn.Linear(self.merged_size, self.merged_size),
+            nn.GELU(),
+            nn.Linear(self.merged_size, config.out_hidden_size),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N / m^2, out)
+        return self.mlp(self.ln_q(x).view(-1, self.merged_size))
+
+
+def window_order(
+    grid_thw: tuple[int, int, int], m: int, window: int
+) -> tuple[torch.Tensor, list[int]]:
+    """The merged blocks of a (t, h, w) patch grid regrouped window by window (`window` merged
+    blocks a side, frame by frame, windows row by row): (block indices in that order, the
+    number of patches in each window)."""
+    t, h, w = grid_thw
+    bh, bw = h // m, w // m
+    blocks = torch.arange(t * bh * bw).reshape(t, bh, bw)
+    order, lengths = [], []
+    for frame in blocks:
+        for top in range(0, bh, window):
+            for left in range(0, bw, window):
+                ids = frame[top : top + window, left : left + window].reshape(-1)
+                order.append(ids)
+                lengths.append(ids.numel() * m * m)
+    return torch.cat(order), lengths
+
+
+class Qwen25VisionTransformer(nn.Module):
+    def __init__(self, config: Qwen25VisionConfig):
+        super().__init__()
+        self.config = config
+        self.patch_embed = QwenPatchEmbed(config, bias=False)
+        self.blocks = nn.ModuleList(Qwen25VisionBlock(config) for _ in range(config.depth))
+        self.merger = Qwen25PatchMerger(config)
+        inv_freq = patch_rotary_frequencies(
+            config.hidden_size // config.num_heads, config.rope_theta
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.window = config.window_size // config.spatial_merge_size // config.patch_size
+
+    def forward(self, patches: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
+        """One image's patches (t h w, C T P P) -> (t h w / m^2, out_hidden_size)."""
+        t, h, w = grid_thw
+        m = self.config.spatial_merge_size
+        if patches.shape[0] != t * h * w:
+            raise ValueError(f"{patches.shape[0]} patches for a {t}x{h}x{w} grid")
+        order, window_lengths = window_order(grid_thw, m, self.window)
+        rows = (order[:, None] * m * m + torch.arange(m * m)).reshape(-1)  # patches, windowed
+
+        x = self.patch_embed(patches)[rows]
+        cos, sin = (c[rows] for c in patch_rotary(self.inv_freq, grid_thw, m))
+        windows, frames = Segments(window_lengths), Segments([h * w] * t)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, frames if i in self.config.fullatt_block_indexes else windows)
+        merged = self.merger(x)
+        return merged[torch.argsort(order)]  # back in the processor's (placeholder) order
