@@ -84,6 +84,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlavaOnevisionForConditionalGeneration": ("qwen2", "lm_head"),
     "Qwen2AudioForConditionalGeneration": ("qwen2", "lm_head"),  # a Qwen2 text model
     "Qwen2_5_VLForConditionalGeneration": ("qwen2", "lm_head"),  # Qwen2 with M-RoPE
+    "Qwen3VLForConditionalGeneration": ("qwen3", "lm_head"),  # Qwen3 with M-RoPE, deepstack
     # Encoder-decoder: an audio encoder whose output the text decoder cross-attends to.
     "WhisperForConditionalGeneration": ("whisper", "lm_head"),
 }
@@ -100,6 +101,7 @@ MULTIMODAL_ARCHITECTURES = (
     "Mistral3ForConditionalGeneration",
     "Qwen2AudioForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
 )
 # Of those, the ones whose images tern serves too (an encoder in workers/vision/); the others serve
 # their language model only.
@@ -111,6 +113,7 @@ IMAGE_INPUT_ARCHITECTURES = (
     "Mistral3ForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
 )
 # Of the multimodal ones, those whose audio tern serves (an audio tower whose rows fill the
 # prompt's audio placeholders, as an image encoder's do: workers/audio/).
@@ -120,11 +123,12 @@ AUDIO_INPUT_ARCHITECTURES = ("Qwen2AudioForConditionalGeneration",)
 # chunks nor cut by a prefix-cache hit.
 WHOLE_IMAGE_SPAN_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 # Of those, the ones whose language model places every token after an image by that image's
-# layout (M-RoPE: Qwen3.5 and Qwen2.5-VL rotate by (t, h, w) positions), and the tensors of an image that say it:
+# layout (M-RoPE: Qwen3.5, Qwen2.5-VL and Qwen3-VL rotate by (t, h, w) positions), and the tensors of an image that say it:
 # the workers get them for every image of a prompt, also those a prefix-cache hit skips.
 IMAGE_LAYOUT_TENSORS = {
     "Qwen3_5ForConditionalGeneration": ("image_grid_thw",),
     "Qwen2_5_VLForConditionalGeneration": ("image_grid_thw",),
+    "Qwen3VLForConditionalGeneration": ("image_grid_thw",),
 }
 
 # Speech-to-text models: an audio encoder, and a text decoder that cross-attends to its output

@@ -2,13 +2,15 @@
 throughput at concurrency 8, on any OpenAI-compatible server (tern, vLLM, ...), on random
 checkpoints shaped like the small image models people serve.
 
-    python scripts/bench_images.py make --arch gemma3 --out /tmp/bench-gemma3
+    python scripts/bench_images.py make --arch gemma3|qwen2_5_vl --out /tmp/bench-gemma3
     python scripts/bench_images.py run --base-url http://127.0.0.1:8000 --label tern \
         --encoder-of /tmp/bench-gemma3 --result-file docs/bench_results/images_tern_gemma3.json
 
 `make` builds the checkpoint with its processor beside it (the default model's tokenizer with the
 image tokens added): Gemma 3 at 448 px (SigLIP-base-sized tower, 1024 patches pooled to 256
-placeholders) before a ~0.6B Gemma 3 text model. `run` sends streaming chat requests, each with its
+placeholders) before a ~0.6B Gemma 3 text model; or Qwen2.5-VL with a 12-block windowed tower
+(hidden 768, windows of 112 px, full attention in blocks 3, 7 and 11; a 448 px image is 1024
+patches merged to 256 placeholders) before a Qwen2-0.5B-shaped text model (M-RoPE in sections). `run` sends streaming chat requests, each with its
 own random image (no prefix-cache or encoder-cache hit), ignore_eos; TTFT is the first chunk with
 text. `--encoder-of DIR` also times tern's image encoder alone on that checkpoint, in this process
 with the same thread count as a worker, and reports its share of the median TTFT.
@@ -34,7 +36,10 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_tiny_model import GEMMA3_CHAT_TEMPLATE  # noqa: E402 (scripts/ is not a package)
+from make_tiny_model import (  # noqa: E402 (scripts/ is not a package)
+    GEMMA3_CHAT_TEMPLATE,
+    QWEN_VL_CHAT_TEMPLATE,
+)
 
 IMAGE_SIDE = 448
 TEXT = (
@@ -82,6 +87,49 @@ def make_gemma3(out: Path) -> Path:
         chat_template=GEMMA3_CHAT_TEMPLATE,
     )  # fmt: skip
     processor.save_pretrained(out)
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"wrote {out}: {params:.0f}M parameters")
+    return out
+
+
+def make_qwen2_5_vl(out: Path) -> Path:
+    """A random Qwen2_5_VLForConditionalGeneration, its image processor and chat template."""
+    import torch
+    import transformers
+
+    from frontend.model_prep import default_model_dir
+
+    tokens = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+              "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"}  # fmt: skip
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        default_model_dir(), extra_special_tokens=tokens
+    )
+    ids = {f"{k}_id": tokenizer.convert_tokens_to_ids(v) for k, v in tokens.items()}
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 1000000.0,
+        "mrope_section": [8, 12, 12],
+    }  # head_dim 64
+    text = transformers.Qwen2_5_VLTextConfig(
+        vocab_size=len(tokenizer) + (-len(tokenizer)) % 64, hidden_size=896,
+        intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, max_position_embeddings=4096, rope_parameters=rope,
+    )  # fmt: skip
+    vision = {"depth": 12, "hidden_size": 768, "intermediate_size": 2048, "num_heads": 12,
+              "out_hidden_size": 896, "patch_size": 14, "spatial_merge_size": 2,
+              "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [3, 7, 11]}  # fmt: skip
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=True, **ids
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model.save_pretrained(out)
+    transformers.Qwen2VLImageProcessorPil(
+        patch_size=14, temporal_patch_size=2, merge_size=2
+    ).save_pretrained(out)
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    (out / "chat_template.jinja").write_text(QWEN_VL_CHAT_TEMPLATE)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     print(f"wrote {out}: {params:.0f}M parameters")
     return out
@@ -181,7 +229,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("make")
-    make.add_argument("--arch", choices=["gemma3"], default="gemma3")
+    make.add_argument("--arch", choices=["gemma3", "qwen2_5_vl"], default="gemma3")
     make.add_argument("--out", type=Path, required=True)
     bench = sub.add_parser("run")
     bench.add_argument("--base-url", required=True)
@@ -196,7 +244,7 @@ def main() -> None:
     bench.add_argument("--result-file", type=Path, default=None)
     args = parser.parse_args()
     if args.command == "make":
-        make_gemma3(args.out)
+        {"gemma3": make_gemma3, "qwen2_5_vl": make_qwen2_5_vl}[args.arch](args.out)
         return
     result = asyncio.run(run(args))
     print(json.dumps(result, indent=2))

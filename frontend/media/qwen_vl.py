@@ -14,7 +14,11 @@ from typing import Any
 from PIL import Image
 
 # Checkpoints whose processor this stands in for (config.json's first architecture).
-QWEN_VL_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+QWEN_VL_ARCHITECTURES = (
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+)
 
 
 def is_qwen_vl(model_path: str | Path) -> bool:

@@ -139,3 +139,27 @@ def test_sglang_generate_audio_data(server: Any, qwen2_audio: tuple[Path, Any, A
         timeout=60,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "audio_data"
+
+
+def test_tp2_pp2_audio_parts_answer_as_hf(
+    module_server: Any, qwen2_audio: tuple[Path, Any, Any]
+) -> None:
+    """At `--tp 2 --pp 2` the audio tower runs on the first stage (replicated across its
+    tensor-parallel ranks) and its rows fill the placeholders as at one rank."""
+    server = module_server(
+        "--model", str(qwen2_audio[0]), "--served-model-name", "qwen2-audio", "--dtype", "float32",
+        "--tp", "2", "--pp", "2", "--kv-cache-memory", "0.05",
+    )  # fmt: skip
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    wav = encode_audio(_speech(2.5, 5), 16000, "wav")
+    reply = client.chat.completions.create(
+        model="qwen2-audio", max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+        messages=[{"role": "user", "content": [
+            {"type": "input_audio",
+             "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
+            {"type": "text", "text": "Who speaks?"}]}],
+    )  # fmt: skip
+    assert reply.choices[0].model_extra["token_ids"] == _hf_answer(
+        qwen2_audio, [wav], "Who speaks?"
+    )

@@ -1,7 +1,8 @@
-"""Qwen3.5's and Qwen2.5-VL's images through a real server, against Hugging Face: the tiny random
-Qwen3.5 (Gated DeltaNet and gated attention layers, M-RoPE over (t, h, w) positions, interleaved)
-beside its one-block vision transformer, and the tiny Qwen2.5-VL (a Qwen2 with M-RoPE in sections)
-beside its two-block windowed tower, answer chat requests with images, each greedy answer token for
+"""Qwen3.5's, Qwen2.5-VL's and Qwen3-VL's images through a real server, against Hugging Face: the
+tiny random Qwen3.5 (Gated DeltaNet and gated attention layers, M-RoPE over (t, h, w) positions,
+interleaved) beside its one-block vision transformer, the tiny Qwen2.5-VL (a Qwen2 with M-RoPE in
+sections) beside its two-block windowed tower, and the tiny Qwen3-VL (a Qwen3 whose first two layers
+add the tower's deepstack rows at the image's placeholders) answer chat requests with images, each greedy answer token for
 token the one `*ForConditionalGeneration.generate` gives in float32.
 
 The server computes prompts in chunks of 16 tokens (an image is up to 16 placeholders: chunks split
@@ -43,6 +44,7 @@ def _data_url(image: Image.Image) -> str:
 _HF_CLASSES = {
     "qwen3_5_vl": "Qwen3_5ForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
 }
 
 

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from tests.conftest import make_tiny_model
 from workers.models.decoder import language_model_name
 from workers.vision import ImageEncoder, build_image_encoder
+from workers.vision.encoders import deepstack_layers
 
 HF_CLASSES = {
     "llava": transformers.LlavaForConditionalGeneration,
@@ -27,6 +28,7 @@ HF_CLASSES = {
     "idefics3": transformers.Idefics3ForConditionalGeneration,
     "qwen3_5_vl": transformers.Qwen3_5ForConditionalGeneration,
     "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+    "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
 }
 
 
@@ -45,7 +47,7 @@ def checkpoint(
             hf = HF_CLASSES[arch].from_pretrained(model_dir, dtype=torch.float32).eval()
             processor = (  # Qwen3VLProcessor needs torchvision (videos): its image part
                 transformers.AutoImageProcessor.from_pretrained(model_dir)
-                if arch in ("qwen3_5_vl", "qwen2_5_vl")
+                if arch in ("qwen3_5_vl", "qwen2_5_vl", "qwen3_vl")
                 else transformers.AutoProcessor.from_pretrained(model_dir)
             )
             encoder = build_image_encoder(json.loads((model_dir / "config.json").read_text()))
@@ -420,13 +422,14 @@ def test_llava_onevision_checkpoint_names(onevision: tuple[Any, Any, ImageEncode
     assert encoder.local_weight_name("model.language_model.norm.weight") is None
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("arch", ["qwen3_5_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_qwen_encoder_gives_the_rows_hf_scatters(arch: str, checkpoint: Any) -> None:
     """Qwen3.5's vision transformer (patch grid per image, interpolated position table, 2D rotary,
-    the merger) and Qwen2.5-VL's (RMSNorm blocks, windows of 2x2 merged tokens in its first
-    block, the whole image in its second): each image alone gives HF's get_image_features rows
-    and those HF scatters into its <|image_pad|> run; images of two shapes (2x4 and 4x3 merged
-    tokens: Qwen2.5-VL's windows of 4 and of 2 merged tokens)."""
+    the merger), Qwen2.5-VL's (RMSNorm blocks, windows of 2x2 merged tokens in its first block,
+    the whole image in its second) and Qwen3-VL's (Qwen3.5's with two deepstack mergers, whose
+    rows follow the main one): each image alone gives HF's get_image_features rows and those HF
+    scatters into its <|image_pad|> run; images of two shapes (2x4 and 4x3 merged tokens:
+    Qwen2.5-VL's windows of 4 and of 2 merged tokens)."""
     model_dir, hf, image_processor, encoder = checkpoint(arch)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     images = [random_image(20, 28, seed=1), random_image(64, 48, seed=2)]
@@ -436,12 +439,15 @@ def test_qwen_encoder_gives_the_rows_hf_scatters(arch: str, checkpoint: Any) -> 
         tensors = dict(image_processor([image], return_tensors="pt"))
         with torch.no_grad():
             rows = encoder.encode(tensors)
-            expected = hf.model.get_image_features(**tensors).pooler_output[0]
+            hf_out = hf.model.get_image_features(**tensors)
+        deepstack = [f[0] for f in getattr(hf_out, "deepstack_features", None) or []]
+        assert len(deepstack) == (2 if arch == "qwen3_vl" else 0)
+        expected = torch.cat([hf_out.pooler_output[0], *deepstack], -1)
         # rtol 1e-6: rows reach ~20 (decisive random weights), where fp32 rounds at ~2e-6;
         # Qwen2.5-VL's atol 2e-5: HF's own sdpa and eager towers differ by 1.1e-5 on it.
         atol = 2e-5 if arch == "qwen2_5_vl" else 1e-5
         torch.testing.assert_close(rows, expected, atol=atol, rtol=1e-6)
-        features.append(rows)
+        features.append(rows[:, :64])  # the main rows: what the placeholders' embeddings become
         ids += [hf.config.vision_start_token_id] + [encoder.image_token_id] * rows.shape[0]
         ids += [hf.config.vision_end_token_id]
     assert [f.shape for f in features] == [(8, 64), (12, 64)]  # 2x4 and 4x3 merged tokens
@@ -467,6 +473,22 @@ def test_qwen3_5_names_map_to_the_encoder() -> None:
     assert qwen.local_weight_name("model.language_model.layers.0.mlp.up_proj.weight") is None
     with pytest.raises(ValueError, match="no place"):
         qwen.local_weight_name("model.visual.deepstack_merger_list.0.norm.weight")
+
+
+def test_qwen3_vl_deepstack_mergers_load_and_widen_the_rows() -> None:
+    config = {"architectures": ["Qwen3VLForConditionalGeneration"],
+              "vision_config": {"depth": 3, "hidden_size": 32, "intermediate_size": 64,
+                                "num_heads": 2, "out_hidden_size": 64, "patch_size": 4,
+                                "num_position_embeddings": 16,
+                                "deepstack_visual_indexes": [0, 1]}}  # fmt: skip
+    assert deepstack_layers(config) == 2
+    assert deepstack_layers({**config, "architectures": ["Qwen3_5ForConditionalGeneration"]}) == 0
+    qwen = build_image_encoder(config)
+    assert qwen.local_weight_name("model.visual.deepstack_merger_list.1.norm.weight") == (
+        "vision_tower.deepstack_merger_list.1.norm.weight"
+    )
+    with pytest.raises(ValueError, match="no place"):
+        qwen.local_weight_name("model.visual.deepstack_merger_list.2.norm.weight")
 
 
 def test_qwen2_5_vl_names_map_to_the_encoder() -> None:

@@ -54,7 +54,7 @@ from workers.layers.norm import RMSNorm, ShardedRMSNorm
 from workers.layers.rotary import RopeParams, RotaryEmbedding
 from workers.models.args import ModelArgs
 from workers.models.kv_cache_groups import cache_slots, plan_kv_cache_groups
-from workers.vision.encoders import build_image_encoder
+from workers.vision.encoders import build_image_encoder, deepstack_layers
 
 # The norm slots of a layer, in the order the residual stream meets them.
 NORM_SLOTS = ("input", "attn_out", "pre_mlp", "mlp_out")
@@ -463,6 +463,7 @@ class DecoderModel(nn.Module):
         image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """(T,) ids, or on later stages the previous stage's (2, T, hidden) -> see DecoderForCausalLM."""
+        deepstack = None  # Qwen3-VL: (rows, (R, k, hidden)) added after each of the first k layers
         if self.embed_tokens is not None:
             x, residual = self.embed_tokens(input_ids), None
             if self.spec.embed_scale != 1.0:
@@ -470,9 +471,13 @@ class DecoderModel(nn.Module):
                 x = x * torch.tensor(self.spec.embed_scale).to(x.dtype)
             if image_embeds is not None:
                 # The image encoder's rows replace its placeholders' embeddings (after the scale,
-                # which Hugging Face applies to the text's only).
+                # which Hugging Face applies to the text's only); Qwen3-VL's deepstack rows
+                # follow each row's main part, one hidden size each.
                 rows, features = image_embeds
-                x = x.index_copy(0, rows, features.to(x.dtype))
+                features = features.to(x.dtype).view(rows.numel(), -1, x.shape[-1])
+                x = x.index_copy(0, rows, features[:, 0])
+                if features.shape[1] > 1:
+                    deepstack = rows, features[:, 1:]
         else:
             assert intermediate is not None, (
                 "a later pipeline stage needs the previous one's output"
@@ -484,6 +489,7 @@ class DecoderModel(nn.Module):
             self.fused_stack is not None
             and not self.feature_layers
             and meta.mrope_positions is None
+            and deepstack is None
         ):
             group = self.layers[self.stage_layers[0]].kv_group
             stacked = self.fused_stack(x, residual, meta.for_kv_group(group))
@@ -493,6 +499,9 @@ class DecoderModel(nn.Module):
             if i in self.feature_layers:
                 features.append(x if residual is None else x + residual)
             x, residual = self.layers[i](x, residual, meta)
+            if deepstack is not None and i < deepstack[1].shape[1]:
+                # NOTE: Hugging Face adds to the layer's output (residual + x); x is its last term.
+                x = x.index_add(0, deepstack[0], deepstack[1][:, i])
         if features:
             self.features = torch.cat(features, -1)
         if self.norm is None:
@@ -566,6 +575,13 @@ class DecoderForCausalLM(nn.Module):
         )
         for param in self.vision.parameters() if self.vision is not None else ():
             param.weight_loader = default_weight_loader  # unsharded: copied whole on every rank
+        num_deepstack = deepstack_layers(args.image_config) if args.takes_images else 0
+        if num_deepstack > len(stage_layers(args.num_hidden_layers, ctx.pp_size, 0)):
+            raise ValueError(
+                f"the vision tower's {num_deepstack} deepstack layers must be on the first "
+                f"pipeline stage, which holds fewer of the {args.num_hidden_layers} layers at "
+                f"--pp {ctx.pp_size}"
+            )
         self.lm_head = None
         if ctx.is_last_stage:
             self.lm_head = ParallelLMHead(

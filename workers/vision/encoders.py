@@ -20,8 +20,9 @@ embeddings, in prompt order: (num_placeholder_tokens, text hidden size).
 - Mistral 3 (Pixtral): `pixel_values` (1, 3, H', W') padded beyond `image_sizes` (1, 2) -> one row
   per 2x2 block of patches, row by row: the `[IMG]` runs the processor separates with
   `[IMG_BREAK]`.
-- Qwen3.5, Qwen2.5-VL: `pixel_values` (t h w, C T P P) patches and `image_grid_thw` (1, 3) -> one
-  row per spatial_merge_size^2 block of patches (t h w / m^2).
+- Qwen3.5, Qwen2.5-VL, Qwen3-VL: `pixel_values` (t h w, C T P P) patches and `image_grid_thw`
+  (1, 3) -> one row per spatial_merge_size^2 block of patches (t h w / m^2); Qwen3-VL's rows carry
+  its deepstack rows after the main one (`deepstack_layers` hidden sizes more).
 
 Weights: the encoder takes the same stream of checkpoint tensors as the language model;
 `local_weight_name` says which are its own (transformers-5 `model.vision_tower.*` /
@@ -324,6 +325,13 @@ def _qwen3_5(hf: dict[str, Any]) -> ImageEncoder:
     return QwenImageEncoder(tower, nn.Identity(), image_token_id_of(hf, 248056))
 
 
+def _qwen3_vl(hf: dict[str, Any]) -> ImageEncoder:
+    config = QwenVisionConfig.from_hf(hf.get("vision_config") or {}, deepstack=True)
+    return QwenImageEncoder(
+        QwenVisionTransformer(config), nn.Identity(), image_token_id_of(hf, 151655)
+    )
+
+
 def _qwen2_5_vl(hf: dict[str, Any]) -> ImageEncoder:
     tower = Qwen25VisionTransformer(Qwen25VisionConfig.from_hf(hf.get("vision_config") or {}))
     return QwenImageEncoder(tower, nn.Identity(), image_token_id_of(hf, 151655))
@@ -344,9 +352,21 @@ _BUILDERS = {
     "Mistral3ForConditionalGeneration": _mistral3,
     "Qwen3_5ForConditionalGeneration": _qwen3_5,
     "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl,
+    "Qwen3VLForConditionalGeneration": _qwen3_vl,
     # An audio-language model: its audio tower fills placeholders as an image tower does.
     "Qwen2AudioForConditionalGeneration": _qwen2_audio,
 }
+
+
+def deepstack_layers(hf_config: dict[str, Any]) -> int:
+    """How many of the language model's first layers add deepstack rows at the image's
+    placeholders (Qwen3-VL; 0 for every other model): the encoder's rows are that many hidden
+    sizes wider than the main row."""
+    archs = hf_config.get("architectures") or [""]
+    if archs[0] != "Qwen3VLForConditionalGeneration":
+        return 0
+    vision = hf_config.get("vision_config") or {}
+    return len(vision.get("deepstack_visual_indexes", (8, 16, 24)))
 
 
 def build_image_encoder(hf_config: dict[str, Any]) -> ImageEncoder | None:

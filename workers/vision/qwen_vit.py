@@ -1,8 +1,13 @@
-"""Qwen3-VL's / Qwen3.5's vision transformer (Hugging Face's Qwen3_5VisionModel, without Qwen3-VL's
-deepstack mergers, which Qwen3.5 drops): patches of (temporal, patch, patch) pixels embedded by a
-linear map (the checkpoint's Conv3d, whose stride equals its kernel), learned position embeddings
-resampled bilinearly to each image's grid, 2D rotary attention inside each frame, then the merger
-that concatenates each spatial_merge_size^2 block of patches into one text-hidden row.
+"""Qwen3-VL's / Qwen3.5's vision transformer (Hugging Face's Qwen3VLVisionModel, Qwen3_5VisionModel):
+patches of (temporal, patch, patch) pixels embedded by a linear map (the checkpoint's Conv3d, whose
+stride equals its kernel), learned position embeddings resampled bilinearly to each image's grid, 2D
+rotary attention inside each frame, then the merger that concatenates each spatial_merge_size^2
+block of patches into one text-hidden row.
+
+Qwen3-VL's **deepstack** (Qwen3.5 drops it): after each block of `deepstack_visual_indexes` a merger
+of its own (normed after the merge) turns that block's output into rows too; the language model adds
+the k-th of them to its hidden states at the image's placeholders after its k-th layer. The tower
+returns them beside the main rows: (rows, out_hidden_size * (1 + len(deepstack_visual_indexes))).
 
 Patches arrive as the processor writes them: (num_patches, channels * temporal * patch * patch),
 already in merge-block order (each block's patches consecutive), the order the merger and the
@@ -35,12 +40,17 @@ class QwenVisionConfig:
     out_hidden_size: int = 3584
     num_position_embeddings: int = 2304
     rope_theta: float = 10000.0
+    deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL's [8, 16, 24]; Qwen3.5: none
 
     @classmethod
-    def from_hf(cls, vision: dict[str, Any]) -> QwenVisionConfig:
-        """config.json's vision_config over Qwen3VLVisionConfig's defaults."""
+    def from_hf(cls, vision: dict[str, Any], deepstack: bool = False) -> QwenVisionConfig:
+        """config.json's vision_config over Qwen3VLVisionConfig's defaults (its deepstack layers
+        only where the model has them: Qwen3.5's config class carries the field unused)."""
         rope = vision.get("rope_parameters") or {}
         merged = {**vision, "rope_theta": rope.get("rope_theta", 10000.0)}
+        merged["deepstack_visual_indexes"] = (
+            tuple(vision.get("deepstack_visual_indexes", (8, 16, 24))) if deepstack else ()
+        )
         return cls(**{k: merged[k] for k in cls.__dataclass_fields__ if k in merged})
 
 
@@ -152,15 +162,23 @@ class QwenPatchEmbed(nn.Module):
 
 
 class QwenPatchMerger(nn.Module):
-    def __init__(self, config: QwenVisionConfig):
+    """`norm_after_merge`: the deepstack mergers' LayerNorm over each merged row (Hugging Face's
+    use_postshuffle_norm); the main merger's normalises each patch first."""
+
+    def __init__(self, config: QwenVisionConfig, norm_after_merge: bool = False):
         super().__init__()
         self.merged_size = config.hidden_size * config.spatial_merge_size**2
-        self.norm = nn.LayerNorm(config.hidden_size, eps=1e-6)
+        self.norm_after_merge = norm_after_merge
+        normed = self.merged_size if norm_after_merge else config.hidden_size
+        self.norm = nn.LayerNorm(normed, eps=1e-6)
         self.linear_fc1 = nn.Linear(self.merged_size, self.merged_size)
         self.linear_fc2 = nn.Linear(self.merged_size, config.out_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N / m^2, out)
-        x = self.norm(x).view(-1, self.merged_size)
+        if self.norm_after_merge:
+            x = self.norm(x.view(-1, self.merged_size))
+        else:
+            x = self.norm(x).view(-1, self.merged_size)
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
@@ -173,13 +191,17 @@ class QwenVisionTransformer(nn.Module):
         self.grid_side = int(config.num_position_embeddings**0.5)
         self.blocks = nn.ModuleList(QwenVisionBlock(config) for _ in range(config.depth))
         self.merger = QwenPatchMerger(config)
+        self.deepstack_merger_list = nn.ModuleList(
+            QwenPatchMerger(config, norm_after_merge=True) for _ in config.deepstack_visual_indexes
+        )
         inv_freq = patch_rotary_frequencies(
             config.hidden_size // config.num_heads, config.rope_theta
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, patches: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
-        """One image's (or video's) patches (t h w, C T P P) -> (t h w / m^2, out_hidden_size)."""
+        """One image's (or video's) patches (t h w, C T P P) -> (t h w / m^2, out_hidden_size),
+        times 1 + the number of deepstack layers (main rows first, then each deepstack's)."""
         t, h, w = grid_thw
         if patches.shape[0] != t * h * w:
             raise ValueError(f"{patches.shape[0]} patches for a {t}x{h}x{w} grid")
@@ -187,9 +209,13 @@ class QwenVisionTransformer(nn.Module):
             patches.dtype
         )
         cos, sin = patch_rotary(self.inv_freq, (t, h, w), self.config.spatial_merge_size)
-        for block in self.blocks:
+        deepstack = []
+        for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, t)
-        return self.merger(x)
+            if i in self.config.deepstack_visual_indexes:
+                k = self.config.deepstack_visual_indexes.index(i)
+                deepstack.append(self.deepstack_merger_list[k](x))
+        return torch.cat([self.merger(x), *deepstack], dim=-1)
 
     def _position_embeddings(self, h: int, w: int) -> torch.Tensor:
         """The learned (side, side) table resampled to (h, w) (bilinear, corners aligned, as HF),
