@@ -8,6 +8,7 @@ mistakes, 503 when the engine is gone). A client that goes away aborts its reque
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,8 @@ from frontend.serving.generation import (
 from frontend.serving.routed_experts import vllm_routed_experts
 from frontend.serving.sampling import RequestSampling, for_sample, set_logits_processing
 from frontend.text.detokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger("tern.frontend")
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -68,6 +71,16 @@ class OpenAIServing:
         self.model_names = list(model_names)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # A checkpoint's generation config may name end-of-sequence ids its model cannot emit
+        # (a config class's defaults, saved beside a smaller vocabulary): never generated, so
+        # never matched; dropped rather than sent to fail every request (as vLLM serves them).
+        self.eos_token_ids = [t for t in tokenizer.eos_token_ids if 0 <= t < vocab_size]
+        if len(self.eos_token_ids) < len(tokenizer.eos_token_ids):
+            dropped = sorted(set(tokenizer.eos_token_ids) - set(self.eos_token_ids))
+            logger.warning(
+                "end-of-sequence ids %s are outside the model's vocabulary of %d: ignored",
+                dropped, vocab_size,
+            )  # fmt: skip
         self.metrics = metrics
         self.records_routing = records_routing
         self.inflight = InflightRequests()
@@ -277,7 +290,7 @@ class OpenAIServing:
             seed=sampling.seed,
             max_tokens=max_tokens,
             stop_token_ids=stop_token_ids,
-            eos_token_ids=list(self.tokenizer.eos_token_ids),
+            eos_token_ids=list(self.eos_token_ids),
             ignore_eos=sampling.ignore_eos,
         )
         set_logits_processing(params, sampling, self.vocab_size, defaults)

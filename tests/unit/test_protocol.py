@@ -319,6 +319,19 @@ def test_sampling_params_defaults() -> None:
     assert params.eos_token_ids == [2, 7] and params.stop_token_ids == []
 
 
+def test_eos_ids_outside_the_vocabulary_are_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    """A generation config's end-of-sequence ids past the model's vocabulary (a config class's
+    defaults saved beside a smaller vocabulary) can never be sampled: ignored, with a warning,
+    rather than sent with every request for the engine core to refuse."""
+    tokenizer = _StubTokenizer()
+    tokenizer.eos_token_ids = [151645, 2, 50]
+    with caplog.at_level("WARNING", logger="tern.frontend"):
+        server = OpenAIServing(None, tokenizer, ["tiny"], 100, vocab_size=50)  # type: ignore[arg-type]
+    assert "[50, 151645]" in caplog.text
+    params = server.sampling_params(completion().to_sampling(), [1] * 30, "prompt")
+    assert params.eos_token_ids == [2]
+
+
 def test_sampling_params_from_request() -> None:
     req = completion(
         temperature=0,
