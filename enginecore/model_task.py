@@ -85,6 +85,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2AudioForConditionalGeneration": ("qwen2", "lm_head"),  # a Qwen2 text model
     "Qwen2_5_VLForConditionalGeneration": ("qwen2", "lm_head"),  # Qwen2 with M-RoPE
     "Qwen3VLForConditionalGeneration": ("qwen3", "lm_head"),  # Qwen3 with M-RoPE, deepstack
+    "Qwen2VLForConditionalGeneration": ("qwen2", "lm_head"),  # Qwen2 with M-RoPE
     # Encoder-decoder: an audio encoder whose output the text decoder cross-attends to.
     "WhisperForConditionalGeneration": ("whisper", "lm_head"),
 }
@@ -102,6 +103,7 @@ MULTIMODAL_ARCHITECTURES = (
     "Qwen2AudioForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
 )
 # Of those, the ones whose images tern serves too (an encoder in workers/vision/); the others serve
 # their language model only.
@@ -112,6 +114,7 @@ IMAGE_INPUT_ARCHITECTURES = (
     "LlavaOnevisionForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
 )
@@ -127,6 +130,7 @@ WHOLE_IMAGE_SPAN_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 # the workers get them for every image of a prompt, also those a prefix-cache hit skips.
 IMAGE_LAYOUT_TENSORS = {
     "Qwen3_5ForConditionalGeneration": ("image_grid_thw",),
+    "Qwen3_5MoeForConditionalGeneration": ("image_grid_thw",),
     "Qwen2_5_VLForConditionalGeneration": ("image_grid_thw",),
     "Qwen3VLForConditionalGeneration": ("image_grid_thw",),
 }

@@ -13,7 +13,9 @@ Three flavours, each exercising a different path of the worker's model code:
   one-layer vision tower; "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, a tiny Qwen2 (M-RoPE in
   sections) beside a two-block windowed tower (one window block, one full-attention block);
   "qwen3_vl": Qwen3VLForConditionalGeneration, the tiny qwen3 (interleaved M-RoPE) beside a
-  three-block tower whose first two blocks feed deepstack rows to its first two layers; "llava": LlavaForConditionalGeneration, the tiny llama beside a random
+  three-block tower whose first two blocks feed deepstack rows to its first two layers;
+  "qwen2_vl": Qwen2VLForConditionalGeneration, the tiny qwen2 beside a one-block tower, without a
+  processor (tern serves its language model only); "llava": LlavaForConditionalGeneration, the tiny llama beside a random
   two-layer CLIP; "idefics3": Idefics3ForConditionalGeneration (SmolVLM's), the tiny llama
   (untied) beside a random two-layer SigLIP-style tower and pixel-shuffle connector. llava and
   gemma3_vl take 32 px images (16 and 4 placeholder tokens), idefics3 32 px tiles (4 tokens each:
@@ -73,13 +75,14 @@ _FAMILIES = {
     "qwen3_5_moe": "Qwen3_5Moe",  # Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM
     "gpt_oss": "GptOss",
 }
-# gemma3_vl / qwen3_5_vl / qwen3_5_moe_vl / qwen2_5_vl / llava / idefics3: *ForConditionalGeneration,
-# the tiny gemma3 / qwen3_5 / qwen3_5_moe / qwen2 / llama / llama beside a random vision tower
-# (`_make_with_vision_tower`; qwen3_5_moe_vl without a processor: its images are not served).
-_VISION_ARCHS = ("gemma3_vl", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen2_5_vl", "qwen3_vl", "llava",
-                 "idefics3")  # fmt: skip
+# gemma3_vl / qwen3_5_vl / qwen3_5_moe_vl / qwen2_5_vl / qwen3_vl / qwen2_vl / llava / idefics3:
+# *ForConditionalGeneration, the tiny gemma3 / qwen3_5 / qwen3_5_moe / qwen2 / qwen3 / qwen2 / llama /
+# llama beside a random vision tower (`_make_with_vision_tower`; qwen2_vl without a processor: its
+# images are not served).
+_VISION_ARCHS = ("gemma3_vl", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_vl",
+                 "llava", "idefics3")  # fmt: skip
 # Those whose processor is Qwen's (Qwen2VLImageProcessor, <|image_pad|> runs).
-_QWEN_VL_ARCHS = ("qwen3_5_vl", "qwen2_5_vl", "qwen3_vl")
+_QWEN_VL_ARCHS = ("qwen3_5_vl", "qwen3_5_moe_vl", "qwen2_5_vl", "qwen3_vl")
 ARCHS = (*_FAMILIES, *_VISION_ARCHS)
 # Mixture-of-experts families: 8 experts, top 2.
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3_5_moe", "gpt_oss")
@@ -284,7 +287,8 @@ _IMAGE_TOKENS = {
                    "vision_start_token": "<|vision_start|>",
                    "vision_end_token": "<|vision_end|>"},
 }  # fmt: skip
-_IMAGE_TOKENS["qwen2_5_vl"] = _IMAGE_TOKENS["qwen3_vl"] = _IMAGE_TOKENS["qwen3_5_vl"]
+for _arch in _QWEN_VL_ARCHS:
+    _IMAGE_TOKENS[_arch] = _IMAGE_TOKENS["qwen3_5_vl"]
 # Idefics3's tile tags (Idefics3Processor writes <row_r_col_c> before tile (r, c)'s run).
 _IDEFICS3_TILE_TOKENS = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
 
@@ -364,6 +368,8 @@ def _multimodal_config(arch: str, vocab_size: int, token_ids: dict[str, int]) ->
         return _qwen2_5_vl_config(vocab_size, token_ids)
     if arch == "qwen3_vl":
         return _qwen3_vl_config(vocab_size, token_ids)
+    if arch == "qwen2_vl":
+        return _qwen2_vl_config(vocab_size)
     # M-RoPE over 12 of each head's 16 dims: 6 frequencies, 2 each for t, h and w, interleaved.
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
             "mrope_section": [2, 2, 2], "mrope_interleaved": True}  # fmt: skip
@@ -429,6 +435,23 @@ def _qwen3_vl_config(vocab_size: int, token_ids: dict[str, int]) -> Any:
         **{"image_token_id": vocab_size - 1, "video_token_id": vocab_size - 2,
            "vision_start_token_id": vocab_size - 3, "vision_end_token_id": vocab_size - 4,
            **token_ids},
+    )  # fmt: skip
+
+
+def _qwen2_vl_config(vocab_size: int) -> Any:
+    """The tiny qwen2 with M-RoPE in sections [2, 3, 3] beside a one-block Qwen2-VL tower."""
+    import transformers
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = transformers.Qwen2VLTextConfig(
+        **{**_config_kwargs("qwen2", vocab_size), "rope_parameters": rope}
+    )
+    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
+              "patch_size": 4, "spatial_merge_size": 2, "initializer_range": INIT_STD}  # fmt: skip
+    return transformers.Qwen2VLConfig(
+        text_config=text.to_dict(), vision_config=vision, image_token_id=vocab_size - 1,
+        video_token_id=vocab_size - 2, vision_start_token_id=vocab_size - 3,
+        vision_end_token_id=vocab_size - 4,
     )  # fmt: skip
 
 
@@ -518,6 +541,7 @@ def _make_with_vision_tower(
                    "qwen3_5_moe_vl": transformers.Qwen3_5MoeForConditionalGeneration,
                    "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
                    "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+                   "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
                    "idefics3": transformers.Idefics3ForConditionalGeneration}[arch]  # fmt: skip
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)

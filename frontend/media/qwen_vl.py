@@ -16,6 +16,7 @@ from PIL import Image
 # Checkpoints whose processor this stands in for (config.json's first architecture).
 QWEN_VL_ARCHITECTURES = (
     "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
 )

@@ -1,5 +1,5 @@
 """Checkpoints released with a vision tower, tiny and random, served by a real server: one whose
-images tern does not serve (Qwen3_5MoeForConditionalGeneration) answers text, the start-up log says
+images tern does not serve (Qwen2VLForConditionalGeneration) answers text, the start-up log says
 image inputs are not served, and a request with an image part is a 400 naming that part, on chat
 and on Messages; Gemma 3's language model keeps its sliding layers' windows."""
 
@@ -39,7 +39,7 @@ def server(
 def text_only_server(
     shared_server: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None
 ) -> Any:
-    return _serve("qwen3_5_moe_vl", shared_server, tmp_path_factory, tokenizer_dir)
+    return _serve("qwen2_vl", shared_server, tmp_path_factory, tokenizer_dir)
 
 
 def test_text_is_served_and_images_are_400(text_only_server: Any) -> None:

@@ -23,9 +23,12 @@ MAX_TOKENS = 16
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    except ValueError:  # an image-text model transformers has no causal-LM class for (Qwen2-VL)
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     outs = []
     with torch.no_grad():

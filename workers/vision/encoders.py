@@ -351,6 +351,7 @@ _BUILDERS = {
     "LlavaOnevisionForConditionalGeneration": _llava_onevision,
     "Mistral3ForConditionalGeneration": _mistral3,
     "Qwen3_5ForConditionalGeneration": _qwen3_5,
+    "Qwen3_5MoeForConditionalGeneration": _qwen3_5,  # the same tower as Qwen3.5's
     "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl,
     "Qwen3VLForConditionalGeneration": _qwen3_vl,
     # An audio-language model: its audio tower fills placeholders as an image tower does.
