@@ -103,3 +103,21 @@ def test_unknown_processor_kwargs_are_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         _ask(client, "Hi", [random_image(6)], mm_processor_kwargs={"rm_rf": True})
     assert info.value.body["param"] == "mm_processor_kwargs"
+
+
+def test_tp2_pp2_attends_both_ways_inside_images_on_every_stage(
+    module_server: Any, gemma_dir: Path, hf: HFVision
+) -> None:
+    """At `--tp 2 --pp 2` each stage's layers attend in both directions inside the image's
+    placeholders (the second stage gets the spans, not the pixels), its sliding layers keep their
+    windows, and the answers and logprobs stay HF's."""
+    server = module_server(
+        "--model", str(gemma_dir), "--served-model-name", "vl", "--max-num-batched-tokens", "8",
+        "--tp", "2", "--pp", "2", "--kv-cache-memory", "0.05",
+    )  # fmt: skip
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    text = "Describe what the picture shows, in a sentence or two."
+    response = _ask(client, text, [random_image(5), random_image(6)])
+    tokens, logprobs = hf.answer(text, [random_image(5), random_image(6)])
+    assert response.choices[0].token_ids == tokens
+    assert _logprobs(response) == pytest.approx(logprobs, abs=1e-3)
