@@ -54,6 +54,9 @@ class ModelConfig:
     # Each request's logits independent of the rest of the batch, of prefill chunking and of the
     # prefix cache (float32, kernels with one arithmetic per row; workers/runner/model_runner.py).
     batch_invariant: bool = False
+    # A checkpoint released with a vision or audio tower served as its language model alone
+    # (vLLM's --language-model-only): the towers are neither built nor loaded, media are refused.
+    language_model_only: bool = False
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:

@@ -47,7 +47,9 @@ class EngineCore:
     def __init__(self, config: Config, executor: Executor) -> None:
         self.config = config
         self.executor = executor
-        self.model_task: ModelTask = read_model_task(config.model.path, config.model.task)
+        self.model_task: ModelTask = read_model_task(
+            config.model.path, config.model.task, config.model.language_model_only
+        )
         hybrid = self.model_task.has_linear_attention
         if hybrid and config.cache.enable_prefix_caching:
             config = self.config = self._hybrid_prefix_caching(config, executor)

@@ -260,10 +260,13 @@ def num_labels_of(hf: dict[str, Any]) -> int:
     return len(id2label) if id2label else int(hf.get("num_labels", 2))
 
 
-def model_task(hf: dict[str, Any], requested: str = "auto") -> ModelTask:
+def model_task(
+    hf: dict[str, Any], requested: str = "auto", language_model_only: bool = False
+) -> ModelTask:
     """The task `requested` (--task) resolves to for this config.json; ValueError if the model
-    cannot serve it."""
-    images, audio = takes_images(hf), takes_audio(hf)
+    cannot serve it. `language_model_only`: its media towers are not served."""
+    served_media = not language_model_only
+    images, audio = takes_images(hf) and served_media, takes_audio(hf) and served_media
     hf = text_config_of(hf)
     arch = architecture_of(hf)
     head = ARCHITECTURES[arch][1]
@@ -297,8 +300,10 @@ def model_task(hf: dict[str, Any], requested: str = "auto") -> ModelTask:
     )  # fmt: skip
 
 
-def read_model_task(model_dir: str | Path, requested: str = "auto") -> ModelTask:
+def read_model_task(
+    model_dir: str | Path, requested: str = "auto", language_model_only: bool = False
+) -> ModelTask:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"no config.json in {model_dir}")
-    return model_task(json.loads(path.read_text()), requested)
+    return model_task(json.loads(path.read_text()), requested, language_model_only)

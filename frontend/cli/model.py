@@ -12,6 +12,7 @@ from pathlib import Path
 
 from enginecore.config import LOGPROBS_MODES, POOLING_TYPES, TASKS, ModelConfig
 from frontend.gguf_model import is_gguf, prepare_gguf
+from frontend.media.limits import parse_limit_mm_per_prompt
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +97,14 @@ def _add_task_args(group: argparse._ArgumentGroup) -> None:
         "classify; Qwen2ForRewardModel: reward; bare *Model: embed)",
     )
     group.add_argument(
+        "--language-model-only",
+        action="store_true",
+        help="a checkpoint released with a vision or audio tower: serve its language model alone "
+        "(the towers are neither built nor loaded, leaving their memory to the KV cache; image "
+        "and audio parts are 400s), as vLLM's flag; also what --limit-mm-per-prompt setting "
+        "every modality it names to 0 means",
+    )
+    group.add_argument(
         "--pooling-type",
         choices=POOLING_TYPES,
         type=str.upper,
@@ -119,7 +128,20 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
         batch_invariant=args.batch_invariant,
         task=args.task,
         pooling_type=args.pooling_type,
+        language_model_only=args.language_model_only or _no_media_allowed(args),
     )
+
+
+def _no_media_allowed(args: argparse.Namespace) -> bool:
+    """--limit-mm-per-prompt names modalities, each with a limit of 0 (vLLM: the same as
+    --language-model-only). A malformed value is left to the media flags' own check."""
+    if getattr(args, "limit_mm_per_prompt", None) is None:
+        return False
+    try:
+        limits = parse_limit_mm_per_prompt(args.limit_mm_per_prompt)
+    except ValueError:
+        return False
+    return bool(limits) and not any(limits.values())
 
 
 def _model_source(args: argparse.Namespace) -> tuple[Path, str]:

@@ -63,7 +63,7 @@ async def start_serving(
             "KV transfer: %s (%s), bootstrap at %s:%d",
             kv.role, kv.connector, kv.bootstrap_host, kv.bootstrap_port,
         )  # fmt: skip
-    task = read_model_task(config.model.path, config.model.task)
+    task = read_model_task(config.model.path, config.model.task, config.model.language_model_only)
     if task.is_encoder_decoder:
         from frontend.audio.speech import SpeechModel
 

@@ -1,7 +1,8 @@
 """Checkpoints released with a vision tower, tiny and random, served by a real server: one whose
-images tern does not serve (Qwen2VLForConditionalGeneration) answers text, the start-up log says
-image inputs are not served, and a request with an image part is a 400 naming that part, on chat
-and on Messages; Gemma 3's language model keeps its sliding layers' windows."""
+images tern does not serve (Qwen2VLForConditionalGeneration), and one whose images it serves
+started with no image allowed (`--limit-mm-per-prompt '{"image": 0}'`), answer text; the start-up
+log says image and audio inputs are not served, and a request with an image part is a 400 naming
+that part, on chat and on Messages. Gemma 3's language model keeps its sliding layers' windows."""
 
 from __future__ import annotations
 
@@ -20,12 +21,16 @@ IMAGE = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAAD
 
 
 def _serve(
-    arch: str, shared_server: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Any
+    arch: str,
+    shared_server: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+    tokenizer_dir: Any,
+    *extra: str,
 ) -> Any:
     if tokenizer_dir is None:
         pytest.skip("needs the default model's tokenizer")
     model_dir = make_tiny_model(arch, tmp_path_factory.mktemp(arch), tokenizer_dir)
-    return shared_server("--model", str(model_dir), "--served-model-name", "vl")
+    return shared_server("--model", str(model_dir), "--served-model-name", "vl", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +40,19 @@ def server(
     return _serve("gemma3_vl", shared_server, tmp_path_factory, tokenizer_dir)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_5_vl, no image allowed"])
 def text_only_server(
-    shared_server: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None
+    request: pytest.FixtureRequest,
+    shared_server: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+    tokenizer_dir: Path | None,
 ) -> Any:
-    return _serve("qwen2_vl", shared_server, tmp_path_factory, tokenizer_dir)
+    """Qwen2-VL, whose tower tern does not serve; Qwen3.5, whose tower it does, served with
+    every modality's limit at 0 (vLLM: the language model only, the tower not loaded)."""
+    if request.param == "qwen2_vl":
+        return _serve("qwen2_vl", shared_server, tmp_path_factory, tokenizer_dir)
+    limits = ("--limit-mm-per-prompt", '{"image": 0}')
+    return _serve("qwen3_5_vl", shared_server, tmp_path_factory, tokenizer_dir, *limits)
 
 
 def test_text_is_served_and_images_are_400(text_only_server: Any) -> None:
@@ -65,7 +78,7 @@ def test_text_is_served_and_images_are_400(text_only_server: Any) -> None:
             model="vl", max_tokens=4, messages=[{"role": "user", "content": [block]}]
         )
     assert "image" in err.value.body["error"]["message"]
-    assert "image inputs are not served" in server.log
+    assert "image and audio inputs are not served" in server.log
 
 
 def _blocks_used(base_url: str) -> int:

@@ -58,6 +58,7 @@ def make_core(model_dir: Path, **kw) -> EngineCore:
             path=str(model_dir),
             dtype=kw.pop("dtype", "float32"),
             quantization=kw.pop("quantization", None),
+            language_model_only=kw.pop("language_model_only", False),
         ),
         cache=cache,
         scheduler=SchedulerConfig(**kw),

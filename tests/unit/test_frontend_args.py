@@ -151,3 +151,25 @@ def test_batch_invariant_flag() -> None:
     assert args.batch_invariant
     with pytest.raises(ValueError, match="float32"):
         ModelConfig(path="x", dtype="bfloat16", batch_invariant=True)
+
+
+@pytest.mark.parametrize(
+    ("argv", "language_model_only"),
+    [
+        ([], False),
+        (["--language-model-only"], True),
+        (["--limit-mm-per-prompt", '{"image": 0}'], True),
+        (["--limit-mm-per-prompt", '{"image": 0, "audio": 0}'], True),
+        (["--limit-mm-per-prompt", '{"image": 0, "audio": 1}'], False),
+        (["--limit-mm-per-prompt", '{"image": 2}'], False),
+    ],
+)
+def test_language_model_only_from_its_flag_or_all_zero_limits(
+    tmp_path: Path, argv: list[str], language_model_only: bool
+) -> None:
+    """vLLM's --language-model-only, or --limit-mm-per-prompt with every named modality at 0."""
+    from frontend.cli.model import model_config_from_args
+
+    (tmp_path / "config.json").write_text("{}")
+    args = make_parser().parse_args(["launch", "--model", str(tmp_path), *argv])
+    assert model_config_from_args(args).language_model_only is language_model_only

@@ -156,9 +156,25 @@ def test_a_checkpoint_with_a_vision_tower_serves_its_language_model(
     out, _ = run_greedy(model_dir, prompts)
     assert out == hf_greedy(model_dir, prompts, MAX_TOKENS)
     runner = make_runner(model_dir, block_size=16)
-    served = "image inputs are not served" if arch == "qwen2_vl" else "with its image encoder"
+    served = (
+        "image and audio inputs are not served" if arch == "qwen2_vl" else "with its image encoder"
+    )
     assert served in runner.model_summary
     assert runner.args.architecture.endswith("ForConditionalGeneration")
+
+
+def test_language_model_only_skips_the_tower(tmp_path: Path, tokenizer_dir: Path | None) -> None:
+    """--language-model-only on a checkpoint whose images are served: the engine answers text as
+    Hugging Face's whole model does, with no encoder built (fewer parameters, the log says so)."""
+    model_dir = make_tiny_model("qwen3_5_vl", tmp_path / "qwen3_5_vl", tokenizer_dir)
+    vocab = json.loads((model_dir / "config.json").read_text())["text_config"]["vocab_size"]
+    prompts = make_prompts(vocab)[:4]
+    out, core = run_greedy(model_dir, prompts, language_model_only=True)
+    assert out == hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert not core.model_task.takes_images
+    runner = core.executor.runner  # type: ignore[attr-defined]
+    assert runner.model.vision is None
+    assert "image and audio inputs are not served" in runner.model_summary
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "phi3", "qwen2_moe", "mixtral"])

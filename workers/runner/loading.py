@@ -230,7 +230,7 @@ def describe_model(
     if a.takes_images:
         params += ", with its image encoder"
     elif a.multimodal:
-        params += ", its language model only (image inputs are not served)"
+        params += ", its language model only (image and audio inputs are not served)"
     dtype_name = str(dtype).removeprefix("torch.")
     if weight_dtype != dtype:
         dtype_name += " (bfloat16-stored weights: no bfloat16 arithmetic on this CPU)"

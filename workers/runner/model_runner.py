@@ -110,6 +110,8 @@ class ModelRunner:
             quantization=None if config.model.quantization == "int4" else config.model.quantization,
             expert_parallel=config.parallel.enable_expert_parallel,
         )
+        if config.model.language_model_only:  # its towers neither built nor loaded
+            self.args = replace(self.args, takes_images=False, takes_audio=False, image_config={})
         self.pooler = None if self.args.task == "generate" else Pooler(config.model.pooling_type)
         self.model: torch.nn.Module | None = None
         self.weights: ServedWeights | None = None
