@@ -14,19 +14,18 @@ are Hugging Face's (`model.visual.*`).
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workers.vision.qwen_vit import (
     QwenPatchEmbed,
+    QwenVisionBlock,
+    Segments,
     patch_rotary,
     patch_rotary_frequencies,
-    rotate_vision,
 )
 from workers.vision.vit import RMSNorm, activation
 
@@ -56,51 +55,6 @@ class Qwen25VisionConfig:  # Qwen2_5_VLVisionConfig's defaults
         return cls(**{k: merged[k] for k in cls.__dataclass_fields__ if k in merged})
 
 
-class Segments:
-    """A partition of a tower's rows into consecutive segments that attend only within
-    themselves, grouped by length so that each length is one batched attention."""
-
-    def __init__(self, lengths: list[int]) -> None:
-        starts = torch.tensor([0, *lengths]).cumsum(0)[:-1].tolist()
-        by_length: dict[int, list[int]] = defaultdict(list)
-        for start, length in zip(starts, lengths):
-            if length:
-                by_length[length].append(start)
-        # (rows of the segments of one length, in segment order): one gather, one scatter each.
-        self.groups = [
-            (length, (torch.tensor(s)[:, None] + torch.arange(length)).reshape(-1))
-            for length, s in by_length.items()
-        ]
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q, k, v (N, heads, D) -> (N, heads, D), each segment attending within itself."""
-        if len(self.groups) == 1 and self.groups[0][1].numel() == q.shape[0]:
-            length, _ = self.groups[0]  # the rows in order: no gather
-            batched = [t.reshape(-1, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)]
-            return F.scaled_dot_product_attention(*batched).transpose(1, 2).reshape(q.shape)
-        out = torch.empty_like(q)
-        for length, rows in self.groups:
-            batched = [t[rows].reshape(-1, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)]
-            out[rows] = F.scaled_dot_product_attention(*batched).transpose(1, 2).flatten(0, 1)
-        return out
-
-
-class Qwen25VisionAttention(nn.Module):
-    def __init__(self, config: Qwen25VisionConfig):
-        super().__init__()
-        self.num_heads = config.num_heads
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments
-    ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, -1).unbind(1)
-        q, k = rotate_vision(q, k, cos, sin)
-        return self.proj(segments.attend(q, k, v).reshape(n, -1))
-
-
 class Qwen25VisionMLP(nn.Module):
     def __init__(self, config: Qwen25VisionConfig):
         super().__init__()
@@ -111,21 +65,6 @@ class Qwen25VisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Qwen25VisionBlock(nn.Module):
-    def __init__(self, config: Qwen25VisionConfig):
-        super().__init__()
-        self.norm1 = RMSNorm(config.hidden_size, 1e-6)
-        self.norm2 = RMSNorm(config.hidden_size, 1e-6)
-        self.attn = Qwen25VisionAttention(config)
-        self.mlp = Qwen25VisionMLP(config)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
-        return x + self.mlp(self.norm2(x))
 
 
 class Qwen25PatchMerger(nn.Module):
@@ -168,7 +107,9 @@ class Qwen25VisionTransformer(nn.Module):
         super().__init__()
         self.config = config
         self.patch_embed = QwenPatchEmbed(config, bias=False)
-        self.blocks = nn.ModuleList(Qwen25VisionBlock(config) for _ in range(config.depth))
+        self.blocks = nn.ModuleList(
+            QwenVisionBlock(config, RMSNorm, Qwen25VisionMLP(config)) for _ in range(config.depth)
+        )
         self.merger = Qwen25PatchMerger(config)
         inv_freq = patch_rotary_frequencies(
             config.hidden_size // config.num_heads, config.rope_theta

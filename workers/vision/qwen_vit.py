@@ -16,6 +16,7 @@ language model's placeholders read. Parameter names are Hugging Face's (`model.v
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,26 +101,50 @@ def rotate_vision(
     return q, k
 
 
+class Segments:
+    """A partition of a tower's rows into consecutive segments that attend only within
+    themselves (Hugging Face's cu_seqlens: a frame, or Qwen2.5-VL's window), grouped by length so
+    that each length is one batched attention."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        starts = torch.tensor([0, *lengths]).cumsum(0)[:-1].tolist()
+        by_length: dict[int, list[int]] = defaultdict(list)
+        for start, length in zip(starts, lengths):
+            if length:
+                by_length[length].append(start)
+        # (rows of the segments of one length, in segment order): one gather, one scatter each.
+        self.groups = [
+            (length, (torch.tensor(s)[:, None] + torch.arange(length)).reshape(-1))
+            for length, s in by_length.items()
+        ]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v (N, heads, D) -> (N, heads, D), each segment attending within itself."""
+        if len(self.groups) == 1 and self.groups[0][1].numel() == q.shape[0]:
+            length, _ = self.groups[0]  # equal segments covering the rows in order: no gather
+            batched = [t.reshape(-1, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)]
+            return F.scaled_dot_product_attention(*batched).transpose(1, 2).reshape(q.shape)
+        out = torch.empty_like(q)
+        for length, rows in self.groups:
+            batched = [t[rows].reshape(-1, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)]
+            out[rows] = F.scaled_dot_product_attention(*batched).transpose(1, 2).flatten(0, 1)
+        return out
+
+
 class QwenVisionAttention(nn.Module):
-    def __init__(self, config: QwenVisionConfig):
+    def __init__(self, hidden_size: int, num_heads: int):
         super().__init__()
-        self.num_heads = config.num_heads
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
+        self.proj = nn.Linear(hidden_size, hidden_size)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_frames: int
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments
     ) -> torch.Tensor:  # (N, H) -> (N, H)
         n = x.shape[0]
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, -1).unbind(1)  # (N, heads, D) each
         q, k = rotate_vision(q, k, cos, sin)
-
-        def frames(t: torch.Tensor) -> torch.Tensor:  # (N, heads, D) -> (frames, heads, N/f, D)
-            return t.reshape(num_frames, n // num_frames, self.num_heads, -1).transpose(1, 2)
-
-        # NOTE: each frame attends within itself (HF's cu_seqlens: one segment per frame).
-        out = F.scaled_dot_product_attention(frames(q), frames(k), frames(v))
-        return self.proj(out.transpose(1, 2).reshape(n, -1))
+        return self.proj(segments.attend(q, k, v).reshape(n, -1))
 
 
 class QwenVisionMLP(nn.Module):
@@ -134,17 +159,20 @@ class QwenVisionMLP(nn.Module):
 
 
 class QwenVisionBlock(nn.Module):
-    def __init__(self, config: QwenVisionConfig):
+    """Pre-norm: attention inside each segment, then the MLP. Qwen3.5's norms are LayerNorms and
+    its MLP fc1/fc2; Qwen2.5-VL's RMSNorms and a gated MLP (qwen2_5_vit.py)."""
+
+    def __init__(self, config: Any, norm: type[nn.Module], mlp: nn.Module):
         super().__init__()
-        self.norm1 = nn.LayerNorm(config.hidden_size, eps=1e-6)
-        self.norm2 = nn.LayerNorm(config.hidden_size, eps=1e-6)
-        self.attn = QwenVisionAttention(config)
-        self.mlp = QwenVisionMLP(config)
+        self.norm1 = norm(config.hidden_size, eps=1e-6)
+        self.norm2 = norm(config.hidden_size, eps=1e-6)
+        self.attn = QwenVisionAttention(config.hidden_size, config.num_heads)
+        self.mlp = mlp
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_frames: int
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, num_frames)
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -189,7 +217,10 @@ class QwenVisionTransformer(nn.Module):
         self.patch_embed = QwenPatchEmbed(config)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.grid_side = int(config.num_position_embeddings**0.5)
-        self.blocks = nn.ModuleList(QwenVisionBlock(config) for _ in range(config.depth))
+        self.blocks = nn.ModuleList(
+            QwenVisionBlock(config, nn.LayerNorm, QwenVisionMLP(config))
+            for _ in range(config.depth)
+        )
         self.merger = QwenPatchMerger(config)
         self.deepstack_merger_list = nn.ModuleList(
             QwenPatchMerger(config, norm_after_merge=True) for _ in config.deepstack_visual_indexes
@@ -210,8 +241,9 @@ class QwenVisionTransformer(nn.Module):
         )
         cos, sin = patch_rotary(self.inv_freq, (t, h, w), self.config.spatial_merge_size)
         deepstack = []
+        frames = Segments([h * w] * t)  # each frame attends within itself
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, t)
+            x = block(x, cos, sin, frames)
             if i in self.config.deepstack_visual_indexes:
                 k = self.config.deepstack_visual_indexes.index(i)
                 deepstack.append(self.deepstack_merger_list[k](x))
