@@ -126,8 +126,9 @@ AUDIO_INPUT_ARCHITECTURES = ("Qwen2AudioForConditionalGeneration",)
 # chunks nor cut by a prefix-cache hit.
 WHOLE_IMAGE_SPAN_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 # Of those, the ones whose language model places every token after an image by that image's
-# layout (M-RoPE: Qwen3.5, Qwen2.5-VL and Qwen3-VL rotate by (t, h, w) positions), and the tensors of an image that say it:
-# the workers get them for every image of a prompt, also those a prefix-cache hit skips.
+# layout (M-RoPE: the Qwen VL models rotate by (t, h, w) positions), and the tensors of an image
+# that say it: the workers get them for every image of a prompt, also those a prefix-cache hit
+# skips.
 IMAGE_LAYOUT_TENSORS = {
     "Qwen3_5ForConditionalGeneration": ("image_grid_thw",),
     "Qwen3_5MoeForConditionalGeneration": ("image_grid_thw",),
