@@ -18,8 +18,6 @@ from enginecore.model_task import (
     is_multimodal,
     model_task,
     num_labels_of,
-    takes_audio,
-    takes_images,
     text_config_of,
 )
 from workers.layers.rotary import RopeParams
@@ -62,11 +60,12 @@ class ModelArgs:
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any], task: str = "auto") -> ModelArgs:
+    def from_hf_config(
+        cls, hf: dict[str, Any], task: str = "auto", language_model_only: bool = False
+    ) -> ModelArgs:
         multimodal, outer = is_multimodal(hf), hf
-        task = model_task(hf, task).task
-        images = takes_images(outer) and task == "generate"
-        audio = takes_audio(outer) and task == "generate"
+        served = model_task(hf, task, language_model_only)  # which media its towers take
+        task, images, audio = served.task, served.takes_images, served.takes_audio
         hf = text_config_of(hf)
         architecture = architecture_of(hf)
         heads = hf["num_attention_heads"]
@@ -97,9 +96,12 @@ class ModelArgs:
         )
 
 
-def load_model_args(model_dir: str | Path, task: str = "auto") -> ModelArgs:
-    """config.json's arguments, for the model served as --task `task`."""
+def load_model_args(
+    model_dir: str | Path, task: str = "auto", language_model_only: bool = False
+) -> ModelArgs:
+    """config.json's arguments, for the model served as --task `task` (its language model alone:
+    `language_model_only`)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"no config.json in {model_dir}")
-    return ModelArgs.from_hf_config(json.loads(path.read_text()), task)
+    return ModelArgs.from_hf_config(json.loads(path.read_text()), task, language_model_only)

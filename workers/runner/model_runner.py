@@ -106,12 +106,10 @@ class ModelRunner:
         self.dtype, self.weight_dtype, self.quantize_x = served_dtypes(config, self.device)
         self.block_size = config.cache.block_size
         self.args = replace(
-            load_model_args(config.model.path, config.model.task),
+            load_model_args(config.model.path, config.model.task, config.model.language_model_only),
             quantization=None if config.model.quantization == "int4" else config.model.quantization,
             expert_parallel=config.parallel.enable_expert_parallel,
         )
-        if config.model.language_model_only:  # its towers neither built nor loaded
-            self.args = replace(self.args, takes_images=False, takes_audio=False, image_config={})
         self.pooler = None if self.args.task == "generate" else Pooler(config.model.pooling_type)
         self.model: torch.nn.Module | None = None
         self.weights: ServedWeights | None = None
