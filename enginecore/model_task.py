@@ -117,6 +117,7 @@ IMAGE_INPUT_ARCHITECTURES = (
     "Qwen3_5MoeForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
 )
 # Of the multimodal ones, those whose audio tern serves (an audio tower whose rows fill the
 # prompt's audio placeholders, as an image encoder's do: workers/audio/).
@@ -134,6 +135,7 @@ IMAGE_LAYOUT_TENSORS = {
     "Qwen3_5MoeForConditionalGeneration": ("image_grid_thw",),
     "Qwen2_5_VLForConditionalGeneration": ("image_grid_thw",),
     "Qwen3VLForConditionalGeneration": ("image_grid_thw",),
+    "Qwen2VLForConditionalGeneration": ("image_grid_thw",),
 }
 
 # Speech-to-text models: an audio encoder, and a text decoder that cross-attends to its output

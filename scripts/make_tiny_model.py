@@ -14,8 +14,8 @@ Three flavours, each exercising a different path of the worker's model code:
   sections) beside a two-block windowed tower (one window block, one full-attention block);
   "qwen3_vl": Qwen3VLForConditionalGeneration, the tiny qwen3 (interleaved M-RoPE) beside a
   three-block tower whose first two blocks feed deepstack rows to its first two layers;
-  "qwen2_vl": Qwen2VLForConditionalGeneration, the tiny qwen2 beside a one-block tower, without a
-  processor (tern serves its language model only); "llava": LlavaForConditionalGeneration, the tiny llama beside a random
+  "qwen2_vl": Qwen2VLForConditionalGeneration, the tiny qwen2 (M-RoPE in sections) beside a
+  two-block Qwen2-VL tower (LayerNorm, quick-GELU MLP, no windows); "llava": LlavaForConditionalGeneration, the tiny llama beside a random
   two-layer CLIP; "idefics3": Idefics3ForConditionalGeneration (SmolVLM's), the tiny llama
   (untied) beside a random two-layer SigLIP-style tower and pixel-shuffle connector. llava and
   gemma3_vl take 32 px images (16 and 4 placeholder tokens), idefics3 32 px tiles (4 tokens each:
@@ -77,12 +77,11 @@ _FAMILIES = {
 }
 # gemma3_vl / qwen3_5_vl / qwen3_5_moe_vl / qwen2_5_vl / qwen3_vl / qwen2_vl / llava / idefics3:
 # *ForConditionalGeneration, the tiny gemma3 / qwen3_5 / qwen3_5_moe / qwen2 / qwen3 / qwen2 / llama /
-# llama beside a random vision tower (`_make_with_vision_tower`; qwen2_vl without a processor: its
-# images are not served).
+# llama beside a random vision tower (`_make_with_vision_tower`).
 _VISION_ARCHS = ("gemma3_vl", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_vl",
                  "llava", "idefics3")  # fmt: skip
 # Those whose processor is Qwen's (Qwen2VLImageProcessor, <|image_pad|> runs).
-_QWEN_VL_ARCHS = ("qwen3_5_vl", "qwen3_5_moe_vl", "qwen2_5_vl", "qwen3_vl")
+_QWEN_VL_ARCHS = ("qwen3_5_vl", "qwen3_5_moe_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_vl")
 ARCHS = (*_FAMILIES, *_VISION_ARCHS)
 # Mixture-of-experts families: 8 experts, top 2.
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3_5_moe", "gpt_oss")
@@ -369,7 +368,7 @@ def _multimodal_config(arch: str, vocab_size: int, token_ids: dict[str, int]) ->
     if arch == "qwen3_vl":
         return _qwen3_vl_config(vocab_size, token_ids)
     if arch == "qwen2_vl":
-        return _qwen2_vl_config(vocab_size)
+        return _qwen2_vl_config(vocab_size, token_ids)
     # M-RoPE over 12 of each head's 16 dims: 6 frequencies, 2 each for t, h and w, interleaved.
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
             "mrope_section": [2, 2, 2], "mrope_interleaved": True}  # fmt: skip
@@ -438,20 +437,23 @@ def _qwen3_vl_config(vocab_size: int, token_ids: dict[str, int]) -> Any:
     )  # fmt: skip
 
 
-def _qwen2_vl_config(vocab_size: int) -> Any:
-    """The tiny qwen2 with M-RoPE in sections [2, 3, 3] beside a one-block Qwen2-VL tower."""
+def _qwen2_vl_config(vocab_size: int, token_ids: dict[str, int]) -> Any:
+    """The tiny qwen2 with M-RoPE in sections [2, 3, 3] beside a two-block Qwen2-VL tower (4 px
+    patches, 2x2 merged, each frame attended whole)."""
     import transformers
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     text = transformers.Qwen2VLTextConfig(
         **{**_config_kwargs("qwen2", vocab_size), "rope_parameters": rope}
     )
-    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
-              "patch_size": 4, "spatial_merge_size": 2, "initializer_range": INIT_STD}  # fmt: skip
+    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
+              "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "initializer_range": INIT_STD}  # fmt: skip
     return transformers.Qwen2VLConfig(
-        text_config=text.to_dict(), vision_config=vision, image_token_id=vocab_size - 1,
-        video_token_id=vocab_size - 2, vision_start_token_id=vocab_size - 3,
-        vision_end_token_id=vocab_size - 4,
+        text_config=text.to_dict(), vision_config=vision,
+        **{"image_token_id": vocab_size - 1, "video_token_id": vocab_size - 2,
+           "vision_start_token_id": vocab_size - 3, "vision_end_token_id": vocab_size - 4,
+           **token_ids},
     )  # fmt: skip
 
 

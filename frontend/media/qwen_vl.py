@@ -1,5 +1,5 @@
-"""The image half of Qwen3-VL's / Qwen3.5's and Qwen2.5-VL's processors (transformers'
-Qwen3VLProcessor, Qwen2_5_VLProcessor), for servers without torchvision: neither can be built
+"""The image half of Qwen3-VL's / Qwen3.5's, Qwen2.5-VL's and Qwen2-VL's processors (transformers'
+Qwen3VLProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor), for servers without torchvision: neither can be built
 without its video processor, which needs it, while tern takes images only. Same contract as the processor's image path: each
 `<|image_pad|>` in the text, in order, becomes as many copies as its image has merged patches
 (image_grid_thw's product / merge_size^2); the image processor's tensors come back beside the ids.
@@ -19,6 +19,7 @@ QWEN_VL_ARCHITECTURES = (
     "Qwen3_5MoeForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
 )
 
 

@@ -1,14 +1,16 @@
-"""Qwen3.5's, Qwen3.5-MoE's, Qwen2.5-VL's and Qwen3-VL's images through a real server, against
-Hugging Face: the tiny random Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet and gated attention layers,
-M-RoPE over (t, h, w) positions, interleaved) beside their one-block vision transformer, the tiny
-Qwen2.5-VL (a Qwen2 with M-RoPE in sections) beside its two-block windowed tower, and the tiny
+"""Qwen3.5's, Qwen3.5-MoE's, Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's images through a real server,
+against Hugging Face: the tiny random Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet and gated attention
+layers, M-RoPE over (t, h, w) positions, interleaved) beside their one-block vision transformer,
+the tiny Qwen2.5-VL (a Qwen2 with M-RoPE in sections) beside its two-block windowed tower, the
+tiny Qwen2-VL (the same language model) beside its two-block LayerNorm tower, and the tiny
 Qwen3-VL (a Qwen3 whose first two layers add the tower's deepstack rows at the image's
 placeholders) answer chat requests with images, each greedy answer token for
 token the one `*ForConditionalGeneration.generate` gives in float32.
 
-The server computes prompts in chunks of 16 tokens (an image is up to 16 placeholders: chunks split
-images), caches prefixes (the hybrid model resumes from state checkpoints every 16 tokens) and
-allows two images per prompt. Two different images give different answers, so no test passes with
+The server computes in float32 (`--dtype auto` is bfloat16 on a CPU with AVX512-BF16 or AMX, whose
+rounding flips near-tied greedy tokens of a random model), prompts in chunks of 16 tokens (an image
+is up to 16 placeholders: chunks split images), caches prefixes (the hybrid model resumes from
+state checkpoints every 16 tokens) and allows two images per prompt. Two different images give different answers, so no test passes with
 the image ignored."""
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def _data_url(image: Image.Image) -> str:
 _HF_CLASSES = {
     "qwen3_5_vl": "Qwen3_5ForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_5_moe_vl": "Qwen3_5MoeForConditionalGeneration",
 }
@@ -70,7 +73,7 @@ def server(shared_server: Any, qwen_dir: Path) -> Any:
     return shared_server(
         "--model", str(qwen_dir), "--served-model-name", "qwen-vl",
         "--max-num-batched-tokens", "16", "--block-size", "16",
-        "--limit-mm-per-prompt", json.dumps({"image": 2}),
+        "--limit-mm-per-prompt", json.dumps({"image": 2}), "--dtype", "float32",
     )  # fmt: skip
 
 
@@ -178,7 +181,7 @@ def test_tp2_pp2_with_images_is_hf_exact(
     server = module_server(
         "--model", str(qwen_dir), "--served-model-name", "qwen-vl", "--tp", "2", "--pp", "2",
         "--max-num-batched-tokens", "16", "--block-size", "16", "--kv-cache-memory", "0.05",
-        "--limit-mm-per-prompt", json.dumps({"image": 2}),
+        "--limit-mm-per-prompt", json.dumps({"image": 2}), "--dtype", "float32",
     )  # fmt: skip
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     images = [_image(6), _image(7, (40, 24))]

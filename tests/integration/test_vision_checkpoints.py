@@ -1,6 +1,6 @@
-"""Checkpoints released with a vision tower, tiny and random, served by a real server: one whose
-images tern does not serve (Qwen2VLForConditionalGeneration), and one whose images it serves
-started with no image allowed (`--limit-mm-per-prompt '{"image": 0}'`), answer text; the start-up
+"""Checkpoints released with a vision tower, tiny and random, served by a real server with their
+language model only (Qwen2-VL with `--language-model-only`, Qwen3.5 with no image allowed:
+`--limit-mm-per-prompt '{"image": 0}'`), answer text; the start-up
 log says image and audio inputs are not served, and a request with an image part is a 400 naming
 that part, on chat and on Messages. Gemma 3's language model keeps its sliding layers' windows."""
 
@@ -40,17 +40,20 @@ def server(
     return _serve("gemma3_vl", shared_server, tmp_path_factory, tokenizer_dir)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_5_vl, no image allowed"])
+@pytest.fixture(
+    scope="module", params=["qwen2_vl, language model only", "qwen3_5_vl, no image allowed"]
+)
 def text_only_server(
     request: pytest.FixtureRequest,
     shared_server: Any,
     tmp_path_factory: pytest.TempPathFactory,
     tokenizer_dir: Path | None,
 ) -> Any:
-    """Qwen2-VL, whose tower tern does not serve; Qwen3.5, whose tower it does, served with
-    every modality's limit at 0 (vLLM: the language model only, the tower not loaded)."""
-    if request.param == "qwen2_vl":
-        return _serve("qwen2_vl", shared_server, tmp_path_factory, tokenizer_dir)
+    """vLLM's two ways of serving the language model only, the tower not loaded: the flag, and
+    every modality's limit at 0."""
+    if request.param.startswith("qwen2_vl"):
+        flag = "--language-model-only"
+        return _serve("qwen2_vl", shared_server, tmp_path_factory, tokenizer_dir, flag)
     limits = ("--limit-mm-per-prompt", '{"image": 0}')
     return _serve("qwen3_5_vl", shared_server, tmp_path_factory, tokenizer_dir, *limits)
 

@@ -29,6 +29,7 @@ HF_CLASSES = {
     "qwen3_5_vl": transformers.Qwen3_5ForConditionalGeneration,
     "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
     "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+    "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
 }
 
 
@@ -47,7 +48,7 @@ def checkpoint(
             hf = HF_CLASSES[arch].from_pretrained(model_dir, dtype=torch.float32).eval()
             processor = (  # Qwen3VLProcessor needs torchvision (videos): its image part
                 transformers.AutoImageProcessor.from_pretrained(model_dir)
-                if arch in ("qwen3_5_vl", "qwen2_5_vl", "qwen3_vl")
+                if arch in ("qwen3_5_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_vl")
                 else transformers.AutoProcessor.from_pretrained(model_dir)
             )
             encoder = build_image_encoder(json.loads((model_dir / "config.json").read_text()))
@@ -422,12 +423,12 @@ def test_llava_onevision_checkpoint_names(onevision: tuple[Any, Any, ImageEncode
     assert encoder.local_weight_name("model.language_model.norm.weight") is None
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["qwen3_5_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_vl"])
 def test_qwen_encoder_gives_the_rows_hf_scatters(arch: str, checkpoint: Any) -> None:
     """Qwen3.5's vision transformer (patch grid per image, interpolated position table, 2D rotary,
     the merger), Qwen2.5-VL's (RMSNorm blocks, windows of 2x2 merged tokens in its first block,
-    the whole image in its second) and Qwen3-VL's (Qwen3.5's with two deepstack mergers, whose
-    rows follow the main one): each image alone gives HF's get_image_features rows and those HF
+    the whole image in its second), Qwen3-VL's (Qwen3.5's with two deepstack mergers, whose rows
+    follow the main one) and Qwen2-VL's (LayerNorm blocks, quick-GELU MLPs, no windows): each image alone gives HF's get_image_features rows and those HF
     scatters into its <|image_pad|> run; images of two shapes (2x4 and 4x3 merged tokens:
     Qwen2.5-VL's windows of 4 and of 2 merged tokens)."""
     model_dir, hf, image_processor, encoder = checkpoint(arch)
@@ -489,6 +490,24 @@ def test_qwen3_vl_deepstack_mergers_load_and_widen_the_rows() -> None:
     )
     with pytest.raises(ValueError, match="no place"):
         qwen.local_weight_name("model.visual.deepstack_merger_list.2.norm.weight")
+
+
+def test_qwen2_vl_names_map_to_the_encoder() -> None:
+    """config.json's embed_dim is the tower's width, its hidden_size the merger's output."""
+    config = {"architectures": ["Qwen2VLForConditionalGeneration"],
+              "vision_config": {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
+                                "mlp_ratio": 2, "patch_size": 4}}  # fmt: skip
+    qwen = build_image_encoder(config)
+    assert qwen.image_token_id == 151655  # Qwen2VLConfig's default
+    for prefix in ("model.visual.", "visual."):
+        for name in ("merger.mlp.2.bias", "merger.ln_q.bias", "blocks.0.mlp.fc1.weight",
+                     "blocks.0.norm2.bias"):  # fmt: skip
+            assert qwen.local_weight_name(prefix + name) == "vision_tower." + name
+    params = dict(qwen.named_parameters())
+    assert params["vision_tower.blocks.0.mlp.fc1.weight"].shape == (64, 32)
+    assert params["vision_tower.merger.mlp.2.weight"].shape == (64, 128)
+    with pytest.raises(ValueError, match="no place"):
+        qwen.local_weight_name("visual.patch_embed.proj.bias")  # Qwen2-VL's has none
 
 
 def test_qwen2_5_vl_names_map_to_the_encoder() -> None:

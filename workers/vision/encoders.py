@@ -20,7 +20,7 @@ embeddings, in prompt order: (num_placeholder_tokens, text hidden size).
 - Mistral 3 (Pixtral): `pixel_values` (1, 3, H', W') padded beyond `image_sizes` (1, 2) -> one row
   per 2x2 block of patches, row by row: the `[IMG]` runs the processor separates with
   `[IMG_BREAK]`.
-- Qwen3.5, Qwen2.5-VL, Qwen3-VL: `pixel_values` (t h w, C T P P) patches and `image_grid_thw`
+- Qwen3.5, Qwen2-VL, Qwen2.5-VL, Qwen3-VL: `pixel_values` (t h w, C T P P) patches and `image_grid_thw`
   (1, 3) -> one row per spatial_merge_size^2 block of patches (t h w / m^2); Qwen3-VL's rows carry
   its deepstack rows after the main one (`deepstack_layers` hidden sizes more).
 
@@ -57,6 +57,7 @@ from workers.vision.pixtral import (
 )
 from workers.vision.projectors import Gemma3MultiModalProjector, LlavaMultiModalProjector
 from workers.vision.qwen2_5_vit import Qwen25VisionConfig, Qwen25VisionTransformer
+from workers.vision.qwen2_vit import Qwen2VisionConfig, Qwen2VisionTransformer
 from workers.vision.qwen_vit import QwenVisionConfig, QwenVisionTransformer
 from workers.vision.siglip import SiglipVisionTransformer, siglip_vision_config
 
@@ -221,8 +222,9 @@ class Mistral3ImageEncoder(ImageEncoder):
 
 
 class QwenImageEncoder(ImageEncoder):
-    """Qwen3.5, Qwen2.5-VL: the vision transformer ends in its own merger (no separate projector), and each
-    image brings its patch grid (`image_grid_thw`)."""
+    """The Qwen VL towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5): the vision transformer ends in
+    its own merger (no separate projector), and each image brings its patch grid
+    (`image_grid_thw`)."""
 
     CHECKPOINT_PREFIXES = ((("model.visual.", "visual."), "vision_tower."),)
 
@@ -337,6 +339,11 @@ def _qwen2_5_vl(hf: dict[str, Any]) -> ImageEncoder:
     return QwenImageEncoder(tower, nn.Identity(), image_token_id_of(hf, 151655))
 
 
+def _qwen2_vl(hf: dict[str, Any]) -> ImageEncoder:
+    tower = Qwen2VisionTransformer(Qwen2VisionConfig.from_hf(hf.get("vision_config") or {}))
+    return QwenImageEncoder(tower, nn.Identity(), image_token_id_of(hf, 151655))
+
+
 def _qwen2_audio(hf: dict[str, Any]) -> ImageEncoder:
     # NOTE: imported here: workers/audio builds on this module's ImageEncoder.
     from workers.audio.qwen2_audio import build_qwen2_audio
@@ -352,6 +359,7 @@ _BUILDERS = {
     "Mistral3ForConditionalGeneration": _mistral3,
     "Qwen3_5ForConditionalGeneration": _qwen3_5,
     "Qwen3_5MoeForConditionalGeneration": _qwen3_5,  # the same tower as Qwen3.5's
+    "Qwen2VLForConditionalGeneration": _qwen2_vl,
     "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl,
     "Qwen3VLForConditionalGeneration": _qwen3_vl,
     # An audio-language model: its audio tower fills placeholders as an image tower does.

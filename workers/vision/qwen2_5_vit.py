@@ -67,11 +67,14 @@ class Qwen25VisionMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Qwen25PatchMerger(nn.Module):
-    def __init__(self, config: Qwen25VisionConfig):
+class QwenLinearPatchMerger(nn.Module):
+    """Qwen2-VL's and Qwen2.5-VL's merger: `ln_q` over each patch (a LayerNorm, an RMSNorm), the
+    spatial_merge_size^2 patches of a block concatenated, then two linears around a GELU."""
+
+    def __init__(self, config: Any, norm: type[nn.Module]):
         super().__init__()
         self.merged_size = config.hidden_size * config.spatial_merge_size**2
-        self.ln_q = RMSNorm(config.hidden_size, 1e-6)
+        self.ln_q = norm(config.hidden_size, eps=1e-6)
         # Hugging Face's nn.Sequential(Linear, GELU, Linear): parameters mlp.0.* and mlp.2.*
         self.mlp = nn.Sequential(
             nn.Linear(self.merged_size, self.merged_size),
@@ -110,7 +113,7 @@ class Qwen25VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(
             QwenVisionBlock(config, RMSNorm, Qwen25VisionMLP(config)) for _ in range(config.depth)
         )
-        self.merger = Qwen25PatchMerger(config)
+        self.merger = QwenLinearPatchMerger(config, RMSNorm)
         inv_freq = patch_rotary_frequencies(
             config.hidden_size // config.num_heads, config.rope_theta
         )
