@@ -85,6 +85,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2AudioForConditionalGeneration": ("qwen2", "lm_head"),  # a Qwen2 text model
     "Qwen2_5_VLForConditionalGeneration": ("qwen2", "lm_head"),  # Qwen2 with M-RoPE
     "Qwen3VLForConditionalGeneration": ("qwen3", "lm_head"),  # Qwen3 with M-RoPE, deepstack
+    "Qwen3VLMoeForConditionalGeneration": ("qwen3_moe", "lm_head"),  # and Qwen3-MoE's
     "Qwen2VLForConditionalGeneration": ("qwen2", "lm_head"),  # Qwen2 with M-RoPE
     # Encoder-decoder: an audio encoder whose output the text decoder cross-attends to.
     "WhisperForConditionalGeneration": ("whisper", "lm_head"),
@@ -103,6 +104,7 @@ MULTIMODAL_ARCHITECTURES = (
     "Qwen2AudioForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
     "Qwen2VLForConditionalGeneration",
 )
 # Of those, the ones whose images tern serves too (an encoder in workers/vision/); the others serve
@@ -117,6 +119,7 @@ IMAGE_INPUT_ARCHITECTURES = (
     "Qwen3_5MoeForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
     "Qwen2VLForConditionalGeneration",
 )
 # Of the multimodal ones, those whose audio tern serves (an audio tower whose rows fill the
@@ -135,6 +138,7 @@ IMAGE_LAYOUT_TENSORS = {
     "Qwen3_5MoeForConditionalGeneration": ("image_grid_thw",),
     "Qwen2_5_VLForConditionalGeneration": ("image_grid_thw",),
     "Qwen3VLForConditionalGeneration": ("image_grid_thw",),
+    "Qwen3VLMoeForConditionalGeneration": ("image_grid_thw",),
     "Qwen2VLForConditionalGeneration": ("image_grid_thw",),
 }
 

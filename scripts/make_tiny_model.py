@@ -14,6 +14,8 @@ Three flavours, each exercising a different path of the worker's model code:
   sections) beside a two-block windowed tower (one window block, one full-attention block);
   "qwen3_vl": Qwen3VLForConditionalGeneration, the tiny qwen3 (interleaved M-RoPE) beside a
   three-block tower whose first two blocks feed deepstack rows to its first two layers;
+  "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration, the same with the tiny qwen3_moe's experts
+  (48 features each) stacked and transposed as the released checkpoints store them;
   "qwen2_vl": Qwen2VLForConditionalGeneration, the tiny qwen2 (M-RoPE in sections) beside a
   two-block Qwen2-VL tower (LayerNorm, quick-GELU MLP, no windows); "llava": LlavaForConditionalGeneration, the tiny llama beside a random
   two-layer CLIP; "idefics3": Idefics3ForConditionalGeneration (SmolVLM's), the tiny llama
@@ -78,10 +80,11 @@ _FAMILIES = {
 # gemma3_vl / qwen3_5_vl / qwen3_5_moe_vl / qwen2_5_vl / qwen3_vl / qwen2_vl / llava / idefics3:
 # *ForConditionalGeneration, the tiny gemma3 / qwen3_5 / qwen3_5_moe / qwen2 / qwen3 / qwen2 / llama /
 # llama beside a random vision tower (`_make_with_vision_tower`).
-_VISION_ARCHS = ("gemma3_vl", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_vl",
-                 "llava", "idefics3")  # fmt: skip
+_VISION_ARCHS = ("gemma3_vl", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen2_5_vl", "qwen3_vl",
+                 "qwen3_vl_moe", "qwen2_vl", "llava", "idefics3")  # fmt: skip
 # Those whose processor is Qwen's (Qwen2VLImageProcessor, <|image_pad|> runs).
-_QWEN_VL_ARCHS = ("qwen3_5_vl", "qwen3_5_moe_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_vl")
+_QWEN_VL_ARCHS = ("qwen3_5_vl", "qwen3_5_moe_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
+                  "qwen2_vl")  # fmt: skip
 ARCHS = (*_FAMILIES, *_VISION_ARCHS)
 # Mixture-of-experts families: 8 experts, top 2.
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3_5_moe", "gpt_oss")
@@ -365,8 +368,8 @@ def _multimodal_config(arch: str, vocab_size: int, token_ids: dict[str, int]) ->
         )  # fmt: skip
     if arch == "qwen2_5_vl":
         return _qwen2_5_vl_config(vocab_size, token_ids)
-    if arch == "qwen3_vl":
-        return _qwen3_vl_config(vocab_size, token_ids)
+    if arch in ("qwen3_vl", "qwen3_vl_moe"):
+        return _qwen3_vl_config(vocab_size, token_ids, moe=arch == "qwen3_vl_moe")
     if arch == "qwen2_vl":
         return _qwen2_vl_config(vocab_size, token_ids)
     # M-RoPE over 12 of each head's 16 dims: 6 frequencies, 2 each for t, h and w, interleaved.
@@ -414,22 +417,29 @@ def _qwen2_5_vl_config(vocab_size: int, token_ids: dict[str, int]) -> Any:
     )  # fmt: skip
 
 
-def _qwen3_vl_config(vocab_size: int, token_ids: dict[str, int]) -> Any:
-    """The tiny qwen3 (4 layers, head_dim 32: 16 frequencies, interleaved M-RoPE over 6 + 5 + 5)
-    beside a three-block tower like Qwen3.5's whose first two blocks' outputs, each through its
-    own merger, are added to the hidden states after the language model's first two layers."""
+def _qwen3_vl_config(vocab_size: int, token_ids: dict[str, int], moe: bool = False) -> Any:
+    """The tiny qwen3 (4 layers, head_dim 32: 16 frequencies, interleaved M-RoPE over 6 + 5 + 5),
+    or with `moe` the tiny qwen3_moe, beside a three-block tower like Qwen3.5's whose first two
+    blocks' outputs, each through its own merger, are added to the hidden states after the
+    language model's first two layers."""
     import transformers
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5],
             "mrope_interleaved": True}  # fmt: skip
-    text = transformers.Qwen3VLTextConfig(
-        **{**_config_kwargs("qwen3", vocab_size), "rope_parameters": rope}
-    )
+    text_config = transformers.Qwen3VLMoeTextConfig if moe else transformers.Qwen3VLTextConfig
+    kwargs = {
+        **_config_kwargs("qwen3_moe" if moe else "qwen3", vocab_size),
+        "rope_parameters": rope,
+    }
+    if moe:  # 2 x 48 gate and up features: no square matrix, whose orientation a file cannot tell
+        kwargs["moe_intermediate_size"] = 48
+    text = text_config(**kwargs)
     vision = {"depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
               "out_hidden_size": 64, "patch_size": 4, "spatial_merge_size": 2,
               "temporal_patch_size": 2, "num_position_embeddings": 16,
               "deepstack_visual_indexes": [0, 1], "initializer_range": INIT_STD}  # fmt: skip
-    return transformers.Qwen3VLConfig(
+    config_class = transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig
+    return config_class(
         text_config=text.to_dict(), vision_config=vision,
         **{"image_token_id": vocab_size - 1, "video_token_id": vocab_size - 2,
            "vision_start_token_id": vocab_size - 3, "vision_end_token_id": vocab_size - 4,
@@ -543,6 +553,7 @@ def _make_with_vision_tower(
                    "qwen3_5_moe_vl": transformers.Qwen3_5MoeForConditionalGeneration,
                    "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
                    "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+                   "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
                    "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
                    "idefics3": transformers.Idefics3ForConditionalGeneration}[arch]  # fmt: skip
     torch.manual_seed(seed)
@@ -551,12 +562,26 @@ def _make_with_vision_tower(
     if arch in _IMAGE_TOKENS:
         _randomise_vision(model)
     model.save_pretrained(out_dir, safe_serialization=True)
+    if arch == "qwen3_vl_moe":
+        _transpose_stacked_experts(out_dir / "model.safetensors")
     _copy_tokenizer(out_dir, tokenizer_dir)
     if with_processor and arch in _QWEN_VL_ARCHS:
         _save_qwen_processor_parts(tokenizer, config, out_dir)
     elif with_processor:  # over the copied tokenizer files: the tokenizer with its image tokens
         _processor(arch, tokenizer, config).save_pretrained(out_dir)
     return out_dir
+
+
+def _transpose_stacked_experts(path: Path) -> None:
+    """Qwen3-VL-MoE's released layout: each expert's matrices transposed, gate_up_proj (E, H, 2I),
+    down_proj (E, I, H); transformers 5 saves them as it holds them and transposes on loading."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    for name, tensor in tensors.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            tensors[name] = tensor.transpose(1, 2).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _perturb(model: Any) -> None:

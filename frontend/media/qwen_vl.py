@@ -19,6 +19,7 @@ QWEN_VL_ARCHITECTURES = (
     "Qwen3_5MoeForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
     "Qwen2VLForConditionalGeneration",
 )
 

@@ -1,17 +1,18 @@
-"""Qwen3.5's, Qwen3.5-MoE's, Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's images through a real server,
-against Hugging Face: the tiny random Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet and gated attention
-layers, M-RoPE over (t, h, w) positions, interleaved) beside their one-block vision transformer,
-the tiny Qwen2.5-VL (a Qwen2 with M-RoPE in sections) beside its two-block windowed tower, the
-tiny Qwen2-VL (the same language model) beside its two-block LayerNorm tower, and the tiny
-Qwen3-VL (a Qwen3 whose first two layers add the tower's deepstack rows at the image's
-placeholders) answer chat requests with images, each greedy answer token for
-token the one `*ForConditionalGeneration.generate` gives in float32.
+"""Qwen3.5's, Qwen3.5-MoE's, Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's and Qwen3-VL-MoE's images
+through a real server, against Hugging Face: the tiny random Qwen3.5 and Qwen3.5-MoE (Gated
+DeltaNet and gated attention layers, M-RoPE over (t, h, w) positions, interleaved) beside their
+one-block vision transformer, the tiny Qwen2.5-VL (a Qwen2 with M-RoPE in sections) beside its
+two-block windowed tower, the tiny Qwen2-VL (the same language model) beside its two-block
+LayerNorm tower, the tiny Qwen3-VL (a Qwen3 whose first two layers add the tower's deepstack rows
+at the image's placeholders) and Qwen3-VL-MoE (the same with Qwen3-MoE's experts, stacked as its
+checkpoints store them) answer chat requests with images, each greedy answer token for token the
+one `*ForConditionalGeneration.generate` gives in float32.
 
 The server computes in float32 (`--dtype auto` is bfloat16 on a CPU with AVX512-BF16 or AMX, whose
 rounding flips near-tied greedy tokens of a random model), prompts in chunks of 16 tokens (an image
 is up to 16 placeholders: chunks split images), caches prefixes (the hybrid model resumes from
-state checkpoints every 16 tokens) and allows two images per prompt. Two different images give different answers, so no test passes with
-the image ignored."""
+state checkpoints every 16 tokens) and allows two images per prompt. Two different images give
+different answers, so no test passes with the image ignored."""
 
 from __future__ import annotations
 
@@ -49,12 +50,13 @@ _HF_CLASSES = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "qwen3_5_moe_vl": "Qwen3_5MoeForConditionalGeneration",
 }
 
 
 # Served at --tp 2 --pp 2 too.
-_PARALLEL_ARCHS = ("qwen3_vl", "qwen3_5_moe_vl")
+_PARALLEL_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe_vl")
 
 
 @pytest.fixture(scope="module", params=sorted(_HF_CLASSES))

@@ -48,3 +48,20 @@ def test_native_few_pairs_path_is_the_token_by_token_path(bias, rank_experts, mo
             grouped = experts(x, routes, weights)
         assert torch.equal(fast, slow)
         torch.testing.assert_close(grouped, slow, atol=1e-6, rtol=0)
+
+
+def test_transposed_checkpoints_load_as_a_live_models_tensors() -> None:
+    """Qwen3-VL-MoE's layout: the released checkpoint's stacked, transposed experts ((E, H, 2I),
+    (E, I, H)) and a live Hugging Face model's ((E, 2I, H), (E, H, I)) load the same weights."""
+    torch.manual_seed(0)
+    gate_up, down = torch.randn(8, 96, 64), torch.randn(8, 64, 48)  # Hugging Face's orientation
+    spec = MoESpec(8, 2, 48, norm_topk_prob=True, layout="transposed")
+    for given in ((gate_up, down), (gate_up.transpose(1, 2), down.transpose(1, 2))):
+        experts = FusedExperts(spec, 64, "silu", ParallelContext.single())
+        experts.gate_up_proj.weight_loader(experts.gate_up_proj, given[0].contiguous())
+        experts.down_proj.weight_loader(experts.down_proj, given[1].contiguous())
+        assert torch.equal(experts.gate_up_proj, gate_up) and torch.equal(experts.down_proj, down)
+    hf_layout = FusedExperts(MoESpec(8, 2, 48, norm_topk_prob=True), 64, "silu",
+                             ParallelContext.single())  # fmt: skip
+    with pytest.raises(ValueError):  # other families take Hugging Face's orientation only
+        hf_layout.down_proj.weight_loader(hf_layout.down_proj, down.transpose(1, 2).contiguous())

@@ -483,6 +483,9 @@ def test_qwen3_vl_deepstack_mergers_load_and_widen_the_rows() -> None:
                                 "num_position_embeddings": 16,
                                 "deepstack_visual_indexes": [0, 1]}}  # fmt: skip
     assert deepstack_layers(config) == 2
+    assert (
+        deepstack_layers({**config, "architectures": ["Qwen3VLMoeForConditionalGeneration"]}) == 2
+    )
     assert deepstack_layers({**config, "architectures": ["Qwen3_5ForConditionalGeneration"]}) == 0
     qwen = build_image_encoder(config)
     assert qwen.local_weight_name("model.visual.deepstack_merger_list.1.norm.weight") == (

@@ -13,6 +13,9 @@ The experts' weights are two stacked tensors under Hugging Face's (transformers 
 `experts.gate_up_proj` (E, 2I, H), each expert's gate rows then its up rows, and
 `experts.down_proj` (E, H, I). Released checkpoints store each expert's projections apart
 (`experts.N.gate_proj.weight`, Mixtral's `experts.N.w1.weight` ...): the loaders take both.
+Qwen3-VL-MoE's released checkpoints store them stacked but each matrix transposed, (E, H, 2I) and
+(E, I, H) (`layout="transposed"`), while a live Hugging Face model of it, and the files transformers
+5 saves, hold them as the others do.
 
 Tokens are grouped by expert (one stable sort of the step's token-expert pairs), and each expert
 that has tokens runs its two products on all of them at once: no per-token loop, and a decode step
@@ -58,7 +61,7 @@ class MoESpec:
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
-    layout: str = "hf"  # or "gpt_oss"
+    layout: str = "hf"  # or "gpt_oss", "transposed" (Qwen3-VL-MoE's checkpoints)
 
 
 class OaiSwiGLU(nn.Module):
@@ -107,6 +110,7 @@ class FusedExperts(nn.Module):
         self.ctx = ctx
         self.num_experts = spec.num_experts
         self.full_inter = spec.intermediate_size
+        self.hidden_size = hidden_size
         if expert_parallel:
             if spec.num_experts % ctx.tp_size:
                 raise ValueError(
@@ -173,9 +177,18 @@ class FusedExperts(nn.Module):
             gate, up = rows.narrow(1, 0, full), rows.narrow(1, full, full)
         return self._features(gate, 1), self._features(up, 1)
 
+    def _oriented(self, loaded: torch.Tensor, hf_shape: tuple[int, int]) -> torch.Tensor:
+        """A stacked tensor in Hugging Face's (E, *hf_shape) orientation. Under the "transposed"
+        layout a tensor of another shape is the released checkpoint's (E, *reversed(hf_shape))
+        and is transposed; one of Hugging Face's shape (a live model's, a file transformers 5
+        saved, and any square one, as Hugging Face's loader decides) is taken as it is."""
+        if self.layout != "transposed" or loaded.dim() != 3 or tuple(loaded.shape[1:]) == hf_shape:
+            return loaded
+        return _read(loaded).transpose(1, 2)
+
     def _load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None):
-        """shard_id None: the stacked (E, 2I, H) tensor (gpt-oss: (E, H, 2I)); ("gate" | "up",
-        expert): one (I, H)."""
+        """shard_id None: the stacked (E, 2I, H) tensor (gpt-oss's and Qwen3-VL-MoE's
+        checkpoints: (E, H, 2I)); ("gate" | "up", expert): one (I, H)."""
         if shard_id is None and self.layout == "gpt_oss":
             mine = self._stacked(_read(loaded), "gate_up_proj").transpose(1, 2)
             gate, up = self._gate_and_up(mine)
@@ -183,6 +196,7 @@ class FusedExperts(nn.Module):
             copy_checked(param.data[:, self.inter :], up)
             return
         if shard_id is None:
+            loaded = self._oriented(loaded, (2 * self.full_inter, self.hidden_size))
             mine, full = self._stacked(loaded, "gate_up_proj"), self.full_inter
             copy_checked(param.data[:, : self.inter], self._features(mine.narrow(1, 0, full), 1))
             copy_checked(param.data[:, self.inter :], self._features(mine.narrow(1, full, full), 1))
@@ -194,13 +208,14 @@ class FusedExperts(nn.Module):
             copy_checked(dst, self._features(loaded, 0))
 
     def _load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None):
-        """shard_id None: the stacked (E, H, I) tensor (gpt-oss: (E, I, H)); ("down", expert):
-        one (H, I)."""
+        """shard_id None: the stacked (E, H, I) tensor (gpt-oss's and Qwen3-VL-MoE's
+        checkpoints: (E, I, H)); ("down", expert): one (H, I)."""
         if shard_id is None and self.layout == "gpt_oss":
             mine = self._stacked(_read(loaded), "down_proj").transpose(1, 2)
             copy_checked(param.data, self._features(mine, 2))
             return
         if shard_id is None:
+            loaded = self._oriented(loaded, (self.hidden_size, self.full_inter))
             copy_checked(param.data, self._features(self._stacked(loaded, "down_proj"), 2))
             return
         _, expert = self._expert_shard(shard_id, ("down",))

@@ -362,6 +362,7 @@ _BUILDERS = {
     "Qwen2VLForConditionalGeneration": _qwen2_vl,
     "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl,
     "Qwen3VLForConditionalGeneration": _qwen3_vl,
+    "Qwen3VLMoeForConditionalGeneration": _qwen3_vl,  # the same tower as Qwen3-VL's
     # An audio-language model: its audio tower fills placeholders as an image tower does.
     "Qwen2AudioForConditionalGeneration": _qwen2_audio,
 }
@@ -369,10 +370,10 @@ _BUILDERS = {
 
 def deepstack_layers(hf_config: dict[str, Any]) -> int:
     """How many of the language model's first layers add deepstack rows at the image's
-    placeholders (Qwen3-VL; 0 for every other model): the encoder's rows are that many hidden
-    sizes wider than the main row."""
+    placeholders (Qwen3-VL, Qwen3-VL-MoE; 0 for every other model): the encoder's rows are that
+    many hidden sizes wider than the main row."""
     archs = hf_config.get("architectures") or [""]
-    if archs[0] != "Qwen3VLForConditionalGeneration":
+    if archs[0] not in ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"):
         return 0
     vision = hf_config.get("vision_config") or {}
     return len(vision.get("deepstack_visual_indexes", (8, 16, 24)))
