@@ -27,6 +27,11 @@ from PIL import Image
 from frontend.client.launched_server import LaunchedServer
 from tests.conftest import make_tiny_model
 
+# For servers whose answers are checked token for token against Hugging Face's float32 model:
+# `--dtype auto` computes in bfloat16 on a CPU with AVX512-BF16 or AMX, whose rounding flips the
+# near-tied greedy tokens of a random model.
+FLOAT32 = ("--dtype", "float32")
+
 
 class TernServer(LaunchedServer):
     def __init__(
@@ -206,5 +211,5 @@ def llava_server_args(llava_dir: Path, media_dir: Path) -> tuple[str, ...]:
         "--model", str(llava_dir), "--served-model-name", "vl",
         "--max-num-batched-tokens", "32", "--num-gpu-blocks-override", "10",
         "--limit-mm-per-prompt", json.dumps({"image": 2}),
-        "--allowed-local-media-path", str(media_dir),
+        "--allowed-local-media-path", str(media_dir), *FLOAT32,
     )  # fmt: skip

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import make_tiny_model
-from tests.integration.conftest import data_url, random_image
+from tests.integration.conftest import FLOAT32, data_url, random_image
 from tests.integration.hf_vision import HFVision
 
 MAX_TOKENS = 8
@@ -36,7 +36,7 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | No
 def client(shared_server: Any, gemma_dir: Path) -> openai.OpenAI:
     server = shared_server(
         "--model", str(gemma_dir), "--served-model-name", "vl", "--max-num-batched-tokens", "8",
-        "--max-num-seqs", "4",
+        "--max-num-seqs", "4", *FLOAT32,
     )  # fmt: skip
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
 
@@ -113,7 +113,7 @@ def test_tp2_pp2_attends_both_ways_inside_images_on_every_stage(
     windows, and the answers and logprobs stay HF's."""
     server = module_server(
         "--model", str(gemma_dir), "--served-model-name", "vl", "--max-num-batched-tokens", "8",
-        "--tp", "2", "--pp", "2", "--kv-cache-memory", "0.05",
+        "--tp", "2", "--pp", "2", "--kv-cache-memory", "0.05", *FLOAT32,
     )  # fmt: skip
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     text = "Describe what the picture shows, in a sentence or two."

@@ -21,7 +21,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import make_tiny_model
-from tests.integration.conftest import data_url, random_image
+from tests.integration.conftest import FLOAT32, data_url, random_image
 from tests.integration.hf_vision import HFVision
 
 MAX_TOKENS = 8
@@ -43,6 +43,7 @@ def family(
     server = shared_server(
         "--model", str(model_dir), "--served-model-name", "vl",
         "--max-num-batched-tokens", "32", "--limit-mm-per-prompt", json.dumps({"image": 2}),
+        *FLOAT32,
     )  # fmt: skip
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     return client, HFVision(model_dir, FAMILIES[arch], MAX_TOKENS)

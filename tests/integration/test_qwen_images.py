@@ -8,8 +8,7 @@ at the image's placeholders) and Qwen3-VL-MoE (the same with Qwen3-MoE's experts
 checkpoints store them) answer chat requests with images, each greedy answer token for token the
 one `*ForConditionalGeneration.generate` gives in float32.
 
-The server computes in float32 (`--dtype auto` is bfloat16 on a CPU with AVX512-BF16 or AMX, whose
-rounding flips near-tied greedy tokens of a random model), prompts in chunks of 16 tokens (an image
+The server computes in float32 whatever the CPU, prompts in chunks of 16 tokens (an image
 is up to 16 placeholders: chunks split images), caches prefixes (the hybrid model resumes from
 state checkpoints every 16 tokens) and allows two images per prompt. Two different images give
 different answers, so no test passes with the image ignored."""
@@ -29,6 +28,7 @@ import torch
 from PIL import Image
 
 from tests.conftest import make_tiny_model
+from tests.integration.conftest import FLOAT32
 
 MAX_TOKENS = 8
 
@@ -75,7 +75,7 @@ def server(shared_server: Any, qwen_dir: Path) -> Any:
     return shared_server(
         "--model", str(qwen_dir), "--served-model-name", "qwen-vl",
         "--max-num-batched-tokens", "16", "--block-size", "16",
-        "--limit-mm-per-prompt", json.dumps({"image": 2}), "--dtype", "float32",
+        "--limit-mm-per-prompt", json.dumps({"image": 2}), *FLOAT32,
     )  # fmt: skip
 
 
@@ -183,7 +183,7 @@ def test_tp2_pp2_with_images_is_hf_exact(
     server = module_server(
         "--model", str(qwen_dir), "--served-model-name", "qwen-vl", "--tp", "2", "--pp", "2",
         "--max-num-batched-tokens", "16", "--block-size", "16", "--kv-cache-memory", "0.05",
-        "--limit-mm-per-prompt", json.dumps({"image": 2}), "--dtype", "float32",
+        "--limit-mm-per-prompt", json.dumps({"image": 2}), *FLOAT32,
     )  # fmt: skip
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     images = [_image(6), _image(7, (40, 24))]

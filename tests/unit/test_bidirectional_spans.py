@@ -134,7 +134,9 @@ def test_spans_change_the_output() -> None:
     out, _, _ = _step(None, None, False)
     causal, _, _ = _step(None, None, False, with_spans=False)
     assert not torch.allclose(causal[3:8], out[3:8], atol=1e-3)  # the first prompt's run
-    torch.testing.assert_close(causal[:3], out[:3], atol=0, rtol=0)  # the tokens before it
+    # The tokens before it: the same up to the rounding of the masked group's attention kernel,
+    # which differs from the causal one's by a few ulps on some CPUs (AVX512).
+    torch.testing.assert_close(causal[:3], out[:3], atol=1e-6, rtol=1e-6)
 
 
 def test_sequences_with_spans_never_take_decode_rows() -> None:
