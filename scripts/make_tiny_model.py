@@ -432,7 +432,8 @@ def _qwen3_vl_config(vocab_size: int, token_ids: dict[str, int], moe: bool = Fal
         "rope_parameters": rope,
     }
     if moe:  # 2 x 48 gate and up features: no square matrix, whose orientation a file cannot tell
-        kwargs["moe_intermediate_size"] = 48
+        # Its router renormalises whatever norm_topk_prob says (Hugging Face's reads no such field).
+        kwargs.update(moe_intermediate_size=48, norm_topk_prob=False)
     text = text_config(**kwargs)
     vision = {"depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
               "out_hidden_size": 64, "patch_size": 4, "spatial_merge_size": 2,

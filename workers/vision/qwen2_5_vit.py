@@ -14,6 +14,7 @@ are Hugging Face's (`model.visual.*`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,14 +107,22 @@ def window_order(
 
 
 class Qwen25VisionTransformer(nn.Module):
-    def __init__(self, config: Qwen25VisionConfig):
+    """`norm` and `mlp` build the blocks' norms and MLPs (Qwen2-VL's tower is this one with
+    LayerNorms, its own MLP and no windows: `window_size` 0)."""
+
+    def __init__(
+        self,
+        config: Any,
+        norm: type[nn.Module] = RMSNorm,
+        mlp: Callable[[Any], nn.Module] = Qwen25VisionMLP,
+    ):
         super().__init__()
         self.config = config
         self.patch_embed = QwenPatchEmbed(config, bias=False)
         self.blocks = nn.ModuleList(
-            QwenVisionBlock(config, RMSNorm, Qwen25VisionMLP(config)) for _ in range(config.depth)
+            QwenVisionBlock(config, norm, mlp(config)) for _ in range(config.depth)
         )
-        self.merger = QwenLinearPatchMerger(config, RMSNorm)
+        self.merger = QwenLinearPatchMerger(config, norm)
         inv_freq = patch_rotary_frequencies(
             config.hidden_size // config.num_heads, config.rope_theta
         )
@@ -126,7 +135,8 @@ class Qwen25VisionTransformer(nn.Module):
         m = self.config.spatial_merge_size
         if patches.shape[0] != t * h * w:
             raise ValueError(f"{patches.shape[0]} patches for a {t}x{h}x{w} grid")
-        order, window_lengths = window_order(grid_thw, m, self.window)
+        # Without windows (0), one window a frame: every block attends over the whole frame.
+        order, window_lengths = window_order(grid_thw, m, self.window or max(h, w))
         rows = (order[:, None] * m * m + torch.arange(m * m)).reshape(-1)  # patches, windowed
 
         x = self.patch_embed(patches)[rows]

@@ -7,7 +7,8 @@ block of patches into one text-hidden row.
 
 Its config.json names the tower's width `embed_dim` and the merger's output (the language model's
 width) `hidden_size`. Patches arrive in merge-block order (qwen_vit.py), the order the merger and
-the placeholders read. Parameter names are Hugging Face's (`model.visual.*`).
+the placeholders read. Parameter names are Hugging Face's (`model.visual.*`). It is Qwen2.5-VL's
+tower (qwen2_5_vit.py) with these norms and MLPs and no windows.
 """
 
 from __future__ import annotations
@@ -18,14 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.vision.qwen2_5_vit import QwenLinearPatchMerger
-from workers.vision.qwen_vit import (
-    QwenPatchEmbed,
-    QwenVisionBlock,
-    Segments,
-    patch_rotary,
-    patch_rotary_frequencies,
-)
+from workers.vision.qwen2_5_vit import Qwen25VisionTransformer
 from workers.vision.vit import activation
 
 
@@ -42,6 +36,8 @@ class Qwen2VisionConfig:  # Qwen2VLVisionConfig's defaults, under the names the 
     spatial_merge_size: int = 2
     temporal_patch_size: int = 2
     rope_theta: float = 10000.0
+    window_size: int = 0  # no windows
+    fullatt_block_indexes: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, vision: dict[str, Any]) -> Qwen2VisionConfig:
@@ -67,29 +63,6 @@ class Qwen2VisionMLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class Qwen2VisionTransformer(nn.Module):
+class Qwen2VisionTransformer(Qwen25VisionTransformer):
     def __init__(self, config: Qwen2VisionConfig):
-        super().__init__()
-        self.config = config
-        self.patch_embed = QwenPatchEmbed(config, bias=False)
-        self.blocks = nn.ModuleList(
-            QwenVisionBlock(config, nn.LayerNorm, Qwen2VisionMLP(config))
-            for _ in range(config.depth)
-        )
-        self.merger = QwenLinearPatchMerger(config, nn.LayerNorm)
-        inv_freq = patch_rotary_frequencies(
-            config.hidden_size // config.num_heads, config.rope_theta
-        )
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, patches: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
-        """One image's patches (t h w, C T P P) -> (t h w / m^2, out_hidden_size)."""
-        t, h, w = grid_thw
-        if patches.shape[0] != t * h * w:
-            raise ValueError(f"{patches.shape[0]} patches for a {t}x{h}x{w} grid")
-        x = self.patch_embed(patches)
-        cos, sin = patch_rotary(self.inv_freq, grid_thw, self.config.spatial_merge_size)
-        frames = Segments([h * w] * t)  # each frame attends within itself
-        for block in self.blocks:
-            x = block(x, cos, sin, frames)
-        return self.merger(x)
+        super().__init__(config, nn.LayerNorm, Qwen2VisionMLP)
