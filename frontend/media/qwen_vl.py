@@ -1,8 +1,9 @@
-"""The image half of Qwen3-VL's / Qwen3.5's, Qwen2.5-VL's and Qwen2-VL's processors (transformers'
-Qwen3VLProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor), for servers without torchvision: neither can be built
-without its video processor, which needs it, while tern takes images only. Same contract as the processor's image path: each
-`<|image_pad|>` in the text, in order, becomes as many copies as its image has merged patches
-(image_grid_thw's product / merge_size^2); the image processor's tensors come back beside the ids.
+"""The image half of the Qwen VL processors (transformers' Qwen3VLProcessor for Qwen3-VL and
+Qwen3.5, Qwen2_5_VLProcessor, Qwen2VLProcessor), for servers without torchvision: none can be built
+without its video processor, which needs it, while tern takes images only. Same contract as the
+processor's image path: each `<|image_pad|>` in the text, in order, becomes as many copies as its
+image has merged patches (image_grid_thw's product / merge_size^2); the image processor's tensors
+come back beside the ids.
 """
 
 from __future__ import annotations

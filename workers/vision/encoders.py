@@ -20,9 +20,10 @@ embeddings, in prompt order: (num_placeholder_tokens, text hidden size).
 - Mistral 3 (Pixtral): `pixel_values` (1, 3, H', W') padded beyond `image_sizes` (1, 2) -> one row
   per 2x2 block of patches, row by row: the `[IMG]` runs the processor separates with
   `[IMG_BREAK]`.
-- Qwen3.5, Qwen2-VL, Qwen2.5-VL, Qwen3-VL: `pixel_values` (t h w, C T P P) patches and `image_grid_thw`
-  (1, 3) -> one row per spatial_merge_size^2 block of patches (t h w / m^2); Qwen3-VL's rows carry
-  its deepstack rows after the main one (`deepstack_layers` hidden sizes more).
+- Qwen3.5, Qwen2-VL, Qwen2.5-VL, Qwen3-VL: `pixel_values` (t h w, C T P P) patches and
+  `image_grid_thw` (1, 3) -> one row per spatial_merge_size^2 block of patches (t h w / m^2);
+  Qwen3-VL's rows carry its deepstack rows after the main one (`deepstack_layers` hidden sizes
+  more).
 
 Weights: the encoder takes the same stream of checkpoint tensors as the language model;
 `local_weight_name` says which are its own (transformers-5 `model.vision_tower.*` /
