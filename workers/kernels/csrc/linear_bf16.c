@@ -13,53 +13,40 @@
 #endif
 
 #ifdef __AVX512BF16__
-/* Columns [n0, n0 + 4) of y (M, N) = x (M, K) @ w (N, K).T for M <= GEMV_MAX_ROWS: the four weight
- * rows are read from memory once, for all M rows of x. The caller handles the columns past a
- * multiple of 4. Up to 2 rows this beats oneDNN's packed bf16 (the model's linears per decode
- * step: 8.7 / 8.6 ms at 1 / 2 rows against 11-12 ms); from 3 rows the vdpbf16ps work, not the
- * weights' bytes, is the limit (8 rows: 17 ms against oneDNN's AMX 12 ms). */
+/* Rows [n0, n0 + nt) of w against the M <= GEMV_MAX_ROWS rows of x: y[m, n] = x[m] . w[n]. Each
+ * weight row is read once, front to back, for all M rows of x, the rows one after another: the
+ * tile is one contiguous stream, which the hardware prefetcher follows (four rows read side by
+ * side with software prefetches reached ~2/3 of the streaming bandwidth). Up to 2 rows this beats
+ * oneDNN's packed bf16; from 3 rows the vdpbf16ps work, not the weights' bytes, is the limit. */
 #define GEMV_MAX_ROWS 2
-static void gemv4_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                       int M, int N, int K, int n0) {
-    const uint16_t *w0 = w + (int64_t)n0 * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-    for (int m0 = 0; m0 < M; m0 += 2) { /* two rows of x at a time */
-        int two = M - m0 >= 2;
-        const uint16_t *xa = x + (int64_t)m0 * K, *xb = two ? xa + K : xa;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-        for (int k = 0; k < K; k += 32) {
-            __mmask32 mask = K - k >= 32 ? 0xffffffffu : (1u << (K - k)) - 1u;
-            if (m0 == 0) { /* the first pass streams the rows in; later ones find them cached */
-                __builtin_prefetch(w0 + 16 * (int64_t)K + k);
-                __builtin_prefetch(w1 + 16 * (int64_t)K + k);
-                __builtin_prefetch(w2 + 16 * (int64_t)K + k);
-                __builtin_prefetch(w3 + 16 * (int64_t)K + k);
-            }
-            __m512bh va = (__m512bh)_mm512_maskz_loadu_epi16(mask, xa + k);
-            __m512bh vb = (__m512bh)_mm512_maskz_loadu_epi16(mask, xb + k);
-            __m512bh r0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + k);
-            __m512bh r1 = (__m512bh)_mm512_maskz_loadu_epi16(mask, w1 + k);
-            __m512bh r2 = (__m512bh)_mm512_maskz_loadu_epi16(mask, w2 + k);
-            __m512bh r3 = (__m512bh)_mm512_maskz_loadu_epi16(mask, w3 + k);
-            a0 = _mm512_dpbf16_ps(a0, va, r0);
-            a1 = _mm512_dpbf16_ps(a1, va, r1);
-            a2 = _mm512_dpbf16_ps(a2, va, r2);
-            a3 = _mm512_dpbf16_ps(a3, va, r3);
-            if (two) {
-                b0 = _mm512_dpbf16_ps(b0, vb, r0);
-                b1 = _mm512_dpbf16_ps(b1, vb, r1);
-                b2 = _mm512_dpbf16_ps(b2, vb, r2);
-                b3 = _mm512_dpbf16_ps(b3, vb, r3);
+#define GEMV_TILE 8
+static void gemv_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                           int M, int N, int K, int n0, int nt) {
+    const uint16_t *xa = x, *xb = M == 2 ? x + K : x;
+    for (int r = n0; r < n0 + nt; r++) {
+        const uint16_t *wr = w + (int64_t)r * K;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+        int k = 0;
+        for (; k + 64 <= K; k += 64) {
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k);
+            __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(xa + k), w0);
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(xa + k + 32), w1);
+            if (M == 2) {
+                b0 = _mm512_dpbf16_ps(b0, (__m512bh)_mm512_loadu_si512(xb + k), w0);
+                b1 = _mm512_dpbf16_ps(b1, (__m512bh)_mm512_loadu_si512(xb + k + 32), w1);
             }
         }
-        float s[2][4] = {{_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),
-                          _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)},
-                         {_mm512_reduce_add_ps(b0), _mm512_reduce_add_ps(b1),
-                          _mm512_reduce_add_ps(b2), _mm512_reduce_add_ps(b3)}};
-        for (int i = 0; i < 1 + two; i++)
-            for (int r = 0; r < 4; r++)
-                y[(int64_t)(m0 + i) * N + n0 + r] = f32_to_bf16(
-                    s[i][r] + (bias != NULL ? bf16_to_f32(bias[n0 + r]) : 0.f));
+        for (; k < K; k += 32) {
+            __mmask32 mask = K - k >= 32 ? 0xffffffffu : (1u << (K - k)) - 1u;
+            __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + k);
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(mask, xa + k), w0);
+            if (M == 2)
+                b0 = _mm512_dpbf16_ps(b0, (__m512bh)_mm512_maskz_loadu_epi16(mask, xb + k), w0);
+        }
+        float add = bias != NULL ? bf16_to_f32(bias[r]) : 0.f;
+        y[r] = f32_to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + add);
+        if (M == 2) y[(int64_t)N + r] = f32_to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(b0, b1)) + add);
     }
 }
 #endif
@@ -79,16 +66,12 @@ int tern_bf16_gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias, u
                    int N, int K) {
 #ifdef __AVX512BF16__
     if (M < 1 || M > GEMV_MAX_ROWS) return -1;
-    int num_tiles = N / 4;
+    int num_tiles = (N + GEMV_TILE - 1) / GEMV_TILE;
 #pragma omp parallel for schedule(static)
-    for (int t = 0; t < num_tiles; t++) gemv4_bf16(x, w, bias, y, M, N, K, 4 * t);
-    for (int m = 0; m < M; m++)
-        for (int n = 4 * num_tiles; n < N; n++) {
-            float s = bias != NULL ? bf16_to_f32(bias[n]) : 0.f;
-            for (int k = 0; k < K; k++)
-                s += bf16_to_f32(x[(int64_t)m * K + k]) * bf16_to_f32(w[(int64_t)n * K + k]);
-            y[(int64_t)m * N + n] = f32_to_bf16(s);
-        }
+    for (int t = 0; t < num_tiles; t++) {
+        int n0 = t * GEMV_TILE;
+        gemv_rows_bf16(x, w, bias, y, M, N, K, n0, N - n0 < GEMV_TILE ? N - n0 : GEMV_TILE);
+    }
     return 0;
 #else
     (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K;
