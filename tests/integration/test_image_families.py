@@ -7,7 +7,8 @@ float32, from the same prompt (as many prompt tokens: the placeholders laid out 
   then 4 `<image>`s each) and then the whole image (`<global-img>` then 4 more); the images below
   are 1 x 2 and 2 x 2 tiles.
 
-The server computes prompts in chunks of 32 tokens, so chunks split images. Two different images
+The server computes prompts in chunks of 32 tokens, so chunks split images; idefics3 is served at
+`--tp 2 --pp 2` too. Two different images
 give different answers, so no test passes with the image ignored."""
 
 from __future__ import annotations
@@ -86,3 +87,26 @@ def test_two_images_are_hf_exact(family: tuple[openai.OpenAI, HFVision]) -> None
     assert _ask(client, text, images) == _hf(hf, text, images)
     swapped = images[::-1]
     assert _ask(client, text, swapped) == _hf(hf, text, swapped)
+
+
+def test_tp2_pp2_idefics3_is_hf_exact(
+    module_server: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None
+) -> None:
+    """Idefics3 at `--tp 2 --pp 2`: the tower runs on the first stage's ranks, whose rows fill
+    the tiles' placeholders there; the second stage gets the hidden states. Two images of 2 and 4
+    tiles (and each whole image), answers and prompt lengths as Hugging Face's."""
+    if tokenizer_dir is None:
+        pytest.skip("needs the default model's tokenizer")
+    model_dir = make_tiny_model(
+        "idefics3", tmp_path_factory.mktemp("idefics3-tp2-pp2"), tokenizer_dir
+    )
+    server = module_server(
+        "--model", str(model_dir), "--served-model-name", "vl", "--max-num-batched-tokens", "32",
+        "--limit-mm-per-prompt", json.dumps({"image": 2}), "--tp", "2", "--pp", "2",
+        "--kv-cache-memory", "0.05", *FLOAT32,
+    )  # fmt: skip
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    hf = HFVision(model_dir, FAMILIES["idefics3"], MAX_TOKENS)
+    text = "Compare the two pictures."
+    images = [random_image(3, (24, 64)), random_image(4, (64, 48))]
+    assert _ask(client, text, images) == _hf(hf, text, images)
