@@ -53,7 +53,14 @@ static inline float dot_i16_i8(const int16_t *xq, const int8_t *wr, int K) {
     for (int k0 = 0; k0 < K; k0 += FLUSH_K) {
         int k1 = K - k0 < FLUSH_K ? K : k0 + FLUSH_K, k = k0;
         int32_t part = 0;
-#ifdef __AVX2__
+#ifdef __AVX512BW__ /* 32 weights a step, 16 int32 lanes: 2 * 127 * 32767 * FLUSH_K / 32 < 2^31 */
+        __m512i acc512 = _mm512_setzero_si512();
+        for (; k + 32 <= k1; k += 32) {
+            __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr + k)));
+            acc512 = _mm512_add_epi32(acc512, _mm512_madd_epi16(w16, _mm512_loadu_si512(xq + k)));
+        }
+        part = _mm512_reduce_add_epi32(acc512);
+#elif defined(__AVX2__)
         __m256i acc = _mm256_setzero_si256();
         for (; k + 16 <= k1; k += 16) {
             __m256i w16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + k)));
@@ -118,28 +125,6 @@ static inline void dot4_i16_i8(const int16_t *xq, const int8_t *w, int K, float 
     }
 }
 
-#ifdef __AVX512BW__
-/* dot_i16_i8 in 512-bit vectors: 32 weights a step (16 int32 lanes: 2 * 127 * 32767 * FLUSH_K / 32
- * < 2^31). AVX-512 CPUs run the few-row product one weight row after another, each tile one
- * contiguous stream the hardware prefetcher follows: four rows read side by side with software
- * prefetches (dot4_i16_i8) reached half the streaming bandwidth there (15 GB/s of 32). */
-static inline float dot_i16_i8_512(const int16_t *xq, const int8_t *wr, int K) {
-    float total = 0.f;
-    for (int k0 = 0; k0 < K; k0 += FLUSH_K) {
-        int k1 = K - k0 < FLUSH_K ? K : k0 + FLUSH_K, k = k0;
-        __m512i acc = _mm512_setzero_si512();
-        for (; k + 32 <= k1; k += 32) {
-            __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr + k)));
-            acc = _mm512_add_epi32(acc, _mm512_madd_epi16(w16, _mm512_loadu_si512(xq + k)));
-        }
-        int32_t part = _mm512_reduce_add_epi32(acc);
-        for (; k < k1; k++) part += (int32_t)xq[k] * wr[k];
-        total += (float)part;
-    }
-    return total;
-}
-#endif
-
 /* Outputs [n0, n0 + GEMV_ROWS) of every row of x, from x quantized (xq (M, K), xs (M,)). */
 static void gemv_rows(const int16_t *xq, const float *xs, const int8_t *w, const float *scale,
                       const float *bias, float *y, int M, int N, int K, int n0) {
@@ -148,13 +133,7 @@ static void gemv_rows(const int16_t *xq, const float *xs, const int8_t *w, const
         const int16_t *xm = xq + (int64_t)m * K;
         float *ym = y + (int64_t)m * N;
         int r = 0;
-#ifdef __AVX512BW__
-        for (; r < nt; r++) {
-            int n = n0 + r;
-            ym[n] = dot_i16_i8_512(xm, w + (int64_t)n * K, K) * xs[m] * scale[n] +
-                    (bias ? bias[n] : 0.f);
-        }
-#endif
+#ifndef __AVX512BW__ /* AVX-512: row after row (dot_i16_i8), one stream the prefetcher follows */
         for (; r + 4 <= nt; r += 4) {
             float dots[4];
             dot4_i16_i8(xm, w + (int64_t)(n0 + r) * K, K, dots);
@@ -163,6 +142,7 @@ static void gemv_rows(const int16_t *xq, const float *xs, const int8_t *w, const
                 ym[n] = dots[i] * xs[m] * scale[n] + (bias ? bias[n] : 0.f);
             }
         }
+#endif
         for (; r < nt; r++) {
             int n = n0 + r;
             ym[n] = dot_i16_i8(xm, w + (int64_t)n * K, K) * xs[m] * scale[n] + (bias ? bias[n] : 0.f);
