@@ -133,14 +133,18 @@ WHOLE_IMAGE_SPAN_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 # layout (M-RoPE: the Qwen VL models rotate by (t, h, w) positions), and the tensors of an image
 # that say it: the workers get them for every image of a prompt, also those a prefix-cache hit
 # skips.
-IMAGE_LAYOUT_TENSORS = {
-    "Qwen3_5ForConditionalGeneration": ("image_grid_thw",),
-    "Qwen3_5MoeForConditionalGeneration": ("image_grid_thw",),
-    "Qwen2_5_VLForConditionalGeneration": ("image_grid_thw",),
-    "Qwen3VLForConditionalGeneration": ("image_grid_thw",),
-    "Qwen3VLMoeForConditionalGeneration": ("image_grid_thw",),
-    "Qwen2VLForConditionalGeneration": ("image_grid_thw",),
-}
+_QWEN_VL_LAYOUT = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+IMAGE_LAYOUT_TENSORS = dict.fromkeys(
+    (
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen3VLForConditionalGeneration",
+        "Qwen3VLMoeForConditionalGeneration",
+        "Qwen2VLForConditionalGeneration",
+    ),
+    _QWEN_VL_LAYOUT,
+)
 
 # Speech-to-text models: an audio encoder, and a text decoder that cross-attends to its output
 # (workers/models/whisper.py). Each request carries one audio item with no placeholders in the

@@ -274,6 +274,7 @@ QWEN_VL_CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
     "{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -502,7 +503,9 @@ def _processor(arch: str, tokenizer: Any, config: Any) -> Any:
 def _save_qwen_processor_parts(tokenizer: Any, config: Any, out_dir: Path) -> None:
     """Qwen3VLProcessor's parts (it cannot be built without torchvision, which its video processor
     needs): the image processor (8 px a merged token, images resized to at most 32x32 px: up to 16
-    tokens an image), the tokenizer with the vision tokens, the chat template."""
+    tokens an image), the tokenizer with the vision tokens, the chat template. Qwen3-VL's and
+    Qwen3.5's video processor settings are their own file (at most 8 frames of 32x32 px a
+    video); Qwen2-VL's and Qwen2.5-VL's are the image processor's, as their releases have it."""
     import transformers
 
     vision = config.vision_config
@@ -512,6 +515,15 @@ def _save_qwen_processor_parts(tokenizer: Any, config: Any, out_dir: Path) -> No
         merge_size=vision.spatial_merge_size,
         size={"shortest_edge": 2 * factor * factor, "longest_edge": 16 * factor * factor},
     ).save_pretrained(out_dir)  # fmt: skip
+    if config.architectures[0].startswith(("Qwen3VL", "Qwen3_5")):
+        video = {"video_processor_type": "Qwen3VLVideoProcessor", "do_sample_frames": True,
+                 "size": {"shortest_edge": 2 * factor * factor,
+                          "longest_edge": 8 * 16 * factor * factor},
+                 "patch_size": vision.patch_size, "merge_size": vision.spatial_merge_size,
+                 "temporal_patch_size": vision.temporal_patch_size, "fps": 2, "min_frames": 4,
+                 "max_frames": 768, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+                 "rescale_factor": 1 / 255}  # fmt: skip
+        (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
     tokenizer.save_pretrained(out_dir)
     (out_dir / "chat_template.jinja").write_text(QWEN_VL_CHAT_TEMPLATE)

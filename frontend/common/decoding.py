@@ -30,6 +30,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Why a part other than text is refused on a model served without image inputs.
 _TEXT_ONLY = {
     "image_url": "this model is served without image inputs",
+    "video_url": "this model is served without video inputs",
     "input_audio": "this model is served without audio inputs",
     "audio_url": "this model is served without audio inputs",
 }
@@ -43,7 +44,7 @@ _decoders: dict[type, msgspec.json.Decoder[Any]] = {}
 
 @dataclass(frozen=True)
 class MediaRef:
-    """An image or audio part of a request: its URL (an input_audio part's bytes as a data: URL),
+    """An image, video or audio part of a request: its URL (an input_audio part's bytes as a data: URL),
     the request field that holds it (for errors) and its modality."""
 
     url: str
@@ -52,7 +53,12 @@ class MediaRef:
 
 
 # Content part types -> the modality they carry.
-_MEDIA_PARTS = {"image_url": "image", "input_audio": "audio", "audio_url": "audio"}
+_MEDIA_PARTS = {
+    "image_url": "image",
+    "video_url": "video",
+    "input_audio": "audio",
+    "audio_url": "audio",
+}
 
 
 def decode_request(body: bytes, typ: type[T]) -> T:
@@ -159,8 +165,9 @@ def normalize_messages(
     missing where it is required, non-text parts, tool calls off an assistant message.
 
     `media`: when given (the model takes `modalities`), their parts are allowed (`image_url`;
-    `input_audio` and vLLM's `audio_url`): a message with one keeps its content as a list of text
-    and `{"type": "image"}` / `{"type": "audio"}` parts (the form multimodal chat templates read),
+    vLLM's `video_url`; `input_audio` and vLLM's `audio_url`): a message with one keeps its content
+    as a list of text and `{"type": "image"}` / `{"type": "video"}` / `{"type": "audio"}` parts
+    (the form multimodal chat templates read),
     and each part's URL is appended to `media` in prompt order.
     """
     if not messages:

@@ -40,6 +40,9 @@ class MediaPolicy:
     # Audio files of /v1/audio/* (OpenAI caps uploads at 25 MB), and the seconds of audio one
     # request may carry (each 30 s is one engine request).
     max_audio_bytes: int = 25 * 10**6
+    # Frames in one video file (all of them, not only those sampled): the frames up to the last
+    # one sampled are decoded. An hour at 30 frames per second.
+    max_video_frames: int = 108_000
     max_audio_seconds: float = 3600.0
 
     def __post_init__(self) -> None:
@@ -54,6 +57,8 @@ class MediaPolicy:
                 raise ValueError(f"limit_per_prompt: bad entry {modality!r}: {limit!r}")
         if self.max_image_bytes < 1 or self.max_image_pixels < 1:
             raise ValueError("max_image_bytes and max_image_pixels must be positive")
+        if self.max_video_frames < 1:
+            raise ValueError("max_video_frames must be positive")
         if self.max_audio_bytes < 1 or not self.max_audio_seconds > 0:
             raise ValueError("max_audio_bytes and max_audio_seconds must be positive")
         if not self.fetch_timeout_s > 0:

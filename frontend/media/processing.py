@@ -19,7 +19,9 @@ from PIL import Image
 
 from enginecore.messages import MultiModalItem, TensorData
 from frontend.common.errors import bad_request
+from frontend.media.qwen_video import VIDEO_OPTIONS, QwenVideoProcessor
 from frontend.media.qwen_vl import QwenVLImageProcessor, is_qwen_vl
+from frontend.media.video import Video
 
 # Image-processor settings a request may not set: where the outputs go and in what form.
 _RESERVED_OPTIONS = ("return_tensors", "device", "data_format", "input_data_format")
@@ -52,6 +54,27 @@ class ImageProcessor:
         # begin-of-image token; LLaVA's and Qwen's their image token, which Qwen's chat template
         # writes between <|vision_start|> and <|vision_end|>).
         self.marker = getattr(self.hf, "boi_token", None) or self.hf.image_token
+        # Videos: the Qwen VL checkpoints' (their config.json names the video placeholder).
+        self.video: QwenVideoProcessor | None = None
+        if isinstance(self.hf, QwenVLImageProcessor) and "video_token_id" in config:
+            self.video = QwenVideoProcessor(model_path, config["architectures"][0])
+            self.video_placeholder_id = int(config["video_token_id"])
+
+    def video_options(self, options: dict[str, Any] | None, param: str) -> dict[str, Any]:
+        """The part of a request's mm_processor_kwargs that says how to sample its videos."""
+        chosen = {k: v for k, v in (options or {}).items() if k in VIDEO_OPTIONS}
+        if "fps" in chosen and "num_frames" in chosen:
+            raise bad_request("mm_processor_kwargs: fps and num_frames exclude each other", param)
+        fps, num_frames = chosen.get("fps"), chosen.get("num_frames")
+        if fps is not None and (not isinstance(fps, (int, float)) or not 0 < fps <= 60):
+            raise bad_request("mm_processor_kwargs: fps must be a number in (0, 60]", param)
+        if num_frames is not None and (
+            not isinstance(num_frames, int) or not 1 <= num_frames <= 768
+        ):
+            raise bad_request(
+                "mm_processor_kwargs: num_frames must be an integer in [1, 768]", param
+            )
+        return chosen
 
     def process(
         self,
@@ -60,11 +83,16 @@ class ImageProcessor:
         options: dict[str, Any],
         param: str,
         add_special_tokens: bool = False,
+        videos: list[Video] = (),  # type: ignore[assignment]
     ) -> tuple[list[int], list[MultiModalItem]]:
-        """The prompt's token ids, placeholders expanded, and its images' items. `options`:
-        mm_processor_kwargs, passed to the processor as vLLM does (only the image processor's own
-        settings: anything else is a 400)."""
+        """The prompt's token ids, placeholders expanded, and its images' and videos' items.
+        `options`: mm_processor_kwargs, passed to the processor as vLLM does (only the image
+        processor's own settings and the videos' sampling: anything else is a 400)."""
+        options = {k: v for k, v in options.items() if k not in VIDEO_OPTIONS}
         self._check_options(options)
+        per_video: list[tuple[dict[str, TensorData], int]] = []
+        if videos:
+            prompt, per_video = self._expand_videos(prompt, videos, param)
         # NOTE: SGLang refuses more markers than images but drops images beyond the markers
         # with a warning (base_processor.py submit_data_loading_tasks); both are refused here:
         # a dropped image would give an answer about a picture the model never saw.
@@ -79,6 +107,13 @@ class ImageProcessor:
             raise bad_request(f"the image processor failed: {e}", param) from e
         prompt_ids = [int(t) for t in whole["input_ids"][0]]
         items = self._match_runs(prompt_ids, per_image)
+        if items is not None and per_video:
+            video_items = self._match_runs(
+                prompt_ids, per_video, self.video_placeholder_id, "video"
+            )
+            items = None if video_items is None else sorted(
+                items + video_items, key=lambda item: item.spans[0][0]
+            )  # fmt: skip
         if items is None:
             raise bad_request(
                 "the prompt's image placeholders do not match its images (does the text itself "
@@ -111,12 +146,40 @@ class ImageProcessor:
             )
         return items
 
+    def _expand_videos(
+        self, prompt: str, videos: list[Video], param: str
+    ) -> tuple[str, list[tuple[dict[str, TensorData], int]]]:
+        """The prompt with each video marker replaced by its video's text, and each video's
+        tensors and placeholder count."""
+        assert self.video is not None, "videos are only loaded where the model takes them"
+        tokenizer = self.hf.tokenizer
+        marker = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+        start = getattr(tokenizer, "vision_start_token", None) or "<|vision_start|>"
+        end = getattr(tokenizer, "vision_end_token", None) or "<|vision_end|>"
+        check_markers(prompt, marker, len(videos), "video", param)
+        pieces = prompt.split(marker)
+        out, per_video = [pieces[0]], []
+        for video, piece in zip(videos, pieces[1:]):
+            try:
+                arrays, text = self.video.process(video, marker, start, end)
+            except ValueError as e:
+                raise bad_request(f"the video processor failed: {e}", param) from e
+            tensors = {name: tensor_data(array) for name, array in arrays.items()}
+            per_video.append((tensors, text.count(marker)))
+            out += [text, piece]
+        return "".join(out), per_video
+
     def _match_runs(
-        self, ids: list[int], per_image: list[tuple[dict[str, TensorData], int]]
+        self,
+        ids: list[int],
+        per_image: list[tuple[dict[str, TensorData], int]],
+        placeholder_id: int | None = None,
+        modality: str = "image",
     ) -> list[MultiModalItem] | None:
-        """One item per image, each over the next placeholder runs that hold exactly its number
-        of placeholders; None when the runs and the images do not match one to one."""
-        runs = placeholder_runs(ids, self.placeholder_id)
+        """One item per image (video), each over the next placeholder runs that hold exactly its
+        number of placeholders; None when the runs and the items do not match one to one."""
+        placeholder = self.placeholder_id if placeholder_id is None else placeholder_id
+        runs = placeholder_runs(ids, placeholder)
         items = []
         for tensors, num_rows in per_image:
             spans, taken = [], 0
@@ -126,7 +189,7 @@ class ImageProcessor:
                 taken += length
             if taken != num_rows:
                 return None
-            items.append(MultiModalItem("image", content_hash(tensors), spans, tensors))
+            items.append(MultiModalItem(modality, content_hash(tensors), spans, tensors))
         return None if runs else items
 
     def _check_options(self, options: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
-"""A chat prompt's images from request to engine: the image parts' URLs (collected in order by
-frontend/common/decoding.py), checked against --limit-mm-per-prompt, fetched or decoded under the
-server's media policy, and processed with the prompt's text (processing.py)."""
+"""A chat prompt's images and videos from request to engine: the media parts' URLs (collected in
+order by frontend/common/decoding.py), checked against --limit-mm-per-prompt, fetched or decoded
+under the server's media policy (a video's frames sampled as the model's processor samples them),
+and processed with the prompt's text (processing.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from frontend.media.limits import check_limits
 from frontend.media.policy import MediaPolicy
 from frontend.media.processing import ImageProcessor
 from frontend.media.sources import load_media_bytes
+from frontend.media.video import Video, decode_video
 
 
 class ImagePrompts:
@@ -33,13 +35,40 @@ class ImagePrompts:
         param: str,
         add_special_tokens: bool = False,
     ) -> tuple[list[int], list[MultiModalItem]]:
-        """The prompt's token ids (placeholders expanded) and its images' items. `text` is the
-        chat template's output, with one image marker per ref; `options`: mm_processor_kwargs."""
-        images = await self.load(refs, param)
+        """The prompt's token ids (placeholders expanded) and its images' and videos' items.
+        `text` is the chat template's output, with one marker per ref; `options`:
+        mm_processor_kwargs."""
+        video_refs = [ref for ref in refs if ref.modality == "video"]
+        image_refs = [ref for ref in refs if ref.modality != "video"]
+        check_limits({"image": len(image_refs), "video": len(video_refs)}, self.policy, param)
+        images = await self.load(image_refs, param)
+        videos = await self.load_videos(video_refs, options, param)
         # NOTE: off the event loop: preprocessing an image takes milliseconds of CPU.
         return await asyncio.to_thread(
-            self.processor.process, text, images, options or {}, param, add_special_tokens
-        )
+            self.processor.process, text, images, options or {}, param, add_special_tokens,
+            videos,
+        )  # fmt: skip
+
+    @property
+    def takes_video(self) -> bool:
+        return self.processor.video is not None
+
+    async def load_videos(
+        self, refs: list[MediaRef], options: dict[str, Any] | None, param: str
+    ) -> list[Video]:
+        """One prompt's videos: fetched or decoded, their frames sampled."""
+        if not refs:
+            return []
+        video = self.processor.video
+        assert video is not None, "video parts are only collected where the model takes them"
+        sample = video.sampler(self.processor.video_options(options, "mm_processor_kwargs"))
+        videos = []
+        for ref in refs:
+            data = await load_media_bytes(ref.url, self.policy, ref.param)
+            videos.append(
+                await asyncio.to_thread(decode_video, data, sample, self.policy, ref.param)
+            )
+        return videos
 
     async def make_for_generate(
         self, prompt: str | list[int], refs: list[MediaRef], param: str

@@ -101,7 +101,9 @@ class OpenAIServing:
     @property
     def modalities(self) -> tuple[str, ...]:
         """The media a prompt may carry besides text (chat parts)."""
-        return ("image",) * (self.images is not None) + ("audio",) * (self.audio is not None)
+        images = self.images is not None
+        video = images and self.images.takes_video  # type: ignore[union-attr]
+        return ("image",) * images + ("video",) * video + ("audio",) * (self.audio is not None)
 
     def routed_experts_of(self, gen: Generation) -> str | None:
         """vLLM's choices[i].routed_experts of a finished generation (routed_experts.py)."""

@@ -6,7 +6,12 @@ two-block windowed tower, the tiny Qwen2-VL (the same language model) beside its
 LayerNorm tower, the tiny Qwen3-VL (a Qwen3 whose first two layers add the tower's deepstack rows
 at the image's placeholders) and Qwen3-VL-MoE (the same with Qwen3-MoE's experts, stacked as its
 checkpoints store them) answer chat requests with images, each greedy answer token for token the
-one `*ForConditionalGeneration.generate` gives in float32.
+one `*ForConditionalGeneration.generate` gives in float32. Videos too: sampled at 2 frames a
+second into temporal patches of two frames (Qwen3-VL's and Qwen3.5's with a timestamp before each),
+their (t, h, w) positions spaced in time by Qwen2.5-VL's tokens_per_second; HF's model is given
+the pixels tern's processor made (transformers' video processors need torchvision, which has no
+build for this torch; tests/unit/test_qwen_video.py checks that processing against transformers'
+own functions).
 
 The server computes in float32 whatever the CPU, prompts in chunks of 16 tokens (an image
 is up to 16 placeholders: chunks split images), caches prefixes (the hybrid model resumes from
@@ -75,7 +80,7 @@ def server(shared_server: Any, qwen_dir: Path) -> Any:
     return shared_server(
         "--model", str(qwen_dir), "--served-model-name", "qwen-vl",
         "--max-num-batched-tokens", "16", "--block-size", "16",
-        "--limit-mm-per-prompt", json.dumps({"image": 2}), *FLOAT32,
+        "--limit-mm-per-prompt", json.dumps({"image": 2, "video": 1}), *FLOAT32,
     )  # fmt: skip
 
 
@@ -97,22 +102,29 @@ class _HF:
         arch = json.loads((model_dir / "config.json").read_text())["architectures"][0]
         model_class = getattr(transformers, arch)
         self.model = model_class.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model_dir = model_dir
 
-    def greedy(self, content: list[dict[str, Any]], images: list[Image.Image]) -> list[int]:
+    def greedy(
+        self, content: list[dict[str, Any]], images: list[Image.Image], video: bytes | None = None
+    ) -> list[int]:
         prompt = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
         )
         inputs: dict[str, Any] = {}
+        if video is not None:
+            tensors, text = self.video_inputs(video)
+            prompt = prompt.replace("<|video_pad|>", text)
+            inputs.update({name: torch.from_numpy(t) for name, t in tensors.items()})
         if images:
-            inputs = dict(self.image_processor(images, return_tensors="pt"))
+            inputs.update(self.image_processor(images, return_tensors="pt"))
             for grid in inputs["image_grid_thw"]:
                 run = "<|placeholder|>" * (int(grid.prod()) // 4)
                 prompt = prompt.replace("<|image_pad|>", run, 1)
             prompt = prompt.replace("<|placeholder|>", "<|image_pad|>")
         ids = self.tokenizer([prompt], add_special_tokens=False, return_tensors="pt")["input_ids"]
-        image_id = self.model.config.image_token_id
+        image_id, video_id = self.model.config.image_token_id, self.model.config.video_token_id
         inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids),
-                      mm_token_type_ids=(ids == image_id).int())  # fmt: skip
+                      mm_token_type_ids=(ids == image_id).int() + 2 * (ids == video_id).int())  # fmt: skip
         with torch.inference_mode():
             out = self.model.generate(
                 **inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0,
@@ -120,19 +132,52 @@ class _HF:
             )  # fmt: skip
         return out[0, ids.shape[1] :].tolist()
 
+    def video_inputs(self, video: bytes) -> tuple[dict[str, np.ndarray], str]:
+        """tern's processing of the video (frontend/media/qwen_video.py)."""
+        from frontend.media.policy import MediaPolicy
+        from frontend.media.qwen_video import QwenVideoProcessor
+        from frontend.media.video import decode_video
+
+        arch = self.model.config.architectures[0]
+        processor = QwenVideoProcessor(self.model_dir, arch)
+        decoded = decode_video(video, processor.sampler({}), MediaPolicy(), "video")
+        return processor.process(decoded, "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
 
 @pytest.fixture(scope="module")
 def hf(qwen_dir: Path) -> _HF:
     return _HF(qwen_dir)
 
 
+def _video(seed: int, num_frames: int = 32, size: tuple[int, int] = (24, 32)) -> bytes:
+    """An MPEG-4 video of random frames at 8 frames a second (4 s by default)."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.height, stream.width = size
+        stream.pix_fmt = "yuv420p"
+        for _ in range(num_frames):
+            pixels = rng.integers(0, 256, (*size, 3), dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    return buf.getvalue()
+
+
 def _ask(client: openai.OpenAI, parts: list[Any]) -> tuple[list[int], list[dict[str, Any]], Any]:
-    """`parts`: text, or images; -> (tern's answer, the HF-side content, the response)."""
+    """`parts`: text, images, or video bytes; -> (tern's answer, the HF-side content, the
+    response)."""
     content, hf_content = [], []
     for part in parts:
         if isinstance(part, str):
             content.append({"type": "text", "text": part})
             hf_content.append({"type": "text", "text": part})
+        elif isinstance(part, bytes):
+            url = "data:video/mp4;base64," + base64.b64encode(part).decode()
+            content.append({"type": "video_url", "video_url": {"url": url}})
+            hf_content.append({"type": "video"})
         else:
             content.append({"type": "image_url", "image_url": {"url": _data_url(part)}})
             hf_content.append({"type": "image"})
@@ -175,7 +220,7 @@ def test_tp2_pp2_with_images_is_hf_exact(
 ) -> None:
     """At `--tp 2 --pp 2` the encoder runs on the first stage and the second stage rotates its
     layers by the same (t, h, w) positions: two images of two shapes, chunks of 16 tokens that
-    split them, answers HF's. On the checkpoints whose stages hold more than rotation (Qwen3-VL's
+    split them, then a video, answers HF's. On the checkpoints whose stages hold more than rotation (Qwen3-VL's
     deepstack layers on the first stage; Qwen3.5-MoE's linear-attention states and experts on
     both); the others' later stages run the same code."""
     if request.node.callspec.params["qwen_dir"] not in _PARALLEL_ARCHS:
@@ -189,3 +234,47 @@ def test_tp2_pp2_with_images_is_hf_exact(
     images = [_image(6), _image(7, (40, 24))]
     answer, content, _ = _ask(client, ["First", images[0], "then", images[1], "Which is bigger?"])
     assert answer == hf.greedy(content, images)
+    answer, content, _ = _ask(client, [_video(6), "And in this video?"])
+    assert answer == hf.greedy(content, [], _video(6))
+
+
+def test_a_video_is_hf_exact_and_the_video_matters(client: openai.OpenAI, hf: _HF) -> None:
+    """A 4 s video (8 frames sampled: 4 temporal patches) then a question, and a video last in
+    the prompt (Qwen2.5-VL's time positions then reach past the text after it, so decoding
+    continues from them)."""
+    first, content, r = _ask(client, [_video(1), "What happens in this video?"])
+    other, _, _ = _ask(client, [_video(2), "What happens in this video?"])
+    assert first == hf.greedy(content, [], _video(1))
+    assert other == hf.greedy(content, [], _video(2))
+    assert first != other
+    assert r.usage.prompt_tokens > 48  # 4 temporal patches of 4x4 merged tokens at most
+    last, content, _ = _ask(client, ["Describe:", _video(3)])
+    assert last == hf.greedy(content, [], _video(3))
+
+
+def test_an_image_and_a_video_in_one_prompt(client: openai.OpenAI, hf: _HF) -> None:
+    image, video = _image(8), _video(4, num_frames=20, size=(32, 16))
+    answer, content, _ = _ask(client, ["Here", image, "and", video, "Same scene?"])
+    assert answer == hf.greedy(content, [image], video)
+
+
+def test_video_refusals(client: openai.OpenAI) -> None:
+    """Bytes that are not a video, and more videos than --limit-mm-per-prompt allows: a 400
+    naming the part; the server answers the next request."""
+    not_video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="qwen-vl", max_tokens=2,
+            messages=[{"role": "user", "content": [not_video, {"type": "text", "text": "?"}]}],
+        )  # fmt: skip
+    assert e.value.body["param"] == "messages[0].content[0]"
+    assert "video" in e.value.body["message"]
+    url = "data:video/mp4;base64," + base64.b64encode(_video(5, num_frames=8)).decode()
+    two = [{"type": "video_url", "video_url": {"url": url}}] * 2
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="qwen-vl", max_tokens=2, messages=[{"role": "user", "content": two}]
+        )
+    assert "At most 1 video(s)" in e.value.body["message"]
+    answer, _, _ = _ask(client, [_video(5, num_frames=8), "Still there?"])
+    assert len(answer) == MAX_TOKENS

@@ -22,7 +22,7 @@ from enginecore.messages import EngineCoreRequest, MultiModalItem, SamplingParam
 from tests.conftest import make_tiny_model
 from tests.unit.test_engine_inproc import make_core
 from workers.layers.rotary import RopeParams, RotaryEmbedding
-from workers.runner.mrope import mrope_positions
+from workers.runner.mrope import MRopeLayout, VisionGrid, mrope_positions, vision_grids
 
 IMAGE = 7  # the placeholder id of the sequences HF's get_rope_index reads here
 
@@ -48,7 +48,7 @@ def test_positions_are_hfs_chunk_by_chunk_and_past_the_prompt() -> None:
     ids, grids = [1, 2, 3], []
     for t, h, w in patch_grids:
         ids += [5]
-        grids.append((len(ids), (t, h // merge, w // merge)))
+        grids.append(VisionGrid(len(ids), (t, h // merge, w // merge)))
         ids += [IMAGE] * (t * h * w // merge**2) + [6]
     ids += [4, 4]
     expected, delta = hf_rope_index(ids, patch_grids, merge)
@@ -61,6 +61,50 @@ def test_positions_are_hfs_chunk_by_chunk_and_past_the_prompt() -> None:
     decode = mrope_positions(grids, len(ids), len(ids) + 3)
     assert torch.equal(decode, torch.arange(len(ids), len(ids) + 3).expand(3, -1) + delta)
     assert torch.equal(mrope_positions([], 4, 9), torch.arange(4, 9).expand(3, -1))
+
+
+VIDEO = 8
+
+
+def _video_item(start: int, grid: tuple[int, int, int], runs: int, seconds: float | None):
+    """A video's item: `runs` runs of placeholders from `start`, one token of text between."""
+    tensors = {"video_grid_thw": TensorData("int64", [1, 3], np.array([grid]).tobytes())}
+    if seconds is not None:
+        tensors["second_per_grid_ts"] = TensorData("float32", [1], np.float32([seconds]).tobytes())
+    length = grid[0] * grid[1] * grid[2] // 4 // runs
+    spans = [(start + i * (length + 1), length) for i in range(runs)]
+    return MultiModalItem("video", "h", spans, tensors)
+
+
+@pytest.mark.parametrize("model", ["Qwen2_5_VLModel", "Qwen3VLModel"])
+def test_video_positions_are_hfs(model: str) -> None:
+    """Qwen2.5-VL: a video is one (t, h, w) run whose time coordinate steps by tokens_per_second *
+    second_per_grid_ts (here 3 * 1.5: 4.5, quantised as HF does); Qwen3-VL: a run per temporal
+    patch, text between, each a (1, h, w) grid. Chunked, and text after the video."""
+    qwen3 = model == "Qwen3VLModel"
+    grid = (3, 4, 6)  # 3 temporal patches of 2x3 merged tokens
+    ids = [1, 2]
+    item = _video_item(len(ids), grid, 3 if qwen3 else 1, None if qwen3 else 1.5)
+    for start, length in item.spans:
+        ids += [9] * (start - len(ids)) + [VIDEO] * length
+    ids += [5, 6, 7]
+    config = SimpleNamespace(
+        vision_config=SimpleNamespace(spatial_merge_size=2, tokens_per_second=3)
+    )
+    fake = SimpleNamespace(config=config)
+    hf_class = getattr(transformers, model)
+    fake.get_vision_position_ids = functools.partial(hf_class.get_vision_position_ids, fake)
+    input_ids = torch.tensor([ids])
+    extra = {} if qwen3 else {"second_per_grid_ts": torch.tensor([1.5])}
+    expected, _ = hf_class.get_rope_index(
+        fake, input_ids, mm_token_type_ids=2 * (input_ids == VIDEO).int(),
+        video_grid_thw=torch.tensor([grid]), **extra,
+    )  # fmt: skip
+    grids = vision_grids([item], MRopeLayout(2, 3.0))
+    assert len(grids) == (3 if qwen3 else 1)
+    for cut in (len(ids), 5, 11):
+        parts = [mrope_positions(grids, 0, cut), mrope_positions(grids, cut, len(ids))]
+        assert torch.equal(torch.cat(parts, 1), expected[:, 0])
 
 
 def test_the_rotation_is_hfs_interleaved_mrope() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from enginecore.messages import MultiModalItem, ScheduledRequest, SchedulerOutput, TensorData
-from workers.runner.mrope import ImageGrid, image_grids, mrope_positions
+from workers.runner.mrope import MRopeLayout, VisionGrid, mrope_positions, vision_grids
 from workers.vision.encoders import ImageEncoder
 
 # Encoder outputs kept for reuse (bytes); one 448x448 image of a 1B model is ~1 MiB of fp32 rows.
@@ -59,23 +59,24 @@ class ImageInputs:
     """The running requests' images and, each step, the encoder rows their placeholders take
     (first pipeline stage: `encoder`) and the spans attention sees in both directions (every
     stage, on models that attend so inside an image: `bidirectional`), and on models that rotate
-    by multimodal positions (`mrope_merge_size`: the vision tower's spatial merge size) each
-    token's (t, h, w) rotary positions (workers/runner/mrope.py)."""
+    by multimodal positions (`mrope`: what places their vision tokens) each token's (t, h, w)
+    rotary positions (workers/runner/mrope.py). Videos are items too (Qwen VL: their own
+    placeholder runs and grids)."""
 
     def __init__(
         self,
         encoder: ImageEncoder | None,
         device: torch.device,
         bidirectional: bool,
-        mrope_merge_size: int | None = None,
+        mrope: MRopeLayout | None = None,
     ) -> None:
         self.encoder = encoder
         self.device = device
         self.bidirectional = bidirectional
-        self.mrope_merge_size = mrope_merge_size
+        self.mrope = mrope
         self.cache = EncoderCache()
         self.items: dict[str, list[MultiModalItem]] = {}
-        self.grids: dict[str, list[ImageGrid]] = {}  # M-RoPE models: each request's images
+        self.grids: dict[str, list[VisionGrid]] = {}  # M-RoPE models: each request's vision runs
 
     def update(self, step: SchedulerOutput) -> None:
         """Forgets the finished requests' images; keeps those of the requests (re)started."""
@@ -87,15 +88,15 @@ class ImageInputs:
                 self.grids.pop(r.req_id, None)
                 if r.mm_items:
                     self.items[r.req_id] = list(r.mm_items)
-                    if self.mrope_merge_size is not None:
-                        self.grids[r.req_id] = image_grids(r.mm_items, self.mrope_merge_size)
+                    if self.mrope is not None:
+                        self.grids[r.req_id] = vision_grids(r.mm_items, self.mrope)
                 else:
                     self.items.pop(r.req_id, None)
 
     def rope_positions(self, reqs: list[ScheduledRequest]) -> torch.Tensor | None:
         """The flat batch's (3, T) M-RoPE positions; None when no request of the step has an
         image (every token's three positions are then its index: the plain rotation)."""
-        if self.mrope_merge_size is None or not any(r.req_id in self.grids for r in reqs):
+        if self.mrope is None or not any(r.req_id in self.grids for r in reqs):
             return None
         positions = [
             mrope_positions(self.grids.get(r.req_id, []), r.start_pos,

@@ -70,7 +70,7 @@ from workers.runner.loading import (
     make_batch_invariant,
     served_dtypes,
 )
-from workers.runner.mrope import mrope_merge_size
+from workers.runner.mrope import mrope_layout
 from workers.runner.routing import RoutingCapture
 from workers.sample.logprobs import (
     logprob_rows,
@@ -156,7 +156,7 @@ class ModelRunner:
             whole = self.args.architecture in WHOLE_IMAGE_SPAN_ARCHITECTURES
             self.images = ImageInputs(
                 model.vision, self.device, bidirectional=whole,
-                mrope_merge_size=mrope_merge_size(self.args.image_config),
+                mrope=mrope_layout(self.args.image_config),
             )  # fmt: skip
             self.weights.on_change.append(self.images.weights_changed)
         if self.args.is_encoder_decoder:

@@ -22,6 +22,7 @@ embeddings, in prompt order: (num_placeholder_tokens, text hidden size).
   `[IMG_BREAK]`.
 - Qwen3.5, Qwen2-VL, Qwen2.5-VL, Qwen3-VL: `pixel_values` (t h w, C T P P) patches and
   `image_grid_thw` (1, 3) -> one row per spatial_merge_size^2 block of patches (t h w / m^2);
+  a video's `pixel_values_videos` and `video_grid_thw` alike;
   Qwen3-VL's rows carry its deepstack rows after the main one (`deepstack_layers` hidden sizes
   more).
 
@@ -225,16 +226,19 @@ class Mistral3ImageEncoder(ImageEncoder):
 class QwenImageEncoder(ImageEncoder):
     """The Qwen VL towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5): the vision transformer ends in
     its own merger (no separate projector), and each image brings its patch grid
-    (`image_grid_thw`)."""
+    (`image_grid_thw`). A video is encoded the same way, from `pixel_values_videos` and
+    `video_grid_thw` (each frame pair attends within itself)."""
 
     CHECKPOINT_PREFIXES = ((("model.visual.", "visual."), "vision_tower."),)
 
     def encode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        grid = tensors["image_grid_thw"].reshape(-1, 3)
+        kind = "video" if "video_grid_thw" in tensors else "image"
+        pixels = "pixel_values_videos" if kind == "video" else "pixel_values"
+        grid = tensors[f"{kind}_grid_thw"].reshape(-1, 3)
         if grid.shape[0] != 1:
-            raise ValueError(f"one image's tensors, not {grid.shape[0]} images'")
+            raise ValueError(f"one {kind}'s tensors, not {grid.shape[0]} {kind}s'")
         weight = next(self.parameters())
-        patches = tensors["pixel_values"].to(weight.device, weight.dtype)
+        patches = tensors[pixels].to(weight.device, weight.dtype)
         t, h, w = (int(v) for v in grid[0])
         return self.multi_modal_projector(self.vision_tower(patches, (t, h, w)))
 
