@@ -81,7 +81,7 @@ _FAMILIES = {
 # *ForConditionalGeneration, the tiny gemma3 / qwen3_5 / qwen3_5_moe / qwen2 / qwen3 / qwen2 / llama /
 # llama beside a random vision tower (`_make_with_vision_tower`).
 _VISION_ARCHS = ("gemma3_vl", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen2_5_vl", "qwen3_vl",
-                 "qwen3_vl_moe", "qwen2_vl", "llava", "idefics3")  # fmt: skip
+                 "qwen3_vl_moe", "qwen2_vl", "llava", "idefics3", "mistral3_vl")  # fmt: skip
 # Those whose processor is Qwen's (Qwen2VLImageProcessor, <|image_pad|> runs).
 _QWEN_VL_ARCHS = ("qwen3_5_vl", "qwen3_5_moe_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
                   "qwen2_vl")  # fmt: skip
@@ -278,6 +278,14 @@ QWEN_VL_CHAT_TEMPLATE = (
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Mistral 3's layout: [INST] text and [IMG] markers [/INST].
+MISTRAL3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST]"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}[IMG]"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "[/INST]{% else %}{{ message['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
 # The tokens each processor expands images into, added to the tokenizer as special tokens.
 _IMAGE_TOKENS = {
     "llava": {"image_token": "<image>"},
@@ -286,6 +294,8 @@ _IMAGE_TOKENS = {
     "idefics3": {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
                  "global_image_token": "<global-img>",
                  "end_of_utterance_token": "<end_of_utterance>"},
+    "mistral3_vl": {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
+                    "image_end_token": "[IMG_END]"},
     "qwen3_5_vl": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
                    "vision_start_token": "<|vision_start|>",
                    "vision_end_token": "<|vision_end|>"},
@@ -367,6 +377,8 @@ def _multimodal_config(arch: str, vocab_size: int, token_ids: dict[str, int]) ->
             text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
             **token_ids,
         )  # fmt: skip
+    if arch == "mistral3_vl":
+        return _mistral3_config(vocab_size, token_ids)
     if arch == "qwen2_5_vl":
         return _qwen2_5_vl_config(vocab_size, token_ids)
     if arch in ("qwen3_vl", "qwen3_vl_moe"):
@@ -392,6 +404,25 @@ def _multimodal_config(arch: str, vocab_size: int, token_ids: dict[str, int]) ->
         **{"image_token_id": vocab_size - 1, "video_token_id": vocab_size - 2,
            "vision_start_token_id": vocab_size - 3, "vision_end_token_id": vocab_size - 4,
            **token_ids},
+    )  # fmt: skip
+
+
+def _mistral3_config(vocab_size: int, token_ids: dict[str, int]) -> Any:
+    """The tiny mistral (no sliding window) beside a 2-layer Pixtral tower (8 px patches, 2D
+    rotary at the image's own aspect ratio) and the 2x2 patch merger: 16 px a merged token."""
+    import transformers
+
+    text = transformers.MistralConfig(
+        **{**_config_kwargs("llama", vocab_size), "num_hidden_layers": 2, "head_dim": 16,
+           "sliding_window": None, "tie_word_embeddings": False, "rope_parameters": None}
+    )  # fmt: skip
+    vision = transformers.PixtralVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        image_size=64, patch_size=8, hidden_act="silu", initializer_range=INIT_STD,
+    )  # fmt: skip
+    return transformers.Mistral3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), spatial_merge_size=2,
+        vision_feature_layer=-1, **token_ids,
     )  # fmt: skip
 
 
@@ -529,6 +560,24 @@ def _save_qwen_processor_parts(tokenizer: Any, config: Any, out_dir: Path) -> No
     (out_dir / "chat_template.jinja").write_text(QWEN_VL_CHAT_TEMPLATE)
 
 
+def _save_pixtral_processor_parts(tokenizer: Any, config: Any, out_dir: Path) -> None:
+    """PixtralProcessor's parts (it requires torchvision): the image processor (images at their
+    own aspect ratio, at most 64 px a side: up to 4x4 merged tokens), processor_config.json with
+    the patch and merge sizes, the tokenizer with [IMG], [IMG_BREAK], [IMG_END], the template."""
+    import transformers
+
+    patch, merge = config.vision_config.patch_size, config.spatial_merge_size
+    transformers.PixtralImageProcessorPil(
+        size={"longest_edge": config.vision_config.image_size}, patch_size=patch * merge
+    ).save_pretrained(out_dir)
+    settings = {"processor_class": "PixtralProcessor", "patch_size": patch,
+                "spatial_merge_size": merge, **_IMAGE_TOKENS["mistral3_vl"]}  # fmt: skip
+    (out_dir / "processor_config.json").write_text(json.dumps(settings, indent=2))
+    tokenizer.chat_template = MISTRAL3_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "chat_template.jinja").write_text(MISTRAL3_CHAT_TEMPLATE)
+
+
 def _randomise_vision(model: Any) -> None:
     """What from_config leaves at 1 or 0 in the vision part and a trained checkpoint does not:
     every LayerNorm's scale, Gemma 3's projection (zeros). Idefics3 names its tower vision_model
@@ -568,7 +617,8 @@ def _make_with_vision_tower(
                    "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
                    "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
                    "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
-                   "idefics3": transformers.Idefics3ForConditionalGeneration}[arch]  # fmt: skip
+                   "idefics3": transformers.Idefics3ForConditionalGeneration,
+                   "mistral3_vl": transformers.Mistral3ForConditionalGeneration}[arch]  # fmt: skip
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
     _perturb(model)
@@ -580,6 +630,8 @@ def _make_with_vision_tower(
     _copy_tokenizer(out_dir, tokenizer_dir)
     if with_processor and arch in _QWEN_VL_ARCHS:
         _save_qwen_processor_parts(tokenizer, config, out_dir)
+    elif with_processor and arch == "mistral3_vl":
+        _save_pixtral_processor_parts(tokenizer, config, out_dir)
     elif with_processor:  # over the copied tokenizer files: the tokenizer with its image tokens
         _processor(arch, tokenizer, config).save_pretrained(out_dir)
     return out_dir

@@ -19,6 +19,7 @@ from PIL import Image
 
 from enginecore.messages import MultiModalItem, TensorData
 from frontend.common.errors import bad_request
+from frontend.media.pixtral import PixtralImageProcessor, is_mistral3
 from frontend.media.qwen_video import VIDEO_OPTIONS, QwenVideoProcessor
 from frontend.media.qwen_vl import QwenVLImageProcessor, is_qwen_vl
 from frontend.media.video import Video
@@ -36,11 +37,13 @@ class ImageProcessor:
         from transformers import AutoProcessor  # only servers of image models pay for its import
 
         try:
-            self.hf = (
-                QwenVLImageProcessor(model_path)
-                if is_qwen_vl(model_path)
-                else AutoProcessor.from_pretrained(str(model_path))
-            )
+            # Processors that need torchvision (none has a build for this torch) are tern's own.
+            if is_qwen_vl(model_path):
+                self.hf = QwenVLImageProcessor(model_path)
+            elif is_mistral3(model_path):
+                self.hf = PixtralImageProcessor(model_path)
+            else:
+                self.hf = AutoProcessor.from_pretrained(str(model_path))
         except Exception as e:
             raise ValueError(f"cannot load the image processor of {model_path}: {e}") from e
         # The token the model's encoder rows replace: config.json's, as the model reads it (a

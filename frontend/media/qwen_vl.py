@@ -14,6 +14,8 @@ from typing import Any
 
 from PIL import Image
 
+from frontend.media.markers import expand_markers
+
 # Checkpoints whose processor this stands in for (config.json's first architecture).
 QWEN_VL_ARCHITECTURES = (
     "Qwen3_5ForConditionalGeneration",
@@ -56,18 +58,8 @@ class QwenVLImageProcessor:
             flat = [image for group in images for image in group]
             out.update(self.image_processor(flat, return_tensors=return_tensors, **options))
             counts = [int(g.prod()) // self.merge_size**2 for g in out["image_grid_thw"]]
-            text = [self._expand(t, counts) for t in text]
-            if counts:
-                raise ValueError(f"{len(flat)} images for {len(flat) - len(counts)} image markers")
+            text = expand_markers(text, self.image_token, [self.image_token * n for n in counts])
         ids = self.tokenizer(
             text, add_special_tokens=add_special_tokens, return_tensors=return_tensors
         )
         return {**ids, **out}
-
-    def _expand(self, text: str, counts: list[int]) -> str:
-        """Each image token of `text` as its image's run (`counts` consumed in order)."""
-        pieces = text.split(self.image_token)
-        if len(pieces) - 1 > len(counts):
-            raise ValueError(f"more image markers ({self.image_token}) than images")
-        runs = [self.image_token * counts.pop(0) for _ in pieces[1:]]
-        return pieces[0] + "".join(run + piece for run, piece in zip(runs, pieces[1:]))

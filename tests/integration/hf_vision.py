@@ -15,7 +15,14 @@ class HFVision:
     def __init__(self, model_dir: Path, class_name: str, max_tokens: int = 8) -> None:
         import transformers
 
-        self.processor = transformers.AutoProcessor.from_pretrained(model_dir)
+        if class_name == "Mistral3ForConditionalGeneration":
+            # PixtralProcessor requires torchvision: its image processor's PIL backend with the
+            # expansion tern does as it (tests/unit/test_pixtral_processor.py checks that).
+            from frontend.media.pixtral import PixtralImageProcessor
+
+            self.processor: Any = PixtralImageProcessor(model_dir)
+        else:
+            self.processor = transformers.AutoProcessor.from_pretrained(model_dir)
         model_class = getattr(transformers, class_name)
         self.model = model_class.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.max_tokens = max_tokens
@@ -24,7 +31,8 @@ class HFVision:
         """The chat template's text for one user turn: its images, then `text`."""
         content = [{"type": "image"} for _ in range(num_images)]
         content.append({"type": "text", "text": text})
-        return self.processor.apply_chat_template(
+        template = getattr(self.processor, "apply_chat_template", None)
+        return (template or self.processor.tokenizer.apply_chat_template)(
             [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
         )
 
@@ -36,10 +44,11 @@ class HFVision:
         **options: Any,
     ) -> Any:
         """The processor's outputs: ids with the images' placeholders, pixel tensors."""
-        return self.processor(
+        out = self.processor(
             text=[prompt], images=[images] if images else None,
             add_special_tokens=add_special_tokens, return_tensors="pt", **options,
         )  # fmt: skip
+        return dict(out)
 
     def generate(self, **inputs: Any) -> tuple[list[int], list[float]]:
         """Greedy answer tokens after inputs["input_ids"] and their logprobs."""

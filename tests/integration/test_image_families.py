@@ -6,8 +6,11 @@ float32, from the same prompt (as many prompt tokens: the placeholders laid out 
 - idefics3 (SmolVLM's layout): an image is its tiles (`<fake_token_around_image><row_r_col_c>`
   then 4 `<image>`s each) and then the whole image (`<global-img>` then 4 more); the images below
   are 1 x 2 and 2 x 2 tiles.
+- mistral3_vl (Mistral 3 / Ministral 3's layout): an image at its own aspect ratio, its rows of
+  `[IMG]` each ended by `[IMG_BREAK]`, the last by `[IMG_END]` (up to 4 x 4 merged tokens here),
+  through the Pixtral tower and the 2x2 patch merger.
 
-The server computes prompts in chunks of 32 tokens, so chunks split images; idefics3 is served at
+The server computes prompts in chunks of 32 tokens, so chunks split images; both are served at
 `--tp 2 --pp 2` too. Two different images
 give different answers, so no test passes with the image ignored."""
 
@@ -26,7 +29,10 @@ from tests.integration.conftest import FLOAT32, data_url, random_image
 from tests.integration.hf_vision import HFVision
 
 MAX_TOKENS = 8
-FAMILIES = {"idefics3": "Idefics3ForConditionalGeneration"}
+FAMILIES = {
+    "idefics3": "Idefics3ForConditionalGeneration",
+    "mistral3_vl": "Mistral3ForConditionalGeneration",
+}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -89,24 +95,27 @@ def test_two_images_are_hf_exact(family: tuple[openai.OpenAI, HFVision]) -> None
     assert _ask(client, text, swapped) == _hf(hf, text, swapped)
 
 
-def test_tp2_pp2_idefics3_is_hf_exact(
-    module_server: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_tp2_pp2_is_hf_exact(
+    module_server: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+    tokenizer_dir: Path | None,
+    arch: str,
 ) -> None:
-    """Idefics3 at `--tp 2 --pp 2`: the tower runs on the first stage's ranks, whose rows fill
-    the tiles' placeholders there; the second stage gets the hidden states. Two images of 2 and 4
-    tiles (and each whole image), answers and prompt lengths as Hugging Face's."""
+    """At `--tp 2 --pp 2`: the tower runs on the first stage's ranks, whose rows fill the
+    images' placeholders there; the second stage gets the hidden states. Two images (Idefics3's
+    of 2 and 4 tiles and each whole image; Mistral 3's of 2 x 4 and 4 x 3 merged tokens),
+    answers and prompt lengths as Hugging Face's."""
     if tokenizer_dir is None:
         pytest.skip("needs the default model's tokenizer")
-    model_dir = make_tiny_model(
-        "idefics3", tmp_path_factory.mktemp("idefics3-tp2-pp2"), tokenizer_dir
-    )
+    model_dir = make_tiny_model(arch, tmp_path_factory.mktemp(f"{arch}-tp2-pp2"), tokenizer_dir)
     server = module_server(
         "--model", str(model_dir), "--served-model-name", "vl", "--max-num-batched-tokens", "32",
         "--limit-mm-per-prompt", json.dumps({"image": 2}), "--tp", "2", "--pp", "2",
         "--kv-cache-memory", "0.05", *FLOAT32,
     )  # fmt: skip
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
-    hf = HFVision(model_dir, FAMILIES["idefics3"], MAX_TOKENS)
+    hf = HFVision(model_dir, FAMILIES[arch], MAX_TOKENS)
     text = "Compare the two pictures."
     images = [random_image(3, (24, 64)), random_image(4, (64, 48))]
     assert _ask(client, text, images) == _hf(hf, text, images)

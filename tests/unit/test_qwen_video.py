@@ -2,24 +2,19 @@
 the frame indices of Qwen2VLVideoProcessor.sample_frames and Qwen3VLVideoProcessor.sample_frames,
 both smart_resize functions, Qwen3VLProcessor's timestamps, and the patches of the image
 processor. transformers' video classes cannot be built without torchvision (no build for this
-torch), so their functions are taken from their source files as they are, with `ast`.
+torch), so their functions are taken from their source files as they are (tests/hf_source.py).
 
 And decoding (frontend/media/video.py): a real MPEG-4 file's frames, and refusals of what is not
 a video."""
 
 from __future__ import annotations
 
-import ast
 import io
-import logging
-import math
 import types
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-import torch
 import transformers
 from PIL import Image
 from transformers.video_utils import VideoMetadata
@@ -28,31 +23,13 @@ from frontend.common.errors import APIError
 from frontend.media.policy import MediaPolicy
 from frontend.media.qwen_video import QwenVideoProcessor, qwen2_smart_resize, qwen3_smart_resize
 from frontend.media.video import Video, decode_video
+from tests.hf_source import HF_MODELS, hf_functions
 
-_MODELS = Path(transformers.__file__).parent / "models"
-
-
-def _hf_functions(path: Path, names: tuple[str, ...]) -> dict[str, Any]:
-    """The functions (module level, or methods of a class) called `names` in a transformers
-    source file, compiled as they are."""
-    tree = ast.parse(path.read_text())
-    found = [
-        node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name in names
-    ]
-    for node in found:
-        node.decorator_list = []
-    module = ast.Module(body=found, type_ignores=[])
-    namespace = {"math": math, "np": np, "torch": torch, "logger": logging.getLogger("hf")}
-    namespace.update(VideoMetadata=VideoMetadata, SizeDict=dict, Any=Any)
-    exec(compile(ast.fix_missing_locations(module), str(path), "exec"), namespace)
-    return {name: namespace[name] for name in names}
-
-
-_QWEN2 = _hf_functions(
-    _MODELS / "qwen2_vl" / "video_processing_qwen2_vl.py", ("smart_resize", "sample_frames")
+_QWEN2 = hf_functions(
+    HF_MODELS / "qwen2_vl" / "video_processing_qwen2_vl.py", ("smart_resize", "sample_frames")
 )
-_QWEN3 = _hf_functions(
-    _MODELS / "qwen3_vl" / "video_processing_qwen3_vl.py", ("smart_resize", "sample_frames")
+_QWEN3 = hf_functions(
+    HF_MODELS / "qwen3_vl" / "video_processing_qwen3_vl.py", ("smart_resize", "sample_frames")
 )
 
 
