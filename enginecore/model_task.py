@@ -109,18 +109,22 @@ MULTIMODAL_ARCHITECTURES = (
 )
 # Of those, the ones whose images tern serves too (an encoder in workers/vision/); the others serve
 # their language model only.
-IMAGE_INPUT_ARCHITECTURES = (
-    "LlavaForConditionalGeneration",
-    "Gemma3ForConditionalGeneration",
-    "Idefics3ForConditionalGeneration",
-    "LlavaOnevisionForConditionalGeneration",
-    "Mistral3ForConditionalGeneration",
+# The Qwen VL families (M-RoPE, Qwen's vision transformer, videos too).
+QWEN_VL_ARCHITECTURES = (
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
     "Qwen2VLForConditionalGeneration",
+)
+IMAGE_INPUT_ARCHITECTURES = (
+    "LlavaForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+    "Idefics3ForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
+    *QWEN_VL_ARCHITECTURES,
 )
 # Of the multimodal ones, those whose audio tern serves (an audio tower whose rows fill the
 # prompt's audio placeholders, as an image encoder's do: workers/audio/).
@@ -134,17 +138,7 @@ WHOLE_IMAGE_SPAN_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 # that say it: the workers get them for every image of a prompt, also those a prefix-cache hit
 # skips.
 _QWEN_VL_LAYOUT = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
-IMAGE_LAYOUT_TENSORS = dict.fromkeys(
-    (
-        "Qwen3_5ForConditionalGeneration",
-        "Qwen3_5MoeForConditionalGeneration",
-        "Qwen2_5_VLForConditionalGeneration",
-        "Qwen3VLForConditionalGeneration",
-        "Qwen3VLMoeForConditionalGeneration",
-        "Qwen2VLForConditionalGeneration",
-    ),
-    _QWEN_VL_LAYOUT,
-)
+IMAGE_LAYOUT_TENSORS = dict.fromkeys(QWEN_VL_ARCHITECTURES, _QWEN_VL_LAYOUT)
 
 # Speech-to-text models: an audio encoder, and a text decoder that cross-attends to its output
 # (workers/models/whisper.py). Each request carries one audio item with no placeholders in the
