@@ -89,13 +89,19 @@ class EngineCore:
         self.kv_puller = self._kv_puller(config, executor)
 
     def _kv_puller(self, config: Config, executor: Executor) -> KVPuller | None:
-        """Prefill/decode disaggregation moves one full-attention KV-cache group; a consumer
-        pulls with a KVPuller."""
+        """Prefill/decode disaggregation moves one full-attention KV-cache group (and a hybrid
+        model's linear-attention states after it); a consumer pulls with a KVPuller."""
         if not config.kv_transfer.enabled:
             return None
         refused = None
-        if self.model_task.has_linear_attention:
-            refused = "its linear-attention states do not travel with the KV blocks yet"
+        hybrid = self.model_task.has_linear_attention
+        if hybrid and config.kv_transfer.produces and not config.cache.enable_prefix_caching:
+            # The lease keeps the states after its blocks in a prefix-cache state checkpoint.
+            refused = (
+                "a hybrid producer keeps each prompt's linear-attention states in a prefix-cache "
+                "checkpoint: prefix caching is off (--no-enable-prefix-caching, or "
+                "--kv-cache-memory leaves no room for a checkpoint)"
+            )
         elif len(executor.kv_cache_windows) > 1:
             refused = "its sliding-window layers form a second KV-cache group"
         elif config.model.enable_return_routed_experts:
@@ -108,7 +114,7 @@ class EngineCore:
             return None
         return KVPuller(
             config.kv_transfer, executor.kv_layouts, config.cache.block_size,
-            config.ipc_path("kv_pulled"),
+            config.ipc_path("kv_pulled"), with_states=hybrid,
         )  # fmt: skip
 
     def _hybrid_prefix_caching(self, config: Config, executor: Executor) -> Config:

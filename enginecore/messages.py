@@ -271,6 +271,8 @@ class KVPulled(msgspec.Struct, omit_defaults=True):
     num_blocks: int = 0
     num_bytes: int = 0
     error: str | None = None
+    # Hybrid models: each rank's linear-attention states after the blocks (one file a rank).
+    state_paths: list[str] = []
 
 
 class UtilityCall(msgspec.Struct):
@@ -333,6 +335,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # On the last output of a producing request (KVTransfer "produce"): its prompt's full blocks,
     # lent under its lease; empty when nothing is lent (it failed, or its prompt fills no block).
     kv_lease_block_ids: list[int] | None = None
+    # With them, on a hybrid model: the state checkpoint holding its linear-attention states
+    # after the prompt's last full block before its last token (-1: none kept).
+    kv_lease_state_checkpoint: int = -1
 
 
 class SchedulerStats(msgspec.Struct):
@@ -429,6 +434,9 @@ class KVLoad(msgspec.Struct, array_like=True):
     paths: list[str]
     skip: int
     block_ids: list[int]
+    # Hybrid models: rank r also reads `state_paths[r]`, the linear-attention states after the
+    # pulled blocks, into the request's state row (then deletes it).
+    state_paths: list[str] = []
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -754,15 +762,19 @@ class KVPull(msgspec.Struct, tag="kv_pull"):
     layout: KVLayout  # the consumer's rank's (the producer refuses another)
     block_ids: list[int]
     host: str  # the consumer's host: the same host gets the blocks in a shared-memory file
+    state_checkpoint: int = -1  # hybrid models: the lease's state checkpoint, sent too
 
 
 class KVPullReply(msgspec.Struct, tag="kv_blocks", omit_defaults=True):
     """The blocks, in the order asked: in `shm_path` (the same host; the reader deletes it) or
-    in the reply's second frame."""
+    in the reply's second frame; the state checkpoint's states (hybrid models) in
+    `state_shm_path`, or the frame after."""
 
     error: str | None = None
     shm_path: str = ""
     num_bytes: int = 0
+    state_shm_path: str = ""
+    num_state_bytes: int = 0
 
 
 class LeaseQuery(msgspec.Struct, tag="lease_query"):
@@ -788,6 +800,9 @@ class LeaseReply(msgspec.Struct, tag="lease", omit_defaults=True):
     layouts: list[KVLayout] = []  # by rank
     token_ids: list[int] = []  # the producing request's prompt (the consumer checks its own)
     error: str | None = None
+    # Hybrid models: the producer's checkpoint of the states after the prompt's last full block
+    # before its last token (-1: none kept: the consumer cannot resume from the blocks).
+    state_checkpoint: int = -1
 
 
 BootstrapRequest = LeaseQuery | LeaseRelease

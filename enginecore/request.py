@@ -86,6 +86,8 @@ class Request:
         # producer (one file per rank) that its first step loads as its computed prefix.
         self.kv_lease_id: str | None = None
         self.kv_pulled: KVPulled | None = None
+        # A lent hybrid prompt's pinned state checkpoint (its prefix hash, its slot).
+        self.kv_lease_checkpoint: tuple[bytes, int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -98,7 +98,9 @@ class Scheduler:
         # Prefill/decode disaggregation: a producer's lent blocks; a consumer's external prefix
         # cache (prompt tokens it looked up at producers, and those it pulled).
         kv_transfer = config.kv_transfer
-        self.leases = KVLeases(kv_transfer.lease_s, self.kv.free) if kv_transfer.produces else None
+        self.leases = (
+            KVLeases(kv_transfer.lease_s, self._free_lent) if kv_transfer.produces else None
+        )
         self.external_prefix_cache_queries = 0
         self.external_prefix_cache_hits = 0
 
@@ -263,6 +265,8 @@ class Scheduler:
             chunk.restore_checkpoint = restore
             if request.kv_pulled is not None:
                 chunk.kv_load = self._kv_load(request, num_cached, num_pulled, new_block_ids[0])
+                if chunk.kv_load is not None and chunk.kv_load.state_paths:
+                    chunk.restore_checkpoint = -1  # the pulled states are after the pulled blocks
             scheduled.append(chunk)
             budget -= num_new
         self.waiting.extendleft(reversed(not_ready))
@@ -286,10 +290,13 @@ class Scheduler:
         request.kv_pulled = None
         self.record_external_lookup(request.num_prompt_tokens - num_cached, num_pulled)
         if num_pulled == 0:
-            remove(pulled.paths)
+            remove([*pulled.paths, *pulled.state_paths])
             return None
         skip = num_cached // self.block_size
-        return KVLoad(pulled.paths, skip, block_ids[skip : skip + num_pulled // self.block_size])
+        return KVLoad(
+            pulled.paths, skip, block_ids[skip : skip + num_pulled // self.block_size],
+            pulled.state_paths,
+        )  # fmt: skip
 
     def end_kv_leases(self) -> None:
         """Every lent block goes back to the pool (their consumers' pulls fail)."""
@@ -506,6 +513,8 @@ class Scheduler:
                 self._finish(request, out.finish_reason)
                 if request.kv_lease_id is not None:
                     out.kv_lease_block_ids = self._lent_block_ids(request)
+                    if request.kv_lease_checkpoint is not None:
+                        out.kv_lease_state_checkpoint = request.kv_lease_checkpoint[1]
         return outputs
 
     def _lent_block_ids(self, request: Request) -> list[int]:
@@ -603,15 +612,36 @@ class Scheduler:
             and reason in (FinishReason.STOP, FinishReason.LENGTH)
         ):
             self.leases.lend(lease_id, request)  # its blocks go back when the lease ends
+            self._pin_lent_states(request)
         else:
             self.kv.free(request)
         if request.kv_pulled is not None:  # never loaded
-            remove(request.kv_pulled.paths)
+            remove([*request.kv_pulled.paths, *request.kv_pulled.state_paths])
             request.kv_pulled = None
         self._free_state_slot(request)
         del self.requests[request.request_id]
         if not request.needs_new_state:  # the worker holds state for it
             self._finished_req_ids.append(request.request_id)
+
+    def _pin_lent_states(self, request: Request) -> None:
+        """A hybrid model's lent prompt: the consumer resumes from the states after its last
+        full block before its last token, which the prompt's chunk checkpointed (there, where
+        the prefix cache wants one too); the lease keeps that checkpoint."""
+        checkpoints = self.kv.checkpoints
+        num_blocks = (request.num_prompt_tokens - 1) // self.block_size
+        if checkpoints is None or num_blocks == 0:
+            return
+        prefix_hash = request.block_hashes[num_blocks - 1]
+        slot = checkpoints.pin(prefix_hash)
+        if slot is not None:
+            request.kv_lease_checkpoint = (prefix_hash, slot)
+
+    def _free_lent(self, request: Request) -> None:
+        """A lease ends: its blocks go back to the pool, its checkpoint may be evicted."""
+        self.kv.free(request)
+        if request.kv_lease_checkpoint is not None and self.kv.checkpoints is not None:
+            self.kv.checkpoints.unpin(request.kv_lease_checkpoint[0])
+            request.kv_lease_checkpoint = None
 
     def _free_state_slot(self, request: Request) -> None:
         if request.state_slot >= 0:

@@ -12,7 +12,8 @@ the last block boundary before a prompt's last token, where a repeated prompt (n
 group, a retry) or the next turn of a conversation finds it.
 
 They are keyed like blocks, by the chained hash of the prefix they end, and evicted least
-recently used first. A checkpoint becomes visible only once the step that writes it has run:
+recently used first, except those pinned: a producer's (prefill/decode disaggregation) lease
+pins the checkpoint its consumer pulls until the lease ends. A checkpoint becomes visible only once the step that writes it has run:
 a request scheduled in that same step would otherwise read it before it is written.
 """
 
@@ -29,6 +30,7 @@ class StateCheckpoints:
         self._ready: OrderedDict[bytes, int] = OrderedDict()
         self._pending: dict[bytes, int] = {}
         self._free = list(reversed(range(num_slots)))
+        self._pins: dict[bytes, int] = {}  # pinned checkpoints: how many leases hold each
 
     @property
     def num_used(self) -> int:
@@ -52,12 +54,26 @@ class StateCheckpoints:
         least recently used checkpoint; None when every slot is being written this step."""
         if self._free:
             slot = self._free.pop()
-        elif self._ready:
-            _, slot = self._ready.popitem(last=False)
         else:
-            return None
+            unpinned = next((h for h in self._ready if h not in self._pins), None)
+            if unpinned is None:
+                return None
+            slot = self._ready.pop(unpinned)
         self._pending[prefix_hash] = slot
         return slot
+
+    def pin(self, prefix_hash: bytes) -> int | None:
+        """The slot of a written checkpoint, kept from eviction until unpin; None if there is
+        none."""
+        slot = self._ready.get(prefix_hash)
+        if slot is not None:
+            self._pins[prefix_hash] = self._pins.get(prefix_hash, 0) + 1
+        return slot
+
+    def unpin(self, prefix_hash: bytes) -> None:
+        count = self._pins.pop(prefix_hash, 0) - 1
+        if count > 0:
+            self._pins[prefix_hash] = count
 
     def publish(self) -> None:
         """The step that wrote the pending checkpoints has run: they may be restored."""
@@ -69,4 +85,5 @@ class StateCheckpoints:
         freed). Called between steps: no slot is being written."""
         self._ready.clear()
         self._pending.clear()
+        self._pins.clear()
         self._free = list(reversed(range(self.num_slots)))

@@ -163,7 +163,10 @@ def start_lender(config: Config, runner: ModelRunner) -> KVLender | None:
         return None
     from workers.kv_transfer.lender import KVLender
 
-    return KVLender(config.kv_transfer.bootstrap_host, lambda: runner.kv_cache, runner.kv_layout())
+    return KVLender(
+        config.kv_transfer.bootstrap_host, lambda: runner.kv_cache, runner.kv_layout(),
+        runner.inputs.checkpoint_states,
+    )  # fmt: skip
 
 
 def _serve_calls(

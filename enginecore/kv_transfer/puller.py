@@ -4,7 +4,10 @@ A "consume" request is parked here, off the scheduler, while a thread asks the p
 bootstrap where its lease is (again and again while the producer still computes: SGLang's router
 reaches both servers at once), pulls each worker rank's share of the blocks from the producer's
 rank of the same index, releases the lease, and posts a KVPulled to the engine core's input
-socket; the engine core then schedules the request with the blocks as its computed prefix.
+socket; the engine core then schedules the request with the blocks as its computed prefix. On a
+hybrid model (Qwen3.5) each rank also sends its linear-attention states after those blocks (the
+producer's lease keeps them in a state checkpoint); a lease without them is not pulled: the
+consumer computes the prompt.
 
 A producer that answers nothing within reply_timeout_s is taken for gone: the pull fails (and the
 request fails or recomputes, load_failure_policy), it never hangs.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -46,6 +50,22 @@ class PullFailed(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class RankPull:
+    """One producer rank's share, in files on this host."""
+
+    path: str
+    state_path: str
+    num_bytes: int
+
+
+def _write(data: bytes) -> str:
+    path = new_path()
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
 class KVPuller:
     def __init__(
         self,
@@ -53,12 +73,14 @@ class KVPuller:
         layouts: list[KVLayout],
         block_size: int,
         notify_addr: str,
+        with_states: bool = False,
     ) -> None:
         """layouts: this server's ranks' (a producer's must be the same); notify_addr: the engine
-        core's input socket, where KVPulled messages go."""
+        core's input socket, where KVPulled messages go; with_states: a hybrid model's."""
         self.config = config
         self.layouts = layouts
         self.block_size = block_size
+        self.with_states = with_states
         self._ctx = zmq.Context()
         self._notify_addr = notify_addr
         self._pool = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="tern-kv-pull")
@@ -84,7 +106,7 @@ class KVPuller:
             self.num_bytes_total += result.num_bytes
         request = self.parked.pop(result.request_id, None)
         if request is None:
-            remove(result.paths)
+            remove([*result.paths, *result.state_paths])
         return request
 
     def shutdown(self) -> None:
@@ -113,20 +135,30 @@ class KVPuller:
         lease = self._wait_for_lease(spec)
         self._check(lease, prompt, spec)
         num_blocks = min(len(lease.block_ids), (len(prompt) - 1) // self.block_size)
+        checkpoint = lease.state_checkpoint if self.with_states else -1
+        if self.with_states and checkpoint < 0:
+            num_blocks = 0  # blocks without the states after them: nothing to resume from
+        if self.with_states and num_blocks != (len(lease.token_ids) - 1) // self.block_size:
+            num_blocks = 0  # the producer's checkpoint is at another block boundary
         paths: list[str] = []
+        state_paths: list[str] = []
         num_bytes = 0
         try:
             if num_blocks:
                 for endpoint, layout in zip(lease.endpoints, self.layouts):
-                    path, size = self._pull_rank(endpoint, layout, lease.block_ids[:num_blocks])
-                    paths.append(path)
-                    num_bytes += size
+                    pulled = self._pull_rank(
+                        endpoint, layout, lease.block_ids[:num_blocks], checkpoint
+                    )
+                    paths.append(pulled.path)
+                    if pulled.state_path:
+                        state_paths.append(pulled.state_path)
+                    num_bytes += pulled.num_bytes
         except BaseException:
-            remove(paths)
+            remove([*paths, *state_paths])
             raise
         finally:
             self._release(spec)
-        return KVPulled(request_id, paths, num_blocks, num_bytes)
+        return KVPulled(request_id, paths, num_blocks, num_bytes, state_paths=state_paths)
 
     def _wait_for_lease(self, spec: KVTransfer) -> LeaseReply:
         deadline = time.monotonic() + self.config.wait_s
@@ -158,21 +190,26 @@ class KVPuller:
         if lease.token_ids[:lent] != prompt[:lent]:
             raise PullFailed("the producer computed another prompt than this request's")
 
-    def _pull_rank(self, endpoint: str, layout: KVLayout, block_ids: list[int]) -> tuple[str, int]:
-        """One rank's share: a file the producer wrote on this host, or the bytes it sent
-        written into one here."""
+    def _pull_rank(
+        self, endpoint: str, layout: KVLayout, block_ids: list[int], checkpoint: int
+    ) -> RankPull:
+        """One rank's share: files the producer wrote on this host, or the bytes it sent
+        written into files here (blocks, then states)."""
+        pull = KVPull(layout, block_ids, host_name(), checkpoint)
         with self._socket(endpoint) as sock:
-            sock.send(msgspec.msgpack.encode(KVPull(layout, block_ids, host_name())))
+            sock.send(msgspec.msgpack.encode(pull))
             frames = self._recv(sock, endpoint)
         reply = msgspec.msgpack.decode(frames[0], type=KVPullReply)
         if reply.error is not None:
             raise PullFailed(f"the producer refused the pull: {reply.error}")
-        if reply.shm_path:
-            return reply.shm_path, reply.num_bytes
-        path = new_path()
-        with open(path, "wb") as f:
-            f.write(frames[1])
-        return path, reply.num_bytes
+        if checkpoint >= 0 and not (reply.state_shm_path or reply.num_state_bytes):
+            raise PullFailed("the producer sent no linear-attention states")
+        frames = frames[1:]
+        path = reply.shm_path or _write(frames.pop(0))
+        state_path = ""
+        if checkpoint >= 0:
+            state_path = reply.state_shm_path or _write(frames.pop(0))
+        return RankPull(path, state_path, reply.num_bytes + reply.num_state_bytes)
 
     def _release(self, spec: KVTransfer) -> None:
         """Best effort: a lease nobody releases ends by itself (lease_s)."""

@@ -50,6 +50,7 @@ class Lease:
     token_ids: list[int] = field(default_factory=list)  # the prompt (its consumer checks its own)
     expires_at: float = 0.0  # time.monotonic()
     error: str | None = None  # set: the producing request ended without lending
+    state_checkpoint: int = -1  # hybrid models: the checkpoint of the states after the blocks
 
 
 class LeaseRegistry:
@@ -73,12 +74,19 @@ class LeaseRegistry:
         self._expire()
         return len(self._leases)
 
-    def lend(self, lease_id: str, replica: int, block_ids: list[int], token_ids: list[int]) -> None:
+    def lend(
+        self,
+        lease_id: str,
+        replica: int,
+        block_ids: list[int],
+        token_ids: list[int],
+        state_checkpoint: int = -1,
+    ) -> None:
         """A producing request finished: its blocks are lent under `lease_id`."""
         self._expire()
-        self._put(
-            lease_id, Lease(replica, list(block_ids), list(token_ids), self.clock() + self.lease_s)
-        )
+        expires_at = self.clock() + self.lease_s
+        lease = Lease(replica, list(block_ids), list(token_ids), expires_at, None, state_checkpoint)
+        self._put(lease_id, lease)
 
     def fail(self, lease_id: str, replica: int, error: str, release: bool = False) -> None:
         """A producing request ended without lending (kept a lease's time: consumers fail fast).
@@ -108,6 +116,7 @@ class LeaseRegistry:
             token_ids=lease.token_ids,
             endpoints=list(ready.kv_endpoints),
             layouts=list(ready.kv_layouts),
+            state_checkpoint=lease.state_checkpoint,
         )
 
     def release(self, lease_id: str) -> LeaseReply:

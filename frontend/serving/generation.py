@@ -147,7 +147,9 @@ class Generation:
             self._fail_lease(f"the producer's engine died: {e}")
             raise
         if out.finish_reason is not None:
-            self._record_lease(out.finish_reason, out.kv_lease_block_ids, out.error)
+            self._record_lease(
+                out.finish_reason, out.kv_lease_block_ids, out.error, out.kv_lease_state_checkpoint
+            )
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.weight_version is not None:
             self.weight_version = out.weight_version
@@ -209,9 +211,14 @@ class Generation:
             self._record_finish("abort")
 
     def _record_lease(
-        self, reason: FinishReason, block_ids: list[int] | None, error: str | None
+        self,
+        reason: FinishReason,
+        block_ids: list[int] | None,
+        error: str | None,
+        state_checkpoint: int = -1,
     ) -> None:
-        """A producing request's last output: its blocks are lent, or it failed."""
+        """A producing request's last output: its blocks (and a hybrid model's state
+        checkpoint) are lent, or it failed."""
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             if self.leases is not None and not self._is_lease_recorded:
                 assert self.kv_transfer is not None
@@ -222,6 +229,7 @@ class Generation:
                     self.replica,
                     self.kv_lease_block_ids,
                     self.prompt_token_ids,
+                    state_checkpoint,
                 )
             return
         why = error or f"the producing request ended with {reason.value}"

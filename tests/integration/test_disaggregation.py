@@ -193,6 +193,47 @@ def test_a_dead_producer_is_recomputed_not_waited_for(pd: dict):
     assert metric(pd["consumer"], "tern:kv_pull_failures_total") == failures + 1
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_hybrid_model_resumes_from_the_producers_states(
+    module_server, tiny_qwen3_5: Path, tp: int
+):
+    """Qwen3.5 (Gated DeltaNet layers between its attention layers): the producer's lease keeps
+    the linear-attention states after the prompt's last full block (a prefix-cache state
+    checkpoint) and the consumer pulls them with the blocks (each rank its own heads' at
+    `--tp 2`), then computes at most one block. Outputs equal the producer's own, asked
+    directly, behind vllm-router."""
+    model = str(tiny_qwen3_5)
+    port = free_port()
+    parallel = ("--tp", str(tp), "--kv-cache-memory", "0.05")
+    producer = module_server(
+        "--model", model, *parallel,
+        "--kv-transfer-config", kv_config("kv_producer", bootstrap_port=port),
+    )  # fmt: skip
+    consumer = module_server(
+        "--model", model, *parallel, "--kv-transfer-config", kv_config("kv_consumer")
+    )
+    name = httpx.get(f"{producer.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    hybrid = {"producer": producer.base_url, "consumer": consumer.base_url, "model": name}
+    router = PDRouter(
+        "vllm-router",
+        ["--vllm-pd-disaggregation", "--policy", "round_robin",
+         "--prefill", producer.base_url, "--decode", consumer.base_url],
+    )  # fmt: skip
+    try:
+        for length in LENGTHS:
+            prompt = prompt_ids(length, salt=3)
+            pulled0, computed0 = consumer_counts(hybrid)
+            got = completion(router.url, name, prompt, False)
+            pulled, computed = consumer_counts(hybrid)
+            assert got == completion(producer.base_url, name, prompt, False), length
+            assert pulled - pulled0 == (length - 1) // BLOCK * BLOCK
+            assert computed - computed0 == length - (length - 1) // BLOCK * BLOCK
+        for url in (producer.base_url, consumer.base_url):
+            assert metric(url, "tern:kv_leases_held") == 0
+    finally:
+        router.stop()
+
+
 def test_producers_and_consumers_at_dp2_behind_one_router(launch_server, tiny_llama_with_tokenizer):
     """Two replicas on each side: the bootstrap answers for the replica that lent the blocks,
     every consumer replica pulls; outputs equal one server's."""

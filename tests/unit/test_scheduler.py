@@ -346,3 +346,22 @@ def test_state_checkpoints_publish_after_their_step_and_evict_lru() -> None:
     assert cps.lookup(b"c") == b and cps.num_used == 2
     cps.clear()
     assert cps.num_used == 0 and not cps.is_ready(b"a")
+
+
+def test_a_pinned_state_checkpoint_is_not_evicted_until_unpinned() -> None:
+    """A producer's lease (prefill/decode disaggregation) pins the checkpoint its consumer
+    pulls: eviction takes the least recently used unpinned one, or none."""
+    from enginecore.state_checkpoints import StateCheckpoints
+
+    cps = StateCheckpoints(2, 8)
+    a, b = cps.reserve(b"a"), cps.reserve(b"b")
+    cps.publish()
+    assert cps.pin(b"a") == a and cps.pin(b"a") == a and cps.pin(b"nothing") is None
+    assert cps.reserve(b"c") == b  # a is older, but pinned
+    cps.publish()
+    cps.pin(b"c")
+    assert cps.reserve(b"d") is None  # every row pinned
+    cps.unpin(b"a")
+    assert cps.reserve(b"d") is None  # still held by the second lease
+    cps.unpin(b"a")
+    assert cps.reserve(b"d") == a and cps.lookup(b"c") == b

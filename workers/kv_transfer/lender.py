@@ -1,8 +1,9 @@
 """Lends a producer rank's KV blocks: a thread answering KVPull on a ROUTER socket.
 
 The engine core keeps lent blocks out of the pool until the consumer releases them (or the lease
-ends), so this thread reads blocks no step writes. A consumer on this host gets the blocks in a
-shared-memory file; one elsewhere in the reply's second frame.
+ends), so this thread reads blocks no step writes; a hybrid model's lease pins its state
+checkpoint the same way. A consumer on this host gets the blocks (and states) in shared-memory
+files; one elsewhere in the reply's further frames.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import zmq
 from enginecore.kv_transfer.files import host_name, new_path
 from enginecore.messages import KVLayout, KVPull, KVPullReply
 from workers.kv_transfer.layout import describe
+from workers.kv_transfer.states import states_bytes
 
 logger = logging.getLogger("tern.worker")
 
@@ -27,11 +29,16 @@ POLL_MS = 200
 
 class KVLender:
     def __init__(
-        self, host: str, kv_cache: Callable[[], torch.Tensor | None], layout: KVLayout
+        self,
+        host: str,
+        kv_cache: Callable[[], torch.Tensor | None],
+        layout: KVLayout,
+        checkpoint_states: Callable[[int], list[torch.Tensor]],
     ) -> None:
         """host: the address consumers reach (bound there only); kv_cache: the rank's cache now
-        (None while asleep)."""
+        (None while asleep); checkpoint_states: a state checkpoint's tensors on this rank."""
         self._kv_cache = kv_cache
+        self._checkpoint_states = checkpoint_states
         self.layout = layout
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -60,27 +67,36 @@ class KVLender:
                 reply, data = self._answer(decoder.decode(body))
             except Exception as e:  # noqa: BLE001 - any failure goes back to the consumer
                 logger.warning("KV pull failed: %s", e)
-                reply, data = KVPullReply(error=f"{type(e).__name__}: {e}"), None
-            frames = [*envelope, encoder.encode(reply)]
-            self._sock.send_multipart(frames if data is None else [*frames, data], copy=False)
+                reply, data = KVPullReply(error=f"{type(e).__name__}: {e}"), []
+            frames = [*envelope, encoder.encode(reply), *data]
+            self._sock.send_multipart(frames, copy=False)
 
-    def _answer(self, pull: KVPull) -> tuple[KVPullReply, memoryview | None]:
+    def _answer(self, pull: KVPull) -> tuple[KVPullReply, list[memoryview]]:
         if pull.layout != self.layout:
             return KVPullReply(
                 error=f"KV layouts differ: producer {describe(self.layout)}; consumer "
                 f"{describe(pull.layout)}"
-            ), None
+            ), []
         kv_cache = self._kv_cache()
         if kv_cache is None:
-            return KVPullReply(error="the producer is asleep: its KV cache is released"), None
+            return KVPullReply(error="the producer is asleep: its KV cache is released"), []
         num_blocks = kv_cache.shape[2]
         if any(not 0 <= b < num_blocks for b in pull.block_ids):
-            return KVPullReply(error=f"block ids outside the producer's {num_blocks}"), None
+            return KVPullReply(error=f"block ids outside the producer's {num_blocks}"), []
         ids = torch.tensor(pull.block_ids, dtype=torch.long, device=kv_cache.device)
         blocks = kv_cache.index_select(2, ids).cpu().contiguous()
-        data = blocks.view(-1).view(torch.uint8).numpy()
-        if pull.host == self._host:
-            path = new_path()
-            data.tofile(path)
-            return KVPullReply(shm_path=path, num_bytes=data.nbytes), None
-        return KVPullReply(num_bytes=data.nbytes), memoryview(data)
+        parts = [blocks.view(-1).view(torch.uint8).numpy()]
+        if pull.state_checkpoint >= 0:
+            parts.append(states_bytes(self._checkpoint_states(pull.state_checkpoint)))
+        reply = KVPullReply(num_bytes=parts[0].nbytes)
+        if len(parts) > 1:
+            reply.num_state_bytes = parts[1].nbytes
+        if pull.host != self._host:
+            return reply, [memoryview(part) for part in parts]
+        paths = [new_path() for _ in parts]
+        for path, part in zip(paths, parts):
+            part.tofile(path)
+        reply.shm_path = paths[0]
+        if len(paths) > 1:
+            reply.state_shm_path = paths[1]
+        return reply, []

@@ -111,6 +111,9 @@ class GatedDeltaNet(nn.Module):
     def drafted(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.drafted_states.pop(row)
 
+    def row_states(self, row: int) -> list[torch.Tensor]:
+        return [self.conv_states[row], self.recurrent_states[row]]
+
     def copy_states(self, src: list[int], dst: list[int]) -> None:
         """States of pool rows `src` into rows `dst` (checkpoints taken and restored)."""
         to = torch.tensor(dst, device=self.recurrent_states.device)

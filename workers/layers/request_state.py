@@ -2,16 +2,18 @@
 the model runner: a Gated DeltaNet layer's state pools (a row per sequence, then the prefix
 cache's checkpoints), a drafter's own KV cache (a draft model's, an EAGLE-3 head's).
 
-The runner finds them once, when the model is loaded, and then goes through these four verbs
-whatever the module: allocate (with the cache; free gives it back on sleep), copy rows (a
-checkpoint restored), take a row back to its states after the tokens a verification kept
-(drafted, then take_back).
+The runner finds them once, when the model is loaded, and then goes through these verbs whatever
+the module: allocate (with the cache; free gives it back on sleep), copy rows (a checkpoint
+restored), take a row back to its states after the tokens a verification kept (drafted, then
+take_back), and a row's states as tensors, read and written (prefill/decode disaggregation moves
+them between servers).
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import nn
 
 
@@ -33,6 +35,10 @@ class RequestStateHolder(Protocol):
 
     def free_states(self) -> None:
         """Gives the state's memory back (sleep); allocate_states brings it back."""
+
+    def row_states(self, row: int) -> list[torch.Tensor]:
+        """Views of row `row`'s states (none where the holder keeps its state elsewhere: a
+        drafter's KV follows the block tables); writing into them writes the row."""
 
 
 def state_holders(model: nn.Module) -> list[RequestStateHolder]:

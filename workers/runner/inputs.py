@@ -160,6 +160,20 @@ class StepInputs:
             )
         return self.config.scheduler.max_num_seqs + checkpoint
 
+    def checkpoint_states(self, checkpoint: int) -> list[torch.Tensor]:
+        """A state checkpoint's states, holder by holder (a producer lends them)."""
+        if not 0 <= checkpoint < self.num_state_checkpoints:
+            raise ValueError(
+                f"state checkpoint {checkpoint} is outside the {self.num_state_checkpoints} kept"
+            )
+        row = self.config.scheduler.max_num_seqs + checkpoint
+        return [t for holder in self.holders for t in holder.row_states(row)]
+
+    def request_states(self, req_id: str) -> list[torch.Tensor]:
+        """A running request's states, holder by holder (a consumer loads them)."""
+        row = self.requests[req_id].state_slot
+        return [t for holder in self.holders for t in holder.row_states(row)]
+
     def _restore_checkpoint(self, r: ScheduledRequest) -> None:
         """A prefix-cache hit on a hybrid model: the request starts from the states after it."""
         row = self._checkpoint_row(r, r.restore_checkpoint)

@@ -53,6 +53,7 @@ from workers.distributed import ParallelContext
 from workers.kernels import fused_decode, memory_floor
 from workers.kv_transfer.layout import kv_layout
 from workers.kv_transfer.loader import load_pulled_blocks
+from workers.kv_transfer.states import load_pulled_states
 from workers.layers.attention import AttentionMetadata
 from workers.layers.pooler import Pooler, PoolingState
 from workers.models.args import load_model_args
@@ -282,6 +283,7 @@ class ModelRunner:
         if not reqs:
             return empty, None
         load_pulled_blocks(self.kv_cache, reqs, self.rank)
+        load_pulled_states(reqs, self.rank, self.inputs.request_states)
         self.inputs.validate(reqs)
         if self.draft is not None:
             reqs = self.inputs.add_model_drafts(reqs)

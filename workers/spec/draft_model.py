@@ -125,6 +125,9 @@ class DraftModel:
     def copy_states(self, src: list[int], dst: list[int]) -> None:
         """Nothing to copy: its KV follows the served model's block tables."""
 
+    def row_states(self, row: int) -> list[torch.Tensor]:
+        return []
+
     def drafted(self, row: int) -> None:
         return None
 

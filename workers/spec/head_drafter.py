@@ -86,6 +86,9 @@ class HeadDrafter:
     def copy_states(self, src: list[int], dst: list[int]) -> None:
         """Nothing to copy: its KV follows the served model's block tables."""
 
+    def row_states(self, row: int) -> list[torch.Tensor]:
+        return []
+
     def drafted(self, row: int) -> None:
         return None
 
