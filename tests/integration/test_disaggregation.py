@@ -43,17 +43,33 @@ class PDRouter(Router):
         super().__init__(binary, args, [])
 
 
-@pytest.fixture(scope="module")
-def pd(module_server, tiny_llama_with_tokenizer: Path) -> Iterator[dict]:
-    model = str(tiny_llama_with_tokenizer)
+def start_pair(module_server, model: Path, *args: str) -> dict:
+    """A producer and a consumer of `model` (each with `args`): their URLs, the producer's
+    bootstrap port, the served model's name."""
     port = free_port()
     producer = module_server(
-        "--model", model, "--kv-transfer-config", kv_config("kv_producer", bootstrap_port=port)
+        "--model", str(model), *args,
+        "--kv-transfer-config", kv_config("kv_producer", bootstrap_port=port),
+    )  # fmt: skip
+    consumer = module_server(
+        "--model", str(model), *args, "--kv-transfer-config", kv_config("kv_consumer")
     )
-    consumer = module_server("--model", model, "--kv-transfer-config", kv_config("kv_consumer"))
     name = httpx.get(f"{producer.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
-    yield {"producer": producer.base_url, "consumer": consumer.base_url, "port": port,
-           "model": name}  # fmt: skip
+    return {"producer": producer.base_url, "consumer": consumer.base_url, "port": port,
+            "model": name}  # fmt: skip
+
+
+def vllm_pd_router(pair: dict) -> PDRouter:
+    return PDRouter(
+        "vllm-router",
+        ["--vllm-pd-disaggregation", "--policy", "round_robin",
+         "--prefill", pair["producer"], "--decode", pair["consumer"]],
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pd(module_server, tiny_llama_with_tokenizer: Path) -> dict:
+    return start_pair(module_server, tiny_llama_with_tokenizer)
 
 
 def prompt_ids(length: int, salt: int = 0) -> list[int]:
@@ -86,11 +102,7 @@ def consumer_counts(pd: dict) -> tuple[float, float]:
 
 @pytest.fixture(scope="module")
 def vllm_pd(pd: dict) -> Iterator[Router]:
-    router = PDRouter(
-        "vllm-router",
-        ["--vllm-pd-disaggregation", "--policy", "round_robin",
-         "--prefill", pd["producer"], "--decode", pd["consumer"]],
-    )  # fmt: skip
+    router = vllm_pd_router(pd)
     yield router
     router.stop()
 
@@ -202,33 +214,18 @@ def test_a_hybrid_model_resumes_from_the_producers_states(
     checkpoint) and the consumer pulls them with the blocks (each rank its own heads' at
     `--tp 2`), then computes at most one block. Outputs equal the producer's own, asked
     directly, behind vllm-router."""
-    model = str(tiny_qwen3_5)
-    port = free_port()
-    parallel = ("--tp", str(tp), "--kv-cache-memory", "0.05")
-    producer = module_server(
-        "--model", model, *parallel,
-        "--kv-transfer-config", kv_config("kv_producer", bootstrap_port=port),
-    )  # fmt: skip
-    consumer = module_server(
-        "--model", model, *parallel, "--kv-transfer-config", kv_config("kv_consumer")
-    )
-    name = httpx.get(f"{producer.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
-    hybrid = {"producer": producer.base_url, "consumer": consumer.base_url, "model": name}
-    router = PDRouter(
-        "vllm-router",
-        ["--vllm-pd-disaggregation", "--policy", "round_robin",
-         "--prefill", producer.base_url, "--decode", consumer.base_url],
-    )  # fmt: skip
+    hybrid = start_pair(module_server, tiny_qwen3_5, "--tp", str(tp), "--kv-cache-memory", "0.05")
+    router = vllm_pd_router(hybrid)
     try:
         for length in LENGTHS:
             prompt = prompt_ids(length, salt=3)
             pulled0, computed0 = consumer_counts(hybrid)
-            got = completion(router.url, name, prompt, False)
+            got = completion(router.url, hybrid["model"], prompt, False)
             pulled, computed = consumer_counts(hybrid)
-            assert got == completion(producer.base_url, name, prompt, False), length
+            assert got == completion(hybrid["producer"], hybrid["model"], prompt, False), length
             assert pulled - pulled0 == (length - 1) // BLOCK * BLOCK
             assert computed - computed0 == length - (length - 1) // BLOCK * BLOCK
-        for url in (producer.base_url, consumer.base_url):
+        for url in (hybrid["producer"], hybrid["consumer"]):
             assert metric(url, "tern:kv_leases_held") == 0
     finally:
         router.stop()
