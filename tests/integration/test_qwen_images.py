@@ -278,3 +278,41 @@ def test_video_refusals(client: openai.OpenAI) -> None:
     assert "At most 1 video(s)" in e.value.body["message"]
     answer, _, _ = _ask(client, [_video(5, num_frames=8), "Still there?"])
     assert len(answer) == MAX_TOKENS
+
+
+# Served with 10 KV blocks too, where concurrent requests preempt each other.
+_PREEMPTED_ARCHS = ("qwen2_5_vl", "qwen3_vl")
+
+
+def test_preempted_images_and_videos_resume_hf_exact(
+    request: pytest.FixtureRequest, module_server: Any, qwen_dir: Path, hf: _HF
+) -> None:
+    """Six requests at once in 10 blocks of 16 (text only, an image, a video): they preempt each
+    other and resume (their images' and videos' tensors and grids sent again, M-RoPE positions
+    rebuilt), and every answer is HF's. On Qwen2.5-VL (time-spaced video positions) and Qwen3-VL
+    (a run per temporal patch, deepstack rows)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.integration.test_routers import metric
+
+    if request.node.callspec.params["qwen_dir"] not in _PREEMPTED_ARCHS:
+        pytest.skip("preemption is checked on " + ", ".join(_PREEMPTED_ARCHS))
+    server = module_server(
+        "--model", str(qwen_dir), "--served-model-name", "qwen-vl",
+        "--max-num-batched-tokens", "16", "--block-size", "16",
+        "--num-gpu-blocks-override", "10", "--no-enable-prefix-caching",
+        "--limit-mm-per-prompt", json.dumps({"image": 2, "video": 1}), *FLOAT32,
+    )  # fmt: skip
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    jobs: list[list[Any]] = [
+        [f"Question {i}: what is shown in this, and why? " * 3, *([_image(20 + i)] if i % 3 == 1 else []),
+         *([_video(20 + i, num_frames=16)] if i % 3 == 2 else [])]
+        for i in range(6)
+    ]  # fmt: skip
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda parts: _ask(client, parts), jobs))
+    for parts, (answer, content, _) in zip(jobs, answers):
+        images = [p for p in parts if isinstance(p, Image.Image)]
+        video = next((p for p in parts if isinstance(p, bytes)), None)
+        assert answer == hf.greedy(content, images, video)
+    assert metric(server.base_url, "tern:num_preemptions_total") > 0
