@@ -89,8 +89,8 @@ class EngineCore:
         self.kv_puller = self._kv_puller(config, executor)
 
     def _kv_puller(self, config: Config, executor: Executor) -> KVPuller | None:
-        """Prefill/decode disaggregation moves one full-attention KV-cache group (and a hybrid
-        model's linear-attention states after it); a consumer pulls with a KVPuller."""
+        """Prefill/decode disaggregation moves the prompt's blocks of every KV-cache group (and a
+        hybrid model's linear-attention states after them); a consumer pulls with a KVPuller."""
         if not config.kv_transfer.enabled:
             return None
         refused = None
@@ -102,8 +102,6 @@ class EngineCore:
                 "checkpoint: prefix caching is off (--no-enable-prefix-caching, or "
                 "--kv-cache-memory leaves no room for a checkpoint)"
             )
-        elif len(executor.kv_cache_windows) > 1:
-            refused = "its sliding-window layers form a second KV-cache group"
         elif config.model.enable_return_routed_experts:
             refused = "--enable-return-routed-experts: routing rows do not travel with the blocks"
         if refused is not None:
@@ -115,6 +113,7 @@ class EngineCore:
         return KVPuller(
             config.kv_transfer, executor.kv_layouts, config.cache.block_size,
             config.ipc_path("kv_pulled"), with_states=hybrid,
+            num_groups=len(executor.kv_cache_windows),
         )  # fmt: skip
 
     def _hybrid_prefix_caching(self, config: Config, executor: Executor) -> Config:

@@ -127,9 +127,14 @@ class _ExecutorBase:
         """Takes the model's facts from the driver rank's report; num_kv_blocks is set."""
         self.kv_cache_windows = driver.kv_cache_windows
         self.routing_shape = driver.routing_shape
+        # A producer (prefill/decode disaggregation) keeps a lent prompt's sliding-window
+        # blocks too (its consumer pulls them all): each group may hold the whole prompt.
+        windows = self.kv_cache_windows
+        if config.kv_transfer.produces:
+            windows = [None] * len(windows)
         self.max_model_len = servable_len(
-            driver.max_model_len, self.num_kv_blocks, config.cache.block_size,
-            self.kv_cache_windows, config.scheduler.max_num_batched_tokens,
+            driver.max_model_len, self.num_kv_blocks, config.cache.block_size, windows,
+            config.scheduler.max_num_batched_tokens,
         )  # fmt: skip
         self.vocab_size = driver.vocab_size
         self.model_summary = driver.model_summary

@@ -36,7 +36,8 @@ class KVCacheManager:
     (workers/models/kv_cache_groups.py): a group of sliding-window layers gives its blocks back to the
     pool once no query can see them any more, so its share of a long request stays bounded by
     the window. Positions whose block went back read as None here and block 0 on the workers:
-    window masks keep every query off them.
+    window masks keep every query off them. A producer's lent prompt (prefill/decode
+    disaggregation: `kv_lease_id`) keeps all of them: its consumer pulls every group's blocks.
 
     On a hybrid model (`checkpoints`), a cached prefix must also end where its linear-attention
     states were checkpointed; when routing is recorded (`routing`), it must cover blocks whose
@@ -167,7 +168,8 @@ class KVCacheManager:
         tables = self._req_blocks.get(request.request_id) or [[] for _ in range(num_groups)]
         num_cached_tokens = len(cached_blocks[0]) * self.block_size
         first_pos = request.num_computed_tokens + num_cached_tokens  # this step's first query
-        self._release_out_of_window(tables, first_pos)
+        if request.kv_lease_id is None:  # a producer's lent prompt keeps every block
+            self._release_out_of_window(tables, first_pos)
         num_total_tokens = first_pos + num_new_tokens
         num_blocks = -(-num_total_tokens // self.block_size)
         needed = [max(num_blocks - len(t) - len(c), 0) for t, c in zip(tables, cached_blocks)]
@@ -186,10 +188,10 @@ class KVCacheManager:
         self._cache_full_blocks(request, tables, num_total_tokens)
         return new_ids
 
-    def block_ids(self, request: Request) -> list[int]:
-        """The request's blocks of KV-cache group 0, in order."""
+    def block_ids(self, request: Request, group: int = 0) -> list[int]:
+        """The request's blocks of KV-cache group `group`, in order (those in its window)."""
         tables = self._req_blocks.get(request.request_id)
-        return [b.block_id for b in tables[0] if b is not None] if tables else []
+        return [b.block_id for b in tables[group] if b is not None] if tables else []
 
     def free(self, request: Request) -> None:
         tables = self._req_blocks.pop(request.request_id, [])

@@ -264,7 +264,8 @@ class KVLeaseRelease(msgspec.Struct):
 
 class KVPulled(msgspec.Struct, omit_defaults=True):
     """The consumer's puller thread -> its engine core loop: a request's blocks arrived (one
-    file per worker rank, `num_blocks` blocks each) or could not be pulled (`error`)."""
+    file per worker rank: `num_blocks` blocks of each KV-cache group, group after group) or
+    could not be pulled (`error`)."""
 
     request_id: str
     paths: list[str] = []
@@ -335,6 +336,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # On the last output of a producing request (KVTransfer "produce"): its prompt's full blocks,
     # lent under its lease; empty when nothing is lent (it failed, or its prompt fills no block).
     kv_lease_block_ids: list[int] | None = None
+    # With them, the blocks of the model's further KV-cache groups (sliding windows), by group.
+    kv_lease_other_block_ids: list[list[int]] = []
     # With them, on a hybrid model: the state checkpoint holding its linear-attention states
     # after the prompt's last full block before its last token (-1: none kept).
     kv_lease_state_checkpoint: int = -1
@@ -426,14 +429,14 @@ EngineStartup = EngineReady | EngineStartupFailed
 
 
 class KVLoad(msgspec.Struct, array_like=True):
-    """Blocks pulled from a producer, written into this step's request's table before the
-    forward pass: rank r reads `paths[r]` (its own share, every layer of its stage), skips its
-    first `skip` blocks (the prefix cache had them) and copies the rest into `block_ids`; then
-    deletes the file."""
+    """Blocks pulled from a producer, written into this step's request's tables before the
+    forward pass: rank r reads `paths[r]` (its own share, every layer of its stage: the blocks of
+    each KV-cache group in turn) and copies its block `src[i]` into the cache's block `dst[i]`
+    (those the prefix cache had are skipped); then deletes the file."""
 
     paths: list[str]
-    skip: int
-    block_ids: list[int]
+    src: list[int]
+    dst: list[int]
     # Hybrid models: rank r also reads `state_paths[r]`, the linear-attention states after the
     # pulled blocks, into the request's state row (then deletes it).
     state_paths: list[str] = []
@@ -800,6 +803,7 @@ class LeaseReply(msgspec.Struct, tag="lease", omit_defaults=True):
     layouts: list[KVLayout] = []  # by rank
     token_ids: list[int] = []  # the producing request's prompt (the consumer checks its own)
     error: str | None = None
+    other_block_ids: list[list[int]] = []  # the further KV-cache groups' (sliding windows)
     # Hybrid models: the producer's checkpoint of the states after the prompt's last full block
     # before its last token (-1: none kept: the consumer cannot resume from the blocks).
     state_checkpoint: int = -1

@@ -264,7 +264,7 @@ class Scheduler:
             chunk = self._schedule_chunk(request, num_new, new_block_ids)
             chunk.restore_checkpoint = restore
             if request.kv_pulled is not None:
-                chunk.kv_load = self._kv_load(request, num_cached, num_pulled, new_block_ids[0])
+                chunk.kv_load = self._kv_load(request, num_cached, num_pulled, new_block_ids)
                 if chunk.kv_load is not None and chunk.kv_load.state_paths:
                     chunk.restore_checkpoint = -1  # the pulled states are after the pulled blocks
             scheduled.append(chunk)
@@ -281,10 +281,11 @@ class Scheduler:
         return max(num_blocks * self.block_size - num_cached, 0)
 
     def _kv_load(
-        self, request: Request, num_cached: int, num_pulled: int, block_ids: list[int]
+        self, request: Request, num_cached: int, num_pulled: int, block_ids: list[list[int]]
     ) -> KVLoad | None:
-        """The pulled blocks the request's first chunk loads (those past its cached prefix), and
-        the external prefix cache's count; files with nothing to load go at once."""
+        """The pulled blocks the request's first chunk loads (those past its cached prefix, into
+        the blocks `block_ids` the chunk took, by group and position), and the external prefix
+        cache's count; files with nothing to load go at once."""
         pulled = request.kv_pulled
         assert pulled is not None
         request.kv_pulled = None
@@ -293,10 +294,12 @@ class Scheduler:
             remove([*pulled.paths, *pulled.state_paths])
             return None
         skip = num_cached // self.block_size
-        return KVLoad(
-            pulled.paths, skip, block_ids[skip : skip + num_pulled // self.block_size],
-            pulled.state_paths,
-        )  # fmt: skip
+        end = skip + num_pulled // self.block_size
+        src, dst = [], []
+        for g, ids in enumerate(block_ids):  # the file: pulled.num_blocks of each group
+            src += range(g * pulled.num_blocks + skip, g * pulled.num_blocks + end)
+            dst += ids[skip:end]
+        return KVLoad(pulled.paths, src, dst, pulled.state_paths)
 
     def end_kv_leases(self) -> None:
         """Every lent block goes back to the pool (their consumers' pulls fail)."""
@@ -512,16 +515,20 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, out.finish_reason)
                 if request.kv_lease_id is not None:
-                    out.kv_lease_block_ids = self._lent_block_ids(request)
+                    out.kv_lease_block_ids, *others = self._lent_block_ids(request)
+                    out.kv_lease_other_block_ids = others
                     if request.kv_lease_checkpoint is not None:
                         out.kv_lease_state_checkpoint = request.kv_lease_checkpoint[1]
         return outputs
 
-    def _lent_block_ids(self, request: Request) -> list[int]:
-        """A finished producing request's full prompt blocks, lent under its lease."""
+    def _lent_block_ids(self, request: Request) -> list[list[int]]:
+        """A finished producing request's full prompt blocks, lent under its lease: of each
+        KV-cache group (a lent prompt keeps its sliding-window blocks)."""
+        groups = range(len(self.kv.group_windows))
         if self.leases is None or not self.leases.holds(request.kv_lease_id):
-            return []
-        return self.kv.block_ids(request)[: request.num_prompt_tokens // self.block_size]
+            return [[] for _ in groups]
+        num_blocks = request.num_prompt_tokens // self.block_size
+        return [self.kv.block_ids(request, g)[:num_blocks] for g in groups]
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> EngineCoreOutput:
         """Appends a step's sampled tokens up to the first that stops the request (or breaks its

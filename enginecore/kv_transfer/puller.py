@@ -74,13 +74,16 @@ class KVPuller:
         block_size: int,
         notify_addr: str,
         with_states: bool = False,
+        num_groups: int = 1,
     ) -> None:
         """layouts: this server's ranks' (a producer's must be the same); notify_addr: the engine
-        core's input socket, where KVPulled messages go; with_states: a hybrid model's."""
+        core's input socket, where KVPulled messages go; with_states: a hybrid model's;
+        num_groups: its KV-cache groups (sliding-window layers make more than one)."""
         self.config = config
         self.layouts = layouts
         self.block_size = block_size
         self.with_states = with_states
+        self.num_groups = num_groups
         self._ctx = zmq.Context()
         self._notify_addr = notify_addr
         self._pool = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="tern-kv-pull")
@@ -145,10 +148,10 @@ class KVPuller:
         num_bytes = 0
         try:
             if num_blocks:
+                groups = [lease.block_ids, *lease.other_block_ids]
+                block_ids = [b for ids in groups for b in ids[:num_blocks]]
                 for endpoint, layout in zip(lease.endpoints, self.layouts):
-                    pulled = self._pull_rank(
-                        endpoint, layout, lease.block_ids[:num_blocks], checkpoint
-                    )
+                    pulled = self._pull_rank(endpoint, layout, block_ids, checkpoint)
                     paths.append(pulled.path)
                     if pulled.state_path:
                         state_paths.append(pulled.state_path)
@@ -185,6 +188,13 @@ class KVPuller:
                 f"the producer's KV layout differs from this server's: producer {theirs}, "
                 f"consumer {self.layouts[0] if self.layouts else None} (model, dtype, block "
                 "size and tp x pp must be equal)"
+            )
+        if len(lease.other_block_ids) + 1 != self.num_groups or any(
+            len(ids) != len(lease.block_ids) for ids in lease.other_block_ids
+        ):
+            raise PullFailed(
+                f"the producer lent blocks of {len(lease.other_block_ids) + 1} KV-cache groups, "
+                f"not this model's {self.num_groups} (each the prompt's whole)"
             )
         lent = len(lease.block_ids) * self.block_size
         if lease.token_ids[:lent] != prompt[:lent]:

@@ -50,6 +50,7 @@ class Lease:
     token_ids: list[int] = field(default_factory=list)  # the prompt (its consumer checks its own)
     expires_at: float = 0.0  # time.monotonic()
     error: str | None = None  # set: the producing request ended without lending
+    other_block_ids: list[list[int]] = field(default_factory=list)  # further KV-cache groups'
     state_checkpoint: int = -1  # hybrid models: the checkpoint of the states after the blocks
 
 
@@ -78,14 +79,18 @@ class LeaseRegistry:
         self,
         lease_id: str,
         replica: int,
-        block_ids: list[int],
         token_ids: list[int],
+        block_ids: list[int],
+        other_block_ids: list[list[int]] = (),  # type: ignore[assignment]
         state_checkpoint: int = -1,
     ) -> None:
         """A producing request finished: its blocks are lent under `lease_id`."""
         self._expire()
-        expires_at = self.clock() + self.lease_s
-        lease = Lease(replica, list(block_ids), list(token_ids), expires_at, None, state_checkpoint)
+        lease = Lease(
+            replica, list(block_ids), list(token_ids), self.clock() + self.lease_s,
+            other_block_ids=[list(ids) for ids in other_block_ids],
+            state_checkpoint=state_checkpoint,
+        )  # fmt: skip
         self._put(lease_id, lease)
 
     def fail(self, lease_id: str, replica: int, error: str, release: bool = False) -> None:
@@ -116,6 +121,7 @@ class LeaseRegistry:
             token_ids=lease.token_ids,
             endpoints=list(ready.kv_endpoints),
             layouts=list(ready.kv_layouts),
+            other_block_ids=lease.other_block_ids,
             state_checkpoint=lease.state_checkpoint,
         )
 

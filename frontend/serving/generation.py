@@ -20,6 +20,7 @@ from msgspec import UNSET, UnsetType
 from starlette.requests import Request
 
 from enginecore.messages import (
+    EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
     KVTransfer,
@@ -147,9 +148,7 @@ class Generation:
             self._fail_lease(f"the producer's engine died: {e}")
             raise
         if out.finish_reason is not None:
-            self._record_lease(
-                out.finish_reason, out.kv_lease_block_ids, out.error, out.kv_lease_state_checkpoint
-            )
+            self._record_lease(out)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.weight_version is not None:
             self.weight_version = out.weight_version
@@ -210,29 +209,22 @@ class Generation:
         if not self.is_finished and not self.engine.is_dead:
             self._record_finish("abort")
 
-    def _record_lease(
-        self,
-        reason: FinishReason,
-        block_ids: list[int] | None,
-        error: str | None,
-        state_checkpoint: int = -1,
-    ) -> None:
-        """A producing request's last output: its blocks (and a hybrid model's state
-        checkpoint) are lent, or it failed."""
-        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+    def _record_lease(self, out: EngineCoreOutput) -> None:
+        """A producing request's last output: its blocks (of each KV-cache group, and a hybrid
+        model's state checkpoint) are lent, or it failed."""
+        assert out.finish_reason is not None
+        if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             if self.leases is not None and not self._is_lease_recorded:
                 assert self.kv_transfer is not None
                 self._is_lease_recorded = True
-                self.kv_lease_block_ids = list(block_ids or [])
+                self.kv_lease_block_ids = list(out.kv_lease_block_ids or [])
                 self.leases.lend(
-                    self.kv_transfer.lease_id,
-                    self.replica,
-                    self.kv_lease_block_ids,
-                    self.prompt_token_ids,
-                    state_checkpoint,
-                )
+                    self.kv_transfer.lease_id, self.replica, self.prompt_token_ids,
+                    self.kv_lease_block_ids, out.kv_lease_other_block_ids,
+                    out.kv_lease_state_checkpoint,
+                )  # fmt: skip
             return
-        why = error or f"the producing request ended with {reason.value}"
+        why = out.error or f"the producing request ended with {out.finish_reason.value}"
         self._fail_lease(why)
 
     def _fail_lease(self, error: str, release: bool = False) -> None:

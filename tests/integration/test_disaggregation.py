@@ -205,16 +205,22 @@ def test_a_dead_producer_is_recomputed_not_waited_for(pd: dict):
     assert metric(pd["consumer"], "tern:kv_pull_failures_total") == failures + 1
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_hybrid_model_resumes_from_the_producers_states(
-    module_server, tiny_qwen3_5: Path, tp: int
+@pytest.mark.parametrize(
+    ("family", "tp"),
+    [("tiny_qwen3_5", 1), ("tiny_qwen3_5", 2), ("tiny_gemma3", 1), ("tiny_mistral", 1)],
+)
+def test_hybrid_and_sliding_window_models_resume_from_the_producers_blocks(
+    request: pytest.FixtureRequest, module_server, family: str, tp: int
 ):
     """Qwen3.5 (Gated DeltaNet layers between its attention layers): the producer's lease keeps
     the linear-attention states after the prompt's last full block (a prefix-cache state
     checkpoint) and the consumer pulls them with the blocks (each rank its own heads' at
-    `--tp 2`), then computes at most one block. Outputs equal the producer's own, asked
-    directly, behind vllm-router."""
-    hybrid = start_pair(module_server, tiny_qwen3_5, "--tp", str(tp), "--kv-cache-memory", "0.05")
+    `--tp 2`). Gemma 3 (sliding-window layers beside full ones: two KV-cache groups) and Mistral
+    (every layer slides, window 8): the producer keeps a lent prompt's sliding-window blocks and
+    the consumer pulls every group's. Either way the consumer computes at most one block, and
+    the outputs equal the producer's own, asked directly, behind vllm-router."""
+    model = request.getfixturevalue(family)
+    hybrid = start_pair(module_server, model, "--tp", str(tp), "--kv-cache-memory", "0.05")
     router = vllm_pd_router(hybrid)
     try:
         for length in LENGTHS:

@@ -66,7 +66,7 @@ def test_registry_states() -> None:
     engine, clock = FakeEngine(), Clock()
     leases = registry(engine, clock)
     assert leases.query("a") == LeaseReply("pending")
-    leases.lend("a", 1, [3, 4], list(range(40)))
+    leases.lend("a", 1, list(range(40)), [3, 4])
     assert leases.query("a") == LeaseReply(
         "ready", [3, 4], 40, ["tcp://127.0.0.1:7001"], [LAYOUT], list(range(40))
     )
@@ -83,7 +83,7 @@ def test_registry_states() -> None:
 def test_release_reaches_the_replica_once() -> None:
     engine = FakeEngine()
     leases = registry(engine)
-    leases.lend("a", 2, [7], list(range(20)))
+    leases.lend("a", 2, list(range(20)), [7])
     assert leases.release("a") == LeaseReply(RELEASED)
     assert engine.released == [(2, ["a"])]
     assert leases.release("a") == LeaseReply(RELEASED)  # not held any more: nothing sent
@@ -104,7 +104,7 @@ def test_aborted_producer_releases_what_it_may_have_lent() -> None:
 def test_dead_replica_answers_failed() -> None:
     engine = FakeEngine()
     leases = registry(engine)
-    leases.lend("a", 1, [1], list(range(16)))
+    leases.lend("a", 1, list(range(16)), [1])
     engine.dead.add(1)
     reply = leases.query("a")
     assert reply.state == "failed" and "replica 1" in (reply.error or "")
@@ -128,7 +128,7 @@ def test_router_answers_req_and_dealer_clients() -> None:
 
         try:
             assert (await ask(req, LeaseQuery("room-1"))).state == "pending"
-            leases.lend("room-1", 0, [5, 6], list(range(32)))
+            leases.lend("room-1", 0, list(range(32)), [5, 6])
             reply = await ask(req, LeaseQuery("room-1"))
             assert reply.state == "ready" and reply.block_ids == [5, 6]
             assert reply.num_tokens == 32 and reply.layouts == [LAYOUT]
