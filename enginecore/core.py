@@ -90,30 +90,27 @@ class EngineCore:
 
     def _kv_puller(self, config: Config, executor: Executor) -> KVPuller | None:
         """Prefill/decode disaggregation moves the prompt's blocks of every KV-cache group (and a
-        hybrid model's linear-attention states after them); a consumer pulls with a KVPuller."""
+        hybrid model's linear-attention states after them, and the positions' routing rows when
+        they are recorded); a consumer pulls with a KVPuller."""
         if not config.kv_transfer.enabled:
             return None
-        refused = None
         hybrid = self.model_task.has_linear_attention
         if hybrid and config.kv_transfer.produces and not config.cache.enable_prefix_caching:
             # The lease keeps the states after its blocks in a prefix-cache state checkpoint.
-            refused = (
-                "a hybrid producer keeps each prompt's linear-attention states in a prefix-cache "
-                "checkpoint: prefix caching is off (--no-enable-prefix-caching, or "
-                "--kv-cache-memory leaves no room for a checkpoint)"
-            )
-        elif config.model.enable_return_routed_experts:
-            refused = "--enable-return-routed-experts: routing rows do not travel with the blocks"
-        if refused is not None:
             raise ValueError(
-                f"--kv-transfer-config cannot serve {self.model_task.architecture}: {refused}"
+                f"--kv-transfer-config cannot serve {self.model_task.architecture}: a hybrid "
+                "producer keeps each prompt's linear-attention states in a prefix-cache "
+                "checkpoint, and prefix caching is off (--no-enable-prefix-caching, or "
+                "--kv-cache-memory leaves no room for a checkpoint)"
             )
         if not config.kv_transfer.consumes:
             return None
+        routing = self.scheduler.routing_shape
         return KVPuller(
             config.kv_transfer, executor.kv_layouts, config.cache.block_size,
             config.ipc_path("kv_pulled"), with_states=hybrid,
             num_groups=len(executor.kv_cache_windows),
+            routing_row_bytes=routing.row_bytes if routing is not None else 0,
         )  # fmt: skip
 
     def _hybrid_prefix_caching(self, config: Config, executor: Executor) -> Config:

@@ -274,6 +274,8 @@ class KVPulled(msgspec.Struct, omit_defaults=True):
     error: str | None = None
     # Hybrid models: each rank's linear-attention states after the blocks (one file a rank).
     state_paths: list[str] = []
+    # --enable-return-routed-experts: the routing rows of the pulled positions.
+    routing: bytes = b""
 
 
 class UtilityCall(msgspec.Struct):
@@ -338,6 +340,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_lease_block_ids: list[int] | None = None
     # With them, the blocks of the model's further KV-cache groups (sliding windows), by group.
     kv_lease_other_block_ids: list[list[int]] = []
+    # With them, under --enable-return-routed-experts: the routing rows of the lent positions.
+    kv_lease_routing: bytes = b""
     # With them, on a hybrid model: the state checkpoint holding its linear-attention states
     # after the prompt's last full block before its last token (-1: none kept).
     kv_lease_state_checkpoint: int = -1
@@ -804,6 +808,7 @@ class LeaseReply(msgspec.Struct, tag="lease", omit_defaults=True):
     token_ids: list[int] = []  # the producing request's prompt (the consumer checks its own)
     error: str | None = None
     other_block_ids: list[list[int]] = []  # the further KV-cache groups' (sliding windows)
+    routing: bytes = b""  # --enable-return-routed-experts: the lent positions' routing rows
     # Hybrid models: the producer's checkpoint of the states after the prompt's last full block
     # before its last token (-1: none kept: the consumer cannot resume from the blocks).
     state_checkpoint: int = -1

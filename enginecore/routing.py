@@ -70,6 +70,11 @@ class RequestRouting:
         if skip < len(data):
             self.rows += data[skip:]
 
+    def rows_of(self, start: int, end: int) -> bytes:
+        """The rows of positions [start, end)."""
+        n = self.shape.row_bytes
+        return bytes(self.rows[start * n : end * n])
+
     def cache_blocks(self, cache: RoutingCache, block_hashes: Sequence[bytes], block_size: int):
         """Hands the rows of its full blocks to the cache."""
         num_full = min(self.num_rows // block_size, len(block_hashes))

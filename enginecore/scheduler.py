@@ -295,6 +295,10 @@ class Scheduler:
             return None
         skip = num_cached // self.block_size
         end = skip + num_pulled // self.block_size
+        if request.routing is not None:  # the pulled positions' rows, after the cached ones'
+            row_bytes = request.routing.shape.row_bytes
+            rows = pulled.routing[num_cached * row_bytes : (num_cached + num_pulled) * row_bytes]
+            request.routing.add(num_cached, rows)
         src, dst = [], []
         for g, ids in enumerate(block_ids):  # the file: pulled.num_blocks of each group
             src += range(g * pulled.num_blocks + skip, g * pulled.num_blocks + end)
@@ -517,6 +521,9 @@ class Scheduler:
                 if request.kv_lease_id is not None:
                     out.kv_lease_block_ids, *others = self._lent_block_ids(request)
                     out.kv_lease_other_block_ids = others
+                    if request.routing is not None and out.kv_lease_block_ids:
+                        lent = len(out.kv_lease_block_ids) * self.block_size
+                        out.kv_lease_routing = request.routing.rows_of(0, lent)
                     if request.kv_lease_checkpoint is not None:
                         out.kv_lease_state_checkpoint = request.kv_lease_checkpoint[1]
         return outputs

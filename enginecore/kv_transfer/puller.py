@@ -7,7 +7,8 @@ rank of the same index, releases the lease, and posts a KVPulled to the engine c
 socket; the engine core then schedules the request with the blocks as its computed prefix. On a
 hybrid model (Qwen3.5) each rank also sends its linear-attention states after those blocks (the
 producer's lease keeps them in a state checkpoint); a lease without them is not pulled: the
-consumer computes the prompt.
+consumer computes the prompt. Under --enable-return-routed-experts the lease carries the routing
+rows of its positions too (a producer that records none is not pulled from).
 
 A producer that answers nothing within reply_timeout_s is taken for gone: the pull fails (and the
 request fails or recomputes, load_failure_policy), it never hangs.
@@ -75,15 +76,18 @@ class KVPuller:
         notify_addr: str,
         with_states: bool = False,
         num_groups: int = 1,
+        routing_row_bytes: int = 0,
     ) -> None:
         """layouts: this server's ranks' (a producer's must be the same); notify_addr: the engine
         core's input socket, where KVPulled messages go; with_states: a hybrid model's;
-        num_groups: its KV-cache groups (sliding-window layers make more than one)."""
+        num_groups: its KV-cache groups (sliding-window layers make more than one);
+        routing_row_bytes: a position's routing row, when routing is recorded (0: it is not)."""
         self.config = config
         self.layouts = layouts
         self.block_size = block_size
         self.with_states = with_states
         self.num_groups = num_groups
+        self.routing_row_bytes = routing_row_bytes
         self._ctx = zmq.Context()
         self._notify_addr = notify_addr
         self._pool = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="tern-kv-pull")
@@ -143,6 +147,9 @@ class KVPuller:
             num_blocks = 0  # blocks without the states after them: nothing to resume from
         if self.with_states and num_blocks != (len(lease.token_ids) - 1) // self.block_size:
             num_blocks = 0  # the producer's checkpoint is at another block boundary
+        routing = lease.routing[: num_blocks * self.block_size * self.routing_row_bytes]
+        if len(routing) < num_blocks * self.block_size * self.routing_row_bytes:
+            num_blocks = 0  # positions without their routing rows (the producer records none)
         paths: list[str] = []
         state_paths: list[str] = []
         num_bytes = 0
@@ -161,7 +168,10 @@ class KVPuller:
             raise
         finally:
             self._release(spec)
-        return KVPulled(request_id, paths, num_blocks, num_bytes, state_paths=state_paths)
+        return KVPulled(
+            request_id, paths, num_blocks, num_bytes, state_paths=state_paths,
+            routing=routing if num_blocks else b"",
+        )  # fmt: skip
 
     def _wait_for_lease(self, spec: KVTransfer) -> LeaseReply:
         deadline = time.monotonic() + self.config.wait_s

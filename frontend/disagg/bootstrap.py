@@ -52,6 +52,7 @@ class Lease:
     error: str | None = None  # set: the producing request ended without lending
     other_block_ids: list[list[int]] = field(default_factory=list)  # further KV-cache groups'
     state_checkpoint: int = -1  # hybrid models: the checkpoint of the states after the blocks
+    routing: bytes = b""  # --enable-return-routed-experts: the lent positions' routing rows
 
 
 class LeaseRegistry:
@@ -83,13 +84,14 @@ class LeaseRegistry:
         block_ids: list[int],
         other_block_ids: list[list[int]] = (),  # type: ignore[assignment]
         state_checkpoint: int = -1,
+        routing: bytes = b"",
     ) -> None:
         """A producing request finished: its blocks are lent under `lease_id`."""
         self._expire()
         lease = Lease(
             replica, list(block_ids), list(token_ids), self.clock() + self.lease_s,
             other_block_ids=[list(ids) for ids in other_block_ids],
-            state_checkpoint=state_checkpoint,
+            state_checkpoint=state_checkpoint, routing=routing,
         )  # fmt: skip
         self._put(lease_id, lease)
 
@@ -123,6 +125,7 @@ class LeaseRegistry:
             layouts=list(ready.kv_layouts),
             other_block_ids=lease.other_block_ids,
             state_checkpoint=lease.state_checkpoint,
+            routing=lease.routing,
         )
 
     def release(self, lease_id: str) -> LeaseReply:

@@ -123,6 +123,7 @@ def _merge(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
         b.lora_version if b.lora_version is not None else a.lora_version,
         b.kv_lease_block_ids if b.kv_lease_block_ids is not None else a.kv_lease_block_ids,
         b.kv_lease_other_block_ids or a.kv_lease_other_block_ids,
+        b.kv_lease_routing or a.kv_lease_routing,
         max(a.kv_lease_state_checkpoint, b.kv_lease_state_checkpoint),
     )
 

@@ -210,8 +210,8 @@ class Generation:
             self._record_finish("abort")
 
     def _record_lease(self, out: EngineCoreOutput) -> None:
-        """A producing request's last output: its blocks (of each KV-cache group, and a hybrid
-        model's state checkpoint) are lent, or it failed."""
+        """A producing request's last output: its blocks (of each KV-cache group, with a hybrid
+        model's state checkpoint and the positions' routing rows) are lent, or it failed."""
         assert out.finish_reason is not None
         if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             if self.leases is not None and not self._is_lease_recorded:
@@ -221,7 +221,7 @@ class Generation:
                 self.leases.lend(
                     self.kv_transfer.lease_id, self.replica, self.prompt_token_ids,
                     self.kv_lease_block_ids, out.kv_lease_other_block_ids,
-                    out.kv_lease_state_checkpoint,
+                    out.kv_lease_state_checkpoint, out.kv_lease_routing,
                 )  # fmt: skip
             return
         why = out.error or f"the producing request ended with {out.finish_reason.value}"

@@ -11,12 +11,15 @@ Every process started here is stopped, and psutil checks that none survived.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from openai import OpenAI
 
@@ -235,6 +238,38 @@ def test_hybrid_and_sliding_window_models_resume_from_the_producers_blocks(
             assert metric(url, "tern:kv_leases_held") == 0
     finally:
         router.stop()
+
+
+def test_routed_experts_of_pulled_positions_travel_with_the_blocks(
+    module_server, tiny_qwen3_moe: Path
+):
+    """--enable-return-routed-experts on both sides (a tiny Qwen3-MoE): the producer's lease
+    carries the routing rows of the positions it lent, so the consumer's answer returns every
+    computed token's experts, the prompt's pulled ones included, equal to one server's."""
+    pair = start_pair(module_server, tiny_qwen3_moe, "--enable-return-routed-experts")
+    router = vllm_pd_router(pair)
+    try:
+        for length in (3, 40, 100):
+            prompt = prompt_ids(length, salt=5)
+            pulled0, _ = consumer_counts(pair)
+            got = _routed_completion(router.url, pair["model"], prompt)
+            pulled, _ = consumer_counts(pair)
+            assert pulled - pulled0 == (length - 1) // BLOCK * BLOCK
+            assert got == _routed_completion(pair["producer"], pair["model"], prompt), length
+            assert len(got[1]) == length + len(got[0]) - 1  # every computed token's row
+    finally:
+        router.stop()
+
+
+def _routed_completion(url: str, model: str, prompt: list[int]) -> tuple[list[int], list]:
+    """(the greedy answer's tokens, each computed token's experts)."""
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    choice = client.completions.create(
+        model=model, prompt=prompt, max_tokens=6, temperature=0,
+        extra_body={"return_token_ids": True},
+    ).choices[0]  # fmt: skip
+    rows = np.load(io.BytesIO(base64.b64decode(choice.model_extra["routed_experts"])))
+    return choice.model_extra["token_ids"], rows.tolist()
 
 
 def test_producers_and_consumers_at_dp2_behind_one_router(launch_server, tiny_llama_with_tokenizer):
