@@ -272,6 +272,35 @@ def _routed_completion(url: str, model: str, prompt: list[int]) -> tuple[list[in
     return choice.model_extra["token_ids"], rows.tolist()
 
 
+def test_a_lora_adapters_prompt_is_pulled_and_decoded_on_the_adapter(
+    module_server, tiny_llama_with_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory
+):
+    """Both servers serve the same LoRA adapter: the producer computes the prompt on it, the
+    consumer pulls the blocks (hashed under the adapter there too) and decodes on it; answers
+    equal the producer's own on the adapter, and differ from the base model's."""
+    from scripts.make_tiny_model import make_lora_adapter
+
+    adapter = make_lora_adapter(
+        tiny_llama_with_tokenizer, tmp_path_factory.mktemp("pd-lora"), rank=8, seed=3
+    )
+    pair = start_pair(
+        module_server, tiny_llama_with_tokenizer, "--lora-modules", f"ad={adapter}",
+        "--max-lora-rank", "8",
+    )  # fmt: skip
+    router = vllm_pd_router(pair)
+    try:
+        for length in (20, 70):
+            prompt = prompt_ids(length, salt=11)
+            pulled0, _ = consumer_counts(pair)
+            got = completion(router.url, "ad", prompt, False)
+            pulled, _ = consumer_counts(pair)
+            assert pulled - pulled0 == (length - 1) // BLOCK * BLOCK
+            assert got == completion(pair["producer"], "ad", prompt, False)
+            assert got != completion(pair["producer"], pair["model"], prompt, False)
+    finally:
+        router.stop()
+
+
 def test_producers_and_consumers_at_dp2_behind_one_router(launch_server, tiny_llama_with_tokenizer):
     """Two replicas on each side: the bootstrap answers for the replica that lent the blocks,
     every consumer replica pulls; outputs equal one server's."""
