@@ -68,8 +68,11 @@ NODE_TIMEOUT_S = 5.0
 
 
 def num_threads(ranks_per_node: int) -> int:
-    """Torch threads per worker: the node's cores split between its workers."""
-    return max(1, (os.cpu_count() or 1) // ranks_per_node)
+    """Torch threads per worker: the cores this process may run on (its CPU affinity: a server
+    started under `taskset` or in a cpuset gets those, not the machine's) split between the
+    node's workers."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // ranks_per_node)
 
 
 def _build_runner(
