@@ -258,6 +258,10 @@ def test_an_image_and_a_video_in_one_prompt(client: openai.OpenAI, hf: _HF) -> N
     assert answer == hf.greedy(content, [image], video)
 
 
+def test_server_info_says_it_takes_videos(server: Any) -> None:
+    assert server.server_info()["engine"]["input_modalities"] == ["text", "image", "video"]
+
+
 def test_video_refusals(client: openai.OpenAI) -> None:
     """Bytes that are not a video, and more videos than --limit-mm-per-prompt allows: a 400
     naming the part; the server answers the next request."""
