@@ -1,7 +1,10 @@
 """Prompts with images, made as the checkpoint's own Hugging Face processor makes them: the chat
-template's text with one image marker per image goes through `AutoProcessor`, which expands each
-marker into the model's placeholder tokens; each image's tensors (pixel_values, ...) become a
+template's text with one image marker per image goes through `AutoProcessor` (or tern's stand-in
+where the processor requires torchvision: frontend/media/stand_in.py), which expands each marker
+into the model's placeholder tokens; each image's tensors (pixel_values, ...) become a
 MultiModalItem with the runs of placeholders its encoder output fills and a hash of its tensors.
+The Qwen VL checkpoints take videos too (frontend/media/qwen_video.py): each video marker becomes
+its video's text first, and each video is an item of its own.
 
 The tensors travel to the workers as raw bytes in msgspec messages (enginecore/messages.py
 TensorData), never pickled.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,7 @@ from frontend.common.errors import bad_request
 from frontend.media.pixtral import PixtralImageProcessor, is_mistral3
 from frontend.media.qwen_video import VIDEO_OPTIONS, QwenVideoProcessor
 from frontend.media.qwen_vl import QwenVLImageProcessor, is_qwen_vl
+from frontend.media.stand_in import expand_markers
 from frontend.media.video import Video
 
 # Image-processor settings a request may not set: where the outputs go and in what form.
@@ -86,12 +91,13 @@ class ImageProcessor:
         options: dict[str, Any],
         param: str,
         add_special_tokens: bool = False,
-        videos: list[Video] = (),  # type: ignore[assignment]
+        videos: Sequence[Video] = (),
     ) -> tuple[list[int], list[MultiModalItem]]:
         """The prompt's token ids, placeholders expanded, and its images' and videos' items.
         `options`: mm_processor_kwargs, passed to the processor as vLLM does (only the image
         processor's own settings and the videos' sampling: anything else is a 400)."""
-        options = {k: v for k, v in options.items() if k not in VIDEO_OPTIONS}
+        if self.video is not None:  # its videos' sampling is no image processor setting
+            options = {k: v for k, v in options.items() if k not in VIDEO_OPTIONS}
         self._check_options(options)
         per_video: list[tuple[dict[str, TensorData], int]] = []
         if videos:
@@ -126,12 +132,17 @@ class ImageProcessor:
         return prompt_ids, items
 
     def items_for_ids(
-        self, ids: list[int], images: list[Image.Image], options: dict[str, Any], param: str
+        self,
+        ids: list[int],
+        images: list[Image.Image],
+        options: dict[str, Any],
+        param: str,
+        videos: Sequence[Video] = (),
     ) -> list[MultiModalItem]:
-        """The items of `images` in token ids some other processor already expanded (an RL
-        trainer's own HF processor): the ids are kept as they are, each image takes the next
-        placeholder runs its tensors fill, in order. Any mismatch between the placeholders and
-        the images is a 400 naming `param`."""
+        """The items of `images` (and `videos`) in token ids some other processor already
+        expanded (an RL trainer's own HF processor): the ids are kept as they are, each image
+        (video) takes the next placeholder runs its tensors fill, in order. Any mismatch between
+        the placeholders and the items is a 400 naming `param`."""
         self._check_options(options)
         try:
             per_image = [self._image_tensors(image, options) for image in images]
@@ -139,38 +150,69 @@ class ImageProcessor:
             raise bad_request(f"the image processor failed: {e}", param) from e
         items = self._match_runs(ids, per_image)
         if items is None:
-            found = sum(length for _, length in placeholder_runs(ids, self.placeholder_id))
-            needed = sum(num_rows for _, num_rows in per_image)
-            raise bad_request(
-                f"the token ids hold {found} image placeholders (token {self.placeholder_id}) but "
-                f"the {len(images)} image(s) need {needed}: the ids must be expanded by this "
-                "model's processor, one run of placeholders per image",
-                param,
-            )
+            raise self._mismatch(ids, per_image, self.placeholder_id, "image", param)
+        if videos:
+            per_video = self._video_tensors(videos, param)
+            video_items = self._match_runs(ids, per_video, self.video_placeholder_id, "video")
+            if video_items is None:
+                raise self._mismatch(ids, per_video, self.video_placeholder_id, "video", param)
+            items = sorted(items + video_items, key=lambda item: item.spans[0][0])
         return items
 
+    @staticmethod
+    def _mismatch(
+        ids: list[int],
+        per_item: list[tuple[dict[str, TensorData], int]],
+        placeholder: int,
+        kind: str,
+        param: str,
+    ) -> Exception:
+        found = sum(length for _, length in placeholder_runs(ids, placeholder))
+        needed = sum(num_rows for _, num_rows in per_item)
+        return bad_request(
+            f"the token ids hold {found} {kind} placeholders (token {placeholder}) but the "
+            f"{len(per_item)} {kind}(s) need {needed}: the ids must be expanded by this model's "
+            f"processor, the placeholder runs of each {kind} in order",
+            param,
+        )
+
     def _expand_videos(
-        self, prompt: str, videos: list[Video], param: str
+        self, prompt: str, videos: Sequence[Video], param: str
     ) -> tuple[str, list[tuple[dict[str, TensorData], int]]]:
         """The prompt with each video marker replaced by its video's text, and each video's
         tensors and placeholder count."""
+        marker = self._video_marker()
+        check_markers(prompt, marker, len(videos), "video", param)
+        processed = self._processed_videos(videos, param)
+        texts = [text for _, text in processed]
+        per_video = [(tensors, text.count(marker)) for tensors, text in processed]
+        return expand_markers([prompt], marker, texts)[0], per_video
+
+    def _video_tensors(
+        self, videos: Sequence[Video], param: str
+    ) -> list[tuple[dict[str, TensorData], int]]:
+        """Each video's tensors and placeholder count."""
+        marker = self._video_marker()
+        return [(t, text.count(marker)) for t, text in self._processed_videos(videos, param)]
+
+    def _processed_videos(
+        self, videos: Sequence[Video], param: str
+    ) -> list[tuple[dict[str, TensorData], str]]:
         assert self.video is not None, "videos are only loaded where the model takes them"
         tokenizer = self.hf.tokenizer
-        marker = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
         start = getattr(tokenizer, "vision_start_token", None) or "<|vision_start|>"
         end = getattr(tokenizer, "vision_end_token", None) or "<|vision_end|>"
-        check_markers(prompt, marker, len(videos), "video", param)
-        pieces = prompt.split(marker)
-        out, per_video = [pieces[0]], []
-        for video, piece in zip(videos, pieces[1:]):
+        out = []
+        for video in videos:
             try:
-                arrays, text = self.video.process(video, marker, start, end)
+                arrays, text = self.video.process(video, self._video_marker(), start, end)
             except ValueError as e:
                 raise bad_request(f"the video processor failed: {e}", param) from e
-            tensors = {name: tensor_data(array) for name, array in arrays.items()}
-            per_video.append((tensors, text.count(marker)))
-            out += [text, piece]
-        return "".join(out), per_video
+            out.append(({name: tensor_data(a) for name, a in arrays.items()}, text))
+        return out
+
+    def _video_marker(self) -> str:
+        return getattr(self.hf.tokenizer, "video_token", None) or "<|video_pad|>"
 
     def _match_runs(
         self,

@@ -73,15 +73,21 @@ class ImagePrompts:
     async def make_for_generate(
         self, prompt: str | list[int], refs: list[MediaRef], param: str
     ) -> tuple[list[int], list[MultiModalItem]]:
-        """A /generate prompt (SGLang's, LMDeploy's) with images: text holds one image marker per
-        image and is processed as a chat prompt is, special tokens added as both servers
-        tokenize their text; token ids were expanded by another HF processor (an RL trainer's)
-        and are kept as they are, the images' items filling their placeholder runs
-        (ImageProcessor.items_for_ids)."""
+        """A /generate prompt (SGLang's, LMDeploy's) with images (and SGLang's with videos): text
+        holds one marker per image (video) and is processed as a chat prompt is, special tokens
+        added as both servers tokenize their text; token ids were expanded by another HF
+        processor (an RL trainer's) and are kept as they are, the items filling their
+        placeholder runs (ImageProcessor.items_for_ids)."""
         if isinstance(prompt, str):
             return await self.make(prompt, refs, None, param, add_special_tokens=True)
-        images = await self.load(refs, param)
-        items = await asyncio.to_thread(self.processor.items_for_ids, prompt, images, {}, param)
+        video_refs = [ref for ref in refs if ref.modality == "video"]
+        image_refs = [ref for ref in refs if ref.modality != "video"]
+        check_limits({"image": len(image_refs), "video": len(video_refs)}, self.policy, param)
+        images = await self.load(image_refs, param)
+        videos = await self.load_videos(video_refs, None, param)
+        items = await asyncio.to_thread(
+            self.processor.items_for_ids, prompt, images, {}, param, videos
+        )
         return prompt, items
 
     async def load(self, refs: list[MediaRef], param: str) -> list[Image.Image]:

@@ -38,6 +38,7 @@ async def load_media_bytes(url: str, policy: MediaPolicy, param: str) -> bytes:
 # SGLang's load_image (python/sglang/srt/utils/common.py) reads a string that ends so as a file.
 _IMAGE_FILE_ENDINGS = ("png", "jpg", "jpeg", "webp", "gif")
 _AUDIO_FILE_ENDINGS = ("wav", "mp3", "flac", "ogg", "webm", "m4a", "opus")
+_VIDEO_FILE_ENDINGS = ("mp4", "mov", "mkv", "webm", "avi", "mpeg", "mpg", "flv", "ogv")
 
 
 def image_data_url(item: object, param: str) -> str:
@@ -51,6 +52,11 @@ def image_data_url(item: object, param: str) -> str:
 def audio_data_url(item: object, param: str) -> str:
     """One item of SGLang's /generate `audio_data`, by the same rules (audio file endings)."""
     return _data_item_url(item, param, "audio", _AUDIO_FILE_ENDINGS)
+
+
+def video_data_url(item: object, param: str) -> str:
+    """One item of SGLang's /generate `video_data`, by the same rules (video file endings)."""
+    return _data_item_url(item, param, "video", _VIDEO_FILE_ENDINGS)
 
 
 def _data_item_url(item: object, param: str, kind: str, endings: tuple[str, ...]) -> str:

@@ -26,7 +26,7 @@ from frontend.common.decoding import (
     decode_request,
 )
 from frontend.common.errors import APIError, bad_request
-from frontend.media.sources import audio_data_url, image_data_url
+from frontend.media.sources import audio_data_url, image_data_url, video_data_url
 from frontend.serving.sampling import SGLANG_RULES, RequestSampling, stop_list
 
 ANY_JSON = "$$ANY$$"  # SGLang's json_schema for "any JSON value"
@@ -148,15 +148,16 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     no_logs: bool | None = False
 
     # Images: one for a single prompt, a list (a single prompt's images, or one per prompt of a
-    # batch), or a list of lists (each prompt's images); see image_refs.
+    # batch), or a list of lists (each prompt's images); see image_refs. Videos alike (the Qwen
+    # VL models'): video_refs.
     image_data: Any = UNSET
+    video_data: Any = UNSET
     # Audio (an audio-language model's): one or a list of the (one) text prompt's audios.
     audio_data: Any = UNSET
 
     # Fields tern cannot honour: other multimodal inputs, LoRA ids (lora_path, an adapter's name, is
     # honoured), sessions, disaggregation and routing, hidden states, extra outputs...
     input_embeds: Annotated[Any, Unsupported(None)] = UNSET
-    video_data: Annotated[Any, Unsupported(None, [])] = UNSET
     mm_hashes: Annotated[Any, Unsupported(None)] = UNSET
     mm_content_hashes: Annotated[Any, Unsupported(None)] = UNSET
     use_audio_in_video: Annotated[Any, Unsupported(False)] = UNSET
@@ -239,30 +240,37 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
         image_data (io_struct.py): null or [] is none; a string is one image (for every prompt of
         a batch); a single prompt's list is its images; a batch's list has one entry per prompt:
         a list of images, one image, or null."""
-        data, num_prompts = self.image_data, len(self.prompts())
+        return self._media_refs(self.image_data, "image_data", "image")
+
+    def video_refs(self) -> list[list[MediaRef]]:
+        """Each prompt's videos, read as image_data is (SGLang's _normalize_video_data)."""
+        return self._media_refs(self.video_data, "video_data", "video")
+
+    def _media_refs(self, data: Any, field: str, modality: str) -> list[list[MediaRef]]:
+        num_prompts = len(self.prompts())
         if data is UNSET or data is None or data == []:
             return [[] for _ in range(num_prompts)]
         if not isinstance(data, list):
-            return [[MediaRef(image_data_url(data, "image_data"), "image_data")]] * num_prompts
+            return [[_ref(data, field, modality)]] * num_prompts
         if not self.is_batch:
             if len(data) == 1 and isinstance(data[0], list):  # [[...]]: a batch of one
-                return [_refs(data[0], "image_data[0]")]
-            return [_refs(data, "image_data")]
+                return [_refs(data[0], f"{field}[0]", modality)]
+            return [_refs(data, field, modality)]
         if len(data) != num_prompts:
             raise bad_request(
-                f"image_data has {len(data)} entries for {num_prompts} prompts (give one per "
-                "prompt, a list of images or null)",
-                "image_data",
+                f"{field} has {len(data)} entries for {num_prompts} prompts (give one per "
+                f"prompt, a list of {modality}s or null)",
+                field,
             )
         refs = []
         for i, entry in enumerate(data):
-            param = f"image_data[{i}]"
+            param = f"{field}[{i}]"
             if entry is None:
                 refs.append([])
             elif isinstance(entry, list):
-                refs.append(_refs(entry, param))
+                refs.append(_refs(entry, param, modality))
             else:
-                refs.append([MediaRef(image_data_url(entry, param), param)])
+                refs.append([_ref(entry, param, modality)])
         return refs
 
     def audio_refs(self) -> list[MediaRef]:
@@ -351,13 +359,16 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
         )
 
 
-def _refs(items: list[Any], param: str) -> list[MediaRef]:
-    """One prompt's images; null entries are none (SGLang's [None])."""
+def _refs(items: list[Any], param: str, modality: str) -> list[MediaRef]:
+    """One prompt's images (videos); null entries are none (SGLang's [None])."""
     return [
-        MediaRef(image_data_url(item, f"{param}[{j}]"), f"{param}[{j}]")
-        for j, item in enumerate(items)
-        if item is not None
+        _ref(item, f"{param}[{j}]", modality) for j, item in enumerate(items) if item is not None
     ]
+
+
+def _ref(item: Any, param: str, modality: str) -> MediaRef:
+    url_of = video_data_url if modality == "video" else image_data_url
+    return MediaRef(url_of(item, param), param, modality)
 
 
 def _is_int(x: Any) -> bool:

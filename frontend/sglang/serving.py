@@ -117,6 +117,10 @@ class SGLangServing:
         refs = req.image_refs()
         if any(refs) and s.images is None:
             raise bad_request("this model is served without image inputs", "image_data")
+        videos = req.video_refs()
+        if any(videos) and (s.images is None or not s.images.takes_video):
+            raise bad_request("this model is served without video inputs", "video_data")
+        refs = [images + prompt_videos for images, prompt_videos in zip(refs, videos)]
         audio = req.audio_refs()
         if audio and s.audio is None:
             raise bad_request("this model is served without audio inputs", "audio_data")

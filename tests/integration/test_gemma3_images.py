@@ -100,9 +100,11 @@ def test_a_repeated_image_hits_the_prefix_cache_and_stays_exact(
 
 
 def test_unknown_processor_kwargs_are_400(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
-        _ask(client, "Hi", [random_image(6)], mm_processor_kwargs={"rm_rf": True})
-    assert info.value.body["param"] == "mm_processor_kwargs"
+    """Unknown keys, and a video's sampling on a model without videos: never ignored."""
+    for kwargs in ({"rm_rf": True}, {"fps": 1}):
+        with pytest.raises(openai.BadRequestError) as info:
+            _ask(client, "Hi", [random_image(6)], mm_processor_kwargs=kwargs)
+        assert info.value.body["param"] == "mm_processor_kwargs"
 
 
 def test_tp2_pp2_attends_both_ways_inside_images_on_every_stage(

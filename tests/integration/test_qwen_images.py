@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -105,14 +106,29 @@ class _HF:
         self.model_dir = model_dir
 
     def greedy(
-        self, content: list[dict[str, Any]], images: list[Image.Image], video: bytes | None = None
+        self,
+        content: list[dict[str, Any]],
+        images: list[Image.Image],
+        video: bytes | None = None,
+        video_options: dict[str, Any] | None = None,
     ) -> list[int]:
+        return self.generate(self.inputs(content, images, video, video_options))
+
+    def inputs(
+        self,
+        content: list[dict[str, Any]],
+        images: list[Image.Image],
+        video: bytes | None = None,
+        video_options: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The model's inputs for one user turn: ids with the placeholders expanded (as an RL
+        trainer's own processor expands them), pixels and grids."""
         prompt = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
         )
         inputs: dict[str, Any] = {}
         if video is not None:
-            tensors, text = self.video_inputs(video)
+            tensors, text = self.video_inputs(video, video_options or {})
             prompt = prompt.replace("<|video_pad|>", text)
             inputs.update({name: torch.from_numpy(t) for name, t in tensors.items()})
         if images:
@@ -125,14 +141,19 @@ class _HF:
         image_id, video_id = self.model.config.image_token_id, self.model.config.video_token_id
         inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids),
                       mm_token_type_ids=(ids == image_id).int() + 2 * (ids == video_id).int())  # fmt: skip
+        return inputs
+
+    def generate(self, inputs: dict[str, Any]) -> list[int]:
         with torch.inference_mode():
             out = self.model.generate(
                 **inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0,
                 eos_token_id=None,
             )  # fmt: skip
-        return out[0, ids.shape[1] :].tolist()
+        return out[0, inputs["input_ids"].shape[1] :].tolist()
 
-    def video_inputs(self, video: bytes) -> tuple[dict[str, np.ndarray], str]:
+    def video_inputs(
+        self, video: bytes, options: dict[str, Any]
+    ) -> tuple[dict[str, np.ndarray], str]:
         """tern's processing of the video (frontend/media/qwen_video.py)."""
         from frontend.media.policy import MediaPolicy
         from frontend.media.qwen_video import QwenVideoProcessor
@@ -140,7 +161,7 @@ class _HF:
 
         arch = self.model.config.architectures[0]
         processor = QwenVideoProcessor(self.model_dir, arch)
-        decoded = decode_video(video, processor.sampler({}), MediaPolicy(), "video")
+        decoded = decode_video(video, processor.sampler(options), MediaPolicy(), "video")
         return processor.process(decoded, "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 
 
@@ -166,7 +187,9 @@ def _video(seed: int, num_frames: int = 32, size: tuple[int, int] = (24, 32)) ->
     return buf.getvalue()
 
 
-def _ask(client: openai.OpenAI, parts: list[Any]) -> tuple[list[int], list[dict[str, Any]], Any]:
+def _ask(
+    client: openai.OpenAI, parts: list[Any], extra: dict[str, Any] | None = None
+) -> tuple[list[int], list[dict[str, Any]], Any]:
     """`parts`: text, images, or video bytes; -> (tern's answer, the HF-side content, the
     response)."""
     content, hf_content = [], []
@@ -183,7 +206,7 @@ def _ask(client: openai.OpenAI, parts: list[Any]) -> tuple[list[int], list[dict[
             hf_content.append({"type": "image"})
     r = client.chat.completions.create(
         model="qwen-vl", messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS,
-        temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True},
+        temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True, **(extra or {})},
     )  # fmt: skip
     return r.choices[0].token_ids, hf_content, r
 
@@ -252,10 +275,45 @@ def test_a_video_is_hf_exact_and_the_video_matters(client: openai.OpenAI, hf: _H
     assert last == hf.greedy(content, [], _video(3))
 
 
+def test_mm_processor_kwargs_sample_fewer_frames(client: openai.OpenAI, hf: _HF) -> None:
+    """num_frames 4 instead of 2 a second (8 frames of this 4 s video): half the temporal
+    patches, HF's answer for the same frames."""
+    parts: list[Any] = [_video(7), "What happens?"]
+    _, content, full = _ask(client, parts)
+    fewer, _, r = _ask(client, parts, {"mm_processor_kwargs": {"num_frames": 4}})
+    assert fewer == hf.greedy(content, [], _video(7), {"num_frames": 4})
+    assert r.usage.prompt_tokens < full.usage.prompt_tokens
+
+
 def test_an_image_and_a_video_in_one_prompt(client: openai.OpenAI, hf: _HF) -> None:
     image, video = _image(8), _video(4, num_frames=20, size=(32, 16))
     answer, content, _ = _ask(client, ["Here", image, "and", video, "Same scene?"])
     assert answer == hf.greedy(content, [image], video)
+
+
+def test_sglang_generate_takes_video_data(server: Any, hf: _HF) -> None:
+    """SGLang's /generate with `video_data`: text holding the video marker (the server expands
+    it), and token ids another processor expanded (an RL trainer's) with the video as raw
+    base64; both answer HF's tokens."""
+    content = [{"type": "video"}, {"type": "text", "text": "What happens?"}]
+    video = _video(8)
+    text = hf.tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    inputs = hf.inputs(content, [], video)
+    expected = hf.generate(inputs)
+    raw = base64.b64encode(video).decode()
+    greedy = {"temperature": 0, "max_new_tokens": MAX_TOKENS, "ignore_eos": True}
+    for body in (
+        {"text": text, "video_data": "data:video/mp4;base64," + raw},
+        {"input_ids": inputs["input_ids"][0].tolist(), "video_data": [raw]},
+    ):
+        r = httpx.post(
+            f"{server.base_url}/generate", json={**body, "sampling_params": greedy}, timeout=120
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == expected
+        assert r.json()["meta_info"]["prompt_tokens"] == inputs["input_ids"].shape[1]
 
 
 def test_server_info_says_it_takes_videos(server: Any) -> None:
