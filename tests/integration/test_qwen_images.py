@@ -105,14 +105,9 @@ class _HF:
         self.model = model_class.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.model_dir = model_dir
 
-    def greedy(
-        self,
-        content: list[dict[str, Any]],
-        images: list[Image.Image],
-        video: bytes | None = None,
-        video_options: dict[str, Any] | None = None,
-    ) -> list[int]:
-        return self.generate(self.inputs(content, images, video, video_options))
+    def greedy(self, *turn: Any) -> list[int]:
+        """The greedy answer to a turn (inputs' arguments)."""
+        return self.generate(self.inputs(*turn))
 
     def inputs(
         self,
