@@ -519,23 +519,24 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, out.finish_reason)
                 if request.kv_lease_id is not None:
-                    out.kv_lease_block_ids, *others = self._lent_block_ids(request)
-                    out.kv_lease_other_block_ids = others
-                    if request.routing is not None and out.kv_lease_block_ids:
-                        lent = len(out.kv_lease_block_ids) * self.block_size
-                        out.kv_lease_routing = request.routing.rows_of(0, lent)
-                    if request.kv_lease_checkpoint is not None:
-                        out.kv_lease_state_checkpoint = request.kv_lease_checkpoint[1]
+                    self._describe_lease(request, out)
         return outputs
 
-    def _lent_block_ids(self, request: Request) -> list[list[int]]:
-        """A finished producing request's full prompt blocks, lent under its lease: of each
-        KV-cache group (a lent prompt keeps its sliding-window blocks)."""
-        groups = range(len(self.kv.group_windows))
-        if self.leases is None or not self.leases.holds(request.kv_lease_id):
-            return [[] for _ in groups]
-        num_blocks = request.num_prompt_tokens // self.block_size
-        return [self.kv.block_ids(request, g)[:num_blocks] for g in groups]
+    def _describe_lease(self, request: Request, out: EngineCoreOutput) -> None:
+        """A finished producing request's last output says what it lent: its full prompt blocks
+        of each KV-cache group (a lent prompt keeps its sliding-window blocks), their positions'
+        routing rows when routing is recorded, a hybrid model's state checkpoint."""
+        held = self.leases is not None and self.leases.holds(request.kv_lease_id)
+        num_blocks = request.num_prompt_tokens // self.block_size if held else 0
+        lent = [
+            self.kv.block_ids(request, g)[:num_blocks] for g in range(len(self.kv.group_windows))
+        ]
+        out.kv_lease_block_ids, *out.kv_lease_other_block_ids = lent
+        if request.routing is not None and out.kv_lease_block_ids:
+            num_lent = len(out.kv_lease_block_ids) * self.block_size
+            out.kv_lease_routing = request.routing.rows_of(0, num_lent)
+        if request.kv_lease_checkpoint is not None:
+            out.kv_lease_state_checkpoint = request.kv_lease_checkpoint[1]
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> EngineCoreOutput:
         """Appends a step's sampled tokens up to the first that stops the request (or breaks its

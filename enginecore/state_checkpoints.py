@@ -13,8 +13,9 @@ group, a retry) or the next turn of a conversation finds it.
 
 They are keyed like blocks, by the chained hash of the prefix they end, and evicted least
 recently used first, except those pinned: a producer's (prefill/decode disaggregation) lease
-pins the checkpoint its consumer pulls until the lease ends. A checkpoint becomes visible only once the step that writes it has run:
-a request scheduled in that same step would otherwise read it before it is written.
+pins the checkpoint its consumer pulls until the lease ends. A checkpoint becomes visible only
+once the step that writes it has run: a request scheduled in that same step would otherwise read
+it before it is written.
 """
 
 from __future__ import annotations

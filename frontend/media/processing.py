@@ -116,20 +116,18 @@ class ImageProcessor:
             raise bad_request(f"the image processor failed: {e}", param) from e
         prompt_ids = [int(t) for t in whole["input_ids"][0]]
         items = self._match_runs(prompt_ids, per_image)
-        if items is not None and per_video:
-            video_items = self._match_runs(
-                prompt_ids, per_video, self.video_placeholder_id, "video"
-            )
-            items = None if video_items is None else sorted(
-                items + video_items, key=lambda item: item.spans[0][0]
-            )  # fmt: skip
-        if items is None:
+        video_items = (
+            self._match_runs(prompt_ids, per_video, self.video_placeholder_id, "video")
+            if per_video
+            else []
+        )
+        if items is None or video_items is None:
             raise bad_request(
                 "the prompt's image placeholders do not match its images (does the text itself "
                 f"hold {self.marker!r}?)",
                 param,
             )
-        return prompt_ids, items
+        return prompt_ids, _in_prompt_order(items, video_items)
 
     def items_for_ids(
         self,
@@ -151,13 +149,13 @@ class ImageProcessor:
         items = self._match_runs(ids, per_image)
         if items is None:
             raise self._mismatch(ids, per_image, self.placeholder_id, "image", param)
-        if videos:
-            per_video = self._video_tensors(videos, param)
-            video_items = self._match_runs(ids, per_video, self.video_placeholder_id, "video")
-            if video_items is None:
-                raise self._mismatch(ids, per_video, self.video_placeholder_id, "video", param)
-            items = sorted(items + video_items, key=lambda item: item.spans[0][0])
-        return items
+        if not videos:
+            return items
+        per_video = [(tensors, n) for tensors, n, _ in self._processed_videos(videos, param)]
+        video_items = self._match_runs(ids, per_video, self.video_placeholder_id, "video")
+        if video_items is None:
+            raise self._mismatch(ids, per_video, self.video_placeholder_id, "video", param)
+        return _in_prompt_order(items, video_items)
 
     @staticmethod
     def _mismatch(
@@ -181,34 +179,28 @@ class ImageProcessor:
     ) -> tuple[str, list[tuple[dict[str, TensorData], int]]]:
         """The prompt with each video marker replaced by its video's text, and each video's
         tensors and placeholder count."""
-        marker = self._video_marker()
-        check_markers(prompt, marker, len(videos), "video", param)
+        check_markers(prompt, self._video_marker(), len(videos), "video", param)
         processed = self._processed_videos(videos, param)
-        texts = [text for _, text in processed]
-        per_video = [(tensors, text.count(marker)) for tensors, text in processed]
-        return expand_markers([prompt], marker, texts)[0], per_video
-
-    def _video_tensors(
-        self, videos: Sequence[Video], param: str
-    ) -> list[tuple[dict[str, TensorData], int]]:
-        """Each video's tensors and placeholder count."""
-        marker = self._video_marker()
-        return [(t, text.count(marker)) for t, text in self._processed_videos(videos, param)]
+        texts = [text for _, _, text in processed]
+        prompt = expand_markers([prompt], self._video_marker(), texts)[0]
+        return prompt, [(tensors, n) for tensors, n, _ in processed]
 
     def _processed_videos(
         self, videos: Sequence[Video], param: str
-    ) -> list[tuple[dict[str, TensorData], str]]:
+    ) -> list[tuple[dict[str, TensorData], int, str]]:
+        """Each video's tensors, placeholder count and text."""
         assert self.video is not None, "videos are only loaded where the model takes them"
-        tokenizer = self.hf.tokenizer
+        tokenizer, marker = self.hf.tokenizer, self._video_marker()
         start = getattr(tokenizer, "vision_start_token", None) or "<|vision_start|>"
         end = getattr(tokenizer, "vision_end_token", None) or "<|vision_end|>"
         out = []
         for video in videos:
             try:
-                arrays, text = self.video.process(video, self._video_marker(), start, end)
+                arrays, text = self.video.process(video, marker, start, end)
             except ValueError as e:
                 raise bad_request(f"the video processor failed: {e}", param) from e
-            out.append(({name: tensor_data(a) for name, a in arrays.items()}, text))
+            tensors = {name: tensor_data(a) for name, a in arrays.items()}
+            out.append((tensors, text.count(marker), text))
         return out
 
     def _video_marker(self) -> str:
@@ -271,6 +263,11 @@ class ImageProcessor:
             if name not in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
         }
         return tensors, num_rows
+
+
+def _in_prompt_order(*kinds: list[MultiModalItem]) -> list[MultiModalItem]:
+    """Images' and videos' items as their placeholders come in the prompt."""
+    return sorted((item for items in kinds for item in items), key=lambda item: item.spans[0][0])
 
 
 def _largest_int(value: Any) -> int:

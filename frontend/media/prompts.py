@@ -38,11 +38,7 @@ class ImagePrompts:
         """The prompt's token ids (placeholders expanded) and its images' and videos' items.
         `text` is the chat template's output, with one marker per ref; `options`:
         mm_processor_kwargs."""
-        video_refs = [ref for ref in refs if ref.modality == "video"]
-        image_refs = [ref for ref in refs if ref.modality != "video"]
-        check_limits({"image": len(image_refs), "video": len(video_refs)}, self.policy, param)
-        images = await self.load(image_refs, param)
-        videos = await self.load_videos(video_refs, options, param)
+        images, videos = await self.load(refs, options, param)
         # NOTE: off the event loop: preprocessing an image takes milliseconds of CPU.
         return await asyncio.to_thread(
             self.processor.process, text, images, options or {}, param, add_special_tokens,
@@ -52,23 +48,6 @@ class ImagePrompts:
     @property
     def takes_video(self) -> bool:
         return self.processor.video is not None
-
-    async def load_videos(
-        self, refs: list[MediaRef], options: dict[str, Any] | None, param: str
-    ) -> list[Video]:
-        """One prompt's videos: fetched or decoded, their frames sampled."""
-        if not refs:
-            return []
-        video = self.processor.video
-        assert video is not None, "video parts are only collected where the model takes them"
-        sample = video.sampler(self.processor.video_options(options, "mm_processor_kwargs"))
-        videos = []
-        for ref in refs:
-            data = await load_media_bytes(ref.url, self.policy, ref.param)
-            videos.append(
-                await asyncio.to_thread(decode_video, data, sample, self.policy, ref.param)
-            )
-        return videos
 
     async def make_for_generate(
         self, prompt: str | list[int], refs: list[MediaRef], param: str
@@ -80,21 +59,33 @@ class ImagePrompts:
         placeholder runs (ImageProcessor.items_for_ids)."""
         if isinstance(prompt, str):
             return await self.make(prompt, refs, None, param, add_special_tokens=True)
-        video_refs = [ref for ref in refs if ref.modality == "video"]
-        image_refs = [ref for ref in refs if ref.modality != "video"]
-        check_limits({"image": len(image_refs), "video": len(video_refs)}, self.policy, param)
-        images = await self.load(image_refs, param)
-        videos = await self.load_videos(video_refs, None, param)
+        images, videos = await self.load(refs, None, param)
         items = await asyncio.to_thread(
             self.processor.items_for_ids, prompt, images, {}, param, videos
         )
         return prompt, items
 
-    async def load(self, refs: list[MediaRef], param: str) -> list[Image.Image]:
-        """One prompt's images, counted against --limit-mm-per-prompt, fetched or decoded."""
-        check_limits({"image": len(refs)}, self.policy, param)
+    async def load(
+        self, refs: list[MediaRef], options: dict[str, Any] | None, param: str
+    ) -> tuple[list[Image.Image], list[Video]]:
+        """One prompt's images and videos, counted against --limit-mm-per-prompt, fetched or
+        decoded (a video's frames sampled as the model's processor samples them, or as
+        `options` ask)."""
+        image_refs = [ref for ref in refs if ref.modality != "video"]
+        video_refs = [ref for ref in refs if ref.modality == "video"]
+        check_limits({"image": len(image_refs), "video": len(video_refs)}, self.policy, param)
         images = []
-        for ref in refs:
+        for ref in image_refs:
             data = await load_media_bytes(ref.url, self.policy, ref.param)
             images.append(await asyncio.to_thread(decode_image, data, self.policy, ref.param))
-        return images
+        videos = []
+        if video_refs:
+            video = self.processor.video
+            assert video is not None, "video parts are only collected where the model takes them"
+            sample = video.sampler(self.processor.video_options(options, "mm_processor_kwargs"))
+            for ref in video_refs:
+                data = await load_media_bytes(ref.url, self.policy, ref.param)
+                videos.append(
+                    await asyncio.to_thread(decode_video, data, sample, self.policy, ref.param)
+                )
+        return images, videos

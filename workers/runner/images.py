@@ -17,7 +17,13 @@ from typing import Any
 import torch
 
 from enginecore.messages import MultiModalItem, ScheduledRequest, SchedulerOutput, TensorData
-from workers.runner.mrope import MRopeLayout, VisionGrid, mrope_positions, vision_grids
+from workers.runner.mrope import (
+    MRopeLayout,
+    VisionGrid,
+    mrope_positions,
+    text_tail,
+    vision_grids,
+)
 from workers.vision.encoders import ImageEncoder
 
 # Encoder outputs kept for reuse (bytes); one 448x448 image of a 1B model is ~1 MiB of fp32 rows.
@@ -77,19 +83,24 @@ class ImageInputs:
         self.cache = EncoderCache()
         self.items: dict[str, list[MultiModalItem]] = {}
         self.grids: dict[str, list[VisionGrid]] = {}  # M-RoPE models: each request's vision runs
+        # ... and where its text after them starts, with its delta (text_tail): decode steps.
+        self.tails: dict[str, tuple[int, int]] = {}
 
     def update(self, step: SchedulerOutput) -> None:
         """Forgets the finished requests' images; keeps those of the requests (re)started."""
         for req_id in step.finished_req_ids:
             self.items.pop(req_id, None)
             self.grids.pop(req_id, None)
+            self.tails.pop(req_id, None)
         for r in step.requests:
             if r.sampling_params is not None:
                 self.grids.pop(r.req_id, None)
+                self.tails.pop(r.req_id, None)
                 if r.mm_items:
                     self.items[r.req_id] = list(r.mm_items)
                     if self.mrope is not None:
-                        self.grids[r.req_id] = vision_grids(r.mm_items, self.mrope)
+                        grids = self.grids[r.req_id] = vision_grids(r.mm_items, self.mrope)
+                        self.tails[r.req_id] = text_tail(grids)
                 else:
                     self.items.pop(r.req_id, None)
 
@@ -98,11 +109,14 @@ class ImageInputs:
         image (every token's three positions are then its index: the plain rotation)."""
         if self.mrope is None or not any(r.req_id in self.grids for r in reqs):
             return None
-        positions = [
-            mrope_positions(self.grids.get(r.req_id, []), r.start_pos,
-                            r.start_pos + len(r.token_ids))
-            for r in reqs
-        ]  # fmt: skip
+        positions = []
+        for r in reqs:
+            begin, end = r.start_pos, r.start_pos + len(r.token_ids)
+            tail, delta = self.tails.get(r.req_id, (0, 0))
+            if begin >= tail:  # past every image and video (decode): no run to walk
+                positions.append(torch.arange(begin + delta, end + delta).expand(3, -1))
+            else:
+                positions.append(mrope_positions(self.grids[r.req_id], begin, end))
         return torch.cat(positions, dim=1).to(self.device)
 
     def weights_changed(self) -> None:

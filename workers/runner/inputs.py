@@ -166,12 +166,13 @@ class StepInputs:
             raise ValueError(
                 f"state checkpoint {checkpoint} is outside the {self.num_state_checkpoints} kept"
             )
-        row = self.config.scheduler.max_num_seqs + checkpoint
-        return [t for holder in self.holders for t in holder.row_states(row)]
+        return self._row_states(self.config.scheduler.max_num_seqs + checkpoint)
 
     def request_states(self, req_id: str) -> list[torch.Tensor]:
         """A running request's states, holder by holder (a consumer loads them)."""
-        row = self.requests[req_id].state_slot
+        return self._row_states(self.requests[req_id].state_slot)
+
+    def _row_states(self, row: int) -> list[torch.Tensor]:
         return [t for holder in self.holders for t in holder.row_states(row)]
 
     def _restore_checkpoint(self, r: ScheduledRequest) -> None:

@@ -99,6 +99,15 @@ def _values(data: TensorData) -> torch.Tensor:
     return torch.frombuffer(bytearray(data.data), dtype=getattr(torch, data.dtype)).flatten()
 
 
+def text_tail(grids: list[VisionGrid]) -> tuple[int, int]:
+    """Where the last vision run ends, and what every later position adds to its index (the
+    delta mrope_positions reaches there): decode steps take their positions from it at once."""
+    if not grids:
+        return 0, 0
+    delta = sum(max(g.thw[1], g.thw[2]) - g.num_tokens for g in grids)
+    return max(g.start + g.num_tokens for g in grids), delta
+
+
 def mrope_positions(grids: list[VisionGrid], begin: int, end: int) -> torch.Tensor:
     """(3, end - begin) int64: the (t, h, w) positions of sequence positions [begin, end)."""
     out = torch.empty(3, end - begin, dtype=torch.int64)
