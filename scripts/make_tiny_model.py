@@ -19,7 +19,10 @@ Three flavours, each exercising a different path of the worker's model code:
   "qwen2_vl": Qwen2VLForConditionalGeneration, the tiny qwen2 (M-RoPE in sections) beside a
   two-block Qwen2-VL tower (LayerNorm, quick-GELU MLP, no windows); "llava": LlavaForConditionalGeneration, the tiny llama beside a random
   two-layer CLIP; "idefics3": Idefics3ForConditionalGeneration (SmolVLM's), the tiny llama
-  (untied) beside a random two-layer SigLIP-style tower and pixel-shuffle connector. llava and
+  (untied) beside a random two-layer SigLIP-style tower and pixel-shuffle connector;
+  "llava_onevision": LlavaOnevisionForConditionalGeneration, the tiny qwen2 beside a random
+  two-layer SigLIP (32 px views of 16 patches, anyres grids up to 2 x 2 views, at most 2 views'
+  worth of grid features an image). llava and
   gemma3_vl take 32 px images (16 and 4 placeholder tokens), idefics3 32 px tiles (4 tokens each:
   an image is up to 2 x 2 tiles and the whole image) and, with a tokenizer, carry their processor
   (LlavaProcessor / Gemma3Processor / Idefics3Processor: the tokenizer with the image tokens
@@ -81,7 +84,8 @@ _FAMILIES = {
 # *ForConditionalGeneration, the tiny gemma3 / qwen3_5 / qwen3_5_moe / qwen2 / qwen3 / qwen2 / llama /
 # llama beside a random vision tower (`_make_with_vision_tower`).
 _VISION_ARCHS = ("gemma3_vl", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen2_5_vl", "qwen3_vl",
-                 "qwen3_vl_moe", "qwen2_vl", "llava", "idefics3", "mistral3_vl")  # fmt: skip
+                 "qwen3_vl_moe", "qwen2_vl", "llava", "idefics3", "mistral3_vl",
+                 "llava_onevision")  # fmt: skip
 # Those whose processor is Qwen's (Qwen2VLImageProcessor, <|image_pad|> runs).
 _QWEN_VL_ARCHS = ("qwen3_5_vl", "qwen3_5_moe_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
                   "qwen2_vl")  # fmt: skip
@@ -278,6 +282,16 @@ QWEN_VL_CHAT_TEMPLATE = (
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# LLaVA-OneVision's (llava-hf's Qwen2 checkpoints): a turn's images side by side, then its text.
+LLAVA_ONEVISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + ' ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>' }}{% endfor %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ '\n' + part['text'] }}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 # Mistral 3's layout: [INST] text and [IMG] markers [/INST].
 MISTRAL3_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST]"
@@ -296,6 +310,7 @@ _IMAGE_TOKENS = {
                  "end_of_utterance_token": "<end_of_utterance>"},
     "mistral3_vl": {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
                     "image_end_token": "[IMG_END]"},
+    "llava_onevision": {"image_token": "<image>", "video_token": "<video>"},
     "qwen3_5_vl": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
                    "vision_start_token": "<|vision_start|>",
                    "vision_end_token": "<|vision_end|>"},
@@ -326,6 +341,8 @@ def _image_token_ids(arch: str, tokenizer: Any) -> dict[str, int]:
               "eoi_token": "eoi_token_index"}  # fmt: skip
     if arch == "idefics3":  # Idefics3Config's one image token field (the others: processor only)
         fields = {"image_token": "image_token_id"}
+    if arch == "llava_onevision":
+        fields = {"image_token": "image_token_index", "video_token": "video_token_index"}
     if arch in _QWEN_VL_ARCHS:  # Qwen3_5Config / Qwen2_5_VLConfig name them *_token_id
         fields = {name: name + "_id" for name in _IMAGE_TOKENS[arch]}
     names = [n for n in _IMAGE_TOKENS[arch] if n in fields]
@@ -379,6 +396,8 @@ def _multimodal_config(arch: str, vocab_size: int, token_ids: dict[str, int]) ->
         )  # fmt: skip
     if arch == "mistral3_vl":
         return _mistral3_config(vocab_size, token_ids)
+    if arch == "llava_onevision":
+        return _llava_onevision_config(vocab_size, token_ids)
     if arch == "qwen2_5_vl":
         return _qwen2_5_vl_config(vocab_size, token_ids)
     if arch in ("qwen3_vl", "qwen3_vl_moe"):
@@ -423,6 +442,28 @@ def _mistral3_config(vocab_size: int, token_ids: dict[str, int]) -> Any:
     return transformers.Mistral3Config(
         text_config=text.to_dict(), vision_config=vision.to_dict(), spatial_merge_size=2,
         vision_feature_layer=-1, **token_ids,
+    )  # fmt: skip
+
+
+# LLaVA-OneVision's anyres grids (in px) for the tiny tower's 32 px views.
+LLAVA_ONEVISION_GRIDS = [[32, 32], [32, 64], [64, 32], [64, 64]]
+
+
+def _llava_onevision_config(vocab_size: int, token_ids: dict[str, int]) -> Any:
+    """The tiny qwen2 beside a 2-layer SigLIP (32 px views, patch 8: 16 features a view, all
+    patches kept), grids of up to 2 x 2 views, the grid's features shrunk to 2 views' worth."""
+    import transformers
+
+    text = transformers.Qwen2Config(**_config_kwargs("qwen2", vocab_size))
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        image_size=32, patch_size=8, vision_use_head=False,
+    )  # fmt: skip
+    return transformers.LlavaOnevisionConfig(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), vision_feature_layer=-1,
+        vision_feature_select_strategy="full", image_grid_pinpoints=LLAVA_ONEVISION_GRIDS,
+        vision_aspect_ratio="anyres_max_2", tie_word_embeddings=False,
+        **token_ids,
     )  # fmt: skip
 
 
@@ -578,6 +619,27 @@ def _save_pixtral_processor_parts(tokenizer: Any, config: Any, out_dir: Path) ->
     (out_dir / "chat_template.jinja").write_text(MISTRAL3_CHAT_TEMPLATE)
 
 
+def _save_llava_onevision_processor_parts(tokenizer: Any, config: Any, out_dir: Path) -> None:
+    """LlavaOnevisionProcessor's parts (its video processor requires torchvision): the image
+    processor (PIL backend), processor_config.json as the processor saves it, the tokenizer with
+    <image> and <video>, the chat template."""
+    import transformers
+
+    side = config.vision_config.image_size
+    transformers.LlavaOnevisionImageProcessorPil(
+        size={"height": side, "width": side}, image_grid_pinpoints=config.image_grid_pinpoints
+    ).save_pretrained(out_dir)
+    settings = {"processor_class": "LlavaOnevisionProcessor",
+                "num_image_tokens": (side // config.vision_config.patch_size) ** 2,
+                "vision_feature_select_strategy": config.vision_feature_select_strategy,
+                "vision_aspect_ratio": config.vision_aspect_ratio,
+                **_IMAGE_TOKENS["llava_onevision"]}  # fmt: skip
+    (out_dir / "processor_config.json").write_text(json.dumps(settings, indent=2))
+    tokenizer.chat_template = LLAVA_ONEVISION_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "chat_template.jinja").write_text(LLAVA_ONEVISION_CHAT_TEMPLATE)
+
+
 def _randomise_vision(model: Any) -> None:
     """What from_config leaves at 1 or 0 in the vision part and a trained checkpoint does not:
     every LayerNorm's scale, Gemma 3's projection (zeros). Idefics3 names its tower vision_model
@@ -618,7 +680,9 @@ def _make_with_vision_tower(
                    "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
                    "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
                    "idefics3": transformers.Idefics3ForConditionalGeneration,
-                   "mistral3_vl": transformers.Mistral3ForConditionalGeneration}[arch]  # fmt: skip
+                   "mistral3_vl": transformers.Mistral3ForConditionalGeneration,
+                   "llava_onevision": transformers.LlavaOnevisionForConditionalGeneration,
+                   }[arch]  # fmt: skip
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
     _perturb(model)
@@ -632,6 +696,8 @@ def _make_with_vision_tower(
         _save_qwen_processor_parts(tokenizer, config, out_dir)
     elif with_processor and arch == "mistral3_vl":
         _save_pixtral_processor_parts(tokenizer, config, out_dir)
+    elif with_processor and arch == "llava_onevision":
+        _save_llava_onevision_processor_parts(tokenizer, config, out_dir)
     elif with_processor:  # over the copied tokenizer files: the tokenizer with its image tokens
         _processor(arch, tokenizer, config).save_pretrained(out_dir)
     return out_dir

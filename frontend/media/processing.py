@@ -23,6 +23,7 @@ from PIL import Image
 
 from enginecore.messages import MultiModalItem, TensorData
 from frontend.common.errors import bad_request
+from frontend.media.llava_onevision import LlavaOnevisionImageProcessor, is_llava_onevision
 from frontend.media.pixtral import PixtralImageProcessor, is_mistral3
 from frontend.media.qwen_video import VIDEO_OPTIONS, QwenVideoProcessor
 from frontend.media.qwen_vl import QwenVLImageProcessor, is_qwen_vl
@@ -47,6 +48,8 @@ class ImageProcessor:
                 self.hf = QwenVLImageProcessor(model_path)
             elif is_mistral3(model_path):
                 self.hf = PixtralImageProcessor(model_path)
+            elif is_llava_onevision(model_path):
+                self.hf = LlavaOnevisionImageProcessor(model_path)
             else:
                 self.hf = AutoProcessor.from_pretrained(str(model_path))
         except Exception as e:
@@ -111,7 +114,7 @@ class ImageProcessor:
                 text=[prompt], images=[images] if images else None,
                 add_special_tokens=add_special_tokens, return_tensors="np", **options,
             )  # fmt: skip
-            per_image = [self._image_tensors(image, options) for image in images]
+            per_image = self._per_image(images, options)
         except (ValueError, TypeError, KeyError) as e:
             raise bad_request(f"the image processor failed: {e}", param) from e
         prompt_ids = [int(t) for t in whole["input_ids"][0]]
@@ -143,7 +146,7 @@ class ImageProcessor:
         the placeholders and the items is a 400 naming `param`."""
         self._check_options(options)
         try:
-            per_image = [self._image_tensors(image, options) for image in images]
+            per_image = self._per_image(images, options)
         except (ValueError, TypeError, KeyError) as e:
             raise bad_request(f"the image processor failed: {e}", param) from e
         items = self._match_runs(ids, per_image)
@@ -213,17 +216,23 @@ class ImageProcessor:
         placeholder_id: int | None = None,
         modality: str = "image",
     ) -> list[MultiModalItem] | None:
-        """One item per image (video), each over the next placeholder runs that hold exactly its
-        number of placeholders; None when the runs and the items do not match one to one."""
+        """One item per image (video), each over its number of the next placeholders (a run may
+        hold several images': LLaVA-OneVision's template writes a turn's images side by side);
+        None when the placeholders and the items' counts differ."""
         placeholder = self.placeholder_id if placeholder_id is None else placeholder_id
         runs = placeholder_runs(ids, placeholder)
         items = []
         for tensors, num_rows in per_image:
             spans, taken = [], 0
             while taken < num_rows and runs:
-                start, length = runs.pop(0)
-                spans.append((start, length))
-                taken += length
+                start, length = runs[0]
+                take = min(length, num_rows - taken)
+                spans.append((start, take))
+                taken += take
+                if take < length:
+                    runs[0] = (start + take, length - take)
+                else:
+                    runs.pop(0)
             if taken != num_rows:
                 return None
             items.append(MultiModalItem(modality, content_hash(tensors), spans, tensors))
@@ -246,6 +255,29 @@ class ImageProcessor:
                 f"mm_processor_kwargs: sizes above {MAX_OPTION_SIZE} are not served",
                 "mm_processor_kwargs",
             )
+
+    def _per_image(
+        self, images: list[Image.Image], options: dict[str, Any]
+    ) -> list[tuple[dict[str, TensorData], int]]:
+        """Each image's tensors and placeholder count: what the processor makes of it alone, or,
+        where that depends on the prompt's other images (LLaVA-OneVision), its share of what the
+        processor makes of them all."""
+        if not getattr(self.hf, "processes_images_together", False):
+            return [self._image_tensors(image, options) for image in images]
+        if not images:
+            return []
+        out = self.hf(
+            text=["\n".join([self.marker] * len(images))], images=[images],
+            add_special_tokens=False, return_tensors="np", **options,
+        )  # fmt: skip
+        runs = placeholder_runs([int(t) for t in out["input_ids"][0]], self.placeholder_id)
+        if len(runs) != len(images):
+            raise ValueError(f"{len(images)} images expanded into {len(runs)} placeholder runs")
+        return [
+            ({name: tensor_data(np.asarray(v)) for name, v in self.hf.image_share(out, i).items()},
+             length)
+            for i, (_, length) in enumerate(runs)
+        ]  # fmt: skip
 
     def _image_tensors(
         self, image: Image.Image, options: dict[str, Any]

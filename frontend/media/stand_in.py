@@ -27,6 +27,9 @@ class StandInProcessor:
     they add to the image processor's call (`image_options`)."""
 
     image_token: str
+    # Whether the image processor takes each prompt's images as one list (its outputs for an image
+    # depend on the prompt's other images: see image_share) rather than all images flat.
+    processes_images_together = False
 
     def __init__(self, model_path: str | Path) -> None:
         from transformers import AutoImageProcessor, AutoTokenizer
@@ -44,9 +47,9 @@ class StandInProcessor:
     ) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if images:
-            flat = [image for group in images for image in group]
+            batch = images if self.processes_images_together else [i for g in images for i in g]
             options = self.image_options(options)
-            out.update(self.image_processor(flat, return_tensors=return_tensors, **options))
+            out.update(self.image_processor(batch, return_tensors=return_tensors, **options))
             text = expand_markers(text, self.image_token, self.image_texts(out))
         ids = self.tokenizer(
             text, add_special_tokens=add_special_tokens, return_tensors=return_tensors

@@ -21,6 +21,13 @@ class HFVision:
             from frontend.media.pixtral import PixtralImageProcessor
 
             self.processor: Any = PixtralImageProcessor(model_dir)
+        elif class_name == "LlavaOnevisionForConditionalGeneration":
+            # LlavaOnevisionProcessor requires torchvision (for videos): its image processor's
+            # PIL backend and its own counting methods, which tern's stand-in borrows; the model
+            # refuses placeholders that do not match its image features.
+            from frontend.media.llava_onevision import LlavaOnevisionImageProcessor
+
+            self.processor = LlavaOnevisionImageProcessor(model_dir)
         else:
             self.processor = transformers.AutoProcessor.from_pretrained(model_dir)
         model_class = getattr(transformers, class_name)

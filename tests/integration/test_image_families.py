@@ -9,6 +9,10 @@ float32, from the same prompt (as many prompt tokens: the placeholders laid out 
 - mistral3_vl (Mistral 3 / Ministral 3's layout): an image at its own aspect ratio, its rows of
   `[IMG]` each ended by `[IMG_BREAK]`, the last by `[IMG_END]` (up to 4 x 4 merged tokens here),
   through the Pixtral tower and the 2x2 patch merger.
+- llava_onevision: one image alone is "anyres" (its base view, then a grid of up to 2 x 2 views
+  unpadded and shrunk, a newline a row: 44 features for a 40 x 56 image); each of two is its base
+  view padded to a square and a newline (17). The chat template writes a turn's images side by
+  side, so two images are one run of placeholders that the processor's counts divide.
 
 The server computes prompts in chunks of 32 tokens, so chunks split images; both are served at
 `--tp 2 --pp 2` too. Two different images
@@ -32,6 +36,7 @@ MAX_TOKENS = 8
 FAMILIES = {
     "idefics3": "Idefics3ForConditionalGeneration",
     "mistral3_vl": "Mistral3ForConditionalGeneration",
+    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
 }
 
 
