@@ -282,12 +282,15 @@ QWEN_VL_CHAT_TEMPLATE = (
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# LLaVA-OneVision's (llava-hf's Qwen2 checkpoints): a turn's images side by side, then its text.
+# LLaVA-OneVision's (llava-hf's Qwen2 checkpoints): a turn's images side by side, its videos,
+# then its text.
 LLAVA_ONEVISION_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + ' ' }}"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
     "{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}"
     "{{ '<image>' }}{% endfor %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'video') %}"
+    "{{ '<video>' }}{% endfor %}"
     "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}"
     "{{ '\n' + part['text'] }}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -621,8 +624,8 @@ def _save_pixtral_processor_parts(tokenizer: Any, config: Any, out_dir: Path) ->
 
 def _save_llava_onevision_processor_parts(tokenizer: Any, config: Any, out_dir: Path) -> None:
     """LlavaOnevisionProcessor's parts (its video processor requires torchvision): the image
-    processor (PIL backend), processor_config.json as the processor saves it, the tokenizer with
-    <image> and <video>, the chat template."""
+    processor (PIL backend), processor_config.json as the processor saves it, the video
+    processor's settings (32 px frames), the tokenizer with <image> and <video>, the template."""
     import transformers
 
     side = config.vision_config.image_size
@@ -635,6 +638,10 @@ def _save_llava_onevision_processor_parts(tokenizer: Any, config: Any, out_dir: 
                 "vision_aspect_ratio": config.vision_aspect_ratio,
                 **_IMAGE_TOKENS["llava_onevision"]}  # fmt: skip
     (out_dir / "processor_config.json").write_text(json.dumps(settings, indent=2))
+    video = {"video_processor_type": "LlavaOnevisionVideoProcessor",
+             "size": {"height": side, "width": side}, "image_mean": [0.5] * 3,
+             "image_std": [0.5] * 3, "rescale_factor": 1 / 255}  # fmt: skip
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     tokenizer.chat_template = LLAVA_ONEVISION_CHAT_TEMPLATE
     tokenizer.save_pretrained(out_dir)
     (out_dir / "chat_template.jinja").write_text(LLAVA_ONEVISION_CHAT_TEMPLATE)

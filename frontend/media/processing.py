@@ -3,8 +3,9 @@ template's text with one image marker per image goes through `AutoProcessor` (or
 where the processor requires torchvision: frontend/media/stand_in.py), which expands each marker
 into the model's placeholder tokens; each image's tensors (pixel_values, ...) become a
 MultiModalItem with the runs of placeholders its encoder output fills and a hash of its tensors.
-The Qwen VL checkpoints take videos too (frontend/media/qwen_video.py): each video marker becomes
-its video's text first, and each video is an item of its own.
+The Qwen VL checkpoints and LLaVA-OneVision take videos too (frontend/media/qwen_video.py,
+llava_onevision.py): each video marker becomes its video's text first, and each video is an item
+of its own.
 
 The tensors travel to the workers as raw bytes in msgspec messages (enginecore/messages.py
 TensorData), never pickled.
@@ -23,7 +24,11 @@ from PIL import Image
 
 from enginecore.messages import MultiModalItem, TensorData
 from frontend.common.errors import bad_request
-from frontend.media.llava_onevision import LlavaOnevisionImageProcessor, is_llava_onevision
+from frontend.media.llava_onevision import (
+    LlavaOnevisionImageProcessor,
+    LlavaOnevisionVideoProcessor,
+    is_llava_onevision,
+)
 from frontend.media.pixtral import PixtralImageProcessor, is_mistral3
 from frontend.media.qwen_video import VIDEO_OPTIONS, QwenVideoProcessor
 from frontend.media.qwen_vl import QwenVLImageProcessor, is_qwen_vl
@@ -65,11 +70,17 @@ class ImageProcessor:
         # begin-of-image token; LLaVA's and Qwen's their image token, which Qwen's chat template
         # writes between <|vision_start|> and <|vision_end|>).
         self.marker = getattr(self.hf, "boi_token", None) or self.hf.image_token
-        # Videos: the Qwen VL checkpoints' (their config.json names the video placeholder).
-        self.video: QwenVideoProcessor | None = None
+        # Videos: the Qwen VL checkpoints' and LLaVA-OneVision's (their config.json names the
+        # video placeholder).
+        self.video: QwenVideoProcessor | LlavaOnevisionVideoProcessor | None = None
         if isinstance(self.hf, QwenVLImageProcessor) and "video_token_id" in config:
             self.video = QwenVideoProcessor(model_path, config["architectures"][0])
             self.video_placeholder_id = int(config["video_token_id"])
+        elif isinstance(self.hf, LlavaOnevisionImageProcessor) and "video_token_index" in config:
+            vision = config.get("vision_config") or {}  # LlavaOnevisionConfig's SigLIP defaults
+            side = int(vision.get("image_size", 384)) // int(vision.get("patch_size", 14))
+            self.video = LlavaOnevisionVideoProcessor(model_path, side)
+            self.video_placeholder_id = int(config["video_token_index"])
 
     def video_options(self, options: dict[str, Any] | None, param: str) -> dict[str, Any]:
         """The part of a request's mm_processor_kwargs that says how to sample its videos."""
@@ -207,7 +218,11 @@ class ImageProcessor:
         return out
 
     def _video_marker(self) -> str:
-        return getattr(self.hf.tokenizer, "video_token", None) or "<|video_pad|>"
+        return (
+            getattr(self.hf, "video_token", None)
+            or getattr(self.hf.tokenizer, "video_token", None)
+            or "<|video_pad|>"
+        )
 
     def _match_runs(
         self,

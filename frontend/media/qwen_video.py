@@ -31,9 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from frontend.media.video import Video
+from frontend.media.video import Video, resized_pixels
 
 _OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -129,13 +128,9 @@ class QwenVideoProcessor:
         self, video: Video, video_token: str, vision_start: str, vision_end: str
     ) -> tuple[dict[str, np.ndarray], str]:
         """One video's tensors and the text its `<|video_pad|>` becomes."""
-        frames = torch.from_numpy(video.frames).permute(0, 3, 1, 2).contiguous()  # T C H W
-        num_frames, _, height, width = frames.shape
-        new_h, new_w = self._resize_to(num_frames, height, width)
-        frames = F.interpolate(
-            frames, size=(new_h, new_w), mode="bicubic", antialias=True, align_corners=False
-        )
-        pixels = (frames.to(torch.float32) - self.mean.view(-1, 1, 1)) / self.std.view(-1, 1, 1)
+        num_frames, height, width, _ = video.frames.shape
+        size = self._resize_to(num_frames, height, width)
+        pixels = resized_pixels(video.frames, size, self.mean, self.std)
         patches, grid = self._patchify(pixels)
         tensors: dict[str, np.ndarray] = {
             "pixel_values_videos": patches.numpy(),

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 from frontend.common.errors import bad_request
 from frontend.media.policy import MediaPolicy
@@ -41,6 +43,18 @@ class Video:
     def sampled_fps(self) -> float:
         """Frames kept per second of video (transformers' VideoMetadata.sampled_fps)."""
         return len(self.indices) / self.num_frames * self.fps
+
+
+def resized_pixels(
+    frames: np.ndarray, size: tuple[int, int], mean: torch.Tensor, std: torch.Tensor
+) -> torch.Tensor:
+    """(T, H, W, 3) uint8 frames -> (T, 3, h, w) float32: resized bicubic with antialiasing on the
+    uint8 frames (what torchvision's resize runs on a CPU, as transformers' video processors call
+    it), then (x - mean) / std with the mean and std on the 0-255 scale (their fused rescale and
+    normalise)."""
+    pixels = torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous()
+    pixels = F.interpolate(pixels, size=size, mode="bicubic", antialias=True, align_corners=False)
+    return (pixels.to(torch.float32) - mean.view(-1, 1, 1)) / std.view(-1, 1, 1)
 
 
 def decode_video(data: bytes, sample: FrameSampler, policy: MediaPolicy, param: str) -> Video:

@@ -187,6 +187,23 @@ def data_url(image: Image.Image, fmt: str = "PNG") -> str:
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(image_bytes(image, fmt)).decode()
 
 
+def random_video(seed: int, num_frames: int = 32, size: tuple[int, int] = (24, 32)) -> bytes:
+    """An MPEG-4 video of random frames at 8 frames a second (4 s by default)."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.height, stream.width = size
+        stream.pix_fmt = "yuv420p"
+        for _ in range(num_frames):
+            pixels = rng.integers(0, 256, (*size, 3), dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    return buf.getvalue()
+
+
 @pytest.fixture(scope="session")
 def llava_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path | None) -> Path:
     if tokenizer_dir is None:

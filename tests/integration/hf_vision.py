@@ -15,6 +15,7 @@ class HFVision:
     def __init__(self, model_dir: Path, class_name: str, max_tokens: int = 8) -> None:
         import transformers
 
+        self.model_dir = model_dir
         if class_name == "Mistral3ForConditionalGeneration":
             # PixtralProcessor requires torchvision: its image processor's PIL backend with the
             # expansion tern does as it (tests/unit/test_pixtral_processor.py checks that).

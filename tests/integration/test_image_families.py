@@ -20,16 +20,18 @@ give different answers, so no test passes with the image ignored."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+import torch
 from PIL import Image
 
 from tests.conftest import make_tiny_model
-from tests.integration.conftest import FLOAT32, data_url, random_image
+from tests.integration.conftest import FLOAT32, data_url, random_image, random_video
 from tests.integration.hf_vision import HFVision
 
 MAX_TOKENS = 8
@@ -124,3 +126,69 @@ def test_tp2_pp2_is_hf_exact(
     text = "Compare the two pictures."
     images = [random_image(3, (24, 64)), random_image(4, (64, 48))]
     assert _ask(client, text, images) == _hf(hf, text, images)
+
+
+def test_a_llava_onevision_video_is_hf_exact(family: tuple[openai.OpenAI, HFVision]) -> None:
+    """A video part: 32 of a 40-frame clip's frames spread evenly (vLLM's loader's choice), each
+    resized to 32 px and pooled to 2 x 2 features, then one newline: 129 placeholders; with
+    `num_frames` 8 in mm_processor_kwargs, 33. Answers and prompt lengths as Hugging Face's from
+    the same frames' tensors; another video, another answer."""
+    client, hf = family
+    if hf.model.config.architectures[0] != FAMILIES["llava_onevision"]:
+        pytest.skip("videos are LLaVA-OneVision's here (the Qwen VL families: test_qwen_images)")
+    text = "What happens in this video?"
+    first = _ask_video(client, text, random_video(1, num_frames=40))
+    assert first == _hf_video(hf, text, random_video(1, num_frames=40), {})
+    assert first[0] - len(_hf_text_ids(hf, text)) == 129 - 1  # the marker became 129 tokens
+    other = _ask_video(client, text, random_video(2, num_frames=40))
+    assert other == _hf_video(hf, text, random_video(2, num_frames=40), {})
+    assert other[1] != first[1]
+    fewer = _ask_video(client, text, random_video(1, num_frames=40), {"num_frames": 8})
+    assert fewer == _hf_video(hf, text, random_video(1, num_frames=40), {"num_frames": 8})
+    assert fewer[0] == first[0] - 96
+
+
+def _ask_video(
+    client: openai.OpenAI, text: str, video: bytes, options: dict[str, Any] | None = None
+) -> tuple[int, list[int]]:
+    url = "data:video/mp4;base64," + base64.b64encode(video).decode()
+    content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": text}]
+    extra: dict[str, Any] = {"return_token_ids": True}
+    if options:
+        extra["mm_processor_kwargs"] = options
+    r = client.chat.completions.create(
+        model="vl", messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS,
+        temperature=0, extra_body=extra,
+    )  # fmt: skip
+    return r.usage.prompt_tokens, r.choices[0].token_ids
+
+
+def _video_prompt(hf: HFVision, text: str) -> str:
+    turn = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": text}]}]
+    return hf.processor.tokenizer.apply_chat_template(
+        turn, add_generation_prompt=True, tokenize=False
+    )
+
+
+def _hf_text_ids(hf: HFVision, text: str) -> list[int]:
+    return hf.processor.tokenizer(_video_prompt(hf, text), add_special_tokens=False).input_ids
+
+
+def _hf_video(
+    hf: HFVision, text: str, video: bytes, options: dict[str, Any]
+) -> tuple[int, list[int]]:
+    """Hugging Face's (prompt tokens, greedy answer) from tern's frames and tensors of the video
+    (frontend/media/llava_onevision.py: the processor's own video half needs torchvision)."""
+    from frontend.media.llava_onevision import LlavaOnevisionVideoProcessor
+    from frontend.media.policy import MediaPolicy
+    from frontend.media.video import decode_video
+
+    vision = hf.model.config.vision_config
+    processor = LlavaOnevisionVideoProcessor(hf.model_dir, vision.image_size // vision.patch_size)
+    decoded = decode_video(video, processor.sampler(options), MediaPolicy(), "video")
+    tensors, video_text = processor.process(decoded, "<video>", "", "")
+    prompt = _video_prompt(hf, text).replace("<video>", video_text)
+    ids = hf.processor.tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "pixel_values_videos": torch.from_numpy(tensors["pixel_values_videos"])}  # fmt: skip
+    return ids.shape[1], hf.generate(**inputs)[0]

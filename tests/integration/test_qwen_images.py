@@ -34,7 +34,7 @@ import torch
 from PIL import Image
 
 from tests.conftest import make_tiny_model
-from tests.integration.conftest import FLOAT32
+from tests.integration.conftest import FLOAT32, random_video
 
 MAX_TOKENS = 8
 
@@ -165,23 +165,6 @@ def hf(qwen_dir: Path) -> _HF:
     return _HF(qwen_dir)
 
 
-def _video(seed: int, num_frames: int = 32, size: tuple[int, int] = (24, 32)) -> bytes:
-    """An MPEG-4 video of random frames at 8 frames a second (4 s by default)."""
-    import av
-
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as container:
-        stream = container.add_stream("mpeg4", rate=8)
-        stream.height, stream.width = size
-        stream.pix_fmt = "yuv420p"
-        for _ in range(num_frames):
-            pixels = rng.integers(0, 256, (*size, 3), dtype=np.uint8)
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
-        container.mux(stream.encode())
-    return buf.getvalue()
-
-
 def _ask(
     client: openai.OpenAI, parts: list[Any], extra: dict[str, Any] | None = None
 ) -> tuple[list[int], list[dict[str, Any]], Any]:
@@ -252,36 +235,36 @@ def test_tp2_pp2_with_images_is_hf_exact(
     images = [_image(6), _image(7, (40, 24))]
     answer, content, _ = _ask(client, ["First", images[0], "then", images[1], "Which is bigger?"])
     assert answer == hf.greedy(content, images)
-    answer, content, _ = _ask(client, [_video(6), "And in this video?"])
-    assert answer == hf.greedy(content, [], _video(6))
+    answer, content, _ = _ask(client, [random_video(6), "And in this video?"])
+    assert answer == hf.greedy(content, [], random_video(6))
 
 
 def test_a_video_is_hf_exact_and_the_video_matters(client: openai.OpenAI, hf: _HF) -> None:
     """A 4 s video (8 frames sampled: 4 temporal patches) then a question, and a video last in
     the prompt (Qwen2.5-VL's time positions then reach past the text after it, so decoding
     continues from them)."""
-    first, content, r = _ask(client, [_video(1), "What happens in this video?"])
-    other, _, _ = _ask(client, [_video(2), "What happens in this video?"])
-    assert first == hf.greedy(content, [], _video(1))
-    assert other == hf.greedy(content, [], _video(2))
+    first, content, r = _ask(client, [random_video(1), "What happens in this video?"])
+    other, _, _ = _ask(client, [random_video(2), "What happens in this video?"])
+    assert first == hf.greedy(content, [], random_video(1))
+    assert other == hf.greedy(content, [], random_video(2))
     assert first != other
     assert r.usage.prompt_tokens > 48  # 4 temporal patches of 4x4 merged tokens at most
-    last, content, _ = _ask(client, ["Describe:", _video(3)])
-    assert last == hf.greedy(content, [], _video(3))
+    last, content, _ = _ask(client, ["Describe:", random_video(3)])
+    assert last == hf.greedy(content, [], random_video(3))
 
 
 def test_mm_processor_kwargs_sample_fewer_frames(client: openai.OpenAI, hf: _HF) -> None:
     """num_frames 4 instead of 2 a second (8 frames of this 4 s video): half the temporal
     patches, HF's answer for the same frames."""
-    parts: list[Any] = [_video(7), "What happens?"]
+    parts: list[Any] = [random_video(7), "What happens?"]
     _, content, full = _ask(client, parts)
     fewer, _, r = _ask(client, parts, {"mm_processor_kwargs": {"num_frames": 4}})
-    assert fewer == hf.greedy(content, [], _video(7), {"num_frames": 4})
+    assert fewer == hf.greedy(content, [], random_video(7), {"num_frames": 4})
     assert r.usage.prompt_tokens < full.usage.prompt_tokens
 
 
 def test_an_image_and_a_video_in_one_prompt(client: openai.OpenAI, hf: _HF) -> None:
-    image, video = _image(8), _video(4, num_frames=20, size=(32, 16))
+    image, video = _image(8), random_video(4, num_frames=20, size=(32, 16))
     answer, content, _ = _ask(client, ["Here", image, "and", video, "Same scene?"])
     assert answer == hf.greedy(content, [image], video)
 
@@ -291,7 +274,7 @@ def test_sglang_generate_takes_video_data(server: Any, hf: _HF) -> None:
     it), and token ids another processor expanded (an RL trainer's) with the video as raw
     base64; both answer HF's tokens."""
     content = [{"type": "video"}, {"type": "text", "text": "What happens?"}]
-    video = _video(8)
+    video = random_video(8)
     text = hf.tokenizer.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
     )
@@ -326,14 +309,14 @@ def test_video_refusals(client: openai.OpenAI) -> None:
         )  # fmt: skip
     assert e.value.body["param"] == "messages[0].content[0]"
     assert "video" in e.value.body["message"]
-    url = "data:video/mp4;base64," + base64.b64encode(_video(5, num_frames=8)).decode()
+    url = "data:video/mp4;base64," + base64.b64encode(random_video(5, num_frames=8)).decode()
     two = [{"type": "video_url", "video_url": {"url": url}}] * 2
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
             model="qwen-vl", max_tokens=2, messages=[{"role": "user", "content": two}]
         )
     assert "At most 1 video(s)" in e.value.body["message"]
-    answer, _, _ = _ask(client, [_video(5, num_frames=8), "Still there?"])
+    answer, _, _ = _ask(client, [random_video(5, num_frames=8), "Still there?"])
     assert len(answer) == MAX_TOKENS
 
 
@@ -363,7 +346,7 @@ def test_preempted_images_and_videos_resume_hf_exact(
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     jobs: list[list[Any]] = [
         [f"Question {i}: what is shown in this, and why? " * 3, *([_image(20 + i)] if i % 3 == 1 else []),
-         *([_video(20 + i, num_frames=16)] if i % 3 == 2 else [])]
+         *([random_video(20 + i, num_frames=16)] if i % 3 == 2 else [])]
         for i in range(6)
     ]  # fmt: skip
     with ThreadPoolExecutor(6) as pool:

@@ -16,7 +16,8 @@ embeddings, in prompt order: (num_placeholder_tokens, text hidden size).
   the base view's rows, then the grid's unpadded rows each followed by `image_newline`; or, for an
   image sharing its prompt (batch_num_images > 1), the base view's rows and one newline. NOTE: the
   processor pads such an image to a square first, so its tensors must be its share of the
-  prompt's output, not the image processed alone.
+  prompt's output, not the image processed alone. A video: `pixel_values_videos` (1, F, 3, S, S)
+  -> each frame's rows pooled 2x2 (ceil(S / patch / 2)^2 a frame), then one `image_newline`.
 - Mistral 3 (Pixtral): `pixel_values` (1, 3, H', W') padded beyond `image_sizes` (1, 2) -> one row
   per 2x2 block of patches, row by row: the `[IMG]` runs the processor separates with
   `[IMG_BREAK]`.
@@ -175,8 +176,9 @@ class Idefics3ImageEncoder(ImageEncoder):
 class LlavaOnevisionImageEncoder(ImageEncoder):
     """LLaVA-OneVision: one image is `pixel_values` (1, N, 3, S, S) (the base view, then the
     grid's tiles, then padding to the batch's N), `image_sizes` (1, 2) and `batch_num_images`; its
-    rows are laid out by the projector (llava_onevision.py). The checkpoint's `image_newline` is
-    the projector's."""
+    rows are laid out by the projector (llava_onevision.py). A video is `pixel_values_videos`
+    (1, F, 3, S, S), its frames pooled by the projector. The checkpoint's `image_newline` is the
+    projector's."""
 
     CHECKPOINT_PREFIXES = (
         *ImageEncoder.CHECKPOINT_PREFIXES,
@@ -184,6 +186,12 @@ class LlavaOnevisionImageEncoder(ImageEncoder):
     )
 
     def encode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        weight = next(self.parameters())
+        if "pixel_values_videos" in tensors:  # one video: (1, F, 3, S, S) frames
+            frames = tensors["pixel_values_videos"]
+            frames = frames.reshape(-1, *frames.shape[-3:]).to(weight.device, weight.dtype)
+            projected = self.multi_modal_projector(self.vision_tower(frames))
+            return self.multi_modal_projector.video_layout(projected)
         pixel_values = tensors["pixel_values"]
         pixel_values = pixel_values.reshape(-1, *pixel_values.shape[-3:])  # (N, 3, S, S)
         height, width = (int(v) for v in tensors["image_sizes"].reshape(-1, 2)[0])
@@ -197,7 +205,6 @@ class LlavaOnevisionImageEncoder(ImageEncoder):
                 f"a {height}x{width} image is {num_pictures} pictures, pixel_values holds "
                 f"{pixel_values.shape[0]}"
             )
-        weight = next(self.parameters())
         features = self.vision_tower(pixel_values[:num_pictures].to(weight.device, weight.dtype))
         pictures = self.multi_modal_projector(features)  # (N, P, text hidden)
         return self.multi_modal_projector.layout(pictures, (height, width))

@@ -10,7 +10,9 @@ rows are, in this order:
   holds more than `anyres_max_N` base views' worth (by more than 10%), each row followed by the
   learned `image_newline`.
 An image that shares its prompt with other images (`batch_num_images` > 1) is its base view and
-one `image_newline` only, as Hugging Face's model and processor do.
+one `image_newline` only, as Hugging Face's model and processor do. A video is each frame's
+patch features pooled 2x2 (bilinear, to ceil(side / 2) a side), frame after frame, then one
+`image_newline`.
 """
 
 from __future__ import annotations
@@ -110,3 +112,15 @@ class LlavaOnevisionProjector(LlavaMultiModalProjector):
         newline = self.image_newline[:, None, None].expand(*grid.shape[:-1], 1).to(grid)
         grid = torch.cat([grid, newline], dim=-1).flatten(1, 2).transpose(0, 1)  # (rows, C)
         return torch.cat([base, grid])
+
+    def video_layout(self, frames: torch.Tensor) -> torch.Tensor:
+        """(F, P, hidden) projected frames of one video -> its rows: each frame's features
+        bilinearly pooled to ceil(side / 2) a side, frame after frame, then one newline
+        (Hugging Face's apply_pooling and get_video_features)."""
+        side = self.patches_per_side
+        if frames.shape[1] != side * side:
+            raise ValueError("videos need every patch of a frame (select strategy 'full')")
+        grid = frames.view(frames.shape[0], side, side, -1).permute(0, 3, 1, 2)
+        pooled = F.interpolate(grid, size=[math.ceil(side / 2)] * 2, mode="bilinear")
+        rows = pooled.permute(0, 2, 3, 1).reshape(-1, frames.shape[-1])
+        return torch.cat([rows, self.image_newline[None].to(rows)])
