@@ -250,3 +250,94 @@ def test_decode_only_metadata_equals_the_general_path() -> None:
         assert torch.equal(got, want) and got.dtype == want.dtype and got.is_contiguous()
     assert fast.decode.is_whole_batch and fast.decode.block_size == 16
     assert (fast.start_pos_list, fast.query_len_list) == (start_pos, [1] * 4)
+
+
+def _long_context_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: list[int],
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """q (B, H, D); k, v (B, ctx, Hkv, D) each sequence's context in order -> (B, H, D)."""
+    out = []
+    group = q.size(1) // k.size(2)
+    for b, n in enumerate(lens):
+        begin = n - window if window is not None and n > window else 0
+        kb = k[b, begin:n].float().repeat_interleave(group, 1).transpose(0, 1)  # (H, n, D)
+        vb = v[b, begin:n].float().repeat_interleave(group, 1).transpose(0, 1)
+        scores = (kb @ q[b].float()[:, :, None])[..., 0] * scale  # (H, n)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if sinks is not None:  # one more logit per head, with no value
+            scores = torch.cat([scores, sinks[:, None]], dim=1)
+        p = scores.softmax(-1)[:, : n - begin]
+        out.append((p[:, None, :] @ vb)[:, 0])
+    return torch.stack(out)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "kv,window,softcap,with_sinks",
+    [
+        ("float32", None, None, False),
+        ("float32", 300, None, True),  # the window starts inside a part; the sink counts once
+        ("float32", None, 2.0, False),
+        ("bfloat16", None, None, False),  # the 16-token AVX512-BF16 loop where the tier has it
+        ("bfloat16", 600, None, False),
+        ("int8", None, None, True),
+    ],
+)
+def test_long_contexts_are_attended_in_parts(
+    kv: str, window: int | None, softcap: float | None, with_sinks: bool
+) -> None:
+    """Contexts beyond the kernel's 256-token parts (1 to 5 parts; a lone sequence, and four):
+    each part is a work item of its own and the parts' softmaxes are merged, equal to one
+    softmax over the whole context; a query's result is the same alone and in a batch."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    lens = [1000, 257, 256, 700]
+    g = torch.Generator().manual_seed(7)
+    io = torch.float32 if kv != "bfloat16" else torch.bfloat16
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(io)
+    k = torch.randn(len(lens), max(lens), kv_heads, head_dim, generator=g).to(io)
+    v = torch.randn(len(lens), max(lens), kv_heads, head_dim, generator=g).to(io)
+    per_seq = -(-max(lens) // block_size)
+    order = torch.randperm(len(lens) * per_seq, generator=g)  # scattered blocks
+    tables = order.view(len(lens), per_seq).to(torch.int32)
+    sinks = torch.randn(heads, generator=g) if with_sinks else None
+    shape = (len(lens) * per_seq, block_size, kv_heads, head_dim)
+    if kv == "int8":
+        from workers.quant import kv_int8
+
+        k_cache = torch.zeros(*shape[:3], kv_int8.row_bytes(head_dim), dtype=torch.uint8)
+        v_cache = torch.zeros_like(k_cache)
+    else:
+        k_cache, v_cache = torch.zeros(shape, dtype=io), torch.zeros(shape, dtype=io)
+    for b, n in enumerate(lens):
+        slots = torch.tensor([int(tables[b, p // block_size]) * block_size + p % block_size
+                              for p in range(n)])  # fmt: skip
+        if kv == "int8":
+            kv_int8.write(k_cache, slots, k[b, :n])
+            kv_int8.write(v_cache, slots, v[b, :n])
+            k[b, :n] = kv_int8.read(k_cache.flatten(0, 1)[slots], io)  # what the cache holds
+            v[b, :n] = kv_int8.read(v_cache.flatten(0, 1)[slots], io)
+        else:
+            k_cache.view(-1, kv_heads, head_dim)[slots] = k[b, :n]
+            v_cache.view(-1, kv_heads, head_dim)[slots] = v[b, :n]
+    scale = head_dim**-0.5
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+
+    def attend(rows: slice) -> torch.Tensor:
+        return attention_ops.paged_decode_attention(
+            q[rows].contiguous(), k_cache, v_cache, tables[rows].contiguous(),
+            context_lens[rows].contiguous(), scale, window=window, softcap=softcap, sinks=sinks,
+        )  # fmt: skip
+
+    out = attend(slice(None))
+    ref = _long_context_reference(q, k, v, lens, scale, window, softcap, sinks)
+    tol = 2e-2 if io == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    assert torch.equal(attend(slice(0, 1)), out[:1])  # alone: one sequence, 3 KV-head items

@@ -6,6 +6,7 @@
  */
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 #include "simd.h"
 
@@ -352,12 +353,20 @@ static inline void prefetch_rows(const char *p, int n, int64_t row_stride, int r
  * float32 cache still streams at only ~22 GB/s there (a sum over memory reads 40-48): it waits on
  * memory between blocks rather than computing while the next one arrives. */
 #define DECODE_CHUNK 8
+
+/* A context part's softmax state, for merge_parts (part_max NULL: the context is one part). */
+static inline void keep_softmax_state(float *part_max, float *part_sum, const float *row_max,
+                                      const float *row_sum, int R) {
+    if (part_max == NULL) return;
+    memcpy(part_max, row_max, sizeof(float) * R);
+    memcpy(part_sum, row_sum, sizeof(float) * R);
+}
 #define DEFINE_DECODE_HEADS(SUFFIX, KV_T)                                                        \
     static void decode_heads_##SUFFIX(const float *qs, const uint16_t *qb, float scale,          \
                                       const KV_T *k, const KV_T *v, const int32_t *table,        \
                                       int start, int ctx, int nh, int G, int D, int block_size,  \
                                       int64_t slot_stride, float softcap, const float *sinks,    \
-                                      float *out) {                                              \
+                                      float *out, float *part_max, float *part_sum) {            \
         int R = nh * G;                                                                          \
         float scores[R * block_size]; /* [r][t]: the current block's */                          \
         float acc[R * D], row_max[R], row_sum[R];                                                \
@@ -420,6 +429,7 @@ static inline void prefetch_rows(const char *p, int n, int64_t row_stride, int r
             float inv = 1.f / row_sum[r];                                                        \
             for (int d = 0; d < D; d++) out[r * D + d] = acc[r * D + d] * inv;                   \
         }                                                                                        \
+        keep_softmax_state(part_max, part_sum, row_max, row_sum, R);                             \
     }
 DEFINE_DECODE_HEADS(f32, float)
 DEFINE_DECODE_HEADS(bf16, uint16_t)
@@ -447,7 +457,7 @@ static inline int widened_index(int i) {
 static void decode_heads_bf16_x16(const uint16_t *qb, float scale, const uint16_t *k,
                                   const uint16_t *v, const int32_t *table, int start, int ctx,
                                   int nh, int G, int D, int block_size, int64_t slot_stride,
-                                  float *out) {
+                                  float *out, float *part_max, float *part_sum) {
     int R = nh * G;
     float acc[R * D], row_max[R], row_sum[R], p[MAX_GROUP][16], corr[MAX_GROUP];
     for (int r = 0; r < R; r++) {
@@ -549,8 +559,65 @@ static void decode_heads_bf16_x16(const uint16_t *qb, float scale, const uint16_
         for (int d = 0; d < D; d++)
             out[r * D + d] = acc[r * D + d / 32 * 32 + widened_index(d % 32)] * inv;
     }
+    keep_softmax_state(part_max, part_sum, row_max, row_sum, R);
 }
 #endif
+
+/* A query's context is attended in parts of PART_TOKENS (at multiples of it), each a work item of
+ * its own: one long context keeps every thread busy (a lone sequence's 3 KV heads on 2 threads
+ * left one idle a third of the time), and the parts are merged from their softmax states. */
+#define PART_TOKENS 256
+
+/* The first token a query of context ctx attends: its window's first, else 0. */
+static inline int attended_from(int ctx, int window) {
+    return window > 0 && ctx > window ? ctx - window : 0;
+}
+
+/* How many parts the tokens [begin, ctx) fall in. */
+static inline int num_parts(int begin, int ctx) {
+    return (ctx - 1) / PART_TOKENS - begin / PART_TOKENS + 1;
+}
+
+/* The sequence whose items hold `item`: first_item (B + 1) ascending. */
+static inline int sequence_of(const int *first_item, int B, int item) {
+    int lo = 0, hi = B - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (first_item[mid] <= item)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+/* One query's KV-head group from its `parts` parts (each R rows of D outputs normalised by its
+ * own softmax, then its R row maxima and R sums; `stride` floats apart), in order: each part
+ * weighted by its share of the whole softmax, into out (R, D) float32 or bfloat16. */
+static void merge_parts(const float *part, int64_t stride, int parts, int R, int D, void *out,
+                        int out_bf16) {
+    for (int r = 0; r < R; r++) {
+        float m = -INFINITY, total = 0.f, weight[parts];
+        for (int p = 0; p < parts; p++) {
+            float pm = part[stride * p + (int64_t)R * D + r];
+            m = pm > m ? pm : m;
+        }
+        for (int p = 0; p < parts; p++) {
+            const float *state = part + stride * p + (int64_t)R * D;
+            weight[p] = state[R + r] * expf(state[r] - m);
+            total += weight[p];
+        }
+        for (int d = 0; d < D; d++) {
+            float v = 0.f;
+            for (int p = 0; p < parts; p++) v += part[stride * p + (int64_t)r * D + d] * weight[p];
+            v /= total;
+            if (out_bf16)
+                ((uint16_t *)out)[(int64_t)r * D + d] = f32_to_bf16(v);
+            else
+                ((float *)out)[(int64_t)r * D + d] = v;
+        }
+    }
+}
 
 /* q, out: (B, H, D) float32 (io_is_bf16 = 0) or bfloat16 (1). k_cache, v_cache: (num_blocks *
  * block_size, Hkv, D) float32 (kv_format 0) or bfloat16 (1), or (..., Hkv, HEAD_i8(D)) bytes of int8
@@ -581,20 +648,38 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
     int64_t slot_stride = (int64_t)Hkv * (kv_is_i8 ? HEAD_i8(D) : D);
     for (int b = 0; slots != NULL && b < B; b++)
         if (slots[b] < 0 || slots[b] >= num_slots) return -2;
-    /* One work item per query (all its KV heads); with too few queries to keep the threads
-     * busy, one per (query, KV head). */
+    /* Work items: per query, its KV heads (all in one item, or one each when there are too few
+     * queries to keep the threads busy) and its attended context cut into parts at multiples of
+     * PART_TOKENS. Parts depend on the context alone, never on the batch, so a query's sums are
+     * the same in any batch (--batch-invariant relies on it); a context of several parts is
+     * merged from each part's softmax state. */
     int nh = B >= 2 * omp_get_max_threads() ? Hkv : 1;
-    int num_items = B * (Hkv / nh);
+    int groups = Hkv / nh, R = nh * G, n = R * D, split = 0;
+    int *first_item = malloc(sizeof(int) * (B + 1));
+    if (first_item == NULL) return -1;
+    first_item[0] = 0;
+    for (int b = 0; b < B; b++) {
+        int parts = num_parts(attended_from(context_lens[b], window), context_lens[b]);
+        split |= parts > 1;
+        first_item[b + 1] = first_item[b] + parts * groups;
+    }
+    int num_items = first_item[B];
+    int64_t part_floats = (int64_t)n + 2 * R; /* a part's output, then its row maxima and sums */
+    float *parts_out = split ? malloc(sizeof(float) * part_floats * num_items) : NULL;
+    if (split && parts_out == NULL) {
+        free(first_item);
+        return -1;
+    }
 #pragma omp parallel
     {
     /* Every new row is written before any query reads: several queries may be one sequence's
      * consecutive tokens (speculative decoding verifies drafts as such rows), each attending to
      * the rows of the tokens before it. */
-    int num_writes = slots != NULL ? num_items : 0;
+    int num_writes = slots != NULL ? B * groups : 0;
 #pragma omp for schedule(static)
     for (int item = 0; item < num_writes; item++) {
-        int b = item / (Hkv / nh);
-        int h0 = item % (Hkv / nh) * nh;
+        int b = item / groups;
+        int h0 = item % groups * nh;
         if (kv_is_i8) {
             size_t io = io_is_bf16 ? 2 : 4;
             for (int h = h0; h < h0 + nh; h++) {
@@ -617,44 +702,65 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
     }
 #pragma omp for schedule(dynamic, 1)
     for (int item = 0; item < num_items; item++) {
-        int b = item / (Hkv / nh);
-        int h0 = item % (Hkv / nh) * nh;
+        int b = sequence_of(first_item, B, item);
+        int local = item - first_item[b], whole = first_item[b + 1] - first_item[b] == groups;
+        int part = local / groups, h0 = local % groups * nh;
         int64_t first = ((int64_t)b * H + (int64_t)h0 * G) * D;
-        int n = nh * G * D;
+        int ctx = context_lens[b], begin = attended_from(ctx, window);
+        int lo = begin / PART_TOKENS + part;
+        int part_begin = lo * PART_TOKENS > begin ? lo * PART_TOKENS : begin;
+        int part_end = (lo + 1) * PART_TOKENS < ctx ? (lo + 1) * PART_TOKENS : ctx;
         float qs[n], os[n];
         for (int i = 0; i < n; i++)
             qs[i] = (io_is_bf16 ? bf16_to_f32(((const uint16_t *)q)[first + i])
                                 : ((const float *)q)[first + i]) * scale;
         const int32_t *table = block_tables + (int64_t)b * table_stride;
-        int start = window > 0 && context_lens[b] > window ? context_lens[b] - window : 0;
-        float *o = io_is_bf16 ? os : (float *)out + first;
+        float *o = io_is_bf16 ? os : (float *)out + first, *pmax = NULL, *psum = NULL;
+        if (!whole) {
+            o = parts_out + part_floats * item;
+            pmax = o + n;
+            psum = pmax + R;
+        }
         /* bf16 queries against a bf16 cache: the pair dot products (when the build has them) */
         const uint16_t *qb =
             kv_is_bf16 && io_is_bf16 && D % 32 == 0 ? (const uint16_t *)q + first : NULL;
-        const float *item_sinks = sinks != NULL ? sinks + (int64_t)h0 * G : NULL;
+        /* a sink counts once: in the first part's softmax */
+        const float *item_sinks = sinks != NULL && part == 0 ? sinks + (int64_t)h0 * G : NULL;
 #ifdef __AVX512BF16__
         if (qb != NULL && D % 64 == 0 && softcap <= 0.f && sinks == NULL)
             decode_heads_bf16_x16(qb, scale, (const uint16_t *)k_cache + h0 * D,
-                                  (const uint16_t *)v_cache + h0 * D, table, start,
-                                  context_lens[b], nh, G, D, block_size, slot_stride, o);
+                                  (const uint16_t *)v_cache + h0 * D, table, part_begin,
+                                  part_end, nh, G, D, block_size, slot_stride, o, pmax, psum);
         else
 #endif
         if (kv_is_i8)
             decode_heads_i8(qs, NULL, scale, (const int8_t *)k_cache + (int64_t)h0 * HEAD_i8(D),
-                            (const int8_t *)v_cache + (int64_t)h0 * HEAD_i8(D), table, start,
-                            context_lens[b], nh, G, D, block_size, slot_stride, softcap,
-                            item_sinks, o);
+                            (const int8_t *)v_cache + (int64_t)h0 * HEAD_i8(D), table,
+                            part_begin, part_end, nh, G, D, block_size, slot_stride, softcap,
+                            item_sinks, o, pmax, psum);
         else if (kv_is_bf16)
             decode_heads_bf16(qs, qb, scale, (const uint16_t *)k_cache + h0 * D,
-                              (const uint16_t *)v_cache + h0 * D, table, start, context_lens[b],
-                              nh, G, D, block_size, slot_stride, softcap, item_sinks, o);
+                              (const uint16_t *)v_cache + h0 * D, table, part_begin, part_end,
+                              nh, G, D, block_size, slot_stride, softcap, item_sinks, o, pmax,
+                              psum);
         else
             decode_heads_f32(qs, NULL, scale, (const float *)k_cache + h0 * D,
-                             (const float *)v_cache + h0 * D, table, start, context_lens[b], nh,
-                             G, D, block_size, slot_stride, softcap, item_sinks, o);
-        if (io_is_bf16)
+                             (const float *)v_cache + h0 * D, table, part_begin, part_end, nh,
+                             G, D, block_size, slot_stride, softcap, item_sinks, o, pmax, psum);
+        if (whole && io_is_bf16)
             for (int i = 0; i < n; i++) ((uint16_t *)out)[first + i] = f32_to_bf16(os[i]);
     }
+#pragma omp for schedule(static)
+    for (int pair = 0; pair < (split ? B * groups : 0); pair++) {
+        int b = pair / groups, grp = pair % groups;
+        int parts = (first_item[b + 1] - first_item[b]) / groups;
+        if (parts == 1) continue;
+        int64_t first = ((int64_t)b * H + (int64_t)grp * nh * G) * D;
+        merge_parts(parts_out + part_floats * (first_item[b] + grp), part_floats * groups, parts,
+                    R, D, (char *)out + first * (io_is_bf16 ? 2 : 4), io_is_bf16);
     }
+    }
+    free(parts_out);
+    free(first_item);
     return 0;
 }
