@@ -341,3 +341,41 @@ def test_long_contexts_are_attended_in_parts(
     tol = 2e-2 if io == torch.bfloat16 else 2e-5
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
     assert torch.equal(attend(slice(0, 1)), out[:1])  # alone: one sequence, 3 KV-head items
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape,block_size",
+    [
+        ((9, 3, 64), 16),  # SmolLM2: 3 query heads per KV head, 4 positions a work item
+        ((14, 2, 64), 16),  # 7 per KV head: work items cut across positions and heads
+        ((4, 4, 128), 32),  # no grouping, 128 features
+        ((8, 2, 32), 5),  # blocks shorter than a 16-key group, 32 features
+    ],
+)
+@pytest.mark.parametrize("window", [None, 40])
+def test_prefill_kernel_matches_the_reference(
+    dtype: torch.dtype, shape: tuple[int, int, int], block_size: int, window: int | None
+) -> None:
+    """Prompt chunks through the prefill kernel (on builds that have it: AVX-512 for float32,
+    AVX512-BF16 for bfloat16): fresh prompts, later chunks over cached context (one past 256
+    keys), a one-token prompt beside them and decodes in the same step, scattered blocks, with
+    and without a sliding window; against the per-sequence reference and against torch's path."""
+    heads, kv_heads, head_dim = shape
+    if not attention_ops.supports_prefill(dtype, heads, kv_heads, head_dim):
+        assert kernel_library.active_tier_name() in ("baseline", "avx2") or (
+            dtype == torch.bfloat16 and kernel_library.active_tier_name() == "avx512"
+        )
+        pytest.skip(f"no prefill kernel for {dtype} on this tier")
+    query_lens, start_pos = [37, 1, 130, 5, 1, 24], [0, 40, 0, 300, 0, 17]
+    attn = Attention(heads, head_dim, kv_heads, head_dim**-0.5, sliding_window=window)
+    attn.kv_cache = torch.zeros(2, 4, block_size, kv_heads, head_dim, dtype=dtype)
+    assert attn._uses_prefill_kernel
+    out, ref = _run(query_lens, start_pos, block_size=block_size, dtype=dtype,
+                    use_kernel=True, shape=shape, window=window)  # fmt: skip
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    torch_path, _ = _run(query_lens, start_pos, block_size=block_size, dtype=dtype,
+                         use_kernel=False, shape=shape, window=window)  # fmt: skip
+    torch.testing.assert_close(out, torch_path, atol=tol, rtol=tol)

@@ -164,12 +164,12 @@ def _assert_same_metadata(a: AttentionMetadata, b: AttentionMetadata) -> None:
 
     for f in fields(AttentionMetadata):
         x, y = getattr(a, f.name), getattr(b, f.name)
-        if f.name == "groups":
+        if f.name in ("groups", "span_groups"):
             assert len(x) == len(y)
             for gx, gy in zip(x, y):
                 for gf in fields(gx):
                     assert same(getattr(gx, gf.name), getattr(gy, gf.name)), gf.name
-        elif f.name == "decode":
+        elif f.name in ("decode", "prefill"):
             assert (x is None) == (y is None)
             if x is not None:
                 for df in fields(x):

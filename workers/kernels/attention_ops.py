@@ -1,5 +1,6 @@
-"""Binding of paged decode attention (csrc/attention.c): one query per sequence over its
-cached context, float or int8 (workers/quant/kv_int8.py) caches."""
+"""Bindings of paged attention: decode (csrc/attention.c: one query per sequence over its cached
+context, float or int8 (workers/quant/kv_int8.py) caches) and prefill (csrc/prefill_attention.c:
+a prompt chunk's queries, causal over the cache)."""
 
 from __future__ import annotations
 
@@ -95,3 +96,58 @@ def supports_decode(num_heads: int, num_kv_heads: int, head_dim: int, block_size
         and block_size <= 256
         and num_heads * head_dim <= 32768
     )
+
+
+def supports_prefill(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether this CPU's kernel build runs prefill attention for these shapes and dtype."""
+    lib = load()
+    return (
+        lib is not None
+        and dtype in (torch.float32, torch.bfloat16)
+        and bool(lib.tern_prefill_attention_available(int(dtype == torch.bfloat16)))
+        and num_heads % num_kv_heads == 0
+        and head_dim % 32 == 0
+        and head_dim <= 256
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_start: torch.Tensor,
+    q_len: torch.Tensor,
+    ctx_start: torch.Tensor,
+    scale: float,
+    window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Writes into `out` (T, H, D) the rows of B prompt chunks: sequence b's q_len[b] queries
+    from flat token q_start[b] (positions ctx_start[b] on) attend causally, within `window` when
+    given, to their keys in k_cache / v_cache (num_blocks, block_size, Hkv, D), already holding
+    this step's, through block_tables (B, max_blocks) int32. q and out in the cache's dtype with
+    contiguous heads; q_start, q_len, ctx_start (B,) int32."""
+    lib = load()
+    assert lib is not None, "the CPU kernels are not available"
+    dtype = float_dtype(q)
+    check_heads(q, dtype, "q")
+    check_heads(out, dtype, "out")
+    check(k_cache, dtype, "k_cache")
+    check(v_cache, dtype, "v_cache")
+    for t, name in ((block_tables, "block_tables"), (q_start, "q_start"), (q_len, "q_len"),
+                    (ctx_start, "ctx_start")):  # fmt: skip
+        check(t, torch.int32, name)
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    rc = lib.tern_prefill_attention(
+        ptr(q), q.stride(0), ptr(k_cache), ptr(v_cache), ptr(block_tables),
+        block_tables.stride(0), ptr(q_start), ptr(q_len), ptr(ctx_start), ptr(out),
+        out.stride(0), q_len.numel(), num_heads, num_kv_heads, head_dim, block_size, scale,
+        window or 0, int(dtype == torch.bfloat16),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(
+            f"prefill attention does not run {num_heads} heads / {num_kv_heads} KV heads of dim "
+            f"{head_dim} in {dtype} on this kernel build"
+        )

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 HEADER = SOURCE_DIR / "tern_kernels.h"
-ABI_VERSION = 15
+ABI_VERSION = 16
 ENV_VAR = "TERN_KERNELS"
 _COMMON_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 

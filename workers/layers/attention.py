@@ -117,6 +117,18 @@ class DecodeGroup:
 
 
 @dataclass
+class PrefillGroup:
+    """Prompt chunks attended causally by the prefill kernel, straight from the cache: every
+    sequence with several query tokens except those with bidirectional spans."""
+
+    block_tables: torch.Tensor  # (P, max_blocks) int32
+    q_start: torch.Tensor  # (P,) int32 flat index of each chunk's first token
+    q_len: torch.Tensor  # (P,) int32 its tokens
+    ctx_start: torch.Tensor  # (P,) int32 the position of its first token
+    seqs: torch.Tensor  # (P,) int64 the sequences, for other KV-cache groups' tables
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs about one step's batch; built by the model runner."""
 
@@ -127,6 +139,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (B, max_blocks) int32, padded with 0
     groups: list[AttentionGroup]  # the sequences with several query tokens
     decode: DecodeGroup | None = None  # the sequences with one
+    # The sequences of `groups` as the prefill kernel takes them (layers that run it), and the
+    # groups it leaves to SDPA (those with bidirectional spans).
+    prefill: PrefillGroup | None = None
+    span_groups: list[AttentionGroup] = field(default_factory=list)
     native_step: Any = None  # fused_decode.StepBuffers, built by the first fused layer of the step
     # Per sequence, as Python ints (for layers that loop over sequences: linear attention).
     start_pos_list: list[int] = field(default_factory=list)
@@ -287,6 +303,25 @@ def _general_metadata(
         )
         groups.append(_to_device(group, device))
         cached_idx = torch.tensor(cached, dtype=torch.int64)
+    kernel_seqs = [i for i in other_seqs if i not in spans]
+    prefill = span_groups = None
+    if kernel_seqs:
+        prefill = _prefill_group(
+            kernel_seqs, query_lens, context_lens, tables, start_pos, query_start_loc, block_size
+        )
+        prefill = replace(prefill, **{f: getattr(prefill, f).to(device) for f in _PREFILL_FIELDS})
+    if kernel_seqs and spans:
+        span_seqs = [i for i in other_seqs if i in spans]
+        span_groups = [
+            _to_device(
+                _build_group(
+                    span_seqs, query_lens, context_lens, tables, starts, query_start_loc,
+                    block_size, spans,
+                ),
+                device,
+            )
+        ]  # fmt: skip
+        span_idx = torch.tensor(span_seqs, dtype=torch.int64)
     meta = AttentionMetadata(
         positions=positions.to(device),
         slot_mapping=slots_through(tables).to(device),
@@ -295,6 +330,8 @@ def _general_metadata(
         block_tables=tables.to(device=device, dtype=torch.int32),
         groups=groups,
         decode=decode,
+        prefill=prefill,
+        span_groups=span_groups or [],
         start_pos_list=list(start_pos),
         query_len_list=list(query_lens),
     )
@@ -319,6 +356,18 @@ def _general_metadata(
                     if g.kv_blocks is None
                     else replace(g, kv_blocks=t[cached_idx, : g.kv_blocks.size(1)].to(device))
                     for g in groups
+                ],
+                prefill=None
+                if prefill is None
+                else replace(
+                    prefill,
+                    block_tables=t[prefill.seqs.cpu(), : prefill.block_tables.size(1)].to(
+                        device=device, dtype=torch.int32
+                    ),
+                ),
+                span_groups=[
+                    replace(g, kv_blocks=t[span_idx, : g.kv_blocks.size(1)].to(device))
+                    for g in span_groups or []
                 ],
                 other_kv_groups=[],
             )
@@ -405,6 +454,29 @@ def _build_fresh_group(
         mask=None,
         max_q=max_q,
         first_token=starts[0] if contiguous else None,
+    )
+
+
+_PREFILL_FIELDS = ("block_tables", "q_start", "q_len", "ctx_start", "seqs")
+
+
+def _prefill_group(
+    seqs: list[int],
+    query_lens: list[int],
+    context_lens: list[int],
+    tables: torch.Tensor,
+    start_pos: list[int],
+    query_start_loc: torch.Tensor,
+    block_size: int,
+) -> PrefillGroup:
+    idx = torch.tensor(seqs, dtype=torch.int64)
+    num_blocks = max(-(-context_lens[i] // block_size) for i in seqs)
+    return PrefillGroup(
+        block_tables=tables[idx, :num_blocks].to(torch.int32).contiguous(),
+        q_start=query_start_loc[idx].to(torch.int32),
+        q_len=torch.tensor([query_lens[i] for i in seqs], dtype=torch.int32),
+        ctx_start=torch.tensor([start_pos[i] for i in seqs], dtype=torch.int32),
+        seqs=idx,
     )
 
 
@@ -526,6 +598,15 @@ class Attention(nn.Module):
                 self.num_heads, self.num_kv_heads, self.head_dim, cache.size(2)
             )
         )
+        # Prompt chunks through the prefill kernel: causal attention, no capping or sinks.
+        self._uses_prefill_kernel = (
+            self._uses_decode_kernel
+            and self.softcap is None
+            and self.sinks is None
+            and attention_ops.supports_prefill(
+                cache.dtype, self.num_heads, self.num_kv_heads, self.head_dim
+            )
+        )
 
     @property
     def k_cache(self) -> torch.Tensor:
@@ -564,7 +645,10 @@ class Attention(nn.Module):
             k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
             v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
 
-        groups = meta.groups
+        prefill = meta.prefill if self._uses_prefill_kernel else None
+        if prefill is not None and q.dtype != k_cache.dtype:
+            prefill = None
+        groups = meta.groups if prefill is None else meta.span_groups
         if use_kernel:
             q_dec = q if d.is_whole_batch else q[d.q_tokens]  # the cache's dtype, as q's
             o_dec = attention_ops.paged_decode_attention(
@@ -586,6 +670,13 @@ class Attention(nn.Module):
             out = torch.empty_like(q)
             if d is not None:
                 groups = [d.padded, *groups]
+        if prefill is not None:
+            if q.stride(-1) != 1 or q.stride(1) != self.head_dim:
+                q = q.contiguous()
+            attention_ops.prefill_attention(
+                q, k_cache, v_cache, prefill.block_tables, prefill.q_start, prefill.q_len,
+                prefill.ctx_start, self.scale, self.sliding_window, out,
+            )  # fmt: skip
         for g in groups:
             if g.kv_blocks is None:
                 self._attend_fresh(q, k, v, g, out)

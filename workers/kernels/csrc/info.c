@@ -1,7 +1,7 @@
 /* What a built library says about itself: its ABI, its tier, its structs' sizes. */
 #include "tern_kernels.h"
 
-int tern_abi_version(void) { return 15; }
+int tern_abi_version(void) { return 16; }
 
 const char *tern_compiled_tier(void) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
