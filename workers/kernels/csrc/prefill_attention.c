@@ -10,19 +10,23 @@
  *   past: float32 products, or in bfloat16 (vdpbf16ps over pairs of keys, their values packed
  *   like the keys) with the probabilities rounded to bfloat16, as torch's bfloat16 flash
  *   attention rounds them for its P.V product; a row's sum is of the same rounded values.
- * Float32 (AVX-512F) or bfloat16 (AVX512-BF16) q, cache and output; builds without them report
- * the kernel unavailable and attention takes torch's path.
+ * Float32 (AVX-512F: 16 keys a group; AVX2: 8) or bfloat16 (AVX512-BF16) q, cache and output;
+ * builds without them report the kernel unavailable and attention takes torch's path.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include "simd.h"
 
-#define KEYS 16          /* keys per group: one vector of scores */
+#ifdef __AVX512F__
+#define KEYS 16 /* keys per group: one vector of scores */
+#else
+#define KEYS 8
+#endif
 #define ROWS 12          /* query rows per work item, each an accumulator */
 #define MAX_FEATURES 256 /* head_dim */
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #define PREFILL_TIERS 1
 #endif
 
@@ -30,7 +34,7 @@ int tern_prefill_attention_available(int bf16) {
 #if defined(__AVX512BF16__)
     (void)bf16;
     return 1;
-#elif defined(PREFILL_TIERS)
+#elif defined(PREFILL_TIERS) /* AVX-512F or AVX2: float32 */
     return !bf16;
 #else
     (void)bf16;
@@ -94,6 +98,7 @@ typedef struct {
     int first_key[ROWS];  /* the first (its window's), 0 without a window */
 } Rows;
 
+#ifdef __AVX512F__
 static void attend(const Rows *rows, int num_rows, const void *packed,
                    const uint16_t *packed_values, const void *v_cache, const int32_t *table,
                    int block_size, int64_t slot_stride, int h, int D, float scale, int bf16) {
@@ -214,6 +219,88 @@ static void attend(const Rows *rows, int num_rows, const void *packed,
         }
     }
 }
+#else
+/* The AVX2 build's (float32 only): the same loops, 8 keys a group. */
+static inline float max8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+static void attend(const Rows *rows, int num_rows, const void *packed,
+                   const uint16_t *packed_values, const void *v_cache, const int32_t *table,
+                   int block_size, int64_t slot_stride, int h, int D, float scale, int bf16) {
+    (void)packed_values, (void)bf16;
+    float acc[ROWS][MAX_FEATURES], row_max[ROWS], corr[ROWS];
+    float p[ROWS][KEYS] __attribute__((aligned(32)));
+    __m256 row_sum[ROWS];
+    int lo = rows->first_key[0], hi = rows->last_key[0];
+    for (int r = 0; r < ROWS; r++) {
+        row_max[r] = -INFINITY;
+        row_sum[r] = _mm256_setzero_ps();
+        memset(acc[r], 0, sizeof(float) * D);
+        if (r < num_rows) {
+            lo = rows->first_key[r] < lo ? rows->first_key[r] : lo;
+            hi = rows->last_key[r] > hi ? rows->last_key[r] : hi;
+        }
+    }
+    const __m256i lanes = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+    size_t group_elems = (size_t)KEYS * D;
+    for (int g = lo / KEYS; g <= hi / KEYS; g++) {
+        __m256 s[ROWS];
+        for (int r = 0; r < ROWS; r++) s[r] = _mm256_setzero_ps();
+        const float *kp = (const float *)packed + group_elems * g;
+        for (int d = 0; d < D; d++) {
+            __m256 kv = _mm256_loadu_ps(kp + d * KEYS);
+            for (int r = 0; r < ROWS; r++)
+                s[r] = _mm256_fmadd_ps(_mm256_set1_ps(((const float *)rows->q[r])[d]), kv, s[r]);
+        }
+        __m256i keys = _mm256_add_epi32(_mm256_set1_epi32(g * KEYS), lanes);
+        for (int r = 0; r < ROWS; r++) {
+            __m256 live = _mm256_setzero_ps();
+            if (r < num_rows)
+                live = _mm256_castsi256_ps(_mm256_and_si256(
+                    _mm256_cmpgt_epi32(_mm256_set1_epi32(rows->last_key[r] + 1), keys),
+                    _mm256_cmpgt_epi32(keys, _mm256_set1_epi32(rows->first_key[r] - 1))));
+            if (_mm256_movemask_ps(live) == 0) { /* nothing of this group for the row */
+                corr[r] = 1.f;
+                _mm256_store_ps(p[r], _mm256_setzero_ps());
+                continue;
+            }
+            __m256 sc =
+                _mm256_blendv_ps(minus_inf, _mm256_mul_ps(s[r], _mm256_set1_ps(scale)), live);
+            float m = max8(sc);
+            m = m > row_max[r] ? m : row_max[r];
+            corr[r] = expf(row_max[r] - m);
+            row_max[r] = m;
+            __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(sc, _mm256_set1_ps(m))), live);
+            row_sum[r] = _mm256_fmadd_ps(row_sum[r], _mm256_set1_ps(corr[r]), e);
+            _mm256_store_ps(p[r], e);
+        }
+        int first = g * KEYS, num_keys = hi + 1 - first < KEYS ? hi + 1 - first : KEYS;
+        const float *value[KEYS];
+        for (int j = 0; j < num_keys; j++)
+            value[j] = (const float *)v_cache +
+                       slot_of(table, block_size, first + j) * slot_stride + (int64_t)h * D;
+        for (int d0 = 0; d0 < D; d0 += 8) {
+            __m256 a[ROWS];
+            for (int r = 0; r < ROWS; r++)
+                a[r] = _mm256_mul_ps(_mm256_loadu_ps(acc[r] + d0), _mm256_set1_ps(corr[r]));
+            for (int j = 0; j < num_keys; j++) {
+                __m256 v = _mm256_loadu_ps(value[j] + d0);
+                for (int r = 0; r < ROWS; r++)
+                    a[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r][j]), v, a[r]);
+            }
+            for (int r = 0; r < ROWS; r++) _mm256_storeu_ps(acc[r] + d0, a[r]);
+        }
+    }
+    for (int r = 0; r < num_rows; r++) {
+        float inv = 1.f / hsum(row_sum[r]);
+        for (int d = 0; d < D; d++) ((float *)rows->out[r])[d] = acc[r][d] * inv;
+    }
+}
+#endif
 #endif
 
 /* q, out: (T, H, D) float32 or bfloat16 (bf16 = 1), token rows q_stride / out_stride elements
