@@ -111,6 +111,14 @@ def supports_prefill(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head
     )
 
 
+def prefill_max_context() -> int | None:
+    """The longest context this build's prefill kernel takes (None: any); beyond it torch's
+    attention is as fast (csrc/prefill_attention.c)."""
+    lib = load()
+    longest = int(lib.tern_prefill_attention_max_context()) if lib is not None else 0
+    return longest or None
+
+
 def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

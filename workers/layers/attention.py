@@ -126,6 +126,7 @@ class PrefillGroup:
     q_len: torch.Tensor  # (P,) int32 its tokens
     ctx_start: torch.Tensor  # (P,) int32 the position of its first token
     seqs: torch.Tensor  # (P,) int64 the sequences, for other KV-cache groups' tables
+    max_context: int  # the longest context of them
 
 
 @dataclass
@@ -477,6 +478,7 @@ def _prefill_group(
         q_len=torch.tensor([query_lens[i] for i in seqs], dtype=torch.int32),
         ctx_start=torch.tensor([start_pos[i] for i in seqs], dtype=torch.int32),
         seqs=idx,
+        max_context=max(context_lens[i] for i in seqs),
     )
 
 
@@ -599,6 +601,7 @@ class Attention(nn.Module):
             )
         )
         # Prompt chunks through the prefill kernel: causal attention, no capping or sinks.
+        self._prefill_max_context = attention_ops.prefill_max_context()
         self._uses_prefill_kernel = (
             self._uses_decode_kernel
             and self.softcap is None
@@ -646,7 +649,10 @@ class Attention(nn.Module):
             v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
 
         prefill = meta.prefill if self._uses_prefill_kernel else None
-        if prefill is not None and q.dtype != k_cache.dtype:
+        if prefill is not None and (
+            q.dtype != k_cache.dtype
+            or (self._prefill_max_context or prefill.max_context) < prefill.max_context
+        ):
             prefill = None
         groups = meta.groups if prefill is None else meta.span_groups
         if use_kernel:

@@ -30,6 +30,17 @@
 #define PREFILL_TIERS 1
 #endif
 
+/* The longest context the kernel is worth its place for on this build (0: any). AVX2's 8-key
+ * groups need a broadcast load per product (no embedded broadcasts): measured beside torch's AVX2
+ * SDPA (ATEN_CPU_CAPABILITY=avx2) 0.67x at 256 tokens, 0.94x at 1,000, 1.13x at 2,000. */
+int tern_prefill_attention_max_context(void) {
+#ifdef __AVX512F__
+    return 0;
+#else
+    return 1024;
+#endif
+}
+
 int tern_prefill_attention_available(int bf16) {
 #if defined(__AVX512BF16__)
     (void)bf16;

@@ -140,6 +140,7 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache, con
 /* prefill_attention.c: a prompt chunk's causal attention over the paged cache (see the
  * definition); available for float32 (bf16 = 0) on AVX-512 builds, bfloat16 on AVX512-BF16 ones. */
 int tern_prefill_attention_available(int bf16);
+int tern_prefill_attention_max_context(void);
 int tern_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables, int64_t table_stride, const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_start, void *out, int64_t out_stride, int B, int H, int Hkv, int D, int block_size, float scale, int window, int bf16);
 
 /* linear_f32.c: y (M, N) = x (M, K) @ w (N, K).T + bias, float32 arithmetic; w float32, or
