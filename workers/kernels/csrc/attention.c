@@ -653,16 +653,18 @@ int tern_paged_decode_attention(const void *q, void *k_cache, void *v_cache,
      * PART_TOKENS. Parts depend on the context alone, never on the batch, so a query's sums are
      * the same in any batch (--batch-invariant relies on it); a context of several parts is
      * merged from each part's softmax state. */
-    int nh = B >= 2 * omp_get_max_threads() ? Hkv : 1;
-    int groups = Hkv / nh, R = nh * G, n = R * D, split = 0;
     int *first_item = malloc(sizeof(int) * (B + 1));
     if (first_item == NULL) return -1;
     first_item[0] = 0;
-    for (int b = 0; b < B; b++) {
-        int parts = num_parts(attended_from(context_lens[b], window), context_lens[b]);
-        split |= parts > 1;
-        first_item[b + 1] = first_item[b] + parts * groups;
-    }
+    for (int b = 0; b < B; b++)
+        first_item[b + 1] =
+            first_item[b] + num_parts(attended_from(context_lens[b], window), context_lens[b]);
+    /* KV heads in one item where the parts alone keep the threads busy: a slot's heads are then
+     * read together, front to back (a head's share of each slot alone left the rest of its cache
+     * lines to be fetched again by other items). The heads' sums do not depend on it. */
+    int nh = first_item[B] >= 2 * omp_get_max_threads() ? Hkv : 1;
+    int groups = Hkv / nh, R = nh * G, n = R * D, split = first_item[B] > B;
+    for (int b = 1; b <= B; b++) first_item[b] *= groups;
     int num_items = first_item[B];
     int64_t part_floats = (int64_t)n + 2 * R; /* a part's output, then its row maxima and sums */
     float *parts_out = split ? malloc(sizeof(float) * part_floats * num_items) : NULL;
