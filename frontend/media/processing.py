@@ -125,7 +125,7 @@ class ImageProcessor:
                 text=[prompt], images=[images] if images else None,
                 add_special_tokens=add_special_tokens, return_tensors="np", **options,
             )  # fmt: skip
-            per_image = self._per_image(images, options)
+            per_image = self._per_image(images, options, whole)
         except (ValueError, TypeError, KeyError) as e:
             raise bad_request(f"the image processor failed: {e}", param) from e
         prompt_ids = [int(t) for t in whole["input_ids"][0]]
@@ -272,26 +272,28 @@ class ImageProcessor:
             )
 
     def _per_image(
-        self, images: list[Image.Image], options: dict[str, Any]
+        self,
+        images: list[Image.Image],
+        options: dict[str, Any],
+        processed: dict[str, Any] | None = None,
     ) -> list[tuple[dict[str, TensorData], int]]:
         """Each image's tensors and placeholder count: what the processor makes of it alone, or,
         where that depends on the prompt's other images (LLaVA-OneVision), its share of what the
-        processor makes of them all."""
+        processor made of them all (`processed`: the prompt's own call, else one made here)."""
         if not getattr(self.hf, "processes_images_together", False):
             return [self._image_tensors(image, options) for image in images]
         if not images:
             return []
-        out = self.hf(
-            text=["\n".join([self.marker] * len(images))], images=[images],
-            add_special_tokens=False, return_tensors="np", **options,
-        )  # fmt: skip
-        runs = placeholder_runs([int(t) for t in out["input_ids"][0]], self.placeholder_id)
-        if len(runs) != len(images):
-            raise ValueError(f"{len(images)} images expanded into {len(runs)} placeholder runs")
+        if processed is None:
+            processed = self.hf(
+                text=[self.marker * len(images)], images=[images], add_special_tokens=False,
+                return_tensors="np", **options,
+            )  # fmt: skip
+        counts = [text.count(self.hf.image_token) for text in self.hf.image_texts(processed)]
         return [
-            ({name: tensor_data(np.asarray(v)) for name, v in self.hf.image_share(out, i).items()},
-             length)
-            for i, (_, length) in enumerate(runs)
+            ({name: tensor_data(np.asarray(v))
+              for name, v in self.hf.image_share(processed, i).items()}, count)
+            for i, count in enumerate(counts)
         ]  # fmt: skip
 
     def _image_tensors(
