@@ -43,6 +43,23 @@ class TimestampRule(msgspec.Struct, array_like=True):
     max_initial_index: int | None = None
 
 
+class CrossAttentionRows(msgspec.Struct, array_like=True):
+    """Whisper's word timestamps: the decoder's cross-attention probabilities over the audio's
+    encoder frames at these (layer, head) pairs (generation_config.json's alignment_heads), for
+    every output token the model reads (frontend/audio/alignment.py aligns them to the audio)."""
+
+    heads: list[tuple[int, int]]
+
+    @property
+    def row_floats(self) -> int:
+        """float32s per position: per head, one per encoder frame (a 30 s window's 1500)."""
+        return len(self.heads) * CROSS_ATTENTION_FRAMES
+
+
+# A Whisper window's encoder frames (20 ms each): what a cross-attention row spans.
+CROSS_ATTENTION_FRAMES = 1500
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     """What the engine core and the workers need to know to sample one request's tokens."""
 
@@ -78,6 +95,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # except with --logprobs-mode processed_logprobs: then the sampled tokens' are after it all.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Not sampling, but what the workers return beside each output token (word timestamps).
+    cross_attention: CrossAttentionRows | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -335,6 +354,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     routed_experts: RoutedExperts | None = None
     # On the last output of a request on a LoRA adapter: the adapter's version it ran on.
     lora_version: str | None = None
+    # SamplingParams.cross_attention: float32 (positions, heads, frames) rows of the output
+    # positions read since the last output (the last output token, never read, has none).
+    cross_attention: bytes = b""
     # On the last output of a producing request (KVTransfer "produce"): its prompt's full blocks,
     # lent under its lease; empty when nothing is lent (it failed, or its prompt fills no block).
     kv_lease_block_ids: list[int] | None = None
@@ -749,6 +771,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     # Mixture-of-experts models: tokens each expert of each MoE layer took this step, flat
     # (layers x experts, layer-major).
     expert_tokens: list[int] = []
+    # SamplingParams.cross_attention: by request id, float32 (tokens, heads, frames) rows of
+    # each token of its chunk, native byte order.
+    cross_attention: dict[str, bytes] = {}
 
 
 class KVLayout(msgspec.Struct, array_like=True, frozen=True):

@@ -88,6 +88,8 @@ class Request:
         self.kv_pulled: KVPulled | None = None
         # A lent hybrid prompt's pinned state checkpoint (its prefix hash, its slot).
         self.kv_lease_checkpoint: tuple[bytes, int] | None = None
+        # SamplingParams.cross_attention: output positions whose rows went to the frontend.
+        self.num_cross_attention_rows = 0
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +123,20 @@ class Request:
         if self.pooling_type in ("MEAN", "CLS"):
             return True
         return self.sampling_params.prompt_logprobs is not None
+
+    def take_cross_attention(self, start: int, rows: bytes) -> bytes:
+        """The rows a step computed from position `start` that the frontend has not had: those
+        of output positions read with the tokens the request kept (not a rejected draft's), each
+        once (a position recomputed after a preemption keeps the row it was generated with)."""
+        params = self.sampling_params.cross_attention
+        assert params is not None
+        row_bytes = params.row_floats * 4
+        first = self.num_prompt_tokens + self.num_cross_attention_rows
+        end = min(start + len(rows) // row_bytes, self.num_tokens - 1)  # the last is unread
+        if end <= first or start > first:
+            return b""
+        self.num_cross_attention_rows += end - first
+        return rows[(first - start) * row_bytes : (end - start) * row_bytes]
 
     def image_span_at(self, pos: int) -> tuple[int, int] | None:
         """The run of image placeholders position `pos` falls strictly inside (after its first

@@ -499,6 +499,7 @@ class Scheduler:
             for r in step.requests
             if r.num_draft_tokens or r.num_model_drafts
         }
+        starts = {r.req_id: r.start_pos for r in step.requests}
         for request_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -510,6 +511,9 @@ class Scheduler:
                 # The accepted drafts' KV is valid; the rejected ones' is written over later.
                 request.num_computed_tokens += len(token_ids) - 1
             out = self._append_tokens(request, token_ids)
+            rows = output.cross_attention.get(request_id)
+            if rows is not None:
+                out.cross_attention = request.take_cross_attention(starts[request_id], rows)
             logprobs = output.logprobs.get(request_id)
             if logprobs is not None and logprobs.num_positions > len(out.new_token_ids):
                 logprobs = logprobs.slice(0, len(out.new_token_ids))

@@ -1,7 +1,7 @@
 """Random-weight Whisper checkpoints for tests and benchmarks, with everything a server needs beside
 the weights: a tokenizer with Whisper's special tokens, the feature extractor's
 preprocessor_config.json and a generation_config.json as OpenAI's releases carry them (language
-and task tokens, suppressed tokens).
+and task tokens, suppressed tokens, alignment heads).
 
 The tokenizer is a byte-level BPE trained here on a few sentences (no model hub at run time), then
 Whisper's specials in their order: <|endoftext|>, <|startoftranscript|>, the languages,
@@ -24,6 +24,13 @@ from pathlib import Path
 from typing import Any
 
 # text_vocab: the BPE's tokens before the specials (OpenAI's: 50,256, with 1,609 specials 51,865).
+# The decoder's alignment heads (word timestamps), as OpenAI's releases name them: whisper-tiny's
+# and whisper-base's own; `test` takes every head of its later half (OpenAI's default).
+ALIGNMENT_HEADS = {
+    "test": [[1, 0], [1, 1], [1, 2], [1, 3]],
+    "tiny": [[2, 2], [3, 0], [3, 2], [3, 3], [3, 4], [3, 5]],
+    "base": [[3, 1], [4, 2], [4, 3], [4, 7], [5, 1], [5, 2], [5, 4], [5, 6]],
+}
 SHAPES: dict[str, dict[str, int]] = {
     "test": {"d_model": 64, "layers": 2, "heads": 4, "ffn": 128, "text_vocab": 600},
     "tiny": {"d_model": 384, "layers": 4, "heads": 6, "ffn": 1536, "text_vocab": 50256},
@@ -103,6 +110,7 @@ def make_tiny_whisper(out_dir: Path, shape: str = "test", seed: int = 0) -> Path
     s = SHAPES[shape]
     tokenizer = _tokenizer(out_dir, s["text_vocab"])
     generation = _generation_config(tokenizer)
+    generation["alignment_heads"] = ALIGNMENT_HEADS[shape]
     config = WhisperConfig(
         vocab_size=len(tokenizer),
         num_mel_bins=80,

@@ -78,6 +78,19 @@ def language_name(code: str) -> str:
     raise ValueError(f"unknown language {code!r}; Whisper's are {', '.join(LANGUAGE_NAMES)}")
 
 
+@dataclass
+class Word:
+    """One word of verbose_json (timestamp_granularities "word"), as OpenAI writes it: no
+    leading space."""
+
+    word: str
+    start: float  # seconds
+    end: float
+
+    def __post_init__(self) -> None:
+        self.word, self.start, self.end = str(self.word), float(self.start), float(self.end)
+
+
 def render(
     response_format: str,
     text: str,
@@ -86,10 +99,14 @@ def render(
     task: str,
     language: str,
     duration: float,
+    words: list[Word] | None = None,
+    with_segments: bool = True,
 ) -> tuple[bytes, str]:
     """(body, media type) of the transcription in `response_format`. `text` is used as given (the
     caller strips Whisper's leading space, as OpenAI's text has none); `language` is a name or a
-    code, reported as a name. Raises ValueError for a format not in RESPONSE_FORMATS."""
+    code, reported as a name. verbose_json lists `words` when given, and its segments unless
+    `with_segments` is off (OpenAI's answer to timestamp_granularities ["word"] has none).
+    Raises ValueError for a format not in RESPONSE_FORMATS."""
     if response_format == "json":
         return msgspec.json.encode({"text": text}), JSON_MEDIA_TYPE
     if response_format == "text":
@@ -99,13 +116,16 @@ def render(
     if response_format == "vtt":
         return vtt(segments).encode(), TEXT_MEDIA_TYPE
     if response_format == "verbose_json":
-        body = {
+        body: dict[str, object] = {
             "task": task,
             "language": language_name(language),
             "duration": float(duration),
             "text": text,
-            "segments": segments,  # msgspec encodes dataclasses field by field
         }
+        if words is not None:
+            body["words"] = words  # msgspec encodes dataclasses field by field
+        if with_segments:
+            body["segments"] = segments
         return msgspec.json.encode(body), JSON_MEDIA_TYPE
     raise ValueError(
         f"unknown response_format {response_format!r}; expected one of {', '.join(RESPONSE_FORMATS)}"

@@ -57,7 +57,24 @@ class SpeechModel:
         self.max_target_positions = int(g.get("max_length", 448))
         self.eos_id = int(g["eos_token_id"])
         self.max_initial_timestamp_index = g.get("max_initial_timestamp_index")
+        # Word timestamps (alignment.py): the decoder's (layer, head) pairs whose cross-attention
+        # follows the speech, as OpenAI's releases name them; None: the model offers no words.
+        heads = g.get("alignment_heads")
+        self.alignment_heads = [(int(a), int(b)) for a, b in heads] if heads else None
+        model_config = json.loads((path / "config.json").read_text())
+        self.median_filter_width = int(model_config.get("median_filter_width", 7))
+        self._check_alignment_heads(model_config)
         self.tokenizer = tokenizer
+
+    def _check_alignment_heads(self, model_config: dict[str, Any]) -> None:
+        layers = int(model_config["decoder_layers"])
+        heads = int(model_config["decoder_attention_heads"])
+        for layer, head in self.alignment_heads or []:
+            if not (0 <= layer < layers and 0 <= head < heads):
+                raise ValueError(
+                    f"generation_config.json's alignment head ({layer}, {head}) is not one of "
+                    f"the decoder's {layers} layers x {heads} heads"
+                )
 
     # ------------------------------------------------------------------ requests
 
@@ -122,6 +139,11 @@ class SpeechModel:
     def language_of(self, token_id: int) -> str:
         by_id = {i: code for code, i in self.language_ids.items()}
         return by_id[token_id]
+
+    def num_frames(self, samples: np.ndarray) -> int:
+        """A window's feature frames of real audio (the rest of its 3000 is padding): what the
+        feature extractor's attention mask counts."""
+        return -(-len(samples) // self.extractor.hop_length)
 
     def audio_item(self, samples: np.ndarray) -> MultiModalItem:
         """One window's log-mel features as the request's audio item (padded to 30 s)."""

@@ -8,7 +8,9 @@ and their texts join in window order. verbose_json, srt and vtt show timed segme
 and end in the audio, their tokens, the mean logprob of their tokens and (verbose_json) their
 window's no_speech_prob, the probability of <|nospeech|> right after <|startoftranscript|> as
 OpenAI's whisper reads it (a one-token probe per window: the prompt logprob of <|nospeech|>).
-Word timestamps are not offered (they need the model's alignment heads): asking for them is a 400.
+`timestamp_granularities[]` "word" adds verbose_json's `words`, timed by aligning the decoder's
+cross-attention at the checkpoint's alignment heads to the audio (alignment.py); a model whose
+generation_config.json names no alignment heads answers it with a 400.
 
 With stream=true the answer is OpenAI's transcript events: `transcript.text.delta` as text is
 released, window after window, then `transcript.text.done` with the whole text and the usage.
@@ -21,15 +23,18 @@ import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import numpy as np
 from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
 from starlette.responses import Response
 
-from enginecore.messages import MultiModalItem
+from enginecore.messages import CROSS_ATTENTION_FRAMES, CrossAttentionRows, MultiModalItem
+from frontend.audio import alignment
 from frontend.audio.decoding import AudioError, decode_audio, split_windows
 from frontend.audio.formats import (
     RESPONSE_FORMATS,
     Segment,
+    Word,
     compression_ratio,
     render,
 )
@@ -85,6 +90,13 @@ class TranscriptionServing:
         if s.check_model(req.model) is not None:
             raise bad_request("speech-to-text models are served without LoRA adapters", "model")
         language = speech.language_code(req.language)
+        with_words = "word" in req.granularities
+        if with_words and speech.alignment_heads is None:
+            raise bad_request(
+                "word timestamps need the model's alignment heads, which its "
+                "generation_config.json does not name (alignment_heads)",
+                "timestamp_granularities[]",
+            )
         try:
             samples = await asyncio.to_thread(
                 decode_audio, req.audio, SAMPLE_RATE, self.policy.max_audio_seconds
@@ -105,6 +117,7 @@ class TranscriptionServing:
             suppress_token_ids=speech.suppress_ids,
             begin_suppress_token_ids=speech.begin_suppress_ids,
             timestamps=speech.timestamp_rule() if timed else None,
+            cross_attention=CrossAttentionRows(speech.alignment_heads) if with_words else None,
         )  # fmt: skip
         sampling.verify()
         group = s.start(
@@ -113,6 +126,7 @@ class TranscriptionServing:
         )  # fmt: skip
         duration = len(samples) / SAMPLE_RATE
         view = _Transcript(speech, task, language or "en", duration, [t for t, _ in windows])
+        view.num_frames = [speech.num_frames(w) for _, w in windows]
         if req.stream:
             return s.sse_response(self._stream(group, view), group, headers)
         if req.response_format == "verbose_json":
@@ -131,9 +145,13 @@ class TranscriptionServing:
         if req.response_format == "json":  # with OpenAI's usage of whisper-1: the audio's seconds
             usage = {"type": "duration", "seconds": math.ceil(duration)}
             return json_response({"text": text, "usage": usage}, headers=headers)
+        words = None
+        if with_words:  # the alignment is a few ms of numpy per window: off the event loop
+            words = await asyncio.to_thread(view.words, group.gens, len(prompt_ids))
         body, media_type = render(
             req.response_format, text, view.segments(group.gens), task=task,
-            language=view.language, duration=duration,
+            language=view.language, duration=duration, words=words,
+            with_segments=not req.granularities or "segment" in req.granularities,
         )  # fmt: skip
         return Response(body, media_type=media_type, headers=headers)
 
@@ -243,12 +261,7 @@ async def _parse_form(form: FormData, task: str, max_bytes: int) -> Transcriptio
     req.granularities = [
         v for k, v in form.multi_items() if k.startswith("timestamp_granularities")
     ]  # fmt: skip
-    if "word" in req.granularities:
-        raise bad_request(
-            "word timestamps are not offered (segment timestamps are: one per 30 s window)",
-            "timestamp_granularities[]",
-        )
-    if any(g != "segment" for g in req.granularities):
+    if any(g not in ("segment", "word") for g in req.granularities):
         raise bad_request(
             "timestamp_granularities are 'segment' or 'word'", "timestamp_granularities[]"
         )
@@ -300,6 +313,7 @@ class _Transcript:
         self.duration = duration
         self.starts = starts
         self.no_speech: list[float] | None = None  # per window (verbose_json only)
+        self.num_frames: list[int] = []  # per window, its feature frames of real audio
 
     def window_text(self, gen: Generation, lstrip: bool = False) -> str:
         text = self.speech.tokenizer.hf.decode(gen.output_token_ids, skip_special_tokens=True)
@@ -336,6 +350,35 @@ class _Transcript:
                         no_speech_prob=self.no_speech[i] if self.no_speech else 0.0,
                     )  # fmt: skip
                 )
+        return out
+
+    def words(self, gens: list[Generation], num_prompt: int) -> list[Word]:
+        """Each window's words, timed by its cross-attention rows (alignment.py), in the audio's
+        time (a time in a window's padding ends at its end)."""
+        speech = self.speech
+        assert speech.alignment_heads is not None
+        out: list[Word] = []
+        for i, gen in enumerate(gens):
+            start = self.starts[i]
+            end = self.starts[i + 1] if i + 1 < len(self.starts) else self.duration
+            rows = np.frombuffer(bytes(gen.cross_attention), dtype=np.float32).reshape(
+                -1, len(speech.alignment_heads), CROSS_ATTENTION_FRAMES
+            )
+            if len(rows) != max(len(gen.output_token_ids) - 1, 0):  # one per token read
+                raise APIError(
+                    f"the engine returned {len(rows)} cross-attention rows for "
+                    f"{len(gen.output_token_ids)} tokens", 500,
+                )  # fmt: skip
+            times = alignment.token_times(
+                rows, self.num_frames[i], num_prompt, speech.median_filter_width
+            )
+            for word, lo, hi in alignment.words(
+                speech.tokenizer.hf, gen.output_token_ids, times, self.language, speech.eos_id
+            ):
+                # NOTE: a window that read one output token aligns it nowhere (Hugging Face's
+                # time is then -0.02): a word starts no earlier than its window.
+                lo, hi = max(lo, 0.0), max(hi, 0.0)
+                out.append(Word(word.strip(), min(start + lo, end), min(start + hi, end)))
         return out
 
     def _pairs(self, tokens: list[int], length: float) -> list[tuple[float, float, int, int]]:

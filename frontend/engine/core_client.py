@@ -121,6 +121,7 @@ def _merge(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
         b.pooled if b.pooled is not None else a.pooled,
         routed,
         b.lora_version if b.lora_version is not None else a.lora_version,
+        a.cross_attention + b.cross_attention,  # consecutive positions' rows
         b.kv_lease_block_ids if b.kv_lease_block_ids is not None else a.kv_lease_block_ids,
         b.kv_lease_other_block_ids or a.kv_lease_other_block_ids,
         b.kv_lease_routing or a.kv_lease_routing,

@@ -299,6 +299,7 @@ class OpenAIServing:
         params.suppress_token_ids = list(sampling.suppress_token_ids)
         params.begin_suppress_token_ids = list(sampling.begin_suppress_token_ids)
         params.timestamps = sampling.timestamps
+        params.cross_attention = sampling.cross_attention
         return params
 
     def sse_response(

@@ -91,6 +91,8 @@ class Generation:
         self.new_logprobs: Logprobs | None = None
         # --enable-return-routed-experts: the routing rows the outputs carried.
         self.routing = RoutingRows()
+        # SamplingParams.cross_attention: the rows of the output positions read so far.
+        self.cross_attention = bytearray()
         # Set by POST /abort_request: LMDeploy's meta_info.finish_reason for this request.
         self.abort_info: dict[str, Any] | None = None
         self._arrival = time.monotonic()
@@ -161,6 +163,7 @@ class Generation:
             self.prompt_logprobs = out.prompt_logprobs
         if out.routed_experts is not None:
             self.routing.add(out.routed_experts)
+        self.cross_attention += out.cross_attention
         tokens = [] if self.discard_output else out.new_token_ids
         by_stop_token = out.finish_reason == FinishReason.STOP and bool(tokens)
         num_before = self.detokenizer.num_tokens

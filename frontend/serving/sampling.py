@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from enginecore.messages import SamplingParams, TimestampRule
+from enginecore.messages import CrossAttentionRows, SamplingParams, TimestampRule
 from frontend.common.errors import bad_request
 
 _MAX_BIAS = 100.0  # OpenAI's range for logit_bias values; vLLM clamps to it
@@ -86,6 +86,7 @@ class RequestSampling(msgspec.Struct, kw_only=True):
     suppress_token_ids: list[int] = []
     begin_suppress_token_ids: list[int] = []
     timestamps: TimestampRule | None = None
+    cross_attention: CrossAttentionRows | None = None  # word timestamps' alignment heads
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: the context)
     max_tokens_name: str = "max_tokens"  # the field the client set (max_completion_tokens...)
     rules: SamplingRules = VLLM_RULES

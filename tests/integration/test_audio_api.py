@@ -66,6 +66,10 @@ class _Oracle:
         import transformers
 
         self.hf = transformers.WhisperForConditionalGeneration.from_pretrained(model_dir).eval()
+        # Attention probabilities are an eager model's output (word timestamps).
+        self.eager = transformers.WhisperForConditionalGeneration.from_pretrained(
+            model_dir, attn_implementation="eager"
+        ).eval()
         self.extractor = transformers.WhisperFeatureExtractor.from_pretrained(model_dir)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         self.g = json.loads((model_dir / "generation_config.json").read_text())
@@ -93,6 +97,11 @@ class _Oracle:
             ).logits[0, -1]
         return float(logits.softmax(-1)[self.g["no_timestamps_token_id"] - 1])
 
+    def prompt(self, task: str, language: str, timed: bool) -> list[int]:
+        g = self.g
+        return [g["decoder_start_token_id"], g["lang_to_id"][f"<|{language}|>"],
+                g["task_to_id"][task]] + ([] if timed else [g["no_timestamps_token_id"]])  # fmt: skip
+
     def window_tokens(
         self, samples: np.ndarray, task: str, language: str, timed: bool = False
     ) -> list[int]:
@@ -107,8 +116,7 @@ class _Oracle:
         )
 
         g = self.g
-        prompt = [g["decoder_start_token_id"], g["lang_to_id"][f"<|{language}|>"],
-                  g["task_to_id"][task]] + ([] if timed else [g["no_timestamps_token_id"]])  # fmt: skip
+        prompt = self.prompt(task, language, timed)
         processors = LogitsProcessorList([
             SuppressTokensAtBeginLogitsProcessor(g["begin_suppress_tokens"], len(prompt)),
             SuppressTokensLogitsProcessor(g["suppress_tokens"]),
@@ -136,6 +144,39 @@ class _Oracle:
         tokens = [self.window_tokens(w, task, language, timed) for _, w in windows]
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
         return "".join(texts).strip(), tokens, language
+
+    def words(self, audio: bytes, language: str = "en") -> list[tuple[str, float, float]]:
+        """(word, start, end) in the audio's time as Hugging Face times a transcription's words:
+        each window's timed greedy tokens, the cross-attentions of one eager forward over the
+        tokens read, _extract_token_timestamps, the ASR pipeline's grouping of the text tokens."""
+        from transformers.models.whisper.tokenization_whisper import _collate_word_timestamps
+
+        from tests.whisper_alignment import hf_token_times
+
+        samples = decode_audio(audio)
+        windows = split_windows(samples)
+        eos, out = self.g["eos_token_id"], []
+        for i, (start, w) in enumerate(windows):
+            end = windows[i + 1][0] if i + 1 < len(windows) else len(samples) / 16000
+            prompt = self.prompt("transcribe", language, timed=True)
+            tokens = self.window_tokens(w, "transcribe", language, timed=True)
+            with torch.inference_mode():
+                attentions = self.eager(
+                    input_features=self.features(w),
+                    decoder_input_ids=torch.tensor([(prompt + tokens)[:-1]]),
+                    output_attentions=True,
+                ).cross_attentions
+            heads = [tuple(pair) for pair in self.g["alignment_heads"]]
+            times = hf_token_times(self.eager, attentions, heads, -(-len(w) // 160), len(prompt))
+            text = [(len(prompt) + k, t) for k, t in enumerate(tokens) if t < eos]
+            spans = [(round(times[k - 1], 2), round(times[k], 2)) for k, _ in text]
+            chunks = _collate_word_timestamps(
+                self.tokenizer, [t for _, t in text], spans, "english", False
+            )
+            for c in chunks:
+                lo, hi = c["timestamp"]
+                out.append((c["text"].strip(), min(start + lo, end), min(start + hi, end)))
+        return out
 
     def before_eos(self, tokens: list[int]) -> list[int]:
         eos = self.g["eos_token_id"]
@@ -192,6 +233,31 @@ def test_transcription_formats_equal_hf(server: Any, oracle: _Oracle) -> None:
     assert vtt.count(" --> ") == len(segments)
     cues = [s.text.strip() for s in segments]
     assert all(cue in srt and cue in vtt for cue in cues if cue)
+
+
+def test_word_timestamps_equal_hf(server: Any, oracle: _Oracle) -> None:
+    """timestamp_granularities word: each window's words and times as Hugging Face aligns them
+    (the second window's offset by 30 s); with "segment" too the segments stay, without it
+    verbose_json has only words, as OpenAI answers."""
+    audio = encode_audio(_speech(40.0, 8), 16000, "flac")
+    expected = oracle.words(audio)
+    assert any(start < 30.0 for _, start, _ in expected)
+    assert any(start >= 30.0 for _, start, _ in expected)
+    assert any(end > start for _, start, end in expected)  # not all at one time
+    client = _client(server)
+    for granularities in (["word", "segment"], ["word"]):
+        verbose = client.audio.transcriptions.create(
+            model="whisper", file=("a.flac", audio), language="en",
+            response_format="verbose_json", timestamp_granularities=granularities,
+            extra_body=EXTRA,
+        )  # fmt: skip
+        words = [(w.word, w.start, w.end) for w in verbose.words]
+        assert [w for w, _, _ in words] == [w for w, _, _ in expected]
+        np.testing.assert_allclose(
+            [t for _, s, e in words for t in (s, e)],
+            [t for _, s, e in expected for t in (s, e)], atol=1e-6,
+        )  # fmt: skip
+        assert (verbose.segments is not None) == ("segment" in granularities)
 
 
 def test_streamed_transcript_events(server: Any, oracle: _Oracle) -> None:
@@ -256,7 +322,8 @@ def test_bad_audio_is_refused(server: Any) -> None:
         assert words in error["message"] and error["type"]
     wav = encode_audio(_speech(2.0, 6), 16000, "wav")
     for fields, param in [
-        ({"timestamp_granularities[]": "word", "response_format": "verbose_json"},
+        ({"timestamp_granularities[]": "word"}, "timestamp_granularities[]"),  # json
+        ({"timestamp_granularities[]": "char", "response_format": "verbose_json"},
          "timestamp_granularities[]"),
         ({"response_format": "tsv"}, "response_format"),
         ({"language": "klingon"}, "language"),
@@ -295,3 +362,14 @@ def test_tensor_parallel_transcription_equals_hf(
     )  # fmt: skip
     assert verbose.text == text
     assert sum((s.tokens for s in verbose.segments), []) == sum(map(oracle.before_eos, tokens), [])
+    # Word timestamps: the alignment heads span both ranks' heads (their rows are summed).
+    verbose = _client(server).audio.transcriptions.create(
+        model="whisper", file=("a.flac", audio), language="en", response_format="verbose_json",
+        timestamp_granularities=["word"], extra_body=EXTRA,
+    )  # fmt: skip
+    expected = oracle.words(audio)
+    assert [w.word for w in verbose.words] == [w for w, _, _ in expected]
+    np.testing.assert_allclose(
+        [t for w in verbose.words for t in (w.start, w.end)],
+        [t for _, s, e in expected for t in (s, e)], atol=1e-6,
+    )  # fmt: skip

@@ -365,3 +365,39 @@ def test_a_pinned_state_checkpoint_is_not_evicted_until_unpinned() -> None:
     assert cps.reserve(b"d") is None  # still held by the second lease
     cps.unpin(b"a")
     assert cps.reserve(b"d") == a and cps.lookup(b"c") == b
+
+
+def test_cross_attention_rows_reach_the_frontend_once_per_output_position() -> None:
+    """Word timestamps' rows (SamplingParams.cross_attention): the prompt's are dropped, each
+    output position's row goes out once, the last token (never read) has none, a position
+    recomputed after a preemption keeps the row it was generated with, and a rejected draft's
+    row never goes out."""
+    import numpy as np
+
+    from enginecore.messages import CROSS_ATTENTION_FRAMES, CrossAttentionRows
+
+    params = SamplingParams(max_tokens=8, cross_attention=CrossAttentionRows([(0, 1)]))
+    request = Request("r", [1, 2, 3], params)
+
+    def rows(start: int, n: int, mark: float = 0.0) -> bytes:
+        values = np.arange(start, start + n, dtype=np.float32) + mark
+        return np.repeat(values, CROSS_ATTENTION_FRAMES).tobytes()
+
+    def positions(data: bytes) -> list[float]:
+        return np.frombuffer(data, np.float32)[::CROSS_ATTENTION_FRAMES].tolist()
+
+    request.append_output_token(10)  # the prompt's chunk sampled it
+    assert request.take_cross_attention(0, rows(0, 3)) == b""
+    request.append_output_token(11)  # a decode step read position 3 (token 10)
+    assert positions(request.take_cross_attention(3, rows(3, 1))) == [3.0]
+    request.append_output_token(12)
+    assert positions(request.take_cross_attention(4, rows(4, 1))) == [4.0]
+    # Preempted; recomputed from position 0 (tokens 1, 2, 3, 10, 11, 12), then 13 sampled:
+    # positions 3 and 4 keep their rows, position 5 (token 12) is new.
+    request.append_output_token(13)
+    assert positions(request.take_cross_attention(0, rows(0, 6, mark=0.5))) == [5.5]
+    # Drafts: positions 6 (13), 7 and 8 read; the draft at 7 accepted, 8's rejected.
+    request.append_output_token(14)
+    request.append_output_token(15)
+    assert positions(request.take_cross_attention(6, rows(6, 3))) == [6.0, 7.0]
+    assert request.num_cross_attention_rows == 5 == request.num_output_tokens - 1

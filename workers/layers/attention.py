@@ -130,6 +130,17 @@ class PrefillGroup:
 
 
 @dataclass
+class CrossAttentionCapture:
+    """An encoder-decoder's cross-attention probabilities at chosen (layer, head) pairs, for the
+    sequences of a step that ask (SamplingParams.cross_attention). `rows[i]`: sequence i's
+    (tokens, pairs, encoder frames) float32; a rank fills the pairs of its own heads (zeros
+    elsewhere: the runner sums them over the tensor-parallel group)."""
+
+    heads: dict[int, list[tuple[int, int]]]  # sequence index -> its (layer, head) pairs
+    rows: dict[int, torch.Tensor]
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs about one step's batch; built by the model runner."""
 
@@ -165,6 +176,9 @@ class AttentionMetadata:
     # Encoder-decoder models (Whisper): per sequence, each decoder layer's cross-attention keys
     # and values over its audio, (H, S, D) each; set by the model runner (workers/runner/audio.py).
     cross_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+    # The sequences whose cross-attention probabilities are kept (word timestamps), set by the
+    # model runner; the decoder layers fill it.
+    cross_attention: CrossAttentionCapture | None = None
 
     def set_mrope_positions(self, mrope_positions: torch.Tensor | None) -> None:
         for meta in (self, *self.other_kv_groups):

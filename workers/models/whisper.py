@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.distributed import ParallelContext
-from workers.layers.attention import Attention, AttentionMetadata
+from workers.layers.attention import Attention, AttentionMetadata, CrossAttentionCapture
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear, default_weight_loader
 from workers.models.args import ModelArgs
@@ -147,6 +147,8 @@ class WhisperDecoderLayer(WhisperLayer):
         heads, head_dim = self.self_attn.num_heads, self.self_attn.head_dim
         self.attn = Attention(heads, head_dim, heads, 1.0)  # queries come scaled
         self.attn.kv_slot = kv_slot
+        self.layer_index = kv_slot
+        self.first_head = ctx.tp_rank * heads  # this rank's heads are the global ones from it
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.encoder_attn = WhisperAttention(d, hf["decoder_attention_heads"], ctx)
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
@@ -162,11 +164,16 @@ class WhisperDecoderLayer(WhisperLayer):
         k = attn.k_proj(x).view(-1, heads, head_dim)
         v = attn.v_proj(x).view(-1, heads, head_dim)
         h = h + attn.out_proj(self.attn(q, k, v, meta).flatten(1))
-        h = h + self._cross_attend(self.encoder_attn_layer_norm(h), cross_kv, starts)
+        x = self.encoder_attn_layer_norm(h)
+        h = h + self._cross_attend(x, cross_kv, starts, meta.cross_attention)
         return h + self.mlp(h)
 
     def _cross_attend(
-        self, x: torch.Tensor, cross_kv: list[CrossKV], starts: list[int]
+        self,
+        x: torch.Tensor,
+        cross_kv: list[CrossKV],
+        starts: list[int],
+        capture: CrossAttentionCapture | None,
     ) -> torch.Tensor:
         attn = self.encoder_attn
         q = attn.query(x)  # (T, H D)
@@ -174,9 +181,23 @@ class WhisperDecoderLayer(WhisperLayer):
         # NOTE: one product per sequence: each reads its own audio's keys, which no other shares.
         for i, (k, v) in enumerate(cross_kv):
             lo, hi = starts[i], starts[i + 1]
-            o = _attend(attn.heads(q[lo:hi]), k, v)
+            qh = attn.heads(q[lo:hi])
+            o = _attend(qh, k, v)
             out[lo:hi] = o.transpose(0, 1).flatten(1)
+            if capture is not None and i in capture.heads:
+                self._keep_probabilities(capture, i, qh, k)
         return attn.out_proj(out)
+
+    def _keep_probabilities(
+        self, capture: CrossAttentionCapture, seq: int, q: torch.Tensor, k: torch.Tensor
+    ) -> None:
+        """Sequence `seq`'s attention probabilities at the pairs of this layer's heads on this
+        rank, as Hugging Face's eager attention computes them (softmax of the scaled scores)."""
+        for j, (layer, head) in enumerate(capture.heads[seq]):
+            local = head - self.first_head
+            if layer == self.layer_index and 0 <= local < self.encoder_attn.num_heads:
+                scores = q[local].float() @ k[local].float().transpose(0, 1)  # (T, S)
+                capture.rows[seq][:, j] = scores.softmax(dim=-1)
 
 
 class WhisperDecoder(nn.Module):

@@ -9,13 +9,25 @@ finishes. The cache is emptied when the weights change: keys of old weights must
 
 Every tensor-parallel rank runs this in the same order on the same steps, so their caches make
 the same choices (an encoder call is a collective).
+
+Requests that ask for word timestamps (SamplingParams.cross_attention) also get the decoder's
+cross-attention probabilities at the model's alignment heads for every token of their chunk:
+the decoder layers fill a `CrossAttentionCapture` per step, and the rows of heads split over
+tensor-parallel ranks are summed (each rank fills its own heads; a collective on every rank).
 """
 
 from __future__ import annotations
 
 import torch
 
-from enginecore.messages import ScheduledRequest, SchedulerOutput
+from enginecore.messages import (
+    CROSS_ATTENTION_FRAMES,
+    SamplingParams,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from workers.distributed import ParallelContext
+from workers.layers.attention import CrossAttentionCapture
 from workers.runner.images import EncoderCache, tensor_from_data
 
 # Keys and values kept for reuse beyond the running requests' (bytes); one whisper-base window
@@ -46,6 +58,42 @@ class AudioInputs:
         if missing:
             raise ValueError(f"request {missing[0]!r} runs without its audio")
         return [self.by_request[r.req_id] for r in reqs]
+
+    def capture(
+        self, reqs: list[ScheduledRequest], params: list[SamplingParams]
+    ) -> CrossAttentionCapture | None:
+        """The step's sequences whose cross-attention probabilities are kept (those that asked
+        and sample: a chunk that samples nothing holds prompt positions, or positions recomputed
+        after a preemption whose rows the engine core already has); None when none."""
+        heads = {
+            i: list(q.cross_attention.heads)
+            for i, (r, q) in enumerate(zip(reqs, params))
+            if q.cross_attention is not None and r.sample_index >= 0
+        }
+        if not heads:
+            return None
+        rows = {
+            i: torch.zeros(
+                len(reqs[i].token_ids), len(pairs), CROSS_ATTENTION_FRAMES, device=self.device
+            )
+            for i, pairs in heads.items()
+        }
+        return CrossAttentionCapture(heads, rows)
+
+    @staticmethod
+    def captured(
+        capture: CrossAttentionCapture | None, reqs: list[ScheduledRequest], p: ParallelContext
+    ) -> dict[str, bytes]:
+        """The rows by request id on the driver (empty elsewhere); sums them over the
+        tensor-parallel group first (every rank calls this)."""
+        if capture is None:
+            return {}
+        out = {}
+        for i in sorted(capture.rows):
+            rows = p.all_reduce(capture.rows[i])
+            if p.is_driver:
+                out[reqs[i].req_id] = rows.cpu().numpy().tobytes()
+        return out
 
     def weights_changed(self) -> None:
         self.cache.clear()

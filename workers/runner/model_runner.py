@@ -293,6 +293,9 @@ class ModelRunner:
             meta.set_mrope_positions(self.images.rope_positions(reqs))
         if self.audio is not None:
             meta.cross_kv = self.audio.batch(reqs)
+            meta.cross_attention = self.audio.capture(
+                reqs, [self.inputs.requests[r.req_id].sampling_params for r in reqs]
+            )
         t1 = time.perf_counter()
         timings["prepare"] = t1 - t0
         hidden, routes = self._forward(reqs, input_ids, meta)
@@ -318,6 +321,8 @@ class ModelRunner:
         output = ModelRunnerOutput(
             step.step_id, [], [], routed_experts=routed, expert_tokens=expert_tokens
         )
+        if self.audio is not None:  # word timestamps' cross-attention (a collective)
+            output.cross_attention = self.audio.captured(meta.cross_attention, reqs, p)
         return self._sample(step, reqs, hidden, meta, output, bitmasks, want_logprobs)
 
     def _forward(
