@@ -8,7 +8,8 @@ random Whisper checkpoints of whisper-tiny's and whisper-base's sizes (scripts/m
 
 Each request is its own 30 s file (distinct audio: no cache hit anywhere), 16 kHz mono wav,
 language en, greedy, `max_completion_tokens` tokens (default 96, about what 30 s of speech
-transcribes to: a random checkpoint rarely ends by itself). Reported: RTF, the median request
+transcribes to: a random checkpoint rarely ends by itself); json, or with --granularities
+verbose_json timed at those (segment, word: what word timestamps cost). Reported: RTF, the median request
 latency, failed requests (must be none), and the CPU (lscpu's model name and flags).
 """
 
@@ -51,12 +52,20 @@ def speech_like(seed: int, seconds: float = SECONDS) -> bytes:
 
 
 async def transcribe(
-    client: httpx.AsyncClient, url: str, model: str, audio: bytes, max_tokens: int
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    audio: bytes,
+    max_tokens: int,
+    granularities: list[str],
 ) -> tuple[float, str | None]:
-    """(seconds, error or None)."""
+    """(seconds, error or None). With granularities: verbose_json timed at those."""
     start = time.perf_counter()
-    data = {"model": model, "language": "en", "temperature": "0",
-            "max_completion_tokens": str(max_tokens)}  # fmt: skip
+    data: dict[str, Any] = {"model": model, "language": "en", "temperature": "0",
+                            "max_completion_tokens": str(max_tokens)}  # fmt: skip
+    if granularities:
+        data["response_format"] = "verbose_json"
+        data["timestamp_granularities[]"] = granularities
     try:
         r = await client.post(url, files={"file": ("a.wav", audio, "audio/wav")}, data=data)
         error = None if r.status_code == 200 else f"{r.status_code}: {r.text[:200]}"
@@ -66,7 +75,13 @@ async def transcribe(
 
 
 async def run_level(
-    base_url: str, model: str, concurrency: int, num_requests: int, max_tokens: int, seed: int
+    base_url: str,
+    model: str,
+    concurrency: int,
+    num_requests: int,
+    max_tokens: int,
+    seed: int,
+    granularities: list[str],
 ) -> dict[str, Any]:
     url = f"{base_url}/v1/audio/transcriptions"
     files = [speech_like(seed + i) for i in range(num_requests)]
@@ -79,7 +94,7 @@ async def run_level(
     async def worker(client: httpx.AsyncClient) -> None:
         while not queue.empty():
             audio = queue.get_nowait()
-            seconds, error = await transcribe(client, url, model, audio, max_tokens)
+            seconds, error = await transcribe(client, url, model, audio, max_tokens, granularities)
             latencies.append(seconds)
             if error is not None:
                 errors.append(error)
@@ -120,20 +135,27 @@ def main() -> None:
     parser.add_argument("--label", default="server")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--levels", default="1:4,8:16", help="concurrency:requests, ...")
+    parser.add_argument(
+        "--granularities", default="",
+        help="timestamp_granularities, comma-separated (segment, word): verbose_json answers",
+    )  # fmt: skip
     parser.add_argument("--result-file", type=Path, default=None)
     args = parser.parse_args()
     model = args.model or httpx.get(f"{args.base_url}/v1/models").json()["data"][0]["id"]
+    granularities = [g for g in args.granularities.split(",") if g]
     # One request first: the servers' start-up work (first encoder call, compiled kernels).
-    asyncio.run(run_level(args.base_url, model, 1, 1, args.max_tokens, seed=10_000))
+    asyncio.run(run_level(args.base_url, model, 1, 1, args.max_tokens, 10_000, granularities))
     results = []
     for level in args.levels.split(","):
         c, n = (int(x) for x in level.split(":"))
-        results.append(asyncio.run(run_level(args.base_url, model, c, n, args.max_tokens, seed=0)))
+        results.append(
+            asyncio.run(run_level(args.base_url, model, c, n, args.max_tokens, 0, granularities))
+        )
         r = results[-1]
         print(f"{args.label} c={c}: RTF {r['rtf']}x ({r['requests']} x 30 s in {r['wall_s']} s), "
               f"median latency {r['median_latency_s']} s, failed {r['failed']}")  # fmt: skip
     record = {"label": args.label, "model": model, "max_tokens": args.max_tokens, "cpu": cpu(),
-              "levels": results}  # fmt: skip
+              "granularities": granularities, "levels": results}  # fmt: skip
     if args.result_file is not None:
         args.result_file.parent.mkdir(parents=True, exist_ok=True)
         args.result_file.write_text(json.dumps(record, indent=2) + "\n")
