@@ -14,7 +14,7 @@ control calls. The server keeps serving on the others: degraded. GET /health the
 {"status": "degraded", ...} naming the dead replicas, so that a router keeps sending traffic to the
 capacity left (a 503 would take the whole server out of rotation); an orchestrator that prefers a
 restart can read the status. Only when every replica is dead is the engine dead: /health answers
-503, the `on_dead` callbacks run, and the server exits non-zero (frontend/__main__.py). A dead
+503, the `on_dead` callbacks run, and the server exits non-zero (frontend/server/launcher.py). A dead
 replica is not restarted: its workers' memory layout and the trainer's group would have to be
 rebuilt, which is a restart of the server.
 This module knows nothing about HTTP or text.
@@ -102,6 +102,7 @@ class EngineClient:
         self.dead_reason: str | None = None
         self.on_dead: list[Callable[[str], None]] = []
         self._reaping: list[asyncio.Task[None]] = []
+        self._is_spawned = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -118,11 +119,20 @@ class EngineClient:
         """The first replica's engine-core pid (each replica's: `replicas[i].pid`)."""
         return self.replicas[0].pid
 
-    async def start(self) -> EngineReady:
-        """Starts every replica at once and waits for all; raises EngineStartupError."""
+    def spawn(self) -> None:
+        """Starts every replica's engine core (once): they load the model meanwhile."""
+        if self._is_spawned:
+            return
+        self._is_spawned = True
         for replica in self.replicas:
             os.makedirs(replica.config.ipc_dir, exist_ok=True)
             replica.on_dead.append(lambda reason, r=replica: self._on_replica_dead(r, reason))
+            replica.spawn()
+
+    async def start(self) -> EngineReady:
+        """Starts every replica at once (unless spawn() did) and waits for all; raises
+        EngineStartupError."""
+        self.spawn()
         results = await asyncio.gather(*(r.start() for r in self.replicas), return_exceptions=True)
         for replica, result in zip(self.replicas, results, strict=True):
             if isinstance(result, BaseException):

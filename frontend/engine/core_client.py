@@ -169,8 +169,10 @@ class EngineCoreClient:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    async def start(self) -> EngineReady:
-        """Spawns the engine core and waits for EngineReady; raises EngineStartupError."""
+    def spawn(self) -> None:
+        """Starts the engine core's process (once): it loads the model while the caller goes on."""
+        if self._proc is not None:
+            return
         # Imported here, not at the top: only spawning needs the engine side.
         from enginecore.core_proc import run_engine_core
 
@@ -188,6 +190,11 @@ class EngineCoreClient:
             name += f"-{self.index}"
         self._proc = ctx.Process(target=run_engine_core, args=(self.config,), name=name)
         self._proc.start()
+
+    async def start(self) -> EngineReady:
+        """Spawns the engine core (unless spawn() did) and waits for EngineReady; raises
+        EngineStartupError."""
+        self.spawn()
         self.ready = await self._wait_ready()
         self._engine_children = _children(self._proc.pid)
         self._last_message_time = time.monotonic()

@@ -1,5 +1,5 @@
 """What every way of serving tern shares once its Config is built: the tokenizer, the engine's
-start and the serving layer with its ASGI app. `tern launch` (frontend/__main__.py) puts the app
+start and the serving layer with its ASGI app. `tern launch` (frontend/server/launcher.py) puts the app
 behind uvicorn; a Ray Serve replica (frontend/ray_serve/) hands it to Ray's HTTP proxy.
 """
 
