@@ -1,5 +1,5 @@
 """Audio file bytes -> float32 mono samples at 16 kHz (Whisper's input), decoded by FFmpeg through
-PyAV; and those samples cut into the 30 s windows Whisper's encoder reads.
+PyAV; and those samples cut into the (at most) 30 s windows Whisper's encoder reads.
 
 Only the demuxers of the containers OpenAI's transcription API takes (flac, mp3, mp4, mpeg, mpga,
 m4a, ogg, wav, webm) and raw ADTS AAC and AIFF are opened: naming them keeps FFmpeg's playlist
@@ -146,15 +146,40 @@ def _too_long(declared: float | None, max_seconds: float | None) -> AudioError:
 
 
 def split_windows(
-    samples: np.ndarray, sample_rate: int = 16000, window_s: float = 30.0
+    samples: np.ndarray,
+    sample_rate: int = 16000,
+    window_s: float = 30.0,
+    search_s: float = 1.0,
+    stretch_s: float = 0.1,
 ) -> list[tuple[float, np.ndarray]]:
-    """`samples` as consecutive, non-overlapping windows of at most `window_s` seconds, each with its
-    start time in seconds. Every window with any samples is kept, however short the last one is
-    (Whisper pads each window to 30 s anyway); the windows are views into `samples`, not copies."""
+    """`samples` as consecutive, non-overlapping windows of at most `window_s` seconds, each with
+    its start time in seconds. Audio longer than a window is cut where it is quietest, as vLLM
+    cuts it (fewer words split between two windows): each cut lands in the last `search_s` before
+    the window's end, at the start of the `stretch_s` stretch there of least energy (RMS).
+    Every window with any samples is kept, however short the last one is (Whisper pads each
+    window to 30 s anyway); the windows are views into `samples`, not copies."""
     assert samples.ndim == 1, samples.shape
     window = int(round(window_s * sample_rate))
-    assert window > 0, (window_s, sample_rate)
-    return [
-        (start / sample_rate, samples[start : start + window])
-        for start in range(0, samples.size, window)
-    ]
+    search = int(round(search_s * sample_rate))
+    stretch = int(round(stretch_s * sample_rate))
+    assert window > search >= stretch > 0, (window_s, search_s, stretch_s, sample_rate)
+    out: list[tuple[float, np.ndarray]] = []
+    start = 0
+    while start < samples.size:
+        end = start + window
+        if end >= samples.size:  # the rest fits
+            out.append((start / sample_rate, samples[start:]))
+            break
+        cut = _quietest(samples, end - search, end, stretch)
+        out.append((start / sample_rate, samples[start:cut]))
+        start = cut
+    return out
+
+
+def _quietest(samples: np.ndarray, lo: int, hi: int, stretch: int) -> int:
+    """The first sample of the quietest of the whole `stretch`-long stretches that tile [lo, hi)
+    from lo (the first of equals)."""
+    n = (hi - lo) // stretch
+    stretches = samples[lo : lo + n * stretch].reshape(n, stretch).astype(np.float64)
+    energy = np.sqrt((stretches**2).mean(axis=1))
+    return lo + int(np.argmin(energy)) * stretch

@@ -2,8 +2,8 @@
 multipart/form-data body with the audio `file`, `model`, `language`, `prompt`, `temperature`,
 `response_format` (json, text, srt, verbose_json, vtt), `timestamp_granularities[]` and `stream`.
 
-The file is decoded (decoding.py, in a thread: FFmpeg holds no event loop) and cut into 30 s
-windows; each window is one engine request (speech.py says what it carries), all started at once,
+The file is decoded (decoding.py, in a thread: FFmpeg holds no event loop) and cut into windows
+of at most 30 s (at a quiet stretch of each one's last second); each window is one engine request (speech.py says what it carries), all started at once,
 and their texts join in window order. verbose_json, srt and vtt show timed segments: their start
 and end in the audio, their tokens, the mean logprob of their tokens and (verbose_json) their
 window's no_speech_prob, the probability of <|nospeech|> right after <|startoftranscript|> as

@@ -104,11 +104,20 @@ def test_duration_cap_counts_decoded_samples() -> None:
 
 
 def test_split_windows() -> None:
-    samples = np.arange(65 * 16000, dtype=np.float32)
+    """Long audio is cut at the quietest 100 ms stretch of each window's last second; a window
+    that holds the rest takes it whole."""
+    rng = np.random.default_rng(0)
+    samples = rng.uniform(-0.5, 0.5, 65 * 16000).astype(np.float32)
+    samples[int(29.3 * 16000) : int(29.4 * 16000)] *= 0.01  # a pause at 29.3 s
+    samples[int(58.5 * 16000) : int(58.6 * 16000)] *= 0.01  # and 29.2 s after it
     windows = split_windows(samples)
-    assert [start for start, _ in windows] == [0.0, 30.0, 60.0]
-    assert [w.size for _, w in windows] == [480000, 480000, 80000]
+    assert [start for start, _ in windows] == pytest.approx([0.0, 29.3, 58.5])
+    assert [w.size for _, w in windows] == [468800, 467200, 104000]
     np.testing.assert_array_equal(np.concatenate([w for _, w in windows]), samples)
+    # Silence before the last second does not count: the cut stays within it.
+    quiet_early = samples.copy()
+    quiet_early[int(10 * 16000) : int(11 * 16000)] = 0.0
+    assert 29.0 <= split_windows(quiet_early)[1][0] < 30.0
     assert len(split_windows(samples[:480000])) == 1  # exactly one window: no empty tail
     assert split_windows(samples[:0]) == []
 

@@ -318,7 +318,8 @@ def _general_metadata(
         )
         groups.append(_to_device(group, device))
         cached_idx = torch.tensor(cached, dtype=torch.int64)
-    kernel_seqs = [i for i in other_seqs if i not in spans]
+    # The prefill kernel's view, on a CPU only (it reads caches in host memory).
+    kernel_seqs = [i for i in other_seqs if i not in spans] if device.type == "cpu" else []
     prefill = span_groups = None
     if kernel_seqs:
         prefill = _prefill_group(
