@@ -295,6 +295,8 @@ class KVPulled(msgspec.Struct, omit_defaults=True):
     state_paths: list[str] = []
     # --enable-return-routed-experts: the routing rows of the pulled positions.
     routing: bytes = b""
+    # Both servers run the same draft model: each file holds its blocks after the served model's.
+    with_draft: bool = False
 
 
 class UtilityCall(msgspec.Struct):
@@ -466,6 +468,10 @@ class KVLoad(msgspec.Struct, array_like=True):
     # Hybrid models: rank r also reads `state_paths[r]`, the linear-attention states after the
     # pulled blocks, into the request's state row (then deletes it).
     state_paths: list[str] = []
+    # A draft model's KV came too (KVLayout.draft): the file holds its blocks after the served
+    # model's, and the first num_draft_blocks src/dst pairs (the first KV-cache group's, whose
+    # block tables the draft model reads) go into its cache.
+    num_draft_blocks: int = 0
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -786,6 +792,18 @@ class KVLayout(msgspec.Struct, array_like=True, frozen=True):
     pp: int
     rank: int
     block_shape: list[int]  # one block of every layer of the rank's stage, as the rank stores it
+    # Speculative decoding's draft model, whose own KV travels with the blocks when both servers
+    # run the same one: its shape, one block's, its dtype ("": none, or a drafter whose KV does
+    # not travel). Blocks are exchanged whatever the two say; drafts differ only in speed.
+    draft: str = ""
+
+    def blocks_agree(self, other: KVLayout) -> bool:
+        """Whether the two ranks' blocks of the served model may be exchanged."""
+        return msgspec.structs.replace(self, draft="") == msgspec.structs.replace(other, draft="")
+
+    def drafts_agree(self, other: KVLayout) -> bool:
+        """Whether the draft model's KV travels with the blocks: both run the same one."""
+        return bool(self.draft) and self.draft == other.draft
 
 
 class KVPull(msgspec.Struct, tag="kv_pull"):

@@ -303,7 +303,9 @@ class Scheduler:
         for g, ids in enumerate(block_ids):  # the file: pulled.num_blocks of each group
             src += range(g * pulled.num_blocks + skip, g * pulled.num_blocks + end)
             dst += ids[skip:end]
-        return KVLoad(pulled.paths, src, dst, pulled.state_paths)
+        # The draft model reads the first group's tables: its blocks are those pairs (first).
+        num_draft = end - skip if pulled.with_draft else 0
+        return KVLoad(pulled.paths, src, dst, pulled.state_paths, num_draft)
 
     def end_kv_leases(self) -> None:
         """Every lent block goes back to the pool (their consumers' pulls fail)."""

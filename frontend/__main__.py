@@ -11,9 +11,19 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    import logging
+    import os
+
     from frontend.server.launcher import main as launch
 
-    return launch(argv)
+    code = launch(argv)
+    # The server has stopped and its engine processes are gone (or were killed): exit without
+    # the interpreter's teardown, whose garbage collection over torch's and transformers'
+    # modules takes seconds after every stop.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

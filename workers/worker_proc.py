@@ -168,7 +168,7 @@ def start_lender(config: Config, runner: ModelRunner) -> KVLender | None:
 
     return KVLender(
         config.kv_transfer.bootstrap_host, lambda: runner.kv_cache, runner.kv_layout(),
-        runner.inputs.checkpoint_states,
+        runner.inputs.checkpoint_states, runner.draft_kv_cache,
     )  # fmt: skip
 
 

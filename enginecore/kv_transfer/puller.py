@@ -171,6 +171,7 @@ class KVPuller:
         return KVPulled(
             request_id, paths, num_blocks, num_bytes, state_paths=state_paths,
             routing=routing if num_blocks else b"",
+            with_draft=all(t.drafts_agree(o) for t, o in zip(lease.layouts, self.layouts)),
         )  # fmt: skip
 
     def _wait_for_lease(self, spec: KVTransfer) -> LeaseReply:
@@ -192,7 +193,9 @@ class KVPuller:
     def _check(self, lease: LeaseReply, prompt: list[int], spec: KVTransfer) -> None:
         if spec.remote_block_ids is not None and spec.remote_block_ids != lease.block_ids:
             raise PullFailed("the producer's lease holds other blocks than the request names")
-        if lease.layouts != self.layouts:
+        if len(lease.layouts) != len(self.layouts) or not all(
+            t.blocks_agree(o) for t, o in zip(lease.layouts, self.layouts)
+        ):
             theirs = lease.layouts[0] if lease.layouts else None
             raise PullFailed(
                 f"the producer's KV layout differs from this server's: producer {theirs}, "

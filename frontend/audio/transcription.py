@@ -3,8 +3,8 @@ multipart/form-data body with the audio `file`, `model`, `language`, `prompt`, `
 `response_format` (json, text, srt, verbose_json, vtt), `timestamp_granularities[]` and `stream`.
 
 The file is decoded (decoding.py, in a thread: FFmpeg holds no event loop) and cut into windows
-of at most 30 s (at a quiet stretch of each one's last second); each window is one engine request (speech.py says what it carries), all started at once,
-and their texts join in window order. verbose_json, srt and vtt show timed segments: their start
+of at most 30 s (at a quiet stretch of each one's last second); each window is one engine request
+(speech.py says what it carries), all started at once, and their texts join in window order. verbose_json, srt and vtt show timed segments: their start
 and end in the audio, their tokens, the mean logprob of their tokens and (verbose_json) their
 window's no_speech_prob, the probability of <|nospeech|> right after <|startoftranscript|> as
 OpenAI's whisper reads it (a one-token probe per window: the prompt logprob of <|nospeech|>).
@@ -146,7 +146,7 @@ class TranscriptionServing:
             usage = {"type": "duration", "seconds": math.ceil(duration)}
             return json_response({"text": text, "usage": usage}, headers=headers)
         words = None
-        if with_words:  # the alignment is a few ms of numpy per window: off the event loop
+        if with_words:  # ~0.1 s of numpy per 30 s window: off the event loop
             words = await asyncio.to_thread(view.words, group.gens, len(prompt_ids))
         body, media_type = render(
             req.response_format, text, view.segments(group.gens), task=task,
@@ -327,8 +327,7 @@ class _Transcript:
         last pair runs to the window's end); a window without timestamps is one segment."""
         out: list[Segment] = []
         for i, gen in enumerate(gens):
-            start = self.starts[i]
-            end = self.starts[i + 1] if i + 1 < len(self.starts) else self.duration
+            start, end = self._bounds(i)
             logprobs = gen.all_output_logprobs
             values = logprobs.logprobs if logprobs is not None else []
             for lo, hi, first, last in self._pairs(gen.output_token_ids, end - start):
@@ -359,8 +358,7 @@ class _Transcript:
         assert speech.alignment_heads is not None
         out: list[Word] = []
         for i, gen in enumerate(gens):
-            start = self.starts[i]
-            end = self.starts[i + 1] if i + 1 < len(self.starts) else self.duration
+            start, end = self._bounds(i)
             rows = np.frombuffer(bytes(gen.cross_attention), dtype=np.float32).reshape(
                 -1, len(speech.alignment_heads), CROSS_ATTENTION_FRAMES
             )
@@ -380,6 +378,11 @@ class _Transcript:
                 lo, hi = max(lo, 0.0), max(hi, 0.0)
                 out.append(Word(word.strip(), min(start + lo, end), min(start + hi, end)))
         return out
+
+    def _bounds(self, i: int) -> tuple[float, float]:
+        """Window i's start and end in the audio (seconds)."""
+        end = self.starts[i + 1] if i + 1 < len(self.starts) else self.duration
+        return self.starts[i], end
 
     def _pairs(self, tokens: list[int], length: float) -> list[tuple[float, float, int, int]]:
         """(start s, end s, first token, end token) of each segment of one window's output."""

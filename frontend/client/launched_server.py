@@ -74,7 +74,7 @@ class LaunchedServer:
                     if r.status == 200:
                         self.record_descendants()
                         return
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise TimeoutError(f"tern was not ready within {timeout} s:\n{self.log_tail()}")
 
     def record_descendants(self) -> None:

@@ -301,6 +301,37 @@ def test_a_lora_adapters_prompt_is_pulled_and_decoded_on_the_adapter(
         router.stop()
 
 
+def test_a_draft_models_kv_travels_with_the_blocks(module_server, tiny_llama_with_tokenizer: Path):
+    """Both servers draft with the same draft model (here the served model itself, so a draft
+    read from the right KV is always accepted): its KV of the pulled positions comes with the
+    blocks, so the consumer accepts every draft, as one server does; the answers equal one
+    server's. (Without it, the draft model would read zeros for the prompt.)"""
+    spec = json.dumps({"method": "draft_model", "model": str(tiny_llama_with_tokenizer),
+                       "num_speculative_tokens": 3})  # fmt: skip
+    pair = start_pair(
+        module_server, tiny_llama_with_tokenizer, "--dtype", "float32", "--speculative-config", spec
+    )
+    router = vllm_pd_router(pair)
+    try:
+        for length in (40, 100):
+            prompt = prompt_ids(length, salt=13)
+            for url in (pair["producer"], router.url):
+                side = pair["producer"] if url == pair["producer"] else pair["consumer"]
+                before = _spec_counts(side)
+                got = completion(url, pair["model"], prompt, False)
+                accepted, drafted = (a - b for a, b in zip(_spec_counts(side), before))
+                assert drafted > 0 and accepted == drafted, (length, url, accepted, drafted)
+            assert got == completion(pair["producer"], pair["model"], prompt, False)
+    finally:
+        router.stop()
+
+
+def _spec_counts(url: str) -> tuple[float, float]:
+    """(draft tokens accepted, draft tokens verified) on a server so far."""
+    return (metric(url, "tern:spec_decode_num_accepted_tokens_total"),
+            metric(url, "tern:spec_decode_num_draft_tokens_total"))  # fmt: skip
+
+
 def test_producers_and_consumers_at_dp2_behind_one_router(launch_server, tiny_llama_with_tokenizer):
     """Two replicas on each side: the bootstrap answers for the replica that lent the blocks,
     every consumer replica pulls; outputs equal one server's."""

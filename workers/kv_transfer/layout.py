@@ -10,9 +10,15 @@ from workers.models.args import ModelArgs
 
 
 def kv_layout(
-    config: Config, args: ModelArgs, block_shape: list[int], dtype: torch.dtype, rank: int
+    config: Config,
+    args: ModelArgs,
+    block_shape: list[int],
+    dtype: torch.dtype,
+    rank: int,
+    draft: str = "",
 ) -> KVLayout:
-    """block_shape: one block of the rank's cache tensor (workers/runner/kv_cache.py)."""
+    """block_shape: one block of the rank's cache tensor (workers/runner/kv_cache.py); draft:
+    the draft model's KV (Drafter.kv_layout)."""
     model = (
         f"{args.architecture} layers={args.num_hidden_layers} hidden={args.hidden_size} "
         f"kv_heads={args.num_key_value_heads} head_dim={args.head_dim} vocab={args.vocab_size}"
@@ -26,6 +32,7 @@ def kv_layout(
         pp=p.pipeline_parallel_size,
         rank=rank,
         block_shape=block_shape,
+        draft=draft,
     )
 
 

@@ -2,8 +2,10 @@
 
 The engine core keeps lent blocks out of the pool until the consumer releases them (or the lease
 ends), so this thread reads blocks no step writes; a hybrid model's lease pins its state
-checkpoint the same way. A consumer on this host gets the blocks (and states) in shared-memory
-files; one elsewhere in the reply's further frames.
+checkpoint the same way. When both servers run the same draft model, its KV blocks follow the
+served model's (the draft model addresses its cache through the same block ids). A consumer on
+this host gets the blocks (and states) in shared-memory files; one elsewhere in the reply's
+further frames.
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ class KVLender:
         kv_cache: Callable[[], torch.Tensor | None],
         layout: KVLayout,
         checkpoint_states: Callable[[int], list[torch.Tensor]],
+        draft_kv_cache: Callable[[], torch.Tensor | None] = lambda: None,
     ) -> None:
         """host: the address consumers reach (bound there only); kv_cache: the rank's cache now
-        (None while asleep); checkpoint_states: a state checkpoint's tensors on this rank."""
+        (None while asleep); checkpoint_states: a state checkpoint's tensors on this rank;
+        draft_kv_cache: the draft model's cache now (blocks on dimension 2, as kv_cache's)."""
         self._kv_cache = kv_cache
+        self._draft_kv_cache = draft_kv_cache
         self._checkpoint_states = checkpoint_states
         self.layout = layout
         self._ctx = zmq.Context()
@@ -72,7 +77,7 @@ class KVLender:
             self._sock.send_multipart(frames, copy=False)
 
     def _answer(self, pull: KVPull) -> tuple[KVPullReply, list[memoryview]]:
-        if pull.layout != self.layout:
+        if not pull.layout.blocks_agree(self.layout):
             return KVPullReply(
                 error=f"KV layouts differ: producer {describe(self.layout)}; consumer "
                 f"{describe(pull.layout)}"
@@ -84,8 +89,16 @@ class KVLender:
         if any(not 0 <= b < num_blocks for b in pull.block_ids):
             return KVPullReply(error=f"block ids outside the producer's {num_blocks}"), []
         ids = torch.tensor(pull.block_ids, dtype=torch.long, device=kv_cache.device)
-        blocks = kv_cache.index_select(2, ids).cpu().contiguous()
-        parts = [blocks.view(-1).view(torch.uint8).numpy()]
+        caches = [kv_cache]
+        if pull.layout.drafts_agree(self.layout):
+            draft_kv_cache = self._draft_kv_cache()
+            if draft_kv_cache is None:
+                return KVPullReply(error="the producer's draft model has no KV cache"), []
+            caches.append(draft_kv_cache)
+        blocks = [
+            c.index_select(2, ids).cpu().contiguous().view(-1).view(torch.uint8) for c in caches
+        ]
+        parts = [torch.cat(blocks).numpy()]
         if pull.state_checkpoint >= 0:
             parts.append(states_bytes(self._checkpoint_states(pull.state_checkpoint)))
         reply = KVPullReply(num_bytes=parts[0].nbytes)

@@ -181,7 +181,12 @@ class ModelRunner:
     def kv_layout(self) -> KVLayout:
         """What this rank's KV blocks are (prefill/decode disaggregation)."""
         block_shape, dtype = self.cache.block_shape()
-        return kv_layout(self.config, self.args, block_shape, dtype, self.rank)
+        draft = self.draft.kv_layout() if self.draft is not None else ""
+        return kv_layout(self.config, self.args, block_shape, dtype, self.rank, draft)
+
+    def draft_kv_cache(self) -> torch.Tensor | None:
+        """The draft model's own KV cache (what travels with the blocks), if it has one."""
+        return self.draft.kv_blocks() if self.draft is not None else None
 
     def release_kv_cache(self) -> None:
         """Frees the KV cache (sleep); init_kv_cache(self.num_kv_blocks,
@@ -282,7 +287,7 @@ class ModelRunner:
         reqs = step.requests
         if not reqs:
             return empty, None
-        load_pulled_blocks(self.kv_cache, reqs, self.rank)
+        load_pulled_blocks(self.kv_cache, reqs, self.rank, self.draft_kv_cache())
         load_pulled_states(reqs, self.rank, self.inputs.request_states)
         self.inputs.validate(reqs)
         if self.draft is not None:

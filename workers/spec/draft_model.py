@@ -113,6 +113,19 @@ class DraftModel:
             * len(self.attn_layers)
         )
 
+    def kv_layout(self) -> str:
+        """Its KV covers every position a producer computed (it catches up before each forward,
+        the prompt's chunks too), so it travels with the blocks."""
+        a = self.args
+        shape = [len(self.attn_layers), 2, self.block_size, self._kv_heads(), a.head_dim]
+        return (
+            f"{a.architecture} layers={a.num_hidden_layers} hidden={a.hidden_size} "
+            f"vocab={a.vocab_size} block={shape} {str(self.dtype).removeprefix('torch.')}"
+        )
+
+    def kv_blocks(self) -> torch.Tensor | None:
+        return self.kv_cache
+
     def allocate_states(self, num_rows: int, num_blocks: int) -> None:
         """Its own KV of `num_blocks` blocks (request_state.RequestStateHolder)."""
         shape = (len(self.attn_layers), 2, num_blocks, self.block_size, self._kv_heads(),

@@ -46,6 +46,13 @@ class Drafter(RequestStateHolder, Protocol):
     def bytes_per_block(self) -> int:
         """Its own KV per block of the served model's cache (0: none of its own)."""
 
+    def kv_layout(self) -> str:
+        """What its own KV blocks are, when they can travel with the served model's to a
+        consumer (prefill/decode disaggregation, KVLayout.draft); "": they cannot."""
+
+    def kv_blocks(self) -> torch.Tensor | None:
+        """Its own KV cache as kv_layout() describes it (blocks on dimension 2), once allocated."""
+
     def own_weights(self) -> torch.nn.Module | None:
         """Its weights where they live apart from the served model's (weight updates name them
         draft.*): a draft model's, an EAGLE-3 head's; None for an MTP head (`mtp.*`)."""

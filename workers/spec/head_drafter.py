@@ -75,6 +75,16 @@ class HeadDrafter:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.block_size * a.num_kv_heads * a.head_dim * elem
 
+    def kv_layout(self) -> str:
+        """ "": a head writes its KV at a position one step after the served model computed it
+        (it needs the next token), so a producer whose request ends with the prompt never wrote
+        the prompt's; a consumer's head starts from what its cache holds there (costing
+        acceptance, never correctness)."""
+        return ""
+
+    def kv_blocks(self) -> torch.Tensor | None:
+        return None
+
     def allocate_states(self, num_rows: int, num_blocks: int) -> None:
         """Its own KV of `num_blocks` blocks (request_state.RequestStateHolder)."""
         self._computed.clear()
