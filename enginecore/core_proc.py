@@ -51,7 +51,9 @@ from enginecore.messages import (
 
 logger = logging.getLogger("tern.engine")
 
-IDLE_POLL_MS = 500
+# An idle loop's wait for input; also how late a SIGTERM is noticed (the poll does not return
+# for it), which every stop pays.
+IDLE_POLL_MS = 100
 STATS_INTERVAL_S = 0.5
 LOG_INTERVAL_S = 5.0
 HEARTBEAT_INTERVAL_S = 1.0
