@@ -181,6 +181,12 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     bootstrap_pair_key: Annotated[Any, Unsupported(None)] = UNSET
+    # vllm-router's PD mode (--vllm-pd-disaggregation) on /generate: vLLM's transfer fields
+    # beside SGLang's body; for the producer's stage it also sets max_tokens and min_tokens (1),
+    # which then stand for sampling_params' max_new_tokens and min_new_tokens.
+    kv_transfer_params: dict[str, Any] | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
     decode_tp_size: Annotated[Any, Unsupported(None)] = UNSET
     routed_dp_rank: Annotated[Any, Unsupported(None, 0)] = (
         UNSET  # one data-parallel rank: rank 0 is this server
@@ -287,11 +293,21 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
         return [MediaRef(audio_data_url(x, p), p, "audio") for x, p in zip(items, params)]
 
     def sampling_params_list(self) -> list[SGLangSamplingParams]:
-        """One per prompt."""
+        """One per prompt (with vllm-router's producer-stage lengths, when it set them)."""
         sp = self.sampling_params
-        if isinstance(sp, list):
-            return sp
-        return [sp or SGLangSamplingParams()] * len(self.prompts())
+        params = (
+            sp if isinstance(sp, list) else [sp or SGLangSamplingParams()] * len(self.prompts())
+        )
+        if self.max_tokens is None and self.min_tokens is None:
+            return params
+        return [
+            msgspec.structs.replace(
+                p,
+                max_new_tokens=p.max_new_tokens if self.max_tokens is None else self.max_tokens,
+                min_new_tokens=p.min_new_tokens if self.min_tokens is None else self.min_tokens,
+            )
+            for p in params
+        ]
 
     @property
     def n(self) -> int:
@@ -300,6 +316,15 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     def validate(self) -> None:
         check_unsupported(self)
         self._check_prompts()
+        producing = bool((self.kv_transfer_params or {}).get("do_remote_decode"))
+        for name in ("max_tokens", "min_tokens"):
+            if getattr(self, name) is not None and not producing:
+                raise bad_request(
+                    f"{name} is vllm-router's field for a producer's stage (with "
+                    "kv_transfer_params.do_remote_decode); SGLang's lengths are in "
+                    "sampling_params (max_new_tokens, min_new_tokens)",
+                    name,
+                )
         num_prompts = len(self.prompts())
         sp = self.sampling_params
         if isinstance(sp, list):
@@ -406,6 +431,8 @@ class SGLangGenerateOutput(msgspec.Struct):
     output_ids: list[int]
     meta_info: SGLangMetaInfo
     index: int | UnsetType = UNSET  # streamed batches: which output this event is of
+    # A producer's answer to vllm-router's PD stage: what the router copies to the consumer.
+    kv_transfer_params: dict[str, Any] | UnsetType = UNSET
 
 
 _MSGSPEC_PATH = re.compile(r"at `\$\.([\w.\[\]]+)`")

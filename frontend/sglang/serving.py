@@ -52,7 +52,7 @@ from frontend.common.http import REQUEST_ID_HEADER, json_response, sse
 from frontend.disagg.requests import KVRequest, check_single, kv_request
 from frontend.serving.base import OpenAIServing
 from frontend.serving.generation import Generation, RequestGroup
-from frontend.serving.kv_answers import kv_sampling, refusal_fails_room
+from frontend.serving.kv_answers import kv_answer, kv_sampling, refusal_fails_room
 from frontend.serving.routed_experts import sglang_routed_experts
 from frontend.sglang.protocol import (
     ANY_JSON,
@@ -135,8 +135,9 @@ class SGLangServing:
             keys.append(client_id)
         headers = {REQUEST_ID_HEADER: client_id or keys[0]}
         kv = kv_request(
-            s.kv, bootstrap=(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
-        )
+            s.kv, kv_transfer_params=req.kv_transfer_params,
+            bootstrap=(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room),
+        )  # fmt: skip
         group = self._start(req, prompts, items, keys, kv)
         view = _OutputView(req, TokenStrings(s.tokenizer.backend), arrival)
         is_list = req.is_batch or req.n > 1
@@ -146,6 +147,10 @@ class SGLangServing:
         if texts is None:
             return Response(status_code=499)
         outputs = [view.output(g, item, t) for g, item, t in zip(group.gens, items, texts)]
+        if kv is not None:  # one prompt: what vllm-router copies to the consumer, if it asked
+            outputs[0].kv_transfer_params = kv_answer(
+                s.kv, kv, group.gens[0], None
+            ).kv_transfer_params
         return json_response(outputs if is_list else outputs[0], headers=headers)
 
     async def _prompt(

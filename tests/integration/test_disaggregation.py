@@ -149,6 +149,24 @@ def test_32_concurrent_then_both_sides_idle(vllm_pd: Router, pd: dict):
         assert metric(url, "tern:kv_cache_usage_perc") == 0
 
 
+def test_vllm_router_on_sglang_generate(vllm_pd: Router, pd: dict):
+    """vllm-router's PD mode on SGLang's /generate: the producer's stage (SGLang's body with
+    vLLM's kv_transfer_params, max_tokens 1 and min_tokens 1 beside it) answers
+    kv_transfer_params; the consumer pulls the blocks and decodes. Answers equal one server's."""
+    for length in (20, 70):
+        body = {"input_ids": prompt_ids(length, salt=17),
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0}}  # fmt: skip
+        pulled0, _ = consumer_counts(pd)
+        got = httpx.post(f"{vllm_pd.url}/generate", json=body, timeout=60).json()
+        pulled, _ = consumer_counts(pd)
+        ref = httpx.post(f"{pd['producer']}/generate", json=body, timeout=60).json()
+        assert got["output_ids"] == ref["output_ids"] and got["text"] == ref["text"]
+        assert pulled - pulled0 == (length - 1) // BLOCK * BLOCK
+    # Without a producer's stage, max_tokens is SGLang's length in the wrong place.
+    r = httpx.post(f"{pd['producer']}/generate", json={**body, "max_tokens": 3}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
 def test_sglang_router_chat_and_generate(pd: dict):
     router = PDRouter(
         "sglang-router",
