@@ -46,15 +46,16 @@ class PDRouter(Router):
         super().__init__(binary, args, [])
 
 
-def start_pair(module_server, model: Path, *args: str) -> dict:
-    """A producer and a consumer of `model` (each with `args`): their URLs, the producer's
-    bootstrap port, the served model's name."""
+def start_pair(launch, model: Path, *args: str) -> dict:
+    """A producer and a consumer of `model` (each with `args`), by `launch` (module_server for
+    the module's pair, else launch_server: each server holds its KV cache until it stops):
+    their URLs, the producer's bootstrap port, the served model's name."""
     port = free_port()
-    producer = module_server(
+    producer = launch(
         "--model", str(model), *args,
         "--kv-transfer-config", kv_config("kv_producer", bootstrap_port=port),
     )  # fmt: skip
-    consumer = module_server(
+    consumer = launch(
         "--model", str(model), *args, "--kv-transfer-config", kv_config("kv_consumer")
     )
     name = httpx.get(f"{producer.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
@@ -231,7 +232,7 @@ def test_a_dead_producer_is_recomputed_not_waited_for(pd: dict):
     [("tiny_qwen3_5", 1), ("tiny_qwen3_5", 2), ("tiny_gemma3", 1), ("tiny_mistral", 1)],
 )
 def test_hybrid_and_sliding_window_models_resume_from_the_producers_blocks(
-    request: pytest.FixtureRequest, module_server, family: str, tp: int
+    request: pytest.FixtureRequest, launch_server, family: str, tp: int
 ):
     """Qwen3.5 (Gated DeltaNet layers between its attention layers): the producer's lease keeps
     the linear-attention states after the prompt's last full block (a prefix-cache state
@@ -241,7 +242,7 @@ def test_hybrid_and_sliding_window_models_resume_from_the_producers_blocks(
     the consumer pulls every group's. Either way the consumer computes at most one block, and
     the outputs equal the producer's own, asked directly, behind vllm-router."""
     model = request.getfixturevalue(family)
-    hybrid = start_pair(module_server, model, "--tp", str(tp), "--kv-cache-memory", "0.05")
+    hybrid = start_pair(launch_server, model, "--tp", str(tp), "--kv-cache-memory", "0.05")
     router = vllm_pd_router(hybrid)
     try:
         for length in LENGTHS:
@@ -259,12 +260,12 @@ def test_hybrid_and_sliding_window_models_resume_from_the_producers_blocks(
 
 
 def test_routed_experts_of_pulled_positions_travel_with_the_blocks(
-    module_server, tiny_qwen3_moe: Path
+    launch_server, tiny_qwen3_moe: Path
 ):
     """--enable-return-routed-experts on both sides (a tiny Qwen3-MoE): the producer's lease
     carries the routing rows of the positions it lent, so the consumer's answer returns every
     computed token's experts, the prompt's pulled ones included, equal to one server's."""
-    pair = start_pair(module_server, tiny_qwen3_moe, "--enable-return-routed-experts")
+    pair = start_pair(launch_server, tiny_qwen3_moe, "--enable-return-routed-experts")
     router = vllm_pd_router(pair)
     try:
         for length in (3, 40, 100):
@@ -291,7 +292,7 @@ def _routed_completion(url: str, model: str, prompt: list[int]) -> tuple[list[in
 
 
 def test_a_lora_adapters_prompt_is_pulled_and_decoded_on_the_adapter(
-    module_server, tiny_llama_with_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory
+    launch_server, tiny_llama_with_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory
 ):
     """Both servers serve the same LoRA adapter: the producer computes the prompt on it, the
     consumer pulls the blocks (hashed under the adapter there too) and decodes on it; answers
@@ -302,7 +303,7 @@ def test_a_lora_adapters_prompt_is_pulled_and_decoded_on_the_adapter(
         tiny_llama_with_tokenizer, tmp_path_factory.mktemp("pd-lora"), rank=8, seed=3
     )
     pair = start_pair(
-        module_server, tiny_llama_with_tokenizer, "--lora-modules", f"ad={adapter}",
+        launch_server, tiny_llama_with_tokenizer, "--lora-modules", f"ad={adapter}",
         "--max-lora-rank", "8",
     )  # fmt: skip
     router = vllm_pd_router(pair)
@@ -319,15 +320,17 @@ def test_a_lora_adapters_prompt_is_pulled_and_decoded_on_the_adapter(
         router.stop()
 
 
-def test_a_draft_models_kv_travels_with_the_blocks(module_server, tiny_llama_with_tokenizer: Path):
+def test_a_draft_models_kv_travels_with_the_blocks(launch_server, tiny_llama_with_tokenizer: Path):
     """Both servers draft with the same draft model (here the served model itself, so a draft
     read from the right KV is always accepted): its KV of the pulled positions comes with the
     blocks, so the consumer accepts every draft, as one server does; the answers equal one
     server's. (Without it, the draft model would read zeros for the prompt.)"""
     spec = json.dumps({"method": "draft_model", "model": str(tiny_llama_with_tokenizer),
                        "num_speculative_tokens": 3})  # fmt: skip
+    # NOTE: this test's own servers, stopped at its end: each server sizes its KV cache from the
+    # memory left, the module's pairs stay up until its end, and --dp 2 pairs follow.
     pair = start_pair(
-        module_server, tiny_llama_with_tokenizer, "--dtype", "float32", "--speculative-config", spec
+        launch_server, tiny_llama_with_tokenizer, "--dtype", "float32", "--speculative-config", spec
     )
     router = vllm_pd_router(pair)
     try:
