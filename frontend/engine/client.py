@@ -102,7 +102,6 @@ class EngineClient:
         self.dead_reason: str | None = None
         self.on_dead: list[Callable[[str], None]] = []
         self._reaping: list[asyncio.Task[None]] = []
-        self._is_spawned = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -121,9 +120,8 @@ class EngineClient:
 
     def spawn(self) -> None:
         """Starts every replica's engine core (once): they load the model meanwhile."""
-        if self._is_spawned:
+        if self.replicas[0].pid is not None:  # spawned already
             return
-        self._is_spawned = True
         for replica in self.replicas:
             os.makedirs(replica.config.ipc_dir, exist_ok=True)
             replica.on_dead.append(lambda reason, r=replica: self._on_replica_dead(r, reason))

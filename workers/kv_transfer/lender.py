@@ -98,7 +98,8 @@ class KVLender:
         blocks = [
             c.index_select(2, ids).cpu().contiguous().view(-1).view(torch.uint8) for c in caches
         ]
-        parts = [torch.cat(blocks).numpy()]
+        # NOTE: cat copies: without a draft model's blocks the served model's go out as they are.
+        parts = [(blocks[0] if len(blocks) == 1 else torch.cat(blocks)).numpy()]
         if pull.state_checkpoint >= 0:
             parts.append(states_bytes(self._checkpoint_states(pull.state_checkpoint)))
         reply = KVPullReply(num_bytes=parts[0].nbytes)

@@ -146,8 +146,7 @@ class WhisperDecoderLayer(WhisperLayer):
         self.self_attn = WhisperAttention(d, hf["decoder_attention_heads"], ctx)
         heads, head_dim = self.self_attn.num_heads, self.self_attn.head_dim
         self.attn = Attention(heads, head_dim, heads, 1.0)  # queries come scaled
-        self.attn.kv_slot = kv_slot
-        self.layer_index = kv_slot
+        self.attn.kv_slot = kv_slot  # the layer's index: the cache keeps a slot per layer
         self.first_head = ctx.tp_rank * heads  # this rank's heads are the global ones from it
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.encoder_attn = WhisperAttention(d, hf["decoder_attention_heads"], ctx)
@@ -195,7 +194,7 @@ class WhisperDecoderLayer(WhisperLayer):
         rank, as Hugging Face's eager attention computes them (softmax of the scaled scores)."""
         for j, (layer, head) in enumerate(capture.heads[seq]):
             local = head - self.first_head
-            if layer == self.layer_index and 0 <= local < self.encoder_attn.num_heads:
+            if layer == self.attn.kv_slot and 0 <= local < self.encoder_attn.num_heads:
                 scores = q[local].float() @ k[local].float().transpose(0, 1)  # (T, S)
                 capture.rows[seq][:, j] = scores.softmax(dim=-1)
 

@@ -88,12 +88,14 @@ class AudioInputs:
         tensor-parallel group first (every rank calls this)."""
         if capture is None:
             return {}
-        out = {}
-        for i in sorted(capture.rows):
-            rows = p.all_reduce(capture.rows[i])
-            if p.is_driver:
-                out[reqs[i].req_id] = rows.cpu().numpy().tobytes()
-        return out
+        seqs = sorted(capture.rows)
+        # One collective for the step: every sequence's rows, flat, summed at once.
+        flat = p.all_reduce(torch.cat([capture.rows[i].flatten() for i in seqs]))
+        if not p.is_driver:
+            return {}
+        sizes = [capture.rows[i].numel() for i in seqs]
+        parts = flat.cpu().split(sizes)
+        return {reqs[i].req_id: part.numpy().tobytes() for i, part in zip(seqs, parts)}
 
     def weights_changed(self) -> None:
         self.cache.clear()
