@@ -256,18 +256,23 @@ class EngineControl:
     # ------------------------------------------------------------------ sleep
 
     def _sleep(self, op: ReleaseMemory, aborted: list) -> object:
-        """Level 1 frees the KV cache, level 2 the weights too; `tags` (SGLang's
-        release_memory_occupation) name what to free instead."""
+        """vLLM's levels: 1 discards the KV cache and keeps the weights' values (in host memory
+        on a GPU), 2 discards both. `tags` (SGLang's release_memory_occupation) name what to free
+        instead, discarding it: weights freed so come back empty, for a weight update to fill."""
         level = op.level or 1
         if level not in (1, 2):
             raise ControlError(f"level must be 1 or 2, not {level}")
-        tags = _memory_tags(op.tags) or (["kv_cache", "weights"][:level])
+        named = _memory_tags(op.tags)
+        tags = named or ["kv_cache", "weights"]
+        keep_weights = level == 1 and not named
         self._abort_all(aborted)  # nothing in flight can continue without its cache or weights
-        self._run(Sleep(level=level, tags=[t for t in tags if t != "cuda_graph"]))
+        self._run(
+            Sleep(level=1 if keep_weights else 2, tags=[t for t in tags if t != "cuda_graph"])
+        )
         self.core.scheduler.end_kv_leases()  # their blocks are gone
         self.core.scheduler.kv.invalidate_prefix_cache()
         self.asleep_tags |= set(tags) - {"cuda_graph"}  # it holds nothing: never kept asleep
-        if "weights" in tags:
+        if "weights" in tags and not keep_weights:
             self.weights_valid = False
         return {"success": True, "message": f"released {sorted(set(tags))}", **self.state()}
 

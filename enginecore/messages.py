@@ -628,8 +628,13 @@ class LoadLora(msgspec.Struct, tag="load_lora"):
 
 
 class Sleep(msgspec.Struct, tag="sleep"):
-    level: int  # 1: discard the KV cache (on GPU, weights go to host memory); 2: also the weights
-    tags: list[str] = msgspec.field(default_factory=lambda: ["kv_cache"])  # "kv_cache", "weights"
+    """Free what `tags` name ("kv_cache", "weights"). The KV cache is discarded at either level;
+    the weights at level 1 keep their values (moved to host memory on a GPU, left where they are
+    on the CPU) and come back as they were, at level 2 are discarded (a weight update refills
+    them)."""
+
+    level: int
+    tags: list[str]
 
 
 class WakeUp(msgspec.Struct, tag="wake_up"):

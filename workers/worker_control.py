@@ -125,7 +125,7 @@ class WorkerControl:
     # ------------------------------------------------------------------ weight updates
 
     def _begin(self) -> None:
-        if self._weight_shapes is not None:
+        if self._weight_shapes is not None or self._offloaded is not None:
             raise RuntimeError("the weights are asleep: wake up the 'weights' tag before updating")
         if self._snapshot is None:
             self._snapshot = {
@@ -256,18 +256,21 @@ class WorkerControl:
         if "kv_cache" in tags:
             self.runner.release_kv_cache()
             self._kv_asleep = True
-        if "weights" in tags and self._weight_shapes is None:
+        if "weights" in tags and level == 2 and self._weight_shapes is None:
+            offloaded, self._offloaded = self._offloaded, None  # level 1, then 2: gone too
             self._weight_shapes = {}
             for name, p in self.model.named_parameters():
-                self._weight_shapes[name] = p.shape
+                self._weight_shapes[name] = offloaded[name].shape if offloaded else p.shape
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self.runner.weights_valid = False
             self.weights.repack()  # drops the packed copies
-        elif level == 1 and self.runner.device.type == "cuda" and self._offloaded is None:
-            self._offloaded = {}
-            for name, p in self.model.named_parameters():
-                self._offloaded[name] = p.detach().to("cpu").pin_memory()
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        elif "weights" in tags and level == 1 and self.runner.device.type == "cuda":
+            # Values kept in (pinned) host memory; on the CPU they already are, and stay put.
+            if self._offloaded is None and self._weight_shapes is None:
+                self._offloaded = {}
+                for name, p in self.model.named_parameters():
+                    self._offloaded[name] = p.detach().to("cpu").pin_memory()
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
         return_memory_to_system()

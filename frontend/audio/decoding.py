@@ -11,9 +11,12 @@ tokens; every refusal is an `AudioError` whose `status` the route answers with.
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING
 
-import av
 import numpy as np
+
+if TYPE_CHECKING:
+    import av
 
 # FFmpeg demuxer names; a probed format's name ("mov,mp4,m4a,3gp,3g2,mj2") passes when any of its
 # aliases is listed (av_match_list).
@@ -38,6 +41,8 @@ def decode_audio(
     """The first audio stream of the file in `data`, downmixed to mono and resampled to
     `sample_rate`, as a 1-D float32 array. Beyond `max_seconds` (when set) decoding stops and a
     413 `AudioError` is raised; any other failure is a 400 `AudioError`."""
+    import av  # 0.6 s to import: only servers that are sent audio pay for it
+
     assert sample_rate > 0, sample_rate
     if not data:
         raise AudioError("the audio file is empty (0 bytes)")
@@ -80,6 +85,8 @@ class _MonoDecoder:
         self.source: tuple[str, str, int] | None = None  # (format, layout, rate) it was made for
 
     def decode(self, container: av.container.InputContainer) -> np.ndarray:
+        import av
+
         first_error = None
         for packet in container.demux(container.streams.audio[0]):
             try:
@@ -122,6 +129,8 @@ class _MonoDecoder:
 
 
 def _resampler(sample_rate: int) -> av.AudioResampler:
+    import av
+
     # rematrix_maxval=1 scales the downmix so no output sample exceeds the loudest input one
     # (stereo -> mono averages the channels), as the s16 output of openai/whisper's ffmpeg
     # command does; left at its float default, a loud stereo file would downmix past 1.0.

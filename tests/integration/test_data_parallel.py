@@ -28,6 +28,7 @@ from frontend.client.launched_server import is_alive
 from frontend.client.trainer import TernAPIError, TrainerClient
 from tests.integration.test_rl import _trainer, state_dict
 from tests.unit.test_engine_inproc import hf_greedy
+from tests.worker_memory import memory_held, workers_of
 
 N = 6
 COMMON = ("--dtype", "float32", "--kv-cache-memory", "0.05", "--max-model-len", "512")
@@ -186,21 +187,17 @@ def test_a_trainer_group_spans_both_replicas(
         assert outs == expected and len(versions) == 1
 
 
-def _rss_of_replica_workers(server: Any) -> list[int]:
-    out = []
-    for replica in server.server_info()["engine"]["replicas"]:
-        core = psutil.Process(replica["engine_core_pid"])
-        workers = [p for p in core.children() if "resource_tracker" not in " ".join(p.cmdline())]
-        out.append(sum(p.memory_info().rss for p in workers))
-    return out
+def _memory_of_replica_workers(server: Any) -> list[int]:
+    replicas = server.server_info()["engine"]["replicas"]
+    return [memory_held(workers_of(replica["engine_core_pid"])) for replica in replicas]
 
 
 def test_sleep_wake_and_pause_resume_act_on_both_replicas(server: Any, hf: dict) -> None:
     client = TrainerClient(server.base_url)
     client.update_weights_from_disk(server.server_info()["model_path"])
-    awake = _rss_of_replica_workers(server)
+    awake = _memory_of_replica_workers(server)
     client.sleep(level=1)
-    asleep = _rss_of_replica_workers(server)
+    asleep = _memory_of_replica_workers(server)
     kv_bytes = 0.05 * (1 << 30)
     assert all(a - b >= 0.8 * kv_bytes for a, b in zip(awake, asleep, strict=True)), (awake, asleep)
     assert client.get("/is_sleeping") == {"is_sleeping": True}

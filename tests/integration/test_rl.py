@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 from safetensors.torch import load_file
 
@@ -21,6 +20,7 @@ from enginecore.executor import free_port
 from frontend.client.trainer import TernAPIError, TrainerClient
 from tests.integration.test_server import client_for
 from tests.unit.test_engine_inproc import hf_greedy
+from tests.worker_memory import memory_held, workers_of
 
 N = 8
 PROMPTS = [[101, 2024, 318, 257], [464, 3290, 286, 4881, 318, 6342, 11, 290]]
@@ -44,10 +44,8 @@ def greedy(server: Any, model: str) -> list[list[int]]:
     return out
 
 
-def rss_of_workers(server: Any) -> int:
-    core = psutil.Process(server.server_info()["engine"]["engine_core_pid"])
-    workers = [p for p in core.children() if "resource_tracker" not in " ".join(p.cmdline())]
-    return sum(p.memory_info().rss for p in workers)
+def memory_of_workers(server: Any) -> int:
+    return memory_held(workers_of(server.server_info()["engine"]["engine_core_pid"]))
 
 
 def state_dict(model_dir: Path) -> dict:
@@ -123,10 +121,10 @@ def test_sleep_wake_memory_and_503(server: Any, tiny_llama: Path):
     kv_bytes = 0.25 * (1 << 30)
     weight_bytes = sum(t.numel() * 4 for t in state_dict(tiny_llama).values())
 
-    awake = rss_of_workers(server)
+    awake = memory_of_workers(server)
     client.sleep(level=1)
     assert client.get("/is_sleeping") == {"is_sleeping": True}
-    asleep = rss_of_workers(server)
+    asleep = memory_of_workers(server)
     assert awake - asleep >= 0.9 * kv_bytes, (awake, asleep)
     r = httpx.post(f"{server.base_url}/v1/completions",
                    json={"model": model, "prompt": "hi", "max_tokens": 2})  # fmt: skip
@@ -135,10 +133,10 @@ def test_sleep_wake_memory_and_503(server: Any, tiny_llama: Path):
     assert client.get("/is_sleeping") == {"is_sleeping": False}
     assert greedy(server, model) == before
 
-    awake = rss_of_workers(server)
+    awake = memory_of_workers(server)
     r = httpx.post(f"{server.base_url}/sleep?level=2")
     assert r.status_code == 200
-    asleep = rss_of_workers(server)
+    asleep = memory_of_workers(server)
     assert awake - asleep >= 0.9 * (kv_bytes + weight_bytes), (awake, asleep)
     with pytest.raises(TernAPIError):  # no weights to update while they sleep
         client.update_weights_from_disk(str(tiny_llama))

@@ -22,7 +22,7 @@ from frontend.client.trainer import TrainerClient
 from tests.integration.test_rl import (
     PROMPTS,
     greedy,
-    rss_of_workers,
+    memory_of_workers,
     state_dict,
 )
 from tests.unit.test_engine_inproc import hf_greedy
@@ -156,11 +156,11 @@ def test_memory_occupation_and_sleep_tags(server: Any, tiny_llama: Path):
     assert post(server, "/sleep", {"tags": ["bogus"]}).status_code == 400
 
     # SGLang's release (all tags by default) frees the weights like sleep level 2.
-    rss = rss_of_workers(server)
+    rss = memory_of_workers(server)
     r = post(server, "/release_memory_occupation", {})
     assert r.status_code == 200, r.text
     assert set(r.json()["asleep_tags"]) == {"weights", "kv_cache"}  # cuda_graph holds nothing
-    released = rss_of_workers(server)
+    released = memory_of_workers(server)
     assert released < rss - 8 * 2**20, (rss, released)
     assert post(server, "/resume_memory_occupation", {"tags": ["weights"]}).status_code == 200
     assert post(server, "/resume_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200

@@ -149,8 +149,13 @@ def test_sleep_levels_and_wake(control: EngineControl, tiny_llama: Path):
     before = greedy(control, prompts, "a")[0]
     runner = control.core.executor.runner
 
+    # Level 1 keeps the weights' values (vLLM's: on a GPU they wait in host memory), yet they
+    # sleep until woken: waking the KV cache alone does not serve.
     call(control, ReleaseMemory(level=1))
     assert runner.kv_cache is None and not control.can_run and not control.is_busy()
+    assert control.asleep_tags == {"kv_cache", "weights"} and control.weights_valid
+    call(control, ResumeMemory(tags=["kv_cache"]))
+    assert not control.can_run
     call(control, ResumeMemory())
     assert greedy(control, prompts, "b")[0] == before
 

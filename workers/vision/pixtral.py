@@ -140,7 +140,7 @@ class PixtralVisionTransformer(nn.Module):
         rows, cols = image_size[0] // p, image_size[1] // p
         patches = self.patch_conv(pixel_values)[0, :, :rows, :cols]  # (H, rows, cols)
         x = self.ln_pre(patches.flatten(1).T)
-        cos, sin = (t.to(x.dtype) for t in axial_rope(self.config, rows, cols))
+        cos, sin = (t.to(x.device, x.dtype) for t in axial_rope(self.config, rows, cols))
         hidden_states = [x]
         layers = self.transformer.layers
         last = self.feature_layer % (len(layers) + 1)  # Hugging Face's hidden_states index
