@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from enginecore.messages import EngineControlOp, GetControlState
+from enginecore.messages import EngineControlOp, GetControlState, UnloadLoraAdapter
 from frontend.common.errors import APIError, bad_request, engine_dead_error
 from frontend.common.http import json_response, send_error
 from frontend.control.replies import (
@@ -99,6 +99,8 @@ class ControlServing:
         async def handle(request: Request) -> Response:
             body = await decode_body(request, route)
             op = engine_op(route, body)
+            if isinstance(op, UnloadLoraAdapter):
+                self._stop_admitting(op.name)
             timeout = route.timeout_s + float(getattr(op, "timeout_s", 0.0))
             result = await self._call(op, timeout)
             if not isinstance(result, dict) or "success" not in result:
@@ -108,6 +110,15 @@ class ControlServing:
         handle.__name__ = route.paths[0].strip("/")
         handle.control = route  # type: ignore[attr-defined]  # marks the state-changing routes
         return handle
+
+    def _stop_admitting(self, adapter: str) -> None:
+        """New requests on `adapter` get the 404 of a name not served from now on, not once the
+        engine has unloaded it: a request admitted in between would reach the engine after the
+        unload and fail. Those already handed to the engine reach it first (one ordered socket)
+        and finish on it. A refused unload puts the name back (the refresh after the call)."""
+        adapters = self.serving.adapters if self.serving is not None else None
+        if adapters is not None and adapter in adapters:
+            self.serving.adapters = {k: v for k, v in adapters.items() if k != adapter}
 
     async def _call(self, op: EngineControlOp, timeout: float) -> Any:
         try:

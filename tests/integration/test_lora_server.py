@@ -156,6 +156,46 @@ def test_load_use_unload_reload_under_32_concurrent_requests(
     assert post(server, "/v1/unload_lora_adapter", {"lora_name": "churn"}).status_code == 200
 
 
+def test_requests_racing_an_unload_run_on_the_adapter_or_get_a_404(
+    server: Any, adapter_dirs: dict
+) -> None:
+    """Clients send on `churn` back to back while it is unloaded: each answer is churn's or the
+    404 of a name not served, never a failure (a request the frontend admitted after the engine
+    had unloaded it, before the frontend knew, was a 500)."""
+
+    async def client_loop(client: openai.AsyncOpenAI, ref: str, busy: asyncio.Event) -> int:
+        served = 0
+        for _ in range(200):  # bounded: the unload comes after each client's first answer
+            try:
+                out = await client.completions.create(
+                    model="churn", prompt=PROMPT, max_tokens=2, temperature=0
+                )
+            except openai.NotFoundError:
+                return served
+            assert out.choices[0].text == ref
+            served += 1
+            busy.set()
+        raise AssertionError("the adapter was never unloaded")
+
+    async def round_(ref: str) -> list[int]:
+        busy = asyncio.Event()
+        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none",
+                                      max_retries=0) as client:  # fmt: skip
+            loops = [asyncio.create_task(client_loop(client, ref, busy)) for _ in range(8)]
+            await asyncio.wait_for(busy.wait(), 60)
+            async with httpx.AsyncClient(timeout=120) as http:
+                r = await http.post(f"{server.base_url}/v1/unload_lora_adapter",
+                                    json={"lora_name": "churn"})  # fmt: skip
+                assert r.status_code == 200, r.text
+            return await asyncio.gather(*loops)
+
+    for _ in range(3):
+        load(server, "churn", adapter_dirs["churn"])
+        body = {"model": "churn", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+        ref = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+        assert sum(asyncio.run(round_(ref))) > 0
+
+
 def _tensors_body(name: str, adapter: Path, blob: bytes | None = None) -> dict:
     config = json.loads((adapter / "adapter_config.json").read_text())
     if blob is None:
