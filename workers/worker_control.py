@@ -269,7 +269,8 @@ class WorkerControl:
             if self._offloaded is None and self._weight_shapes is None:
                 self._offloaded = {}
                 for name, p in self.model.named_parameters():
-                    self._offloaded[name] = p.detach().to("cpu").pin_memory()
+                    host = torch.empty_like(p, device="cpu", pin_memory=True)
+                    self._offloaded[name] = host.copy_(p.detach())  # one copy, into pinned pages
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -287,7 +288,8 @@ class WorkerControl:
                 self._weight_shapes = None  # values (and packed copies) come with the next update
             if self._offloaded is not None:
                 for name, p in self.model.named_parameters():
-                    p.data = self._offloaded[name].to(p.device)
+                    p.data = self._offloaded[name].to(p.device, non_blocking=True)
+                torch.cuda.synchronize(self.runner.device)  # the copies overlap; then the pages go
                 self._offloaded = None
                 self.weights.repack()
         if "kv_cache" in tags and self._kv_asleep:
