@@ -224,9 +224,8 @@ class OpenAIServing:
         if len(loras) != len(prompts):
             raise bad_request(f"{len(loras)} adapters for {len(prompts)} prompts", "lora_path")
         check_single(kv, len(prompts) * n, prompt_param)
-        for name in set(loras) - {
-            None
-        }:  # again: an unload may have begun since the request's check
+        # Again: an unload may have begun since the request was checked (media decoding awaits).
+        for name in set(loras) - {None}:
             self.check_adapter(name, "model")
         params = [self.sampling_params(sampling, ids, prompt_param) for ids in prompts]
         if self.engine.is_dead:
