@@ -15,6 +15,7 @@ import asyncio
 import base64
 import json
 import pickle
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,23 @@ def complete(server: Any, model: str, prompt: str = PROMPT) -> dict:
 def load(server: Any, name: str, path: Path, route: str = "/v1/load_lora_adapter") -> None:
     r = post(server, route, {"lora_name": name, "lora_path": str(path)})
     assert r.status_code == 200, r.text
+
+
+async def unload_churn_during(
+    server: Any,
+    start: Callable[[openai.AsyncOpenAI], list[asyncio.Task]],
+    ready: Callable[[], Awaitable[Any]],
+) -> list:
+    """The results of the requests `start` begins, `churn` unloaded once `ready` returns."""
+    async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none",
+                                  max_retries=0) as client:  # fmt: skip
+        tasks = start(client)
+        await ready()
+        async with httpx.AsyncClient(timeout=120) as http:
+            r = await http.post(f"{server.base_url}/v1/unload_lora_adapter",
+                                json={"lora_name": "churn"})  # fmt: skip
+            assert r.status_code == 200, r.text
+        return await asyncio.gather(*tasks)
 
 
 def test_adapters_are_listed_and_chosen_by_model_name(server: Any, adapter_dirs: dict) -> None:
@@ -136,16 +154,11 @@ def test_load_use_unload_reload_under_32_concurrent_requests(
         )  # fmt: skip
         return model, out.choices[0].text
 
-    async def round_() -> list[tuple[str, str]]:
-        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none",
-                                      max_retries=0) as client:  # fmt: skip
-            tasks = [asyncio.create_task(one(client, names[i % 4])) for i in range(32)]
-            await asyncio.sleep(0.05)
-            async with httpx.AsyncClient(timeout=120) as http:
-                r = await http.post(f"{server.base_url}/v1/unload_lora_adapter",
-                                    json={"lora_name": "churn"})  # fmt: skip
-                assert r.status_code == 200, r.text
-            return await asyncio.gather(*tasks)
+    def round_() -> Coroutine[Any, Any, list[tuple[str, str]]]:
+        def requests(client: openai.AsyncOpenAI) -> list[asyncio.Task]:
+            return [asyncio.create_task(one(client, names[i % 4])) for i in range(32)]
+
+        return unload_churn_during(server, requests, lambda: asyncio.sleep(0.05))
 
     for _ in range(3):
         for model, text in asyncio.run(round_()):
@@ -179,15 +192,11 @@ def test_requests_racing_an_unload_run_on_the_adapter_or_get_a_404(
 
     async def round_(ref: str) -> list[int]:
         busy = asyncio.Event()
-        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none",
-                                      max_retries=0) as client:  # fmt: skip
-            loops = [asyncio.create_task(client_loop(client, ref, busy)) for _ in range(8)]
-            await asyncio.wait_for(busy.wait(), 60)
-            async with httpx.AsyncClient(timeout=120) as http:
-                r = await http.post(f"{server.base_url}/v1/unload_lora_adapter",
-                                    json={"lora_name": "churn"})  # fmt: skip
-                assert r.status_code == 200, r.text
-            return await asyncio.gather(*loops)
+
+        def loops(client: openai.AsyncOpenAI) -> list[asyncio.Task]:
+            return [asyncio.create_task(client_loop(client, ref, busy)) for _ in range(8)]
+
+        return await unload_churn_during(server, loops, lambda: asyncio.wait_for(busy.wait(), 60))
 
     for _ in range(3):
         load(server, "churn", adapter_dirs["churn"])
