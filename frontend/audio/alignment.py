@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from frontend.audio.formats import LANGUAGE_NAMES
+from frontend.audio.formats import language_names
 
 TIME_PRECISION = 0.02  # seconds per encoder frame
 
@@ -71,7 +71,7 @@ def words(
             spans.append((round(times[k - 1] if k else 0.0, 2), round(times[k], 2)))
     if not text:
         return []
-    name = LANGUAGE_NAMES.get(language, "english")
+    name = language_names().get(language, "english")
     grouped, _, indices = _combine_tokens_into_words(tokenizer, text, name)
     return [(w, spans[idx[0]][0], spans[idx[-1]][1]) for w, idx in zip(grouped, indices)]
 

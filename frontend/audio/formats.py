@@ -11,19 +11,26 @@ verbose_json's `language` as the full lowercase name ("english"), not the code.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
 
 import msgspec
-from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 JSON_MEDIA_TYPE = "application/json"
 TEXT_MEDIA_TYPE = "text/plain; charset=utf-8"
 
-# Whisper's language codes -> the names OpenAI reports ("en" -> "english"), from transformers'
-# copy of openai/whisper's table (99 languages and Cantonese, "yue").
-LANGUAGE_NAMES: dict[str, str] = dict(LANGUAGES)
+
+@functools.cache
+def language_names() -> dict[str, str]:
+    """Whisper's language codes -> the names OpenAI reports ("en" -> "english"), from
+    transformers' copy of openai/whisper's table (99 languages and Cantonese, "yue"); imported
+    when first asked (0.26 s: a text server never is)."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    return dict(LANGUAGES)
+
 
 # Segment's float fields, made plain floats when it is built.
 _FLOAT_FIELDS = (
@@ -70,12 +77,12 @@ def compression_ratio(text: str) -> float:
 def language_name(code: str) -> str:
     """The language's name as OpenAI reports it ("en" -> "english"); a name is returned as is.
     Raises ValueError for a language Whisper does not know."""
-    key = code.strip().lower()
-    if key in LANGUAGE_NAMES:
-        return LANGUAGE_NAMES[key]
-    if key in LANGUAGE_NAMES.values():
+    key, names = code.strip().lower(), language_names()
+    if key in names:
+        return names[key]
+    if key in names.values():
         return key
-    raise ValueError(f"unknown language {code!r}; Whisper's are {', '.join(LANGUAGE_NAMES)}")
+    raise ValueError(f"unknown language {code!r}; Whisper's are {', '.join(names)}")
 
 
 @dataclass

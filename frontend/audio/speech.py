@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from enginecore.messages import MultiModalItem, TensorData, TimestampRule
-from frontend.audio.formats import LANGUAGE_NAMES
+from frontend.audio.formats import language_names
 from frontend.common.errors import bad_request
 
 SAMPLE_RATE = 16000
@@ -88,7 +88,7 @@ class SpeechModel:
                 raise bad_request("this model transcribes English only", "language")
             return "en"
         code = language.lower()
-        names = {name: c for c, name in LANGUAGE_NAMES.items()}
+        names = {name: c for c, name in language_names().items()}
         code = names.get(code, code)
         if code not in self.language_ids:
             raise bad_request(

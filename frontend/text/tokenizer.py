@@ -16,10 +16,11 @@ from typing import Any
 
 import tokenizers
 from jinja2 import TemplateError
-from transformers import AutoTokenizer, TokenizersBackend
+from transformers import TokenizersBackend
 
 from enginecore.config import GGUF_SOURCE_FILE
 from frontend.common.errors import bad_request
+from frontend.text.tokenizer_class import load_tokenizer
 
 logger = logging.getLogger("tern.frontend")
 
@@ -36,9 +37,11 @@ class Tokenizer:
         path = Path(model_path)
         # A GGUF file's tokenizer is the tokenizer.json transformers converted from it: loaded as
         # it is (AutoTokenizer would rebuild some families' pre-tokenizers from their class).
-        loader = TokenizersBackend if (path / GGUF_SOURCE_FILE).is_file() else AutoTokenizer
+        is_gguf = (path / GGUF_SOURCE_FILE).is_file()
         try:
-            self.hf = loader.from_pretrained(str(path))
+            self.hf = (
+                TokenizersBackend.from_pretrained(str(path)) if is_gguf else load_tokenizer(path)
+            )
         except Exception as e:
             raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
         backend = getattr(self.hf, "backend_tokenizer", None)

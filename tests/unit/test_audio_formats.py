@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from frontend.audio.formats import (
-    LANGUAGE_NAMES,
     RESPONSE_FORMATS,
     Segment,
     compression_ratio,
     language_name,
+    language_names,
     render,
     timestamp,
 )
@@ -126,7 +126,7 @@ def test_timestamps_round_to_milliseconds(seconds: float, srt_time: str) -> None
 
 
 def test_language_names() -> None:
-    assert len(LANGUAGE_NAMES) >= 99
+    assert len(language_names()) >= 99
     assert language_name("en") == "english"
     assert language_name("ZH") == "chinese"
     assert language_name("yue") == "cantonese"
