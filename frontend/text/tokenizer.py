@@ -20,7 +20,7 @@ from transformers import TokenizersBackend
 
 from enginecore.config import GGUF_SOURCE_FILE
 from frontend.common.errors import bad_request
-from frontend.text.tokenizer_class import load_tokenizer
+from frontend.text.tokenizer_class import auto_tokenizer
 
 logger = logging.getLogger("tern.frontend")
 
@@ -40,7 +40,7 @@ class Tokenizer:
         is_gguf = (path / GGUF_SOURCE_FILE).is_file()
         try:
             self.hf = (
-                TokenizersBackend.from_pretrained(str(path)) if is_gguf else load_tokenizer(path)
+                TokenizersBackend.from_pretrained(str(path)) if is_gguf else auto_tokenizer(path)
             )
         except Exception as e:
             raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e

@@ -35,7 +35,7 @@ _INPUTS = (
 )
 
 
-def load_tokenizer(path: Path) -> Any:
+def auto_tokenizer(path: Path) -> Any:
     """AutoTokenizer.from_pretrained(path)'s tokenizer: the remembered class's when the directory's
     files and transformers are as they were when AutoTokenizer picked it."""
     key = _key(path)

@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from frontend.text import tokenizer_class
-from frontend.text.tokenizer_class import load_tokenizer
+from frontend.text.tokenizer_class import auto_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = ["Hello, world!", "  two  spaces\tand a tab\n", "<|im_start|>user\nhé 😀<|im_end|>"]
@@ -49,10 +49,10 @@ def test_the_remembered_class_makes_autotokenizers_tokenizer(
 ) -> None:  # fmt: skip
     model_dir = _as_family(tiny_llama_with_tokenizer, tmp_path / "m", model_type, class_name)
     auto = AutoTokenizer.from_pretrained(str(model_dir))
-    first = load_tokenizer(model_dir)  # AutoTokenizer's pick, remembered
+    first = auto_tokenizer(model_dir)  # AutoTokenizer's pick, remembered
     entries = json.loads((tern_home / tokenizer_class.CACHE_FILE).read_text())
     assert list(entries.values()) == [[type(auto).__module__, type(auto).__qualname__]]
-    again = load_tokenizer(model_dir)  # made from the remembered class
+    again = auto_tokenizer(model_dir)  # made from the remembered class
     for tok in (first, again):
         assert type(tok) is type(auto)
         for text in TEXTS:
@@ -72,18 +72,18 @@ def test_a_changed_directory_or_a_bad_entry_is_picked_again(
     tiny_llama_with_tokenizer: Path, tmp_path: Path, tern_home: Path
 ) -> None:
     model_dir = _as_family(tiny_llama_with_tokenizer, tmp_path / "m", "gpt2", "GPT2Tokenizer")
-    assert type(load_tokenizer(model_dir)).__name__ == "GPT2Tokenizer"
+    assert type(auto_tokenizer(model_dir)).__name__ == "GPT2Tokenizer"
     _as_family(tiny_llama_with_tokenizer, tmp_path / "m2", "llama", "PreTrainedTokenizerFast")
     for name in ("config.json", "tokenizer_config.json"):
         shutil.copy(tmp_path / "m2" / name, model_dir / name)
-    assert type(load_tokenizer(model_dir)).__name__ == "TokenizersBackend"
+    assert type(auto_tokenizer(model_dir)).__name__ == "TokenizersBackend"
     cache = tern_home / tokenizer_class.CACHE_FILE
     entries = json.loads(cache.read_text())
     assert len(entries) == 2
     cache.write_text(json.dumps(dict.fromkeys(entries, ["transformers", "NoSuchTokenizer"])))
-    assert type(load_tokenizer(model_dir)).__name__ == "TokenizersBackend"
+    assert type(auto_tokenizer(model_dir)).__name__ == "TokenizersBackend"
     cache.write_text("not json")
-    assert type(load_tokenizer(model_dir)).__name__ == "TokenizersBackend"
+    assert type(auto_tokenizer(model_dir)).__name__ == "TokenizersBackend"
 
 
 def test_a_second_start_imports_no_torch(tiny_llama_with_tokenizer: Path, tern_home: Path) -> None:
