@@ -144,6 +144,31 @@ def _conversations(n: int) -> list[list[dict]]:
     return out
 
 
+def test_the_workers_reader_sees_what_ggufs_reader_sees(gguf_case: tuple[Path, Path, Path]) -> None:
+    """workers/quant/gguf_file.py against the gguf package's GGUFReader on the same file: every
+    tensor's name, type, shape, dtype and bytes, and every scalar or string field (arrays, the
+    vocabulary among them, are stepped over)."""
+    import gguf as gguf_package
+    import numpy as np
+
+    from workers.quant.gguf_file import GGUFFile
+
+    path = gguf_case[0]
+    ours, theirs = GGUFFile(path), gguf_package.GGUFReader(path)
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
+        assert mine.tensor_type == reference.tensor_type
+        assert list(mine.shape) == reference.shape.tolist()
+        assert mine.data.dtype == reference.data.dtype and mine.data.shape == reference.data.shape
+        assert np.array_equal(mine.data, reference.data)
+    fields = {k: f for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    arrays = {k for k, f in fields.items() if f.types[0] == gguf_package.GGUFValueType.ARRAY}
+    assert "tokenizer.ggml.tokens" in arrays and not arrays & ours.metadata.keys()
+    assert ours.metadata == pytest.approx(
+        {k: f.contents() for k, f in fields.items() if k not in arrays}
+    )
+
+
 def test_tokenizer_and_chat_template_equal_hf(gguf_case: tuple[Path, Path, Path]) -> None:
     gguf, prepared, _ = gguf_case
     hf = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -27,6 +27,7 @@ import torch
 from enginecore.config import GGUF_SOURCE_FILE
 from workers.kernels.linear_ops import BLOCK_TYPES
 from workers.quant.gguf_blocks import GGUFBlocks
+from workers.quant.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +55,10 @@ def _weights_map(config, processor) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class GGUFCheckpoint:
-    """A prepared directory's GGUF file, opened once: its reader, the architecture's tensor
-    processor, GGUF name -> Hugging Face name, and the config."""
+    """A prepared directory's GGUF file, opened once, the architecture's tensor processor, GGUF
+    name -> Hugging Face name, and the config."""
 
-    reader: Any
+    file: GGUFFile
     processor: Any
     names: dict[str, str]
     config: Any
@@ -65,27 +66,22 @@ class GGUFCheckpoint:
     @classmethod
     def open(cls, model_dir: str | Path) -> GGUFCheckpoint:
         import transformers
-        from gguf import GGUFReader
-        from transformers.modeling_gguf_pytorch_utils import (
-            TENSOR_PROCESSORS,
-            TensorProcessor,
-            read_field,
-        )
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         path = gguf_file_of(model_dir)
         if path is None:
             raise ValueError(f"{model_dir} is not a GGUF model directory (no {GGUF_SOURCE_FILE})")
-        reader = GGUFReader(path)
-        architecture = read_field(reader, "general.architecture")[0]
+        file = GGUFFile(path)
+        architecture = file.metadata["general.architecture"]
         config = transformers.AutoConfig.from_pretrained(model_dir)
         processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
-        return cls(reader, processor, _weights_map(config, processor), config)
+        return cls(file, processor, _weights_map(config, processor), config)
 
     def block_types(self) -> dict[str, str]:
         """Hugging Face name -> block type of the 2-D tensors tern multiplies as stored."""
         return {
             self.names[t.name]: t.tensor_type.name
-            for t in self.reader.tensors
+            for t in self.file.tensors
             if t.tensor_type.name in BLOCK_TYPES and len(t.shape) == 2 and t.name in self.names
         }
 
@@ -98,11 +94,11 @@ def iter_gguf(
     processor as the float ones are)."""
     from gguf import dequantize
 
-    reader, processor, names = checkpoint.reader, checkpoint.processor, checkpoint.names
+    file, processor, names = checkpoint.file, checkpoint.processor, checkpoint.names
     # Processors that stack tensors (MoE experts) assemble them here.
     parsed: dict = {"tensors": {}, "config": checkpoint.config.to_dict()}
     dequantized: Counter[str] = Counter()
-    for tensor in reader.tensors:
+    for tensor in file.tensors:
         kind = tensor.tensor_type.name
         kept = keep_blocks and kind in BLOCK_TYPES and len(tensor.shape) == 2
         if kind not in FLOAT_TYPES and not kept:
@@ -124,4 +120,4 @@ def iter_gguf(
         yield name, value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
     if dequantized:
         kinds = ", ".join(f"{k} ({n} tensors)" for k, n in sorted(dequantized.items()))
-        logger.info("%s: dequantized to float32 at load: %s", reader.data.filename, kinds)
+        logger.info("%s: dequantized to float32 at load: %s", file.path, kinds)
