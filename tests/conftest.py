@@ -8,9 +8,11 @@ and no tokenizer. Torch runs on few threads: the machine's cores are shared.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -106,6 +108,32 @@ def _load_tiny_model_module():
 
 
 make_tiny_model = _load_tiny_model_module().make_tiny_model
+
+
+# --------------------------------------------------------------------------- built once per run
+def built_once(
+    name: str, factory: pytest.TempPathFactory, build: Callable[[Path], tuple[Path, ...]]
+) -> tuple[Path, ...]:
+    """`build(work_dir)`'s paths, built once per `scripts/test` run: its pytest processes (the
+    xdist workers, then the multiproc lane) share $TERN_TEST_SHARED, a directory scripts/test
+    makes and removes, and take turns under a lock, so the first builds and the others reuse.
+    Without it (a plain pytest run), built in this session's temporary directory. For inputs that
+    take seconds to make and that tests only read (a GGUF file, its prepared directory and Hugging
+    Face's reference of it)."""
+    root = os.environ.get("TERN_TEST_SHARED")
+    if not root:
+        return build(factory.mktemp(name))
+    work = Path(root) / name
+    built = work / ".built.json"
+    Path(root).mkdir(parents=True, exist_ok=True)
+    with open(Path(root) / f".{name}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not built.is_file():
+            shutil.rmtree(work, ignore_errors=True)  # a build that failed or was killed
+            work.mkdir()
+            paths = build(work)
+            built.write_text(json.dumps([str(p) for p in paths]))
+    return tuple(Path(p) for p in json.loads(built.read_text()))
 
 
 def _prepared_tokenizer_dir() -> Path | None:

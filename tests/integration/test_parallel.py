@@ -274,14 +274,17 @@ def test_model_zoo_at_tp2_pp2_matches_hf(arch: str, request) -> None:
 
 
 def test_quantized_files_split_across_ranks_match_hf(
-    tmp_path: Path, tiny_llama: Path, tokenizer_dir: Path | None
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_llama: Path,
+    tokenizer_dir: Path | None,
 ) -> None:
     """Block-quantized weights split both ways: a GGUF file of K-quants at --tp 2 --pp 2 (qkv rows
     in two block types, Q5_K / Q4_K MLP sharded by rows and at super-block boundaries, a Q6_K
     embedding split by vocabulary) and GPTQ checkpoints (INT4_ZP blocks; act-order) at --tp 2
     (the stages split layers, not blocks), each against Hugging Face on the dequantized
     weights."""
-    from tests.unit.test_gguf import make_gguf_case
+    from tests.unit.test_gguf import gguf_case_files
     from tests.unit.test_quantized_checkpoints import write_quantized_checkpoint
 
     cases = [
@@ -291,9 +294,7 @@ def test_quantized_files_split_across_ranks_match_hf(
         (*write_quantized_checkpoint(tiny_llama, tmp_path / "act", "gptq", 32, act_order=True), 1),
     ]
     if tokenizer_dir is not None:
-        (tmp_path / "gguf").mkdir()
-        _, prepared, reference = make_gguf_case("qwen3_k", tmp_path / "gguf", tokenizer_dir,
-                                                tmp_path / "home")  # fmt: skip
+        _, prepared, reference = gguf_case_files("qwen3_k", tmp_path_factory, tokenizer_dir)
         cases.append((prepared, reference, 2))
     for model_dir, reference, pp in cases:
         prompts = make_prompts(vocab_of(reference))

@@ -22,7 +22,7 @@ import torch
 
 from enginecore.config import CacheConfig, Config, ModelConfig
 from enginecore.messages import SamplingParams
-from tests.unit.test_gguf import make_gguf_case
+from tests.unit.test_gguf import gguf_case_files
 from tests.unit.test_model_runner import make_prompts, run
 from workers.kernels import kernel_library, linear_ops
 from workers.kernels.fused_decode import FusedDecodeLayer, FusedDecodeStack
@@ -213,8 +213,7 @@ def _gguf_model(case: str, factory: pytest.TempPathFactory, tokenizer_dir: Path 
     """test_gguf.py's GGUF case `case`, prepared."""
     if tokenizer_dir is None:
         pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
-    work = factory.mktemp(f"gguf_{case}")
-    return make_gguf_case(case, work, tokenizer_dir, work / "tern_home")[1]
+    return gguf_case_files(case, factory, tokenizer_dir)[1]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import transformers
 
 from frontend.gguf_model import prepare_gguf
 from frontend.text.tokenizer import Tokenizer
-from tests.conftest import ROOT, make_tiny_model
+from tests.conftest import ROOT, built_once, make_tiny_model
 from tests.unit.test_engine_inproc import MAX_TOKENS, hf_greedy, make_prompts, run_greedy
 from tests.unit.test_model_runner import GREEDY, make_runner, run
 from tests.unit.test_model_runner import make_prompts as runner_prompts
@@ -58,23 +58,27 @@ CASES = {
 KEPT = {"llama": {"Q8_0", "Q5_1", "Q4_1", "Q5_0", "Q4_0"}, "qwen3_k": {"Q5_K", "Q4_K", "Q6_K"}}
 
 
-@pytest.fixture(scope="module")
-def tern_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("tern_home")
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def gguf_case(
     request: pytest.FixtureRequest,
     tmp_path_factory: pytest.TempPathFactory,
     tokenizer_dir: Path | None,
-    tern_home: Path,
 ) -> tuple[Path, Path, Path]:
     """(GGUF file, tern's prepared directory, Hugging Face's dequantized copy of the file)."""
     if tokenizer_dir is None:
         pytest.skip("needs the default model's tokenizer (python -m frontend.model_prep)")
-    work = tmp_path_factory.mktemp(f"gguf_{request.param}")
-    return make_gguf_case(request.param, work, tokenizer_dir, tern_home)
+    return gguf_case_files(request.param, tmp_path_factory, tokenizer_dir)
+
+
+def gguf_case_files(
+    case: str, factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> tuple[Path, Path, Path]:
+    """make_gguf_case's files, made once per scripts/test run (test_fused_decode.py and
+    test_parallel.py read the same cases; a case takes ~15 s to make)."""
+    return built_once(  # type: ignore[return-value]
+        f"gguf_{case}", factory,
+        lambda work: make_gguf_case(case, work, tokenizer_dir, work / "tern_home"),
+    )  # fmt: skip
 
 
 def make_gguf_case(
