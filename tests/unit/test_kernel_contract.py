@@ -25,13 +25,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def builds() -> dict[str, Path]:
+    """Every tier's library, built where tern loads them from (TERN_HOME/kernels): a build is
+    named by the hash of the sources and its compile command, so an edited source compiles again,
+    and the tiers this CPU runs are not compiled a second time when the servers and tests of the
+    run load them."""
     if kl.compiler() is None:
         pytest.skip("no C compiler")
-    out = tmp_path_factory.mktemp("kernel_builds")
     tiers = kl.all_tiers()
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # compilers: processes
-        return dict(zip([t.name for t in tiers], pool.map(lambda t: kl.build(t, out), tiers)))
+        return dict(zip([t.name for t in tiers], pool.map(kl.build, tiers)))
 
 
 def test_every_tier_compiles_and_exports_the_header(builds: dict[str, Path]) -> None:
