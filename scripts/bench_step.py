@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         if concurrency == args.concurrency[0]:
             print(core.executor.model_summary, f"torch threads {torch.get_num_threads()}")
             print(core.executor.runner.kernel_report())
-            floor = core.executor.runner.decode_floor()
+            floor = core.executor.runner.decode_floor(remembered=False)
             assert floor is not None, "bench_step runs on the CPU"
             print(floor)
         # Warm-up: one short request through prefill and decode (allocators, kernel selection).

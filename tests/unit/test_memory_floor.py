@@ -49,3 +49,20 @@ def test_decode_bytes_counts_what_a_step_reads(arch: str, request: pytest.Fixtur
     assert floor.read_bandwidth > 1e8  # 100 MB/s: any machine streams faster than that
     assert floor.seconds == pytest.approx(floor.weight_bytes / floor.read_bandwidth)
     assert str(floor).startswith(f"decode floor: {floor.weight_bytes / 1e6:.0f} MB")
+
+
+def test_start_ups_take_the_bandwidth_measured_on_this_cpu(tmp_path: Path, monkeypatch) -> None:
+    """The start-up line's bandwidth is probed once per CPU model and thread count and read from
+    TERN_HOME after that; another thread count is probed anew."""
+    monkeypatch.setenv("TERN_HOME", str(tmp_path))
+    probes = []
+    probe = memory_floor.read_bandwidth
+    monkeypatch.setattr(memory_floor, "read_bandwidth", lambda: probes.append(1) or probe())
+    first = memory_floor.remembered_read_bandwidth()
+    assert memory_floor.remembered_read_bandwidth() == first and len(probes) == 1
+    monkeypatch.setattr(memory_floor.torch, "get_num_threads", lambda: 7)
+    memory_floor.remembered_read_bandwidth()
+    assert len(probes) == 2
+    known = json.loads((tmp_path / "read_bandwidth.json").read_text())
+    assert len(known) == 2 and first in known.values()
+    assert any("| 7 threads |" in key for key in known)

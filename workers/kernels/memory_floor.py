@@ -1,16 +1,25 @@
 """The decode floor: a 1-sequence decode step reads every active weight once, so no step is faster
 than the bytes it reads over the memory's streaming-read bandwidth. Both are measured here for the
 start-up log line that names the kernel tier (on CPUs: the tier is a CPU's) and for
-scripts/bench_step.py, which reports the decode step against it.
+scripts/bench_step.py, which reports the decode step against it. The start-up line takes the
+bandwidth last measured on the same CPU with as many threads, remembered in TERN_HOME: the probe
+touches and reads 256 MB, ~0.2 s of every start for one log line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import platform
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from enginecore.config import tern_home
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.moe import SparseMoE
 
@@ -32,6 +41,33 @@ def read_bandwidth(nbytes: int = PROBE_BYTES) -> float:
         buf.sum()
         best = min(best, time.perf_counter() - start)
     return nbytes / best
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def remembered_read_bandwidth() -> float:
+    """read_bandwidth() as first measured on this CPU model with torch's thread count, kept in
+    TERN_HOME/read_bandwidth.json (written by rename: starts may race)."""
+    path = tern_home() / "read_bandwidth.json"
+    key = f"{_cpu_name()} | {torch.get_num_threads()} threads | {PROBE_BYTES} bytes"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = read_bandwidth()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(known, f, indent=1)
+        os.replace(tmp, path)
+    return known[key]
 
 
 def decode_bytes(model: torch.nn.Module) -> int:
@@ -75,6 +111,8 @@ class DecodeFloor:
         )
 
 
-def measure_floor(model: torch.nn.Module) -> DecodeFloor:
-    """The floor of a model on the CPU (its weights in host memory)."""
-    return DecodeFloor(decode_bytes(model), read_bandwidth(), torch.get_num_threads())
+def measure_floor(model: torch.nn.Module, remembered: bool = False) -> DecodeFloor:
+    """The floor of a model on the CPU (its weights in host memory); with `remembered`, over the
+    bandwidth measured at an earlier start on this CPU."""
+    bandwidth = remembered_read_bandwidth() if remembered else read_bandwidth()
+    return DecodeFloor(decode_bytes(model), bandwidth, torch.get_num_threads())

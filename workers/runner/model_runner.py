@@ -201,11 +201,14 @@ class ModelRunner:
         assert self.model is not None
         return fused_decode.kernel_report(self.model, self.device)
 
-    def decode_floor(self) -> memory_floor.DecodeFloor | None:
-        """This rank's decode floor on a CPU: its weights per step over the measured read
-        bandwidth (None on an accelerator: no probe buffer beside its allocated KV cache)."""
+    def decode_floor(self, remembered: bool = True) -> memory_floor.DecodeFloor | None:
+        """This rank's decode floor on a CPU: its weights per step over the read bandwidth,
+        measured now or (`remembered`) at an earlier start on this CPU (None on an accelerator:
+        no probe buffer beside its allocated KV cache)."""
         assert self.model is not None
-        return memory_floor.measure_floor(self.model) if self.device.type == "cpu" else None
+        if self.device.type != "cpu":
+            return None
+        return memory_floor.measure_floor(self.model, remembered)
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.cache.bytes_per_block()
