@@ -17,6 +17,7 @@ control calls, so that the frontend can tell a stopped or frozen process from a 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -76,6 +77,9 @@ class EngineCoreProc:
         self.input.connect(config.ipc_path("engine_input"))
         # NOTE: bound as well: this process's own KV puller threads post their KVPulled here.
         self.input.bind(config.ipc_path("kv_pulled"))
+        self._poller = zmq.Poller()
+        self._poller.register(self.input, zmq.POLLIN)
+        self._wake_up: int | None = None
         self.output = ctx.socket(zmq.PUSH)
         self.output.setsockopt(zmq.LINGER, 2000)
         self.output.connect(config.ipc_path("engine_output"))
@@ -93,6 +97,17 @@ class EngineCoreProc:
         self._last_stats_time = 0.0
         self._sent_idle = True  # the last stats sent showed no request
         self._stats_logger = StatsLogger()
+
+    def wake_on_signals(self) -> None:
+        """A signal with a Python handler (SIGTERM) ends the idle wait for input at once, so a
+        stop takes effect now rather than after IDLE_POLL_MS: Python writes a byte to the wake-up
+        pipe as the signal arrives, and the pipe is polled beside the input (main thread only)."""
+        read_end, write_end = os.pipe()
+        os.set_blocking(read_end, False)
+        os.set_blocking(write_end, False)
+        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        self._poller.register(read_end, zmq.POLLIN)
+        self._wake_up = read_end
 
     def start(self) -> None:
         executor = make_executor(self.config)
@@ -133,7 +148,11 @@ class EngineCoreProc:
             outputs = self._stamped(core.finish_step())  # before a weight update in the inputs
             results: list[UtilityResult] = []
             busy = control.is_busy()
-            if self.input.poll(0 if busy or outputs else IDLE_POLL_MS):
+            ready = dict(self._poller.poll(0 if busy or outputs else IDLE_POLL_MS))
+            if self._wake_up in ready:  # emptied, lest another signal's byte keep it readable
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_up, 4096)
+            if self.input in ready:
                 self._drain_inputs(outputs, results)
             elif not busy and not outputs:
                 core.expire_kv_leases()
@@ -318,6 +337,7 @@ def run_engine_core(config: Config) -> None:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the frontend, which stops us
+    proc.wake_on_signals()
     exit_code = 0
     started = False
     try:
