@@ -13,6 +13,7 @@ by the `gguf` package as its tensor is read, with one log line naming the types.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections import Counter
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
@@ -44,13 +46,21 @@ def gguf_file_of(model_dir: str | Path) -> Path | None:
 
 
 def _weights_map(config, processor) -> dict[str, str]:
-    """GGUF tensor name -> Hugging Face name, from a meta-device model of the same config."""
+    """GGUF tensor name -> Hugging Face name, from a meta-device model of the same config.
+
+    NOTE: transformers' get_gguf_hf_weights_map recurses into every submodule and builds gguf's
+    TensorNameMap (every name of the architecture, for every layer) anew in each: 6 s of the
+    default model's load (30 layers, ~400 modules). While it runs, one map per architecture and
+    layer count serves every call (a map is only read)."""
+    import gguf
     import transformers
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    return get_gguf_hf_weights_map(model, processor)
+    one_map = functools.cache(gguf.get_tensor_name_map)
+    with mock.patch.object(gguf, "get_tensor_name_map", one_map):
+        return get_gguf_hf_weights_map(model, processor)
 
 
 @dataclass(frozen=True)
