@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import numpy as np
@@ -29,7 +29,9 @@ import torch
 from enginecore.config import GGUF_SOURCE_FILE
 from workers.kernels.linear_ops import BLOCK_TYPES
 from workers.quant.gguf_blocks import GGUFBlocks
-from workers.quant.gguf_file import GGUFFile
+
+if TYPE_CHECKING:  # the gguf package is imported where a GGUF file is read
+    from workers.quant.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,8 @@ class GGUFCheckpoint:
     def open(cls, model_dir: str | Path) -> GGUFCheckpoint:
         import transformers
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+        from workers.quant.gguf_file import GGUFFile
 
         path = gguf_file_of(model_dir)
         if path is None:
