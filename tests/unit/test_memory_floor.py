@@ -66,3 +66,11 @@ def test_start_ups_take_the_bandwidth_measured_on_this_cpu(tmp_path: Path, monke
     known = json.loads((tmp_path / "read_bandwidth.json").read_text())
     assert len(known) == 2 and first in known.values()
     assert any("| 7 threads |" in key for key in known)
+
+
+def test_a_tern_home_it_cannot_write_measures_at_every_start(tmp_path: Path, monkeypatch) -> None:
+    """Writing the remembered bandwidth may fail (here TERN_HOME lies under a file; a read-only
+    home likewise): the start goes on with the bandwidth it measured."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TERN_HOME", str(tmp_path / "file" / "tern"))
+    assert memory_floor.remembered_read_bandwidth() > 1e8

@@ -62,11 +62,12 @@ def remembered_read_bandwidth() -> float:
         known = {}
     if key not in known:
         known[key] = read_bandwidth()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(known, f, indent=1)
-        os.replace(tmp, path)
+        with contextlib.suppress(OSError):  # a read-only TERN_HOME: measured at every start
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(known, f, indent=1)
+            os.replace(tmp, path)
     return known[key]
 
 
