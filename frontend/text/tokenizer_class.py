@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import transformers
 
-from enginecore.config import tern_home
+from enginecore.home_cache import read_remembered, remember
 
 CACHE_FILE = "tokenizer_classes.json"
 MAX_ENTRIES = 256  # the most recent kept: a cache, not a record
@@ -39,7 +36,7 @@ def auto_tokenizer(path: Path) -> Any:
     """AutoTokenizer.from_pretrained(path)'s tokenizer: the remembered class's when the directory's
     files and transformers are as they were when AutoTokenizer picked it."""
     key = _key(path)
-    cls = _class(_read().get(key))
+    cls = _class(read_remembered(CACHE_FILE).get(key))
     if cls is not None:
         return cls.from_pretrained(str(path))
     from transformers import AutoTokenizer  # imports torch: only the first start of a directory
@@ -71,30 +68,9 @@ def _class(entry: object) -> type | None:
         return None  # transformers moved it: AutoTokenizer picks again
 
 
-def _read() -> dict[str, Any]:
-    try:
-        entries = json.loads((tern_home() / CACHE_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return entries if isinstance(entries, dict) else {}
-
-
 def _remember(key: str, entry: list[str]) -> None:
-    """Adds the entry; written to a temporary file renamed into place, so a reader never sees half
-    a file (two frontends starting at once may drop each other's entry: it is picked again)."""
-    entries = _read()
+    """Adds the entry, the most recent MAX_ENTRIES kept."""
+    entries = read_remembered(CACHE_FILE)
     entries.pop(key, None)
     entries[key] = entry
-    kept = dict(list(entries.items())[-MAX_ENTRIES:])
-    home = tern_home()
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=home, prefix=".tokenizer_classes.")
-    except OSError:
-        return  # a read-only TERN_HOME: AutoTokenizer picks each time
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(kept, f)
-        os.replace(tmp, home / CACHE_FILE)
-    except OSError:
-        Path(tmp).unlink(missing_ok=True)
+    remember(CACHE_FILE, dict(list(entries.items())[-MAX_ENTRIES:]))

@@ -95,14 +95,25 @@ def tier(name: str) -> Tier:
     raise ValueError(f"unknown kernel tier {name!r}: one of {[t.name for t in all_tiers()]}")
 
 
+def _cpuinfo(field: str) -> str | None:
+    """The first value of `field` in /proc/cpuinfo; None where there is none (not Linux)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(field):
+                return line.partition(":")[2].strip()
+    return None
+
+
 @functools.cache
 def cpu_features() -> frozenset[str]:
     """The CPU's feature flags (Linux's names, as in /proc/cpuinfo); empty where unknown."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.partition(":")[2].split())
-    return frozenset()
+    return frozenset((_cpuinfo("flags") or "").split())
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name ("AMD EPYC ..."), else the platform's processor or machine."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def runnable_tiers(features: frozenset[str] | None = None) -> tuple[Tier, ...]:

@@ -8,18 +8,13 @@ touches and reads 256 MB, ~0.2 s of every start for one log line.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import platform
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from enginecore.config import tern_home
+from enginecore.home_cache import read_remembered, remember
+from workers.kernels.kernel_library import cpu_model
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.moe import SparseMoE
 
@@ -27,6 +22,7 @@ from workers.layers.moe import SparseMoE
 # small enough to read in a few milliseconds.
 PROBE_BYTES = 256 << 20
 PROBE_PASSES = 4
+BANDWIDTH_FILE = "read_bandwidth.json"
 # Buffers that are tables looked up a row at a time, not streamed by a decode step.
 _LOOKUP_BUFFERS = ("cos_cache", "sin_cache", "inv_freq")
 
@@ -43,31 +39,14 @@ def read_bandwidth(nbytes: int = PROBE_BYTES) -> float:
     return nbytes / best
 
 
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def remembered_read_bandwidth() -> float:
     """read_bandwidth() as first measured on this CPU model with torch's thread count, kept in
-    TERN_HOME/read_bandwidth.json (written by rename: starts may race)."""
-    path = tern_home() / "read_bandwidth.json"
-    key = f"{_cpu_name()} | {torch.get_num_threads()} threads | {PROBE_BYTES} bytes"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
+    TERN_HOME (enginecore/home_cache.py)."""
+    known = read_remembered(BANDWIDTH_FILE)
+    key = f"{cpu_model()} | {torch.get_num_threads()} threads | {PROBE_BYTES} bytes"
     if key not in known:
         known[key] = read_bandwidth()
-        with contextlib.suppress(OSError):  # a read-only TERN_HOME: measured at every start
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                json.dump(known, f, indent=1)
-            os.replace(tmp, path)
+        remember(BANDWIDTH_FILE, known)
     return known[key]
 
 
@@ -112,7 +91,7 @@ class DecodeFloor:
         )
 
 
-def measure_floor(model: torch.nn.Module, remembered: bool = False) -> DecodeFloor:
+def measure_floor(model: torch.nn.Module, remembered: bool) -> DecodeFloor:
     """The floor of a model on the CPU (its weights in host memory); with `remembered`, over the
     bandwidth measured at an earlier start on this CPU."""
     bandwidth = remembered_read_bandwidth() if remembered else read_bandwidth()
