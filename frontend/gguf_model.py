@@ -10,16 +10,19 @@ default model is).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
-from unittest import mock
 
 from enginecore.config import GGUF_SOURCE_FILE, tern_home
-from frontend.model_prep import fix_eos, fix_tokenizer_config, offline_env, prepare_once
+from frontend.model_prep import (
+    fix_eos,
+    fix_tokenizer_config,
+    offline_env,
+    one_parse_per_file,
+    prepare_once,
+)
 
 # NOTE: bump when what a prepared directory holds changes, so existing ones are redone.
 FORMAT_VERSION = 1
@@ -84,28 +87,8 @@ def _fill_in_head_dim(config, gguf: Path) -> None:
         config.head_dim = int(key_length[0])
 
 
-@contextlib.contextmanager
-def _one_reader_per_file() -> Iterator[None]:
-    """transformers parses the file anew for the config and again for the tokenizer (3 s each
-    for the default model's 49,152-token vocabulary): within the block every GGUFReader of a
-    path is the first one made (a reader only reads the file)."""
-    import gguf as gguf_package
-
-    make = gguf_package.GGUFReader
-    readers: dict[tuple, object] = {}
-
-    def reader(path: object, *args: object, **kwargs: object) -> object:
-        key = (str(path), args, tuple(sorted(kwargs.items())))
-        if key not in readers:
-            readers[key] = make(path, *args, **kwargs)
-        return readers[key]
-
-    with mock.patch.object(gguf_package, "GGUFReader", reader):
-        yield
-
-
 def _write(gguf: Path, out: Path) -> None:
-    with offline_env(), _one_reader_per_file():
+    with offline_env(), one_parse_per_file():
         import transformers
 
         try:

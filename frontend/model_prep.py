@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import importlib.util
 import json
 import os
@@ -25,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 from enginecore.config import tern_home
 
@@ -144,11 +146,37 @@ def offline_env() -> Iterator[None]:
                 os.environ[key] = value
 
 
+@contextlib.contextmanager
+def one_parse_per_file() -> Iterator[None]:
+    """transformers parses a GGUF file anew for the config, the tokenizer and the weights (~3 s
+    each for the default model's 49,152-token vocabulary), and its weight-name mapping rebuilds
+    gguf's TensorNameMap (every name of the architecture, for every layer) in each of the
+    model's ~400 submodules (~5 s): within the block every GGUFReader of a path is the first one
+    made and one name map serves each architecture and layer count (both are only read)."""
+    import gguf as gguf_package
+
+    make = gguf_package.GGUFReader
+    readers: dict[tuple, object] = {}
+
+    def reader(path: object, *args: object, **kwargs: object) -> object:
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = make(path, *args, **kwargs)
+        return readers[key]
+
+    one_map = functools.cache(gguf_package.get_tensor_name_map)
+    with (
+        mock.patch.object(gguf_package, "GGUFReader", reader),
+        mock.patch.object(gguf_package, "get_tensor_name_map", one_map),
+    ):
+        yield
+
+
 def _convert(gguf: Path, out_dir: Path) -> None:
     """Dequantize gguf with transformers and save it to out_dir as float32 safetensors."""
     start = time.monotonic()
     print(f"tern: converting {gguf.name} to {MODEL_NAME} (float32, one-time)...", file=sys.stderr)
-    with offline_env():
+    with offline_env(), one_parse_per_file():
         import torch
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
