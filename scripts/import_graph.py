@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 # Bottom to top. A node not named here is reported as unplaced.
@@ -27,6 +28,10 @@ LAYERS: list[tuple[str, ...]] = [
     # The floor: errors, HTTP helpers, metrics counters, shared protocol types, request decoding.
     ("common",),
     ("text",),  # tokenizer, detokenizer, chat options and parsers, structured outputs, logprobs
+    # Inputs beside the text: images and video (policy, fetching, processors); the KV-transfer
+    # fields and bootstrap of prefill/decode disaggregation.
+    ("media", "disagg"),
+    ("audio",),  # audio decoding, response formats, Whisper's prompts (audio URLs: media's policy)
     ("serving",),  # request -> engine requests, generation streams, what the chat routes share
     ("openai", "anthropic", "sglang", "lmdeploy", "pooling", "control"),  # the API packages
     # Launch configuration: the CLI and the model preparation it runs; server/ reads the config.
@@ -35,9 +40,12 @@ LAYERS: list[tuple[str, ...]] = [
     # The entry point, and the client library a trainer runs on the other side of the wire
     # (client/ imports no room and no room imports it).
     ("__main__", "client"),
+    # tern inside Ray Serve: the server's app as a Serve ingress, so above the roof.
+    ("ray_serve",),
+    ("rl",),  # RL frameworks' rollout interfaces, over the client or a Ray Serve replica
 ]
 # Layers whose members may import each other (cli -> gguf_model -> model_prep).
-SIDEWAYS_OK: set[int] = {5}
+SIDEWAYS_OK: set[int] = {LAYERS.index(("cli", "gguf_model", "model_prep"))}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -73,22 +81,29 @@ def node_of(module: str, package: str, modules: set[str]) -> str | None:
     return parts[1]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--package", default="frontend")
-    parser.add_argument("--modules", action="store_true", help="list the imports behind each arrow")
-    args = parser.parse_args()
-    root = Path(args.package)
+@dataclass
+class Graph:
+    nodes: set[str]
+    subpackages: list[str]
+    arrows: dict[tuple[str, str], set[tuple[str, str]]]  # (src, dst) -> the module pairs
+    unplaced: list[str]  # nodes in no layer
+    upward: list[tuple[str, str]]
+    cycles: list[list[str]]
+
+
+def analyse(root: Path) -> Graph:
+    """The import graph of the package at `root` (a folder named as the package)."""
+    package = root.name
     files = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
     modules = set(files)
-    nodes = {node_of(m, args.package, modules) for m in modules} - {None}
+    nodes = {node_of(m, package, modules) for m in modules} - {None}
     layer = {n: i for i, names in enumerate(LAYERS) for n in names}
 
     arrows: dict[tuple[str, str], set[tuple[str, str]]] = defaultdict(set)
     for name, path in files.items():
-        src = node_of(name, args.package, modules)
+        src = node_of(name, package, modules)
         for target in imported_modules(path, name):
-            dst = node_of(target, args.package, modules)
+            dst = node_of(target, package, modules)
             if src and dst and src != dst:
                 arrows[(src, dst)].add((name, target))
 
@@ -99,28 +114,40 @@ def main() -> None:
             layer[dst] == layer[src] and layer[src] not in SIDEWAYS_OK
         )
 
-    subpackages = sorted(n for n in nodes if (root / n).is_dir())
-    print(f"nodes: {len(nodes)} ({len(subpackages)} subpackages: {', '.join(subpackages)})")
-    unplaced = sorted(n for n in nodes if n not in layer)
-    if unplaced:
-        print(f"unplaced: {', '.join(unplaced)}")
+    return Graph(
+        nodes=nodes,
+        subpackages=sorted(n for n in nodes if (root / n).is_dir()),
+        arrows=arrows,
+        unplaced=sorted(n for n in nodes if n not in layer),
+        upward=sorted(a for a in arrows if is_upward(*a)),
+        cycles=find_cycles(nodes, set(arrows)),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--package", default="frontend")
+    parser.add_argument("--modules", action="store_true", help="list the imports behind each arrow")
+    args = parser.parse_args()
+    graph = analyse(Path(args.package))
+    arrows, subpackages = graph.arrows, graph.subpackages
+    print(f"nodes: {len(graph.nodes)} ({len(subpackages)} subpackages: {', '.join(subpackages)})")
+    if graph.unplaced:
+        print(f"unplaced: {', '.join(graph.unplaced)}")
     sub_arrows = {a for a in arrows if a[0] in subpackages and a[1] in subpackages}
-    upward = sorted(a for a in arrows if is_upward(*a))
     print(f"arrows: {len(arrows)} ({len(sub_arrows)} between subpackages)")
     for src, dst in sorted(arrows):
-        mark = "  UPWARD" if (src, dst) in upward else ""
+        mark = "  UPWARD" if (src, dst) in graph.upward else ""
         print(f"  {src} -> {dst}{mark}")
         if args.modules:
             for a, b in sorted(arrows[(src, dst)]):
                 print(f"      {a} -> {b}")
-    sub_upward = [a for a in upward if a in sub_arrows]
-    print(f"upward: {len(upward)} ({len(sub_upward)} between subpackages)")
-    for src, dst in upward:
+    sub_upward = [a for a in graph.upward if a in sub_arrows]
+    print(f"upward: {len(graph.upward)} ({len(sub_upward)} between subpackages)")
+    for src, dst in graph.upward:
         print(f"  {src} -> {dst}: " + ", ".join(sorted({a for a, _ in arrows[(src, dst)]})))
-
-    cycles = find_cycles(nodes, set(arrows))
-    print(f"cycles (strongly connected groups): {len(cycles)}")
-    for group in cycles:
+    print(f"cycles (strongly connected groups): {len(graph.cycles)}")
+    for group in graph.cycles:
         print("  " + " <-> ".join(group))
 
 

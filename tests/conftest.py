@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -99,6 +100,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def _load_script(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / f"scripts/{name}.py")
     module = importlib.util.module_from_spec(spec)
+    # Registered before it runs, as an import would: dataclasses look their module up there.
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 

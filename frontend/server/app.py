@@ -21,7 +21,7 @@ from swagger_ui_bundle import swagger_ui_path
 
 from enginecore.config import Config
 from frontend.anthropic.serving import MessagesServing
-from frontend.audio.transcription import TranscriptionServing
+from frontend.openai.transcription import TranscriptionServing
 from frontend.cli.server import FrontendConfig
 from frontend.common.errors import APIError
 from frontend.common.http import error_response

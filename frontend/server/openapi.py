@@ -110,7 +110,7 @@ def _operation(r: RouteSpec, method: str, schema_of: dict[str, Any]) -> dict[str
     return op
 
 
-# /v1/audio/*'s form, as OpenAI's (frontend/audio/transcription.py reads it).
+# /v1/audio/*'s form, as OpenAI's (frontend/openai/transcription.py reads it).
 _AUDIO_FORM = {
     "schema": {
         "type": "object",

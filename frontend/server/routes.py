@@ -59,7 +59,7 @@ from frontend.sglang.protocol import SGLangGenerateOutput, SGLangGenerateRequest
 
 if TYPE_CHECKING:
     from frontend.anthropic.serving import MessagesServing
-    from frontend.audio.transcription import TranscriptionServing
+    from frontend.openai.transcription import TranscriptionServing
     from frontend.control.serving import ControlServing
     from frontend.lmdeploy.serving import LMDeployServing
     from frontend.openai.chat import ChatServing
