@@ -64,7 +64,9 @@ def main(folder: str, wall: str, workers: str, suffix: str) -> None:
     out.write_text("\n".join(lines) + "\n")
     print(f"scripts/test: timings in {out.relative_to(ROOT)}")
     if not suffix:
-        calls = {nodeid: round(t.get("call", t["seconds"]), 2) for nodeid, t in sorted(tests.items())}
+        calls = {
+            nodeid: round(t.get("call", t["seconds"]), 2) for nodeid, t in sorted(tests.items())
+        }
         out.with_suffix(".json").write_text(json.dumps(calls, indent=0) + "\n")
 
 

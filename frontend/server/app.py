@@ -21,7 +21,6 @@ from swagger_ui_bundle import swagger_ui_path
 
 from enginecore.config import Config
 from frontend.anthropic.serving import MessagesServing
-from frontend.openai.transcription import TranscriptionServing
 from frontend.cli.server import FrontendConfig
 from frontend.common.errors import APIError
 from frontend.common.http import error_response
@@ -32,6 +31,7 @@ from frontend.openai.chat import ChatServing
 from frontend.openai.completion import CompletionServing
 from frontend.openai.responses import ResponsesServing, ResponseStore
 from frontend.openai.tokenize import TokenizeServing
+from frontend.openai.transcription import TranscriptionServing
 from frontend.pooling.serving import PoolingServing, task_error
 from frontend.server.generate import GenerateServing
 from frontend.server.info import InfoServing, tern_version

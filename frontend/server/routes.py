@@ -59,13 +59,13 @@ from frontend.sglang.protocol import SGLangGenerateOutput, SGLangGenerateRequest
 
 if TYPE_CHECKING:
     from frontend.anthropic.serving import MessagesServing
-    from frontend.openai.transcription import TranscriptionServing
     from frontend.control.serving import ControlServing
     from frontend.lmdeploy.serving import LMDeployServing
     from frontend.openai.chat import ChatServing
     from frontend.openai.completion import CompletionServing
     from frontend.openai.responses import ResponsesServing
     from frontend.openai.tokenize import TokenizeServing
+    from frontend.openai.transcription import TranscriptionServing
     from frontend.pooling.serving import PoolingServing
     from frontend.server.generate import GenerateServing
     from frontend.server.info import InfoServing
