@@ -37,6 +37,18 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def _workers(tests: dict[str, dict]) -> str:
+    """Each xdist worker's summed test time and when its last test ended (s into the run)."""
+    busy: dict[str, list[float]] = {}
+    for t in tests.values():
+        if t.get("worker"):
+            entry = busy.setdefault(t["worker"], [0.0, 0.0])
+            entry[0] += t["seconds"]
+            entry[1] = max(entry[1], t.get("ended_s", 0.0))
+    parts = [f"{w} busy {b:.0f} s, done at {end:.0f} s" for w, (b, end) in sorted(busy.items())]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def main(folder: str, wall: str, workers: str, suffix: str) -> None:
     runs = {p.stem: json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))}
     tests = {nodeid: t for run in runs.values() for nodeid, t in run["tests"].items()}
@@ -47,7 +59,10 @@ def main(folder: str, wall: str, workers: str, suffix: str) -> None:
         f"# scripts/test{' --fast' if suffix else ''} on {cpu_name()} ({cpu_tier()}),"
         f" {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"total wall time: {int(wall)} s (setup_env included)",
-        *(f"run {name}: {run['wall_seconds']:.0f} s wall" for name, run in runs.items()),
+        *(
+            f"run {name}: {run['wall_seconds']:.0f} s wall{_workers(run['tests'])}"
+            for name, run in runs.items()
+        ),
         f"unit and server lanes workers (pytest-xdist): {workers}",
         "",
         "lane        tests   summed s  (setup + call + teardown of each test)",

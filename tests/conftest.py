@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -43,25 +43,66 @@ def lane_of(item: pytest.Item) -> str:
     return {"dist": "multiproc", "system": "system"}.get(folder, "unit")
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator:
+    # Before every other implementation: the lanes, which `-m` selects by.
     for item in items:
         if ROOT / "tests" in Path(item.path).parents and not any(
             item.get_closest_marker(lane) for lane in LANES
         ):
             item.add_marker(lane_of(item))
+    result = yield
+    # After them all: `-m` has selected and pytest has grouped the tests of a parametrized
+    # module-scoped fixture (which moves tests within a file).
+    call_seconds = _recorded_call_seconds()
+    _longest_files_first(items, call_seconds)
     limit = os.environ.get("TERN_FAST_MAX_S")
     if limit:
-        _deselect_slow(config, items, float(limit))
+        _deselect_slow(config, items, call_seconds, float(limit))
+    return result
 
 
-def _deselect_slow(config: pytest.Config, items: list[pytest.Item], limit: float) -> None:
-    """`scripts/test --fast`: leaves out the tests whose call took more than `limit` seconds in the
-    last whole run on this CPU tier (tests/timings/<tier>.json; a test not recorded there runs)."""
+def _recorded_call_seconds() -> dict[str, float]:
+    """Each test's call time in the last whole run on this CPU tier (tests/timings/<tier>.json),
+    or nothing where none was recorded."""
     timings = ROOT / "tests" / "timings" / f"{_load_script('test_timings').cpu_tier()}.json"
-    if not timings.is_file():
+    return json.loads(timings.read_text()) if timings.is_file() else {}
+
+
+def _longest_files_first(items: list[pytest.Item], call_seconds: dict[str, float]) -> None:
+    """pytest-xdist (`--dist loadfile`) hands each worker the next file in collection order as
+    it runs out of work: with the longest files first, the last ones handed out are short and the
+    workers finish together (a 300 s file handed out last kept one worker busy while the other
+    idled). The server lane's tests stay first and in their order: consecutive modules reuse
+    the shared servers they launch with the same arguments (a file with tests in two lanes is
+    two groups; scripts/test runs the lanes apart anyway). Tests keep their order in a file;
+    a test not recorded counts as one second. Every xdist worker sorts alike: the order only
+    depends on the committed timings."""
+
+    def in_server_lane(item: pytest.Item) -> bool:
+        return item.get_closest_marker("server") is not None
+
+    seconds: dict[tuple[Path, bool], float] = {}
+    for item in items:
+        group = (item.path, in_server_lane(item))
+        seconds[group] = seconds.get(group, 0.0) + call_seconds.get(item.nodeid, 1.0)
+    first_seen = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
+
+    def key(item: pytest.Item) -> tuple:
+        if in_server_lane(item):
+            return (0, first_seen[item.path], 0.0)
+        return (1, -seconds[(item.path, False)], first_seen[item.path])
+
+    items.sort(key=key)
+
+
+def _deselect_slow(
+    config: pytest.Config, items: list[pytest.Item], call_seconds: dict[str, float], limit: float
+) -> None:
+    """`scripts/test --fast`: leaves out the tests whose call took more than `limit` seconds in the
+    last whole run on this CPU tier (a test not recorded there runs)."""
+    if not call_seconds:
         return
-    call_seconds = json.loads(timings.read_text())
     slow = [item for item in items if call_seconds.get(item.nodeid, 0.0) > limit]
     if slow:
         config.hook.pytest_deselected(items=slow)
@@ -73,6 +114,7 @@ def _deselect_slow(config: pytest.Config, items: list[pytest.Item], limit: float
 # the end of the session; scripts/test turns the runs' files into tests/timings/<cpu tier>.txt.
 _TIMES: dict[str, dict] = {}
 _START = time.monotonic()
+_START_EPOCH = time.time()  # reports carry epoch stop times
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -83,6 +125,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         report.nodeid, {"seconds": 0.0, "call": 0.0, "lane": lane, "outcome": "passed"}
     )
     entry["seconds"] += report.duration
+    # Which xdist worker ran it, and when it ended: whether the workers finished together.
+    node = getattr(report, "node", None)  # the xdist worker, on the controller
+    if node is not None:
+        entry["worker"] = node.gateway.id
+    entry["ended_s"] = round(report.stop - _START_EPOCH, 1)
     if report.when == "call":
         entry["call"] = report.duration
     if report.outcome != "passed" and entry["outcome"] == "passed":
