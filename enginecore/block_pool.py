@@ -3,6 +3,10 @@
 A block is free when no request references it. A free block may still hold a cached prefix (it keeps its
 hash until it is handed out again), which is what makes LRU eviction free: the free list is ordered by
 the time blocks were released, and new blocks are always taken from its front.
+
+Blocks never handed out are made when first taken, in id order and before any released block (as if
+the free list began with them all): a pool of a million blocks costs nothing to start (a tiny
+model's 1 GiB cache is ~130,000 blocks: ~1 s to make them all up front).
 """
 
 from __future__ import annotations
@@ -27,14 +31,16 @@ class BlockPool:
         assert num_blocks > 0
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # NOTE: holds exactly the blocks with ref_cnt == 0, least recently released first.
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        # The blocks handed out at least once, by id; ids from len(self._made) on were never taken
+        # and are free, uncached and ahead of every released block in the free order.
+        self._made: list[KVBlock] = []
+        # NOTE: holds exactly the made blocks with ref_cnt == 0, least recently released first.
+        self._free: OrderedDict[int, KVBlock] = OrderedDict()
         self._cached: dict[bytes, KVBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self.num_blocks - len(self._made) + len(self._free)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -45,11 +51,15 @@ class BlockPool:
 
     def take_new(self, n: int) -> list[KVBlock]:
         """Hands out n free blocks (evicting the least recently used cached prefixes among them)."""
-        assert n <= len(self._free), "caller must check num_free_blocks"
+        assert n <= self.num_free_blocks, "caller must check num_free_blocks"
         out = []
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
-            self._evict(block)
+            if len(self._made) < self.num_blocks:
+                block = KVBlock(len(self._made))
+                self._made.append(block)
+            else:
+                _, block = self._free.popitem(last=False)
+                self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -81,9 +91,9 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix. Refused (False) while any block is in use."""
-        if len(self._free) != self.num_blocks:
+        if self.num_free_blocks != self.num_blocks:
             return False
-        for block in self.blocks:
+        for block in self._made:
             block.block_hash = None
         self._cached.clear()
         return True
@@ -91,7 +101,7 @@ class BlockPool:
     def invalidate_cached(self) -> None:
         """Forgets every cached prefix, in use or not (the weights that computed them changed).
         Blocks in use stay with their requests but are never shared again."""
-        for block in self.blocks:
+        for block in self._made:
             block.block_hash = None
         self._cached.clear()
 

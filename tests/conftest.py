@@ -25,6 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 torch.set_num_threads(1)
 
+# The KV cache of an engine a test runs in its own process (the default is 1 GiB): a tiny model's
+# 1 GiB is ~130,000 blocks, which take ~0.4 s of page faults to zero at each engine's start (115 s
+# of the unit lane's CPU, 642 engines), and no test here fills more than a few hundred blocks.
+IN_PROCESS_KV_CACHE_GIB = 0.125
+
 # --------------------------------------------------------------------------- lanes
 # What a test needs, as a marker (registered in pyproject.toml; `-m unit`, `-m "unit or server"`):
 # unit: in-process; server: requests to a server from the `shared_server` factory (one per

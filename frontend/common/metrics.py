@@ -213,28 +213,7 @@ class _EngineStatsCollector(Collector):
                      lambda s, up: s.num_running_reqs if up else 0)  # fmt: skip
         yield family(G, "num_requests_waiting", "Requests waiting to be scheduled.",
                      lambda s, up: s.num_waiting_reqs if up else 0)  # fmt: skip
-        yield family(G, "kv_cache_usage_perc", "KV-cache usage (1 = full).",
-                     lambda s, up: _kv_usage(s) if up else 0.0)  # fmt: skip
-        yield family(G, "kv_cache_blocks_used",
-                     "KV-cache blocks held by requests (sliding-window layers give back the "
-                     "blocks out of their window).",
-                     lambda s, up: s.num_total_blocks - s.num_free_blocks if up else 0)  # fmt: skip
-        yield family(G, "kv_cache_blocks_total", "KV-cache blocks in the pool.",
-                     lambda s, up: s.num_total_blocks)  # fmt: skip
-        yield family(G, "linear_attention_states_used",
-                     "Per-sequence linear-attention states held by running requests (hybrid "
-                     "models such as Qwen3.5; counted in --kv-cache-memory).",
-                     lambda s, up: s.num_state_slots - s.num_free_state_slots if up else 0)  # fmt: skip
-        yield family(G, "linear_attention_states_total",
-                     "Per-sequence linear-attention states in the pool (--max-num-seqs).",
-                     lambda s, up: s.num_state_slots)  # fmt: skip
-        yield family(G, "linear_attention_checkpoints_used",
-                     "Linear-attention state checkpoints holding a cached prefix's states "
-                     "(hybrid models with prefix caching).",
-                     lambda s, up: s.num_used_state_checkpoints if up else 0)  # fmt: skip
-        yield family(G, "linear_attention_checkpoints_total",
-                     "Linear-attention state checkpoints kept for the prefix cache.",
-                     lambda s, up: s.num_state_checkpoints)  # fmt: skip
+        yield from _cache_families(family)
         yield family(C, "num_preemptions",
                      "Preemptions (a request's KV blocks freed for recomputation).",
                      lambda s, up: s.num_preempted_total)  # fmt: skip
@@ -243,41 +222,82 @@ class _EngineStatsCollector(Collector):
         yield family(C, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                      lambda s, up: s.prefix_cache_hits)  # fmt: skip
         yield from _kv_transfer_families(family)
-        yield family(C, "spec_decode_num_drafts",
-                     "Speculative decoding: sequence-steps that verified drafts.",
-                     lambda s, up: s.spec_num_drafts)  # fmt: skip
-        yield family(C, "spec_decode_num_draft_tokens", "Speculative decoding: drafts verified.",
-                     lambda s, up: s.spec_num_draft_tokens)  # fmt: skip
-        yield family(C, "spec_decode_num_accepted_tokens",
-                     "Speculative decoding: drafts accepted.",
-                     lambda s, up: s.spec_num_accepted_tokens)  # fmt: skip
-        per_pos = C("tern:spec_decode_num_accepted_tokens_per_pos",
-                    "Speculative decoding: drafts accepted at each draft position (0: first).",
-                    labels=[*label_names, "position"])  # fmt: skip
-        for labels, s, _ in rows:
-            for pos, n in enumerate(s.spec_accepted_per_pos if s is not None else []):
-                per_pos.add_metric([*labels, str(pos)], n)
-        yield per_pos
-        experts = C("tern:moe_expert_tokens",
-                    "Tokens routed to each expert of each mixture-of-experts layer (layer: its "
-                    "index among the MoE layers); a token counts once per expert of its top-k.",
-                    labels=[*label_names, "layer", "expert"])  # fmt: skip
-        loras = G("tern:lora_requests_info",
-                  "LoRA adapters in use (vLLM's): --max-loras and the adapters of the running "
-                  "and the waiting requests, comma-separated; the value is the scrape time.",
-                  labels=[*label_names, "max_lora", "running_lora_adapters",
-                          "waiting_lora_adapters"])  # fmt: skip
-        for labels, s, _ in rows:
-            if s is not None and s.max_lora:
-                adapters = [",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters)]
-                loras.add_metric([*labels, str(s.max_lora), *adapters], time.time())
-        yield loras
-        for labels, s, _ in rows:
-            if s is not None and s.num_experts:
-                for i, n in enumerate(s.expert_tokens_total):
-                    layer, expert = divmod(i, s.num_experts)
-                    experts.add_metric([*labels, str(layer), str(expert)], n)
-        yield experts
+        yield from _spec_decode_families(family, rows, label_names)
+        yield from _breakdown_families(rows, label_names)
+
+
+def _cache_families(family: Callable[..., Metric]) -> Iterator[Metric]:
+    """The KV cache's blocks and the linear-attention states' pools."""
+    G = GaugeMetricFamily  # noqa: N806
+    yield family(G, "kv_cache_usage_perc", "KV-cache usage (1 = full).",
+                 lambda s, up: _kv_usage(s) if up else 0.0)  # fmt: skip
+    yield family(G, "kv_cache_blocks_used",
+                 "KV-cache blocks held by requests (sliding-window layers give back the "
+                 "blocks out of their window).",
+                 lambda s, up: s.num_total_blocks - s.num_free_blocks if up else 0)  # fmt: skip
+    yield family(G, "kv_cache_blocks_total", "KV-cache blocks in the pool.",
+                 lambda s, up: s.num_total_blocks)  # fmt: skip
+    yield family(G, "linear_attention_states_used",
+                 "Per-sequence linear-attention states held by running requests (hybrid "
+                 "models such as Qwen3.5; counted in --kv-cache-memory).",
+                 lambda s, up: s.num_state_slots - s.num_free_state_slots if up else 0)  # fmt: skip
+    yield family(G, "linear_attention_states_total",
+                 "Per-sequence linear-attention states in the pool (--max-num-seqs).",
+                 lambda s, up: s.num_state_slots)  # fmt: skip
+    yield family(G, "linear_attention_checkpoints_used",
+                 "Linear-attention state checkpoints holding a cached prefix's states "
+                 "(hybrid models with prefix caching).",
+                 lambda s, up: s.num_used_state_checkpoints if up else 0)  # fmt: skip
+    yield family(G, "linear_attention_checkpoints_total",
+                 "Linear-attention state checkpoints kept for the prefix cache.",
+                 lambda s, up: s.num_state_checkpoints)  # fmt: skip
+
+
+def _spec_decode_families(
+    family: Callable[..., Metric], rows: list[tuple], label_names: list[str]
+) -> Iterator[Metric]:
+    """Speculative decoding's counters (vLLM's names), the accepted drafts by draft position."""
+    C = CounterMetricFamily  # noqa: N806
+    yield family(C, "spec_decode_num_drafts",
+                 "Speculative decoding: sequence-steps that verified drafts.",
+                 lambda s, up: s.spec_num_drafts)  # fmt: skip
+    yield family(C, "spec_decode_num_draft_tokens", "Speculative decoding: drafts verified.",
+                 lambda s, up: s.spec_num_draft_tokens)  # fmt: skip
+    yield family(C, "spec_decode_num_accepted_tokens",
+                 "Speculative decoding: drafts accepted.",
+                 lambda s, up: s.spec_num_accepted_tokens)  # fmt: skip
+    per_pos = C("tern:spec_decode_num_accepted_tokens_per_pos",
+                "Speculative decoding: drafts accepted at each draft position (0: first).",
+                labels=[*label_names, "position"])  # fmt: skip
+    for labels, s, _ in rows:
+        for pos, n in enumerate(s.spec_accepted_per_pos if s is not None else []):
+            per_pos.add_metric([*labels, str(pos)], n)
+    yield per_pos
+
+
+def _breakdown_families(rows: list[tuple], label_names: list[str]) -> Iterator[Metric]:
+    """The families labelled beyond the replica: tokens per MoE expert, the LoRA adapters."""
+    G, C = GaugeMetricFamily, CounterMetricFamily  # noqa: N806
+    experts = C("tern:moe_expert_tokens",
+                "Tokens routed to each expert of each mixture-of-experts layer (layer: its "
+                "index among the MoE layers); a token counts once per expert of its top-k.",
+                labels=[*label_names, "layer", "expert"])  # fmt: skip
+    loras = G("tern:lora_requests_info",
+              "LoRA adapters in use (vLLM's): --max-loras and the adapters of the running "
+              "and the waiting requests, comma-separated; the value is the scrape time.",
+              labels=[*label_names, "max_lora", "running_lora_adapters",
+                      "waiting_lora_adapters"])  # fmt: skip
+    for labels, s, _ in rows:
+        if s is not None and s.max_lora:
+            adapters = [",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters)]
+            loras.add_metric([*labels, str(s.max_lora), *adapters], time.time())
+    yield loras
+    for labels, s, _ in rows:
+        if s is not None and s.num_experts:
+            for i, n in enumerate(s.expert_tokens_total):
+                layer, expert = divmod(i, s.num_experts)
+                experts.add_metric([*labels, str(layer), str(expert)], n)
+    yield experts
 
 
 def _kv_transfer_families(family: Callable[..., Metric]) -> Iterator[Metric]:

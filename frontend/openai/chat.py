@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from msgspec import UNSET
 from starlette.requests import Request
@@ -22,7 +23,7 @@ from frontend.common.decoding import MediaRef, decode_request
 from frontend.common.errors import bad_request
 from frontend.common.http import json_response, sse
 from frontend.common.protocol import DeltaMessage, PromptLogprobsList
-from frontend.disagg.requests import KVRequest, kv_request
+from frontend.disagg.requests import KVRequest, KVSide, kv_request
 from frontend.openai.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -165,37 +166,9 @@ class ChatServing(ChatPath):
         created: int,
         kv: KVRequest | None = None,
     ) -> AsyncIterator[bytes]:
-        request_id = group.keys[0]
         include_usage, continuous_usage = usage_options(req)
         wants_tokens = req.num_logprobs is not None or bool(req.return_token_ids)
-
-        def chunk(
-            i: int,
-            delta: DeltaMessage,
-            finish: str | None = None,
-            with_tokens: bool = True,
-            prompt_token_ids: list[int] | None = None,
-        ) -> bytes:
-            gen = group.gens[i]
-            choice = ChatCompletionResponseStreamChoice(
-                i,
-                delta,
-                view.logprobs(gen.new_logprobs) if with_tokens else None,
-                finish,
-                gen.stop_reason,
-                gen.new_token_ids if with_tokens and req.return_token_ids else None,
-            )
-            return sse(
-                ChatCompletionStreamResponse(
-                    request_id, "chat.completion.chunk", created, group.model_name, [choice],
-                    gen.usage() if continuous_usage else None,
-                    gen.weight_version if finish else None, prompt_token_ids,
-                    gen.lora_version if finish and gen.lora_version else UNSET,
-                    kv_answer(self.serving.kv, kv, gen, None).kv_transfer_params
-                    if finish else UNSET,
-                )
-            )  # fmt: skip
-
+        chunks = _Chunks(self.serving.kv, group, req, view, created, kv, continuous_usage)
         started = [False] * len(group.gens)
         called = [False] * len(group.gens)  # the choice has tool calls
         async for i, text in group.merged():
@@ -205,27 +178,22 @@ class ChatServing(ChatPath):
                 # take the first chunk's arrival as the time to first token.
                 started[i] = True
                 role = DeltaMessage(role=_ROLE, content="")
-                yield chunk(i, role, with_tokens=False, prompt_token_ids=view.prompt_token_ids(gen))
-                if view.echo:
-                    yield chunk(i, DeltaMessage(content=view.echo), with_tokens=False)
-            parsed = parsers[i].feed(text) if text else ChoiceDelta()
-            if gen.is_finished:
-                last = parsers[i].finish()
-                parsed = ChoiceDelta(
-                    parsed.reasoning + last.reasoning,
-                    parsed.content + last.content,
-                    parsed.tool_calls + last.tool_calls,
+                yield chunks(
+                    i, role, with_tokens=False, prompt_token_ids=view.prompt_token_ids(gen)
                 )
+                if view.echo:
+                    yield chunks(i, DeltaMessage(content=view.echo), with_tokens=False)
+            parsed = _parse(parsers[i], text, gen.is_finished)
             called[i] = called[i] or bool(parsed.tool_calls)
             if gen.is_finished:
                 finish = _finish_reason(gen.finish_reason, called[i])
-                yield chunk(i, delta_message(parsed), finish)
+                yield chunks(i, delta_message(parsed), finish)
             elif parsed or (wants_tokens and gen.new_token_ids):
-                yield chunk(i, delta_message(parsed))
+                yield chunks(i, delta_message(parsed))
         if include_usage:
             yield sse(
                 ChatCompletionStreamResponse(
-                    request_id,
+                    group.keys[0],
                     "chat.completion.chunk",
                     created,
                     group.model_name,
@@ -233,6 +201,61 @@ class ChatServing(ChatPath):
                     group.usage(),
                 )
             )
+
+
+@dataclass
+class _Chunks:
+    """One streamed choice's chunks: its delta, with the logprobs and token ids of its new tokens
+    unless `with_tokens` is off; the last (a finish reason) carries what the request ends with."""
+
+    kv_side: KVSide
+    group: RequestGroup
+    req: ChatCompletionRequest
+    view: _ChatView
+    created: int
+    kv: KVRequest | None
+    continuous_usage: bool
+
+    def __call__(
+        self,
+        i: int,
+        delta: DeltaMessage,
+        finish: str | None = None,
+        with_tokens: bool = True,
+        prompt_token_ids: list[int] | None = None,
+    ) -> bytes:
+        gen = self.group.gens[i]
+        choice = ChatCompletionResponseStreamChoice(
+            i,
+            delta,
+            self.view.logprobs(gen.new_logprobs) if with_tokens else None,
+            finish,
+            gen.stop_reason,
+            gen.new_token_ids if with_tokens and self.req.return_token_ids else None,
+        )
+        return sse(
+            ChatCompletionStreamResponse(
+                self.group.keys[0], "chat.completion.chunk", self.created, self.group.model_name,
+                [choice], gen.usage() if self.continuous_usage else None,
+                gen.weight_version if finish else None, prompt_token_ids,
+                gen.lora_version if finish and gen.lora_version else UNSET,
+                kv_answer(self.kv_side, self.kv, gen, None).kv_transfer_params
+                if finish else UNSET,
+            )
+        )  # fmt: skip
+
+
+def _parse(parser: ChoiceParser, text: str, finished: bool) -> ChoiceDelta:
+    """What a choice's new text adds, and at its end whatever the parser still held."""
+    parsed = parser.feed(text) if text else ChoiceDelta()
+    if not finished:
+        return parsed
+    last = parser.finish()
+    return ChoiceDelta(
+        parsed.reasoning + last.reasoning,
+        parsed.content + last.content,
+        parsed.tool_calls + last.tool_calls,
+    )
 
 
 def _message(parser: ChoiceParser, text: str, echo: str) -> ChatMessage:

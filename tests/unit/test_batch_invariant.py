@@ -18,6 +18,7 @@ from enginecore.config import CacheConfig, Config, ModelConfig, SchedulerConfig
 from enginecore.core import EngineCore
 from enginecore.executor import InProcExecutor
 from enginecore.messages import EngineCoreRequest, SamplingParams
+from tests.conftest import IN_PROCESS_KV_CACHE_GIB
 from tests.unit.test_engine_inproc import vocab_of
 
 CHUNKS = (8, 64, 2048)
@@ -26,7 +27,7 @@ CHUNKS = (8, 64, 2048)
 def make_core(model_dir: Path, invariant: bool, chunk: int, **model: object) -> EngineCore:
     config = Config(
         model=ModelConfig(path=str(model_dir), dtype="float32", batch_invariant=invariant, **model),
-        cache=CacheConfig(block_size=16),
+        cache=CacheConfig(block_size=16, kv_cache_memory_gib=IN_PROCESS_KV_CACHE_GIB),
         scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=64),
     )
     return EngineCore(config, InProcExecutor(config))

@@ -18,6 +18,7 @@ from enginecore.config import CacheConfig, Config, ModelConfig, SchedulerConfig
 from enginecore.core import EngineCore
 from enginecore.executor import InProcExecutor
 from enginecore.messages import EngineCoreRequest, FinishReason, SamplingParams
+from tests.conftest import IN_PROCESS_KV_CACHE_GIB
 
 MAX_TOKENS = 16
 
@@ -51,6 +52,7 @@ def make_core(model_dir: Path, **kw) -> EngineCore:
         block_size=kw.pop("block_size", 16),
         enable_prefix_caching=kw.pop("prefix_caching", True),
         num_gpu_blocks_override=kw.pop("num_blocks", None),
+        kv_cache_memory_gib=kw.pop("kv_cache_memory_gib", IN_PROCESS_KV_CACHE_GIB),
         state_checkpoint_interval=kw.pop("state_checkpoint_interval", None),
     )
     config = Config(

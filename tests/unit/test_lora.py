@@ -28,6 +28,7 @@ from enginecore.messages import (
     SamplingParams,
 )
 from scripts.make_tiny_model import make_lora_adapter
+from tests.conftest import IN_PROCESS_KV_CACHE_GIB
 from tests.unit.test_engine_inproc import make_prompts, vocab_of
 
 MAX_TOKENS = 8
@@ -58,7 +59,7 @@ def lora_core(model_dir: Path, adapters: dict[str, Path], **kw) -> EngineCore:
     )
     config = Config(
         model=ModelConfig(path=str(model_dir), dtype="float32", quantization=kw.pop("quant", None)),
-        cache=CacheConfig(block_size=4),
+        cache=CacheConfig(block_size=4, kv_cache_memory_gib=IN_PROCESS_KV_CACHE_GIB),
         scheduler=SchedulerConfig(**kw),
         lora=lora,
     )

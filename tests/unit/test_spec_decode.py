@@ -38,6 +38,7 @@ from enginecore.messages import (
     StructuredOutputSpec,
 )
 from enginecore.speculative import Drafter, NgramIndex, SuffixTrie
+from tests.conftest import IN_PROCESS_KV_CACHE_GIB
 from tests.unit.test_engine_inproc import hf_greedy, vocab_of
 
 NGRAM = SpeculativeConfig("ngram", 5, disable_by_batch_size=64)
@@ -56,6 +57,7 @@ def make_core(model_dir: Path, spec: SpeculativeConfig | None = None, **kw) -> E
             block_size=kw.pop("block_size", 16),
             enable_prefix_caching=kw.pop("prefix_caching", True),
             num_gpu_blocks_override=kw.pop("num_blocks", None),
+            kv_cache_memory_gib=kw.pop("kv_cache_memory_gib", IN_PROCESS_KV_CACHE_GIB),
             kv_cache_dtype=kw.pop("kv_cache_dtype", "auto"),
             state_checkpoint_interval=kw.pop("state_checkpoint_interval", None),
         ),

@@ -33,6 +33,7 @@ position (HF: AND(window, OR(causal, span))). Their sequences take the masked gr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
@@ -269,126 +270,192 @@ def _general_metadata(
     decode_rows: list[bool] | None,
     spans: dict[int, list[tuple[int, int]]] | None = None,
 ) -> AttentionMetadata:
-    spans = spans or {}
+    step = _StepLayout.of(start_pos, query_lens, block_tables, block_size, spans or {}, device)
     num_seqs = len(query_lens)
-    context_lens = [s + q for s, q in zip(start_pos, query_lens)]
-    tables = _padded_tables(block_tables)  # (B, max_blocks)
-    q_lens = torch.tensor(query_lens, dtype=torch.int64)
-    starts = torch.tensor(start_pos, dtype=torch.int64)
-    query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int64)
-    torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # (T,)
-    positions = (
-        starts[seq_of_token]
-        + torch.arange(int(query_start_loc[-1]))
-        - (query_start_loc[seq_of_token])
-    )
+    qsl = step.query_start_loc
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), step.q_lens)  # (T,)
+    positions = step.starts[seq_of_token] + torch.arange(int(qsl[-1])) - qsl[seq_of_token]
 
     def slots_through(tables: torch.Tensor) -> torch.Tensor:
         return _slots(tables[seq_of_token], positions.unsqueeze(-1), block_size).squeeze(-1)
 
     # A decode row's context ends at itself: a sequence with spans never takes that path.
-    as_rows = [r and i not in spans for i, r in enumerate(decode_rows or [False] * num_seqs)]
+    as_rows = [r and i not in step.spans for i, r in enumerate(decode_rows or [False] * num_seqs)]
     decode_seqs = [i for i, n in enumerate(query_lens) if n == 1 or as_rows[i]]
     other_seqs = [i for i, n in enumerate(query_lens) if not (n == 1 or as_rows[i])]
-    decode = None
+    decode = decode_idx = None
     if decode_seqs:
-        row_seqs = [i for i in decode_seqs for _ in range(query_lens[i])]
-        row_ctx = [start_pos[i] + j + 1 for i in decode_seqs for j in range(query_lens[i])]
-        decode_idx = torch.tensor(row_seqs, dtype=torch.int64)
-        decode_blocks = -(-max(row_ctx) // block_size)
-        firsts = query_start_loc[torch.tensor(decode_seqs, dtype=torch.int64)].tolist()
-        row_tokens = [f + j for f, i in zip(firsts, decode_seqs) for j in range(query_lens[i])]
-        decode = DecodeGroup(
-            q_tokens=torch.tensor(row_tokens, dtype=torch.int64, device=device),
-            block_tables=tables[decode_idx, :decode_blocks].to(device=device, dtype=torch.int32),
-            context_lens=torch.tensor(row_ctx, dtype=torch.int32, device=device),
-            block_size=block_size,
-            is_whole_batch=not other_seqs,
-        )
-    groups = []
-    # Masked: a context in the cache, or spans that plain causal attention cannot express.
-    fresh = [i for i in other_seqs if start_pos[i] == 0 and i not in spans]
-    cached = [i for i in other_seqs if start_pos[i] != 0 or i in spans]
-    if fresh:
-        groups.append(_to_device(_build_fresh_group(fresh, query_lens, query_start_loc), device))
-    if cached:
-        group = _build_group(
-            cached, query_lens, context_lens, tables, starts, query_start_loc, block_size, spans
-        )
-        groups.append(_to_device(group, device))
-        cached_idx = torch.tensor(cached, dtype=torch.int64)
-    # The prefill kernel's view, on a CPU only (it reads caches in host memory).
-    kernel_seqs = [i for i in other_seqs if i not in spans] if device.type == "cpu" else []
-    prefill = span_groups = None
-    if kernel_seqs:
-        prefill = _prefill_group(
-            kernel_seqs, query_lens, context_lens, tables, start_pos, query_start_loc, block_size
-        )
-        prefill = replace(prefill, **{f: getattr(prefill, f).to(device) for f in _PREFILL_FIELDS})
-    if kernel_seqs and spans:
-        span_seqs = [i for i in other_seqs if i in spans]
-        span_groups = [
-            _to_device(
-                _build_group(
-                    span_seqs, query_lens, context_lens, tables, starts, query_start_loc,
-                    block_size, spans,
-                ),
-                device,
-            )
-        ]  # fmt: skip
-        span_idx = torch.tensor(span_seqs, dtype=torch.int64)
+        decode, decode_idx = step.decode_group(decode_seqs, is_whole_batch=not other_seqs)
+    groups, cached_idx = step.masked_groups(other_seqs)
+    prefill, span_groups, span_idx = step.kernel_groups(other_seqs)
     meta = AttentionMetadata(
         positions=positions.to(device),
-        slot_mapping=slots_through(tables).to(device),
-        query_start_loc=query_start_loc.to(device),
-        context_lens=torch.tensor(context_lens, dtype=torch.int64, device=device),
-        block_tables=tables.to(device=device, dtype=torch.int32),
+        slot_mapping=slots_through(step.tables).to(device),
+        query_start_loc=qsl.to(device),
+        context_lens=torch.tensor(step.context_lens, dtype=torch.int64, device=device),
+        block_tables=step.tables.to(device=device, dtype=torch.int32),
         groups=groups,
         decode=decode,
         prefill=prefill,
-        span_groups=span_groups or [],
+        span_groups=span_groups,
         start_pos_list=list(start_pos),
         query_len_list=list(query_lens),
     )
     # Further KV-cache groups: the same queries and masks, read through other block tables.
     for group_tables in other_group_tables or []:
-        t = _padded_tables(group_tables)
         meta.other_kv_groups.append(
-            replace(
-                meta,
-                slot_mapping=slots_through(t).to(device),
-                block_tables=t.to(device=device, dtype=torch.int32),
-                decode=None
-                if decode is None
-                else replace(
-                    decode,
-                    block_tables=t[decode_idx, : decode.block_tables.size(1)].to(
-                        device=device, dtype=torch.int32
-                    ),
-                ),
-                groups=[
-                    g
-                    if g.kv_blocks is None
-                    else replace(g, kv_blocks=t[cached_idx, : g.kv_blocks.size(1)].to(device))
-                    for g in groups
-                ],
-                prefill=None
-                if prefill is None
-                else replace(
-                    prefill,
-                    block_tables=t[prefill.seqs.cpu(), : prefill.block_tables.size(1)].to(
-                        device=device, dtype=torch.int32
-                    ),
-                ),
-                span_groups=[
-                    replace(g, kv_blocks=t[span_idx, : g.kv_blocks.size(1)].to(device))
-                    for g in span_groups or []
-                ],
-                other_kv_groups=[],
+            _through_other_tables(
+                meta, _padded_tables(group_tables), slots_through, decode_idx, cached_idx,
+                span_idx, device,
             )
-        )
+        )  # fmt: skip
     return meta
+
+
+@dataclass
+class _StepLayout:
+    """A step's sequences as the general path's groups read them: where each starts and how many
+    queries it has, its block table (padded), and the spans its attention is bidirectional in."""
+
+    start_pos: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    tables: torch.Tensor  # (B, max_blocks)
+    q_lens: torch.Tensor
+    starts: torch.Tensor
+    query_start_loc: torch.Tensor  # (B + 1,)
+    block_size: int
+    spans: dict[int, list[tuple[int, int]]]
+    device: torch.device
+
+    @classmethod
+    def of(
+        cls,
+        start_pos: list[int],
+        query_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        spans: dict[int, list[tuple[int, int]]],
+        device: torch.device,
+    ) -> _StepLayout:
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+        return cls(
+            start_pos, query_lens, [s + q for s, q in zip(start_pos, query_lens)],
+            _padded_tables(block_tables), q_lens, torch.tensor(start_pos, dtype=torch.int64),
+            query_start_loc, block_size, spans, device,
+        )  # fmt: skip
+
+    def decode_group(
+        self, decode_seqs: list[int], is_whole_batch: bool
+    ) -> tuple[DecodeGroup, torch.Tensor]:
+        """The rows the decode kernel computes (each query row of `decode_seqs` sees its context
+        up to itself), and which sequence each row reads the block table of."""
+        query_lens, start_pos = self.query_lens, self.start_pos
+        row_seqs = [i for i in decode_seqs for _ in range(query_lens[i])]
+        row_ctx = [start_pos[i] + j + 1 for i in decode_seqs for j in range(query_lens[i])]
+        decode_idx = torch.tensor(row_seqs, dtype=torch.int64)
+        decode_blocks = -(-max(row_ctx) // self.block_size)
+        firsts = self.query_start_loc[torch.tensor(decode_seqs, dtype=torch.int64)].tolist()
+        row_tokens = [f + j for f, i in zip(firsts, decode_seqs) for j in range(query_lens[i])]
+        decode = DecodeGroup(
+            q_tokens=torch.tensor(row_tokens, dtype=torch.int64, device=self.device),
+            block_tables=self.tables[decode_idx, :decode_blocks].to(
+                device=self.device, dtype=torch.int32
+            ),
+            context_lens=torch.tensor(row_ctx, dtype=torch.int32, device=self.device),
+            block_size=self.block_size,
+            is_whole_batch=is_whole_batch,
+        )
+        return decode, decode_idx
+
+    def masked_groups(self, seqs: list[int]) -> tuple[list[AttentionGroup], torch.Tensor | None]:
+        """The masked path's groups of the sequences `seqs`: the fresh prompts (no context in the
+        cache, no spans) and the others (a context in the cache, or spans that plain causal
+        attention cannot express), and which sequences the latter are."""
+        groups, cached_idx = [], None
+        fresh = [i for i in seqs if self.start_pos[i] == 0 and i not in self.spans]
+        cached = [i for i in seqs if self.start_pos[i] != 0 or i in self.spans]
+        if fresh:
+            group = _build_fresh_group(fresh, self.query_lens, self.query_start_loc)
+            groups.append(_to_device(group, self.device))
+        if cached:
+            groups.append(_to_device(self._cached_group(cached), self.device))
+            cached_idx = torch.tensor(cached, dtype=torch.int64)
+        return groups, cached_idx
+
+    def kernel_groups(
+        self, seqs: list[int]
+    ) -> tuple[PrefillGroup | None, list[AttentionGroup], torch.Tensor | None]:
+        """The prefill kernel's view of the sequences `seqs` without spans, on a CPU only (it
+        reads caches in host memory); those with spans beside it as masked groups, and which
+        sequences they are."""
+        kernel_seqs = [i for i in seqs if i not in self.spans] if self.device.type == "cpu" else []
+        if not kernel_seqs:
+            return None, [], None
+        prefill = _prefill_group(
+            kernel_seqs, self.query_lens, self.context_lens, self.tables, self.start_pos,
+            self.query_start_loc, self.block_size,
+        )  # fmt: skip
+        prefill = replace(
+            prefill, **{f: getattr(prefill, f).to(self.device) for f in _PREFILL_FIELDS}
+        )
+        if not self.spans:
+            return prefill, [], None
+        span_seqs = [i for i in seqs if i in self.spans]
+        span_group = _to_device(self._cached_group(span_seqs), self.device)
+        return prefill, [span_group], torch.tensor(span_seqs, dtype=torch.int64)
+
+    def _cached_group(self, seqs: list[int]) -> AttentionGroup:
+        return _build_group(
+            seqs, self.query_lens, self.context_lens, self.tables, self.starts,
+            self.query_start_loc, self.block_size, self.spans,
+        )  # fmt: skip
+
+
+def _through_other_tables(
+    meta: AttentionMetadata,
+    t: torch.Tensor,
+    slots_through: Callable[[torch.Tensor], torch.Tensor],
+    decode_idx: torch.Tensor | None,
+    cached_idx: torch.Tensor | None,
+    span_idx: torch.Tensor | None,
+    device: torch.device,
+) -> AttentionMetadata:
+    """`meta` for another KV-cache group: its padded block tables `t` in every place a table is
+    read (the rows of each group are the sequences `*_idx` name)."""
+
+    def rows(idx: torch.Tensor, width: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return t[idx, :width].to(device=device, dtype=dtype)
+
+    decode, prefill = meta.decode, meta.prefill
+    return replace(
+        meta,
+        slot_mapping=slots_through(t).to(device),
+        block_tables=t.to(device=device, dtype=torch.int32),
+        decode=None
+        if decode is None
+        else replace(
+            decode, block_tables=rows(decode_idx, decode.block_tables.size(1), torch.int32)
+        ),
+        groups=[
+            g
+            if g.kv_blocks is None
+            else replace(g, kv_blocks=rows(cached_idx, g.kv_blocks.size(1)))
+            for g in meta.groups
+        ],
+        prefill=None
+        if prefill is None
+        else replace(
+            prefill,
+            block_tables=rows(prefill.seqs.cpu(), prefill.block_tables.size(1), torch.int32),
+        ),
+        span_groups=[
+            replace(g, kv_blocks=rows(span_idx, g.kv_blocks.size(1))) for g in meta.span_groups
+        ],
+        other_kv_groups=[],
+    )
 
 
 def _decode_only_metadata(

@@ -282,28 +282,10 @@ class ModelRunner:
         timings = self.last_step_timings = {}
         t0 = time.perf_counter()
         empty = ModelRunnerOutput(step.step_id, [], [])
-        self.inputs.update(step)
-        if self.images is not None:
-            self.images.update(step)
-        if self.audio is not None:
-            self.audio.update(step)
-        reqs = step.requests
-        if not reqs:
+        prepared = self._prepare(step)
+        if prepared is None:
             return empty, None
-        load_pulled_blocks(self.kv_cache, reqs, self.rank, self.draft_kv_cache())
-        load_pulled_states(reqs, self.rank, self.inputs.request_states)
-        self.inputs.validate(reqs)
-        if self.draft is not None:
-            reqs = self.inputs.add_model_drafts(reqs)
-        spans = self.images.bidirectional_spans(reqs) if self.images is not None else None
-        input_ids, meta = self.inputs.build(reqs, spans)
-        if self.images is not None:
-            meta.set_mrope_positions(self.images.rope_positions(reqs))
-        if self.audio is not None:
-            meta.cross_kv = self.audio.batch(reqs)
-            meta.cross_attention = self.audio.capture(
-                reqs, [self.inputs.requests[r.req_id].sampling_params for r in reqs]
-            )
+        reqs, input_ids, meta = prepared
         t1 = time.perf_counter()
         timings["prepare"] = t1 - t0
         hidden, routes = self._forward(reqs, input_ids, meta)
@@ -332,6 +314,36 @@ class ModelRunner:
         if self.audio is not None:  # word timestamps' cross-attention (a collective)
             output.cross_attention = self.audio.captured(meta.cross_attention, reqs, p)
         return self._sample(step, reqs, hidden, meta, output, bitmasks, want_logprobs)
+
+    def _prepare(
+        self, step: SchedulerOutput
+    ) -> tuple[list[ScheduledRequest], torch.Tensor, AttentionMetadata] | None:
+        """The step's requests in the persistent state (inputs, images, audio), then, unless the
+        step has none, its batch: the requests (with the draft model's drafts), the input ids and
+        the attention metadata (M-RoPE positions, cross-attention rows)."""
+        self.inputs.update(step)
+        if self.images is not None:
+            self.images.update(step)
+        if self.audio is not None:
+            self.audio.update(step)
+        reqs = step.requests
+        if not reqs:
+            return None
+        load_pulled_blocks(self.kv_cache, reqs, self.rank, self.draft_kv_cache())
+        load_pulled_states(reqs, self.rank, self.inputs.request_states)
+        self.inputs.validate(reqs)
+        if self.draft is not None:
+            reqs = self.inputs.add_model_drafts(reqs)
+        spans = self.images.bidirectional_spans(reqs) if self.images is not None else None
+        input_ids, meta = self.inputs.build(reqs, spans)
+        if self.images is not None:
+            meta.set_mrope_positions(self.images.rope_positions(reqs))
+        if self.audio is not None:
+            meta.cross_kv = self.audio.batch(reqs)
+            meta.cross_attention = self.audio.capture(
+                reqs, [self.inputs.requests[r.req_id].sampling_params for r in reqs]
+            )
+        return reqs, input_ids, meta
 
     def _forward(
         self, reqs: list[ScheduledRequest], input_ids: torch.Tensor, meta: AttentionMetadata
