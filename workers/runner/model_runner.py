@@ -42,7 +42,6 @@ from enginecore.config import Config
 from enginecore.messages import (
     BitmaskSource,
     KVLayout,
-    Logprobs,
     ModelRunnerOutput,
     RoutingShape,
     ScheduledRequest,
@@ -73,13 +72,9 @@ from workers.runner.loading import (
 )
 from workers.runner.mrope import mrope_layout
 from workers.runner.routing import RoutingCapture
-from workers.sample.logprobs import (
-    logprob_rows,
-    prompt_logprobs,
-    prompt_logprobs_jobs,
-    sampled_logprobs_rows,
-)
-from workers.sample.sampler import Sampler, SamplingTensors
+from workers.sample.logprobs import prompt_logprobs, prompt_logprobs_jobs
+from workers.sample.sampler import Sampler
+from workers.sample.step import draw_step
 from workers.spec.drafter import Drafter
 from workers.spec.verification import SampleRows
 
@@ -409,35 +404,21 @@ class ModelRunner:
         timings["lm_head"] = t3 - t2
         if not self.parallel.is_driver:  # the logits were a collective; the driver samples
             return ModelRunnerOutput(step.step_id, [], []), None
-        params = [states[i].sampling_params for i in sampling]
         masks: dict[str, bytes] = {}
         if step.grammar_bitmasks_follow:
             if bitmasks is None:
                 raise ValueError(f"step {step.step_id} needs grammar bitmasks; none were given")
             masks = bitmasks()
-        row_params = rows.per_row(params)
-        tensors = SamplingTensors.from_params(
-            row_params,
-            rows.sample_indices([reqs[i].sample_index for i in sampling]),
-            logits.size(-1),
-            self.device,
-            rows.histories([states[i].history for i in sampling]),
-            rows.bitmasks([masks.get(reqs[i].req_id) for i in sampling]),
-        )
-        num_tops = [q.logprobs for q in row_params]
-        # processed_logprobs: the sampler also returns the distributions it drew the rows from.
-        processed_rows = logprob_rows(num_tops) if self._processed_logprobs else None
-        sampled, processed = self.sampler.sample(logits, tensors, processed_rows)
-        sampled_rows = sampled.tolist()
         output.req_ids = [reqs[i].req_id for i in sampling]
-        emitted = rows.accepted(sampled_rows)  # per request: the rows it keeps
-        row_logprobs = sampled_logprobs_rows(logits, sampled, num_tops, processed)
-        output.sampled_token_ids = [sampled_rows[lo:hi] for lo, hi in emitted]
-        output.logprobs = {
-            req_id: Logprobs.concat(row_logprobs[lo:hi])
-            for req_id, (lo, hi) in zip(output.req_ids, emitted)
-            if row_logprobs[lo] is not None
-        }
+        drawn = draw_step(
+            self.sampler, logits, rows, output.req_ids,
+            [states[i].sampling_params for i in sampling],
+            [reqs[i].sample_index for i in sampling],
+            [states[i].history for i in sampling],
+            [masks.get(req_id) for req_id in output.req_ids],
+            self._processed_logprobs,
+        )  # fmt: skip
+        output.sampled_token_ids, output.logprobs = drawn.token_ids, drawn.logprobs
         logprobs = logits.log_softmax(dim=-1).cpu() if want_logprobs else None
         timings["sample"] = time.perf_counter() - t3
         return output, logprobs
