@@ -41,6 +41,24 @@ class RequestStateHolder(Protocol):
         drafter's KV follows the block tables); writing into them writes the row."""
 
 
+class KVOnlyStates:
+    """The verbs of a holder whose only state is KV in its own paged cache, read and written
+    through the served model's block tables (a draft model's, an EAGLE-3 or MTP head's): no row
+    to copy, keep or take back, since a rejected draft's KV is written over."""
+
+    def copy_states(self, src: list[int], dst: list[int]) -> None:
+        """Nothing to copy: its KV follows the served model's block tables."""
+
+    def row_states(self, row: int) -> list[torch.Tensor]:
+        return []
+
+    def drafted(self, row: int) -> None:
+        return None
+
+    def take_back(self, row: int, states: object, kept: int) -> None:
+        """Nothing to take back: a rejected draft's KV is written over."""
+
+
 def state_holders(model: nn.Module) -> list[RequestStateHolder]:
     """The model's modules that keep per-request state, in module order."""
     return [m for m in model.modules() if isinstance(m, RequestStateHolder)]

@@ -33,6 +33,7 @@ from workers.layers.embedding import ParallelLMHead
 from workers.layers.gated_delta_net import GatedDeltaNet
 from workers.layers.linear import LinearBase
 from workers.layers.norm import RMSNorm
+from workers.layers.request_state import KVOnlyStates
 from workers.models.args import ModelArgs, load_model_args
 from workers.models.registry import build_model
 from workers.sample.sampler import Sampler
@@ -50,7 +51,7 @@ class _DraftState:
     drafts_start: int = 0
 
 
-class DraftModel:
+class DraftModel(KVOnlyStates):
     def __init__(
         self, path: str, target: ModelArgs, parallel: ParallelContext, device: torch.device,
         dtype: torch.dtype, block_size: int,
@@ -134,18 +135,6 @@ class DraftModel:
         for i, layer in enumerate(self.attn_layers):
             layer.kv_cache = self.kv_cache[i]
         self._states.clear()
-
-    def copy_states(self, src: list[int], dst: list[int]) -> None:
-        """Nothing to copy: its KV follows the served model's block tables."""
-
-    def row_states(self, row: int) -> list[torch.Tensor]:
-        return []
-
-    def drafted(self, row: int) -> None:
-        return None
-
-    def take_back(self, row: int, states: object, kept: int) -> None:
-        """Nothing to take back: a rejected draft's KV is written over."""
 
     def free_states(self) -> None:
         for layer in self.attn_layers:

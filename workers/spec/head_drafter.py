@@ -30,6 +30,7 @@ from torch import nn
 
 from enginecore.messages import SamplingParams, ScheduledRequest
 from workers.layers.attention import Attention
+from workers.layers.request_state import KVOnlyStates
 from workers.sample.sampler import Sampler
 from workers.spec.drafter import draft_step_inputs, sample_drafts
 
@@ -43,7 +44,7 @@ class _Computed:
     features: torch.Tensor  # (len(token_ids), features)
 
 
-class HeadDrafter:
+class HeadDrafter(KVOnlyStates):
     def __init__(
         self,
         head: nn.Module,
@@ -92,18 +93,6 @@ class HeadDrafter:
             a = self.own_kv
             shape = (2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
             a.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-
-    def copy_states(self, src: list[int], dst: list[int]) -> None:
-        """Nothing to copy: its KV follows the served model's block tables."""
-
-    def row_states(self, row: int) -> list[torch.Tensor]:
-        return []
-
-    def drafted(self, row: int) -> None:
-        return None
-
-    def take_back(self, row: int, states: object, kept: int) -> None:
-        """Nothing to take back: a rejected draft's KV is written over."""
 
     def free_states(self) -> None:
         self._computed.clear()
