@@ -95,7 +95,7 @@ def _longest_files_first(items: list[pytest.Item], call_seconds: dict[str, float
 
     def key(item: pytest.Item) -> tuple:
         if in_server_lane(item):
-            return (0, first_seen[item.path], 0.0)
+            return (0, first_seen[item.path])
         return (1, -seconds[(item.path, False)], first_seen[item.path])
 
     items.sort(key=key)
